@@ -1,0 +1,1 @@
+"""Encoder-cache half of vllm-tiercache: TieredECConnector and recency/frequency encoder cache managers."""

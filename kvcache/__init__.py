@@ -1,0 +1,1 @@
+"""Decoder KV-cache half of vllm-tiercache: the layerwise TieredKVConnector."""

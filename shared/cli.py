@@ -1,0 +1,59 @@
+"""`tiercache` command line: one dispatcher, each subcommand in the module that owns its feature.
+
+A subcommand module defines `add_arguments(parser)` and `run(args) -> int`. Modules are imported only
+when their command runs, so `tiercache --help` stays fast and never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: command words -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("bench", "tiers"): ("shared.bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
+    ("bench", "kv"): ("kvcache.bench", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
+    ("bench", "ec"): ("eccache.bench", "encoder-cache policy hit rates and per-image load latency"),
+    ("stats",): ("shared.stats_cmd", "entries, bytes and counters per tier and namespace"),
+    ("demo",): ("shared.demo", "the end-to-end demo (until the RAG demo exists: the tier benchmark)"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiercache", description="vllm-tiercache tools")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    top = parser.add_subparsers(dest="command", required=True)
+    for words, (module, help_text) in COMMANDS.items():
+        sub_parent = top
+        for depth, word in enumerate(words[:-1]):
+            prefix = " ".join(words[: depth + 1])
+            if prefix not in groups:
+                group_parser = sub_parent.add_parser(word, help=f"{word} commands")
+                groups[prefix] = group_parser.add_subparsers(dest=f"command_{depth + 1}", required=True)
+            sub_parent = groups[prefix]
+        leaf = sub_parent.add_parser(words[-1], help=help_text)
+        leaf.set_defaults(_module=module)
+        leaf.set_defaults(_lazy_args=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    # First pass: find which module owns the command, then let it declare its own arguments.
+    known, _ = parser.parse_known_args(argv)
+    module = importlib.import_module(known._module)
+    words = [w for w in argv if not w.startswith("-")]
+    full = argparse.ArgumentParser(prog="tiercache " + " ".join(words[: _command_depth(known)]))
+    module.add_arguments(full)
+    args = full.parse_args(argv[_command_depth(known):])
+    return int(module.run(args) or 0)
+
+
+def _command_depth(namespace: argparse.Namespace) -> int:
+    return 1 + sum(1 for name in vars(namespace) if name.startswith("command_"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

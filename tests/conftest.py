@@ -1,0 +1,6 @@
+"""Test-suite wiring. Each fixture module belongs to one feature; see tests/fixtures/."""
+
+pytest_plugins = [
+    "tests.fixtures.redis",
+    "tests.fixtures.models",
+]
