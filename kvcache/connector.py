@@ -1,0 +1,219 @@
+"""TieredKVConnector: vLLM's KV connector interface over the tiered store, as a thin shell.
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one in each worker (role
+WORKER). The shell reads the configuration, then forwards every call to `KVSchedulerSide` or
+`KVWorkerSide`, which hold all the logic. Configure it with
+
+    --kv-transfer-config '{"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {...store config, see shared.config...}}'
+
+Connector-only keys in the extra config (removed before the store sees it): `load_failure_policy`
+("recompute", the default: a chunk that fails to load is recomputed by vLLM; "fail": vLLM fails the
+request) and `warmup_cpu_attention` (default true; see `kvcache.cpu_warmup`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvcache.cpu_warmup import warm_cpu_attention
+from kvcache.layout import layout_tag
+from kvcache.plan import ChunkGeometry, TieredKVMetadata
+from kvcache.scheduler import KVSchedulerSide
+from kvcache.stats import TieredKVPromMetrics, TieredKVStats
+from kvcache.worker import KVWorkerSide
+from shared.config import ConfigError, StoreConfig
+from shared.hashing import check_seed_is_stable
+from shared.keys import KVModelIdentity
+from shared.store import get_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_CONNECTOR_KEYS = ("load_failure_policy", "warmup_cpu_attention")
+_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def split_extra_config(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(connector-only options, store config) from `kv_connector_extra_config`."""
+    own = {k: extra[k] for k in _CONNECTOR_KEYS if k in extra}
+    store = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
+    policy = own.setdefault("load_failure_policy", "recompute")
+    if policy not in _FAILURE_POLICIES:
+        raise ConfigError(
+            f"kv_connector_extra_config.load_failure_policy={policy!r} is not allowed; "
+            f"allowed: {', '.join(_FAILURE_POLICIES)}"
+        )
+    own.setdefault("warmup_cpu_attention", True)
+    return own, store
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._options, store_dict = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        if self._options["load_failure_policy"] == "recompute":
+            # The scheduler reads this right after building us: make a bad record cost a recompute,
+            # never a failed request.
+            transfer.kv_load_failure_policy = "recompute"
+        config = StoreConfig.load(store_dict)
+        cache_config = vllm_config.cache_config
+        check_seed_is_stable(cache_config.prefix_caching_hash_algo)
+        self._block_size = cache_config.block_size
+        geometry = ChunkGeometry(block_size=cache_config.block_size, chunk_size=config.chunk_size)
+        self._store = get_store(config)
+        layout = layout_tag(vllm_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: KVSchedulerSide | None = None
+        self._worker: KVWorkerSide | None = None
+        self._last_tier_stats: dict[str, dict[str, Any]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KVSchedulerSide(
+                store=self._store,
+                namespace=config.namespace,
+                identities=[KVModelIdentity.from_vllm_config(vllm_config, layout, r) for r in range(tp_size)],
+                geometry=geometry,
+                can_load=transfer.is_kv_consumer,
+                can_save=transfer.is_kv_producer,
+                save_partial_chunks=config.save_partial_chunks,
+                save_decode=config.save_decode,
+                hash_algo=cache_config.prefix_caching_hash_algo,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = KVWorkerSide(
+                store=self._store,
+                namespace=config.namespace,
+                identity=KVModelIdentity.from_vllm_config(vllm_config, layout, get_tensor_model_parallel_rank()),
+                block_size=cache_config.block_size,
+                use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
+            )
+
+    # ------------------------------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        layout = self._worker.register_kv_caches(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
+        if layout.device.type == "cpu" and self._options["warmup_cpu_attention"]:
+            warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        if meta.has_saves:
+            self._worker.save_layer(layer_name, kv_layer, meta)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        self._worker.finish_load()
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> TieredKVStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_counters()
+        data["tiers"] = self._tier_deltas()
+        stats = TieredKVStats(data=data)
+        return None if stats.is_empty() else stats
+
+    def _tier_deltas(self) -> dict[str, dict[str, Any]]:
+        now = self._store.stats().get("tiers", {})
+        deltas: dict[str, dict[str, Any]] = {}
+        for tier, numbers in now.items():
+            before = self._last_tier_stats.get(tier, {})
+            deltas[tier] = {
+                k: v - before.get(k, 0)
+                for k, v in numbers.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+        self._last_tier_stats = {t: dict(n) for t, n in now.items()}
+        return deltas
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._store.flush(30.0)
+
+    # ---------------------------------------------------------------------------------- scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # --------------------------------------------------------------------------------------- metrics
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TieredKVStats:
+        return TieredKVStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TieredKVPromMetrics:
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

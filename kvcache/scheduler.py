@@ -1,0 +1,256 @@
+"""Scheduler side of TieredKVConnector: how many prompt tokens the store can supply, and each step's plan.
+
+It owns the truth about what a worker can load: chunks in the shared tiers (disk, GDS, Redis) are asked
+of the store in one batched call; chunks in a worker's in-process memory tier are known from the
+residency reports the workers send back each step (`TieredKVWorkerMetadata`), because vLLM runs the
+scheduler and the workers in different processes. A promise that still fails (a record evicted or
+corrupted after the lookup) is reported by the worker as invalid blocks, and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcache.plan import (
+    ChunkGeometry,
+    ChunkLoad,
+    ChunkSave,
+    RequestPlan,
+    TieredKVMetadata,
+    TieredKVWorkerMetadata,
+)
+from shared.hashing import assert_engine_seed_matches
+from shared.keys import KVModelIdentity, kv_chunk_key
+from shared.store.api import Store, StoreKey
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    #: chunk index -> present in the store at lookup time (those are never written again)
+    stored: list[bool] = field(default_factory=list)
+    #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
+    load_first: int = 0
+    load_end: int = 0
+    #: end block of the last chunk already planned for saving
+    saved_until: int = 0
+
+
+class KVSchedulerSide:
+    """Everything `TieredKVConnector` does in vLLM's scheduler process."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        namespace: str,
+        identities: list[KVModelIdentity],
+        geometry: ChunkGeometry,
+        can_load: bool,
+        can_save: bool,
+        save_partial_chunks: bool,
+        save_decode: bool,
+        hash_algo: str,
+    ) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.identities = identities  # one per tensor-parallel rank: a chunk is there when all ranks are
+        self.geometry = geometry
+        self.can_load = can_load
+        self.can_save = can_save
+        self.save_partial_chunks = save_partial_chunks
+        self.save_decode = save_decode
+        self.hash_algo = hash_algo
+        self._checked_engine_hashing = False
+        self.resident: set[bytes] = set()
+        self._requests: dict[str, _RequestState] = {}
+        self._kv_cache_manager: KVCacheManager | None = None
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    # ---------------------------------------------------------------------------------------- lookup
+    def _chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
+        return [
+            kv_chunk_key(self.namespace, identity, chunk_hash, layer)
+            for identity in self.identities
+            for layer in range(identity.num_layers)
+        ]
+
+    def _check_engine_hashing(self, request: Request) -> None:
+        """Once, at the first request (vLLM seeds NONE_HASH only after building the connector)."""
+        self._checked_engine_hashing = True
+        assert_engine_seed_matches(self.hash_algo)
+        expected = request.num_tokens // self.geometry.block_size
+        if len(request.block_hashes) != expected:
+            raise RuntimeError(
+                f"TieredKVConnector: the engine hashes {len(request.block_hashes)} blocks for a "
+                f"{request.num_tokens}-token request, not {expected} blocks of block_size="
+                f"{self.geometry.block_size}; hybrid-attention models and decode context parallelism "
+                "hash blocks of another size and are not supported"
+            )
+
+    def lookup(self, request: Request) -> list[bool]:
+        """Per chunk of the prompt's full blocks: can a worker load it now? One batched store call."""
+        if not self._checked_engine_hashing:
+            self._check_engine_hashing(request)
+        ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
+        hashes = [request.block_hashes[end - 1] for end in ends]
+        present = [h in self.resident for h in hashes]
+        missing = [i for i, hit in enumerate(present) if not hit]
+        if missing:
+            per_chunk = [self._chunk_keys(hashes[i]) for i in missing]
+            flat = [key for keys in per_chunk for key in keys]
+            found = self.store.contains_many(flat, shared_only=True)
+            offset = 0
+            for i, keys in zip(missing, per_chunk, strict=True):
+                present[i] = all(found[offset : offset + len(keys)])
+                offset += len(keys)
+        return present
+
+    def _prompt_full_blocks(self, request: Request) -> int:
+        num_prompt = request.num_prompt_tokens
+        return min(num_prompt // self.geometry.block_size, len(request.block_hashes))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        block_size = self.geometry.block_size
+        stored = self.lookup(request)
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        state.stored = stored
+        state.load_first = state.load_end = 0
+        if not self.can_load:
+            return 0, False
+        hit_chunks = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+        if hit_chunks == 0:
+            return 0, False
+        ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
+        # vLLM must compute at least the last prompt token itself, so a hit stops one token short.
+        usable_blocks = (request.num_prompt_tokens - 1) // block_size
+        hit_blocks = min(ends[hit_chunks - 1], usable_blocks)
+        local_blocks = num_computed_tokens // block_size
+        if hit_blocks <= local_blocks:
+            return 0, False
+        state.load_first, state.load_end = local_blocks, hit_blocks
+        return (hit_blocks - local_blocks) * block_size, False
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        if num_external_tokens == 0:
+            state.load_first = state.load_end = 0
+        else:
+            first = state.load_end - num_external_tokens // self.geometry.block_size
+            state.load_first = max(first, 0)
+
+    # ------------------------------------------------------------------------------------- step plan
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:
+        meta = TieredKVMetadata()
+        computed_before: dict[str, int] = {
+            new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed_before[req_id] = cached.num_computed_tokens[i]
+        for req_id, before in computed_before.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            plan = self._plan(state, before, before + scheduled)
+            if plan.loads or plan.saves:
+                meta.requests.append(plan)
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        groups = self._kv_cache_manager.get_block_ids(req_id)
+        return list(groups[0])
+
+    def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan:
+        request = state.request
+        plan = RequestPlan(req_id=request.request_id)
+        block_ids: list[int] | None = None
+        geometry = self.geometry
+        if state.load_end > state.load_first:
+            block_ids = self._block_ids(request.request_id)
+            for end in geometry.chunk_ends(state.load_end):
+                start = geometry.chunk_start(end)
+                first, last = max(start, state.load_first), end
+                if last <= first:
+                    continue
+                chunk_end = min(start + geometry.blocks_per_chunk, self._prompt_full_blocks(request))
+                plan.loads.append(
+                    ChunkLoad(
+                        chunk_hash=request.block_hashes[chunk_end - 1],
+                        chunk_start=start,
+                        first=first,
+                        end=last,
+                        block_ids=block_ids[first:last],
+                    )
+                )
+            state.load_first = state.load_end = 0
+        if self.can_save:
+            for end in self._chunks_to_save(state, computed_after):
+                if block_ids is None:
+                    block_ids = self._block_ids(request.request_id)
+                start = geometry.chunk_start(end)
+                plan.saves.append(
+                    ChunkSave(chunk_hash=request.block_hashes[end - 1], block_ids=block_ids[start:end])
+                )
+                state.saved_until = end
+        return plan
+
+    def _chunks_to_save(self, state: _RequestState, computed_after: int) -> list[int]:
+        """End blocks of chunks whose KV is complete after this step and not yet stored or planned."""
+        request = state.request
+        block_size = self.geometry.block_size
+        prompt_blocks = self._prompt_full_blocks(request)
+        limit = len(request.block_hashes) if self.save_decode else prompt_blocks
+        computed_blocks = min(computed_after // block_size, limit)
+        ends = [
+            end
+            for end in self.geometry.chunk_ends(computed_blocks)
+            if end > state.saved_until and end % self.geometry.blocks_per_chunk == 0
+        ]
+        prefill_done = computed_after >= request.num_prompt_tokens
+        if (
+            self.save_partial_chunks
+            and prefill_done
+            and prompt_blocks % self.geometry.blocks_per_chunk
+            and prompt_blocks > state.saved_until
+            and prompt_blocks <= computed_blocks
+            and prompt_blocks not in ends
+        ):
+            ends.append(prompt_blocks)
+        chunk_of_end = {end: i for i, end in enumerate(self.geometry.chunk_ends(prompt_blocks))}
+        return [
+            end
+            for end in ends
+            if not (end in chunk_of_end and chunk_of_end[end] < len(state.stored) and state.stored[chunk_of_end[end]])
+        ]
+
+    # -------------------------------------------------------------------------------- worker reports
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.resident -= worker_meta.evicted
+            self.resident |= worker_meta.added
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are copied out of the paged buffer within the step that computed them, so vLLM may
+        # free the blocks right away: nothing asynchronous still reads them.
+        self._requests.pop(request.request_id, None)
+        return False, None

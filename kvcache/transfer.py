@@ -1,0 +1,77 @@
+"""Moving whole blocks between vLLM's paged KV cache and host tensors the store can keep.
+
+CPU: a gather is one `index_select` (a private copy the store may keep), a scatter one `index_copy_`.
+CUDA: copies run on the mover's own stream through pinned host buffers, so they overlap the forward
+pass; an event per layer tells the forward stream when a loaded layer is ready.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockMover:
+    """CPU (and any device without streams): synchronous block copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """A host tensor [len(block_ids), *block_shape] the caller owns."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+        return kv_layer.index_select(0, index)
+
+    def finish_gathers(self) -> None:
+        """Block until every gather issued so far has landed in host memory."""
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+        kv_layer.index_copy_(0, index, blocks.to(kv_layer.device))
+
+    def layer_ready(self) -> object | None:
+        """A handle the forward waits on before reading the layer just scattered (None: already done)."""
+        return None
+
+    def wait(self, handle: object | None) -> None:
+        """Make the forward pass wait for `handle`."""
+
+
+class CudaBlockMover(BlockMover):
+    """Side-stream copies with pinned staging buffers (used where the KV cache lives on a CUDA device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device=device)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        # The forward stream wrote this layer's KV; order our read after it, then copy on our stream.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            on_device = kv_layer.index_select(0, index)
+            host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+            host.copy_(on_device, non_blocking=True)
+            on_device.record_stream(self.stream)
+        return host
+
+    def finish_gathers(self) -> None:
+        self.stream.synchronize()
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            source = blocks if blocks.is_pinned() or blocks.is_cuda else blocks.pin_memory()
+            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            kv_layer.index_copy_(0, index, source.to(self.device, non_blocking=True))
+
+    def layer_ready(self) -> object | None:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, handle: object | None) -> None:
+        if handle is not None:
+            torch.cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
+
+
+def make_mover(device: torch.device) -> BlockMover:
+    return CudaBlockMover(device) if device.type == "cuda" else BlockMover(device)

@@ -1,0 +1,330 @@
+"""Worker side of TieredKVConnector: layerwise loads into, and saves out of, vLLM's paged KV cache.
+
+Loads: `start_load` hands the step's load plan to one loader thread that walks the layers in order,
+reading every chunk of layer i in one batched store call and copying it into its blocks; the forward
+pass waits in `wait_for_layer` only for the layer it is about to run, so layer i+1 is read while layer i
+computes. A record that is missing, corrupt or of another layout marks its destination blocks invalid;
+vLLM then recomputes them (the connector sets `kv_load_failure_policy=recompute`).
+
+Saves: `save_layer` gathers this step's chunk blocks of one layer right after the layer wrote them (a
+private copy, so vLLM may reuse the blocks at once); `wait_for_save` hands the copies to one saver thread
+that puts them in the store. Nothing in the forward pass waits for a disk, GDS or Redis write.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcache.layout import PagedLayout
+from kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
+from kvcache.transfer import BlockMover, make_mover
+from shared.keys import KVModelIdentity, kv_chunk_key
+from shared.stats_dump import dump_stats
+from shared.store.api import Record, StoreKey
+from shared.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+#: Gathered chunks waiting for the saver thread; past this, new saves are dropped (counted), never blocked.
+MAX_PENDING_SAVES = 4096
+
+
+@dataclass
+class WorkerCounters:
+    """Per-interval numbers `get_kv_connector_stats` reports (reset after each report)."""
+
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_errors: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    saved_chunks: int = 0
+    saved_bytes: int = 0
+    dropped_saves: int = 0
+    save_seconds: list[float] = field(default_factory=list)
+
+    def take(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        self.__init__()  # type: ignore[misc]
+        return data
+
+
+class _LoadJob:
+    """One step's layerwise load, shared by the loader thread and the forward pass."""
+
+    def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad]) -> None:
+        self.loads = loads
+        self.ready = {name: threading.Event() for name in layer_names}
+        self.handles: dict[str, object | None] = {}
+        self.failed: set[int] = set()  # indices into `loads`
+        self.done = threading.Event()
+
+
+class KVWorkerSide:
+    """Everything `TieredKVConnector` does in a vLLM worker process."""
+
+    def __init__(
+        self,
+        *,
+        store: TieredStore,
+        namespace: str,
+        identity: KVModelIdentity,
+        block_size: int,
+        use_mla: bool,
+    ) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.identity = identity
+        self.block_size = block_size
+        self.use_mla = use_mla
+        self.layout: PagedLayout | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_index: dict[str, int] = {}
+        self.mover: BlockMover | None = None
+        self.counters = WorkerCounters()
+        self.totals: dict[str, Any] = {}
+        self._counters_lock = threading.Lock()
+        self._job: _LoadJob | None = None
+        self._load_errors: set[int] = set()
+        self._pending_saves: list[tuple[StoreKey, torch.Tensor, bytes, bool]] = []
+        self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool]] | None] = queue.Queue()
+        self._queued_saves = 0
+        self._queued_lock = threading.Lock()
+        self._resident_added: set[bytes] = set()
+        self._resident_evicted: set[bytes] = set()
+        self._resident_lock = threading.Lock()
+        self._chunk_of_key: dict[bytes, bytes] = {}
+        self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="tiercache-kv-loader", daemon=True),
+            threading.Thread(target=self._save_loop, name="tiercache-kv-saver", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        store.add_eviction_listener(self._on_evicted)
+
+    # ------------------------------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> PagedLayout:
+        layout = PagedLayout.learn(
+            kv_caches,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.identity.num_kv_heads,
+            head_size=self.identity.head_size,
+            use_mla=self.use_mla,
+        )
+        if len(layout.layer_names) != self.identity.num_layers:
+            log.warning(
+                "TieredKVConnector: %d KV cache layers registered, config says %d",
+                len(layout.layer_names),
+                self.identity.num_layers,
+            )
+        self.layout = layout
+        self.kv_caches = dict(kv_caches)
+        self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
+        self.mover = make_mover(layout.device)
+        log.info("TieredKVConnector: %d layers, layout %s", len(layout.layer_names), layout.describe())
+        return layout
+
+    def key(self, chunk_hash: bytes, layer: int) -> StoreKey:
+        return kv_chunk_key(self.namespace, self.identity, chunk_hash, layer)
+
+    # ------------------------------------------------------------------------------------------ loads
+    def start_load(self, meta: TieredKVMetadata) -> None:
+        loads = [load for plan in meta.requests for load in plan.loads]
+        if not loads or self.layout is None:
+            return
+        job = _LoadJob(self.layout.layer_names, loads)
+        self._job = job
+        self._load_queue.put(job)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        job = self._job
+        if job is None or layer_name not in job.ready:
+            return
+        job.ready[layer_name].wait()
+        assert self.mover is not None
+        self.mover.wait(job.handles.get(layer_name))
+
+    def finish_load(self) -> None:
+        """End of step: the job must be over before vLLM reuses any block it writes."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.done.wait()
+        for i in job.failed:
+            self._load_errors.update(job.loads[i].block_ids)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _load_loop(self) -> None:
+        while (job := self._load_queue.get()) is not None:
+            started = time.perf_counter()
+            try:
+                self._run_load(job)
+            except Exception:  # never let a store or copy problem kill the worker: recompute instead
+                log.exception("TieredKVConnector: load failed; the blocks will be recomputed")
+                job.failed.update(range(len(job.loads)))
+            finally:
+                for event in job.ready.values():
+                    event.set()
+                job.done.set()
+            with self._counters_lock:
+                self.counters.load_seconds.append(time.perf_counter() - started)
+
+    def _run_load(self, job: _LoadJob) -> None:
+        assert self.layout is not None and self.mover is not None
+        expected_meta = self.layout.describe()
+        for layer_name in self.layout.layer_names:
+            layer = self.layer_index[layer_name]
+            todo = [i for i in range(len(job.loads)) if i not in job.failed]
+            records = self.store.get_many([self.key(job.loads[i].chunk_hash, layer) for i in todo])
+            kv_layer = self.kv_caches[layer_name]
+            loaded_bytes = loaded_blocks = 0
+            for i, record in zip(todo, records, strict=True):
+                load = job.loads[i]
+                blocks = self._usable_blocks(record, load, expected_meta)
+                if blocks is None:
+                    job.failed.add(i)
+                    continue
+                self.mover.scatter(kv_layer, load.block_ids, blocks)
+                loaded_blocks += len(load.block_ids)
+                loaded_bytes += blocks.numel() * blocks.element_size()
+            job.handles[layer_name] = self.mover.layer_ready()
+            job.ready[layer_name].set()
+            with self._counters_lock:
+                self.counters.loaded_bytes += loaded_bytes
+                if layer == 0:
+                    self.counters.loaded_blocks += loaded_blocks
+        with self._counters_lock:
+            self.counters.load_errors += len(job.failed)
+
+    def _usable_blocks(self, record: Record | None, load: ChunkLoad, expected_meta: str) -> torch.Tensor | None:
+        """The record's blocks for this load, or None when it must not reach attention."""
+        if record is None:
+            return None
+        assert self.layout is not None
+        tensor = record.tensor
+        if (
+            record.meta.get("layout") != expected_meta
+            or tensor.dtype != self.layout.dtype
+            or tuple(tensor.shape[1:]) != self.layout.block_shape
+            or tensor.shape[0] != record.meta.get("blocks")
+            or tensor.shape[0] < load.end - load.chunk_start
+        ):
+            log.warning("TieredKVConnector: chunk %s has another layout; recomputing", load.chunk_hash.hex())
+            return None
+        return tensor[load.source_slice]
+
+    # ------------------------------------------------------------------------------------------ saves
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: TieredKVMetadata) -> None:
+        if self.layout is None or layer_name not in self.layer_index:
+            return
+        assert self.mover is not None
+        layer = self.layer_index[layer_name]
+        last_layer = layer == len(self.layout.layer_names) - 1
+        for plan in meta.requests:
+            for save in plan.saves:
+                blocks = self.mover.gather(kv_layer, save.block_ids)
+                self._pending_saves.append((self.key(save.chunk_hash, layer), blocks, save.chunk_hash, last_layer))
+
+    def wait_for_save(self) -> None:
+        """Hand this step's gathered chunks to the saver thread (the copies are ours: no waiting)."""
+        self.finish_load()
+        if not self._pending_saves:
+            return
+        assert self.mover is not None
+        self.mover.finish_gathers()
+        batch, self._pending_saves = self._pending_saves, []
+        with self._queued_lock:
+            if self._queued_saves + len(batch) > MAX_PENDING_SAVES:
+                with self._counters_lock:
+                    self.counters.dropped_saves += len(batch)
+                return
+            self._queued_saves += len(batch)
+        self._save_queue.put(batch)
+
+    def _save_loop(self) -> None:
+        assert self.store is not None
+        while (batch := self._save_queue.get()) is not None:
+            started = time.perf_counter()
+            try:
+                meta = {"layout": self.layout.describe() if self.layout else "", "blocks": 0}
+                items = []
+                track = self.store.has_memory_tier
+                for key, blocks, chunk_hash, _ in batch:
+                    if track:
+                        self._chunk_of_key[key.digest] = chunk_hash
+                    items.append((key, blocks, {**meta, "blocks": int(blocks.shape[0])}))
+                self.store.put_many(items, owned=True)
+                done = {chunk_hash for _, _, chunk_hash, last in batch if last}
+                with self._resident_lock:
+                    self._resident_added |= done
+                    self._resident_evicted -= done
+                with self._counters_lock:
+                    self.counters.saved_chunks += len(done)
+                    self.counters.saved_bytes += sum(b.numel() * b.element_size() for _, b, _, _ in batch)
+                    self.counters.save_seconds.append(time.perf_counter() - started)
+            except Exception:
+                log.exception("TieredKVConnector: saving %d records failed; they stay uncached", len(batch))
+            finally:
+                with self._queued_lock:
+                    self._queued_saves -= len(batch)
+
+    def flush_saves(self, timeout: float = 60.0) -> None:
+        """Wait until the saver thread has handed everything to the store (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queued_saves and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.store.flush(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------------------ residency reports
+    def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
+        if tier_kind != "memory":
+            return
+        chunk_hash = self._chunk_of_key.pop(digest, None)
+        if chunk_hash is not None:
+            with self._resident_lock:
+                self._resident_evicted.add(chunk_hash)
+                self._resident_added.discard(chunk_hash)
+
+    def worker_meta(self) -> TieredKVWorkerMetadata | None:
+        if not self.store.has_memory_tier:
+            return None
+        with self._resident_lock:
+            if not self._resident_added and not self._resident_evicted:
+                return None
+            meta = TieredKVWorkerMetadata(added=self._resident_added, evicted=self._resident_evicted)
+            self._resident_added, self._resident_evicted = set(), set()
+        return meta
+
+    def take_counters(self) -> dict[str, Any]:
+        with self._counters_lock:
+            data = self.counters.take()
+        data["block_size"] = self.block_size
+        for name, value in data.items():
+            if isinstance(value, int) and name != "block_size":
+                self.totals[name] = self.totals.get(name, 0) + value
+        self.dump_totals()
+        return data
+
+    def dump_totals(self, force: bool = False) -> None:
+        """Cumulative counters and store stats for `$TIERCACHE_STATS_DIR` (tests, operators)."""
+        dump_stats("kv-worker", {"counters": self.totals, "store": self.store.stats()}, force=force)
+
+    def shutdown(self) -> None:
+        self.flush_saves()
+        self.take_counters()
+        self.dump_totals(force=True)
+        self._load_queue.put(None)
+        self._save_queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)

@@ -1,0 +1,216 @@
+"""Cache key types: what names a KV chunk or an encoder output in every tier.
+
+A key must change whenever the cached bytes would change, and must not change otherwise, or the cache
+either serves wrong tensors or never hits. The canonical text of a key is human-readable (stats, logs);
+tiers only see ``StoreKey.digest``, so no key ever becomes a path.
+
+KV chunk: ``{ns}|kv|{model}|{fingerprint}|tp{size}r{rank}|{chunk_hash hex}|L{layer or "all"}``
+Encoder:  ``{ns}|enc|{model}|{encoder_fingerprint}|{mm identifier}``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.store.api import StoreKey
+
+__all__ = [
+    "EncoderIdentity",
+    "KVModelIdentity",
+    "encoder_key",
+    "kv_chunk_key",
+    "validate_field",
+]
+
+#: Control characters (C0, DEL, C1): they would corrupt logs and stats lines built from key texts.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+#: Bytes of the blake2b digest behind a fingerprint (16 hex chars): short for logs, ample for identities.
+_FINGERPRINT_BYTES = 8
+
+#: HF config entries that say where/how the config was loaded, not what the network computes.
+_VOLATILE_HF_KEYS = frozenset(
+    {"_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation"}
+)
+
+
+def validate_field(what: str, value: str) -> str:
+    """Reject a key field that could make two different keys share one canonical text.
+
+    ``|`` separates fields, so a namespace or model containing it could alias another key; control
+    characters would corrupt the logs the text is printed to.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if "|" in value:
+        raise ValueError(f"{what} {value!r} contains '|', which separates the fields of cache keys")
+    if _CONTROL.search(value):
+        raise ValueError(f"{what} {value!r} contains control characters, which cache keys do not allow")
+    return value
+
+
+def _fingerprint(tag: str, payload: dict[str, Any]) -> str:
+    text = json.dumps({"tag": tag, **payload}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=_FINGERPRINT_BYTES).hexdigest()
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through (e.g. a kv cache dtype like ``"fp8"``)."""
+    text = str(dtype)
+    return text[len("torch.") :] if text.startswith("torch.") else text
+
+
+@dataclass(frozen=True)
+class KVModelIdentity:
+    """Which KV cache a chunk belongs to: model, KV geometry and this process's tensor-parallel shard.
+
+    ``dtype`` is the KV cache storage dtype (the model dtype when ``cache_dtype`` is ``"auto"``).
+    ``layout`` names how the connector lays a chunk out in bytes (it is the connector's format, so it is
+    part of the identity). ``revision`` and ``quantization`` change the weights, hence the KV values, while
+    the model name stays the same; they enter the fingerprint only when set.
+    """
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    layout: str
+    tp_size: int
+    tp_rank: int
+    revision: str | None = None
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_field("model", self.model)
+        validate_field("dtype", self.dtype)
+        validate_field("layout", self.layout)
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex chars over everything that changes the KV bytes of a block (not the model name or TP rank,
+        which appear in the key text on their own)."""
+        payload: dict[str, Any] = {
+            "dtype": self.dtype,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "block_size": self.block_size,
+            "layout": self.layout,
+        }
+        if self.revision is not None:
+            payload["revision"] = self.revision
+        if self.quantization is not None:
+            payload["quantization"] = self.quantization
+        return _fingerprint("kv-v1", payload)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, layout: str, tp_rank: int) -> KVModelIdentity:
+        """Read the identity from a ``vllm.config.VllmConfig`` (vLLM 0.32 names).
+
+        ``num_layers`` is ``model_config.get_num_layers(parallel_config)`` (this pipeline stage's layers)
+        and ``num_kv_heads`` is ``get_num_kv_heads(parallel_config)`` (per TP rank, 1 for MLA).
+        """
+        mc = vllm_config.model_config
+        cc = vllm_config.cache_config
+        pc = vllm_config.parallel_config
+        cache_dtype = str(getattr(cc, "cache_dtype", "auto") or "auto")
+        dtype = _dtype_name(mc.dtype) if cache_dtype == "auto" else cache_dtype
+        quantization = getattr(mc, "quantization", None)
+        revision = getattr(mc, "revision", None)
+        return cls(
+            model=str(mc.model),
+            dtype=dtype,
+            num_layers=int(mc.get_num_layers(pc)),
+            num_kv_heads=int(mc.get_num_kv_heads(pc)),
+            head_size=int(mc.get_head_size()),
+            block_size=int(cc.block_size),
+            layout=layout,
+            tp_size=int(pc.tensor_parallel_size),
+            tp_rank=int(tp_rank),
+            revision=None if revision is None else str(revision),
+            quantization=None if quantization is None else str(quantization),
+        )
+
+
+def kv_chunk_key(namespace: str, identity: KVModelIdentity, chunk_hash: bytes, layer: int | None) -> StoreKey:
+    """Key of one KV chunk: the chain hash of its last block, for one layer or (``None``) all layers."""
+    validate_field("namespace", namespace)
+    if not isinstance(chunk_hash, bytes | bytearray) or not chunk_hash:
+        raise ValueError(f"chunk_hash must be non-empty bytes, got {chunk_hash!r}")
+    if layer is None:
+        layer_text = "all"
+    elif isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < identity.num_layers:
+        layer_text = str(layer)
+    else:
+        raise ValueError(f"layer must be None or an int in [0, {identity.num_layers}), got {layer!r}")
+    text = (
+        f"{namespace}|kv|{identity.model}|{identity.fingerprint}|tp{identity.tp_size}r{identity.tp_rank}"
+        f"|{bytes(chunk_hash).hex()}|L{layer_text}"
+    )
+    return StoreKey(text)
+
+
+def _clean_hf_config(value: Any) -> Any:
+    """A JSON-able copy of an HF config dict without load-location/version noise, recursively."""
+    if isinstance(value, dict):
+        return {str(k): _clean_hf_config(v) for k, v in value.items() if k not in _VOLATILE_HF_KEYS}
+    if isinstance(value, list | tuple):
+        return [_clean_hf_config(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class EncoderIdentity:
+    """Which encoder produced an embedding: model name plus a fingerprint of what shapes its output."""
+
+    model: str
+    encoder_fingerprint: str
+
+    def __post_init__(self) -> None:
+        validate_field("model", self.model)
+        validate_field("encoder_fingerprint", self.encoder_fingerprint)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> EncoderIdentity:
+        """Fingerprint dtype, revision, quantization and the whole HF config (vision tower, projector and the
+        text hidden size the projector maps to), minus load-location noise.
+
+        The whole config rather than a hand-picked ``vision_config`` because tower/projector settings live
+        under model-specific names (``vision_config``, ``mm_projector_type``, ``vision_feature_layer``...);
+        over-invalidating on a text-only change is safe, serving stale embeddings is not.
+        """
+        mc = vllm_config.model_config
+        hf_config = mc.hf_config
+        hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        mm_config = getattr(mc, "multimodal_config", None)
+        payload = {
+            "dtype": _dtype_name(mc.dtype),
+            "revision": getattr(mc, "revision", None),
+            "quantization": getattr(mc, "quantization", None),
+            "hf_config": _clean_hf_config(hf_dict),
+            "mm_processor_kwargs": getattr(mm_config, "mm_processor_kwargs", None),
+        }
+        return cls(model=str(mc.model), encoder_fingerprint=_fingerprint("enc-v1", payload))
+
+
+def encoder_key(namespace: str, identity: EncoderIdentity, mm_hash: str) -> StoreKey:
+    """Key of one encoder output: the FULL ``MultiModalFeatureSpec.identifier``, LoRA prefix included.
+
+    The identifier is the last field, so any character in it (even ``|``) cannot alias another key.
+    """
+    validate_field("namespace", namespace)
+    if not isinstance(mm_hash, str) or not mm_hash:
+        raise ValueError(f"mm_hash must be the full, non-empty multimodal identifier, got {mm_hash!r}")
+    return StoreKey(f"{namespace}|enc|{identity.model}|{identity.encoder_fingerprint}|{mm_hash}")
