@@ -1,0 +1,74 @@
+"""The tiered store: `get_store` for the process-wide store, `build_store` for a private one.
+
+Both connectors (KV cache and encoder cache) may live in one process; `get_store` gives them the SAME
+`TieredStore` for equal store configs, so they share one memory budget, one writer thread and one
+handle per disk index (LMDB forbids opening an environment twice in a process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from shared.config import StoreConfig
+from shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
+from shared.store.counters import TierCounters
+from shared.store.disk import DiskTier
+from shared.store.gds import GdsTier
+from shared.store.memory import MemoryTier
+from shared.store.redis_tier import RedisTier
+from shared.store.tiered import TieredStore, make_tier
+
+__all__ = [
+    "KEY_DIGEST_SIZE",
+    "DiskTier",
+    "GdsTier",
+    "MemoryTier",
+    "Record",
+    "RedisTier",
+    "Store",
+    "StoreKey",
+    "Tier",
+    "TierCounters",
+    "TieredStore",
+    "build_store",
+    "get_store",
+    "make_tier",
+]
+
+_LOCK = threading.Lock()
+_STORES: dict[str, TieredStore] = {}
+
+
+def _as_config(config: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
+    if isinstance(config, StoreConfig):
+        return config
+    return StoreConfig.load(config)
+
+
+def build_store(config: StoreConfig | Mapping[str, Any] | None = None) -> TieredStore:
+    """A fresh store the caller owns and must `close()` (tests, offline tools)."""
+    return TieredStore(_as_config(config))
+
+
+def get_store(config: StoreConfig | Mapping[str, Any] | None = None) -> TieredStore:
+    """The process-wide store for this config (one per normalized store config; closed at exit)."""
+    cfg = _as_config(config)
+    key = cfg.cache_key()
+    with _LOCK:
+        store = _STORES.get(key)
+        if store is None or store.closed:
+            store = TieredStore(cfg)
+            _STORES[key] = store
+        return store
+
+
+@atexit.register
+def _close_all() -> None:
+    with _LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for store in stores:
+        store.close(timeout=10.0)

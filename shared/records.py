@@ -1,0 +1,187 @@
+"""The record format every tier stores: a checked header plus the raw tensor bytes. No pickle.
+
+Layout (little endian)::
+
+    b"TCRC" | u16 version | u32 header_len | u32 xxh32(header) | cbor header | zero pad to 64 | payload
+
+The cbor header is ``{dtype, shape, key, nbytes, checksum, meta}``: ``key`` is the 16-byte digest of the
+record's StoreKey (so a file copied or renamed to another key's path is rejected), ``checksum`` is the
+xxh3_64 of the payload. The payload starts at a 64-byte aligned offset so tensors decoded in place from
+an aligned buffer are aligned for vectorized kernels.
+
+Why so strict: stores are shared between processes, hosts and versions; any mismatch (foreign data,
+truncation, bit flips, a swapped file) must become a cache miss, never wrong KV in a model.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import cbor2
+import torch
+import xxhash
+
+from shared.store.api import KEY_DIGEST_SIZE, Record, StoreKey
+
+MAGIC = b"TCRC"
+VERSION = 1
+ALIGN = 64
+_FIXED = struct.Struct("<4sHII")
+FIXED_SIZE = _FIXED.size  # 14
+#: A header larger than this is treated as corrupt (meta is meant to be small).
+MAX_HEADER = 1 << 20
+
+# torch warns once when a tensor is built over a read-only buffer (bytes from Redis). Records are
+# read-only by contract (callers never mutate), so that warning carries no information here.
+_silenced = [False]
+_silence_lock = threading.Lock()
+
+
+class RecordError(ValueError):
+    """The bytes are not a valid record for the expected key (corrupt, truncated, foreign, swapped)."""
+
+
+class Encoded(NamedTuple):
+    """An encoded record as two pieces, so the payload is never copied: write both, in order."""
+
+    prefix: bytes
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.prefix) + self.payload.nbytes
+
+    def tobytes(self) -> bytes:
+        """One contiguous copy (for tests and small values; tiers write the two pieces)."""
+        return self.prefix + self.payload.tobytes()
+
+
+@dataclass(frozen=True)
+class Header:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    key: bytes
+    nbytes: int
+    checksum: int
+    meta: dict[str, Any]
+    payload_offset: int
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: Any) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise RecordError(f"unknown dtype {name!r}")
+    return dt
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A byte view of a CPU tensor's data (copying only if it is not contiguous or not on the CPU)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def payload_offset(header_len: int) -> int:
+    return -(-(FIXED_SIZE + header_len) // ALIGN) * ALIGN
+
+
+def encode(key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> Encoded:
+    """Encode without copying the tensor data: returns (header bytes, memoryview of the payload)."""
+    payload = tensor_bytes(tensor)
+    header = cbor2.dumps({
+        "dtype": _dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "key": key.digest,
+        "nbytes": payload.nbytes,
+        "checksum": xxhash.xxh3_64_intdigest(payload),
+        "meta": meta or {},
+    })
+    fixed = _FIXED.pack(MAGIC, VERSION, len(header), xxhash.xxh32_intdigest(header))
+    pad = payload_offset(len(header)) - FIXED_SIZE - len(header)
+    return Encoded(fixed + header + b"\0" * pad, payload)
+
+
+def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
+    """Parse and check the fixed part and the cbor header (not the payload)."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
+    if mv.nbytes < FIXED_SIZE:
+        raise RecordError(f"truncated: {mv.nbytes} bytes, less than the {FIXED_SIZE}-byte fixed header")
+    magic, version, hlen, hsum = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise RecordError(f"bad magic {bytes(magic)!r} (not a tiercache record)")
+    if version != VERSION:
+        raise RecordError(f"format version {version}, this build reads version {VERSION}")
+    if hlen > MAX_HEADER or FIXED_SIZE + hlen > mv.nbytes:
+        raise RecordError(f"truncated or corrupt header (length {hlen}, buffer {mv.nbytes})")
+    hbytes = mv[FIXED_SIZE:FIXED_SIZE + hlen]
+    if xxhash.xxh32_intdigest(hbytes) != hsum:
+        raise RecordError("header checksum mismatch")
+    try:
+        h = cbor2.loads(hbytes)
+    except Exception as exc:  # cbor2 raises several types; all mean corrupt
+        raise RecordError(f"undecodable header: {exc}") from exc
+    try:
+        dtype = _dtype_from_name(h["dtype"])
+        shape = tuple(int(s) for s in h["shape"])
+        key, nbytes, checksum, meta = h["key"], int(h["nbytes"]), int(h["checksum"]), h["meta"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"malformed header: {exc!r}") from exc
+    if not isinstance(key, bytes) or len(key) != KEY_DIGEST_SIZE or not isinstance(meta, dict):
+        raise RecordError("malformed header: key or meta of the wrong type")
+    if expected_key is not None and key != expected_key.digest:
+        raise RecordError(f"key mismatch: record of {key.hex()} found where {expected_key.hex} was expected")
+    numel = 1
+    for s in shape:
+        if s < 0:
+            raise RecordError(f"negative dimension in shape {shape}")
+        numel *= s
+    itemsize = dtype.itemsize
+    if numel * itemsize != nbytes:
+        raise RecordError(f"nbytes {nbytes} does not match shape {shape} x {itemsize}-byte {dtype}")
+    return Header(dtype, shape, key, nbytes, checksum, meta, payload_offset(hlen))
+
+
+def _tensor_from(header: Header, payload: memoryview) -> torch.Tensor:
+    if payload.nbytes != header.nbytes:
+        raise RecordError(f"truncated or oversized payload: {payload.nbytes} bytes, "
+                          f"header says {header.nbytes}")
+    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+        raise RecordError("payload checksum mismatch")
+    if header.nbytes == 0:
+        return torch.empty(header.shape, dtype=header.dtype)
+    if payload.readonly and not _silenced[0]:
+        # torch warns once per process about read-only buffers; swallow that single warning here.
+        with _silence_lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
+            _silenced[0] = True
+    else:
+        flat = torch.frombuffer(payload, dtype=torch.uint8)
+    return flat.view(header.dtype).reshape(header.shape)
+
+
+def decode(buf: Any, expected_key: StoreKey) -> Record:
+    """Check and decode one contiguous record; the tensor shares memory with ``buf`` (no copy)."""
+    mv = memoryview(buf).cast("B")
+    header = decode_header(mv, expected_key)
+    return Record(_tensor_from(header, mv[header.payload_offset:]), header.meta)
+
+
+def decode_split(prefix: Any, payload: Any, expected_key: StoreKey) -> Record:
+    """Decode a record stored as two pieces (Redis keeps the header and the payload parts apart)."""
+    header = decode_header(prefix, expected_key)
+    if memoryview(prefix).nbytes != header.payload_offset:
+        raise RecordError("corrupt record head: header length does not match its piece")
+    return Record(_tensor_from(header, memoryview(payload).cast("B")), header.meta)

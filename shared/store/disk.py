@@ -1,0 +1,365 @@
+"""Disk tier: one record file per key under a directory, with an LMDB index for size and LRU order.
+
+Why this shape:
+
+- file names are the key digest in a two-level fan-out (``ab/abcdef....rec``), never key text, so no
+  key can turn into a path and directories stay small;
+- writes go to a temp file in the same directory, are fsynced and then ``os.replace``d, so a reader in
+  any process sees either nothing or a complete record (and `records.decode` catches the rest);
+- LMDB is a crash-safe, multi-process index: its write transaction is also the cross-process lock under
+  which files are renamed into place and evicted, so a precompute job and a serving engine can share a
+  directory while keeping one byte budget;
+- reads do not open a write transaction unless the stored access time is older than a few seconds,
+  so hot reads stay lock-free.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import torch
+
+from shared import records
+from shared.config import DiskTierConfig
+from shared.store.api import Record, StoreKey
+from shared.store.counters import TierCounters
+
+log = logging.getLogger(__name__)
+
+#: Refresh a record's stored access time on read only when older than this: LRU order at one-minute
+#: granularity is plenty for a disk cache, and it keeps write transactions (an fsync each) off hot reads.
+ATIME_REFRESH_NS = 60_000_000_000
+#: Leftover temp files (from a killed writer) older than this are removed when a tier opens.
+STALE_TMP_S = 600
+_ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-8)
+_TOTAL = b"total_bytes"
+_U64 = struct.Struct("<Q")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+_ENV_LOCK = threading.Lock()
+_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount]; LMDB forbids opening one env twice
+
+
+def _open_env(index_dir: str) -> lmdb.Environment:
+    real = os.path.realpath(index_dir)
+    with _ENV_LOCK:
+        if real in _ENVS:
+            _ENVS[real][1] += 1
+            return _ENVS[real][0]
+        env = lmdb.open(real, map_size=4 << 30, max_dbs=4, subdir=True, metasync=False,
+                        readahead=False, max_readers=1024, mode=0o600)
+        _ENVS[real] = [env, 1]
+        return env
+
+
+def _release_env(index_dir: str) -> None:
+    real = os.path.realpath(index_dir)
+    with _ENV_LOCK:
+        slot = _ENVS.get(real)
+        if slot is None:
+            return
+        slot[1] -= 1
+        if slot[1] <= 0:
+            del _ENVS[real]
+            slot[0].close()
+
+
+class _Pending:
+    __slots__ = ("digest", "final", "size", "text", "tmp")
+
+    def __init__(self, digest: bytes, tmp: str, final: str, size: int, text: str) -> None:
+        self.digest, self.tmp, self.final, self.size, self.text = digest, tmp, final, size, text
+
+
+class DiskTier:
+    """A byte-bounded LRU directory of record files, shared safely by several processes."""
+
+    kind = "disk"
+    shared_across_processes = True
+
+    def __init__(self, config: DiskTierConfig, name: str = "disk") -> None:
+        self.config = config
+        self.name = name
+        self.capacity = config.capacity
+        self.root = Path(config.path)
+        self.counters = TierCounters()
+        self._warned: set[str] = set()
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self._index_dir = str(self.root / "index.lmdb")
+        self._env = _open_env(self._index_dir)
+        self._entries = self._env.open_db(b"entries")
+        self._by_atime = self._env.open_db(b"atime")
+        self._meta = self._env.open_db(b"meta")
+        self._closed = False
+        self._remove_stale_tmp()
+
+    # ------------------------------------------------------------------------------------------ paths
+    def path_for(self, key: StoreKey) -> Path:
+        return self._path(key.digest)
+
+    def _path(self, digest: bytes) -> Path:
+        h = digest.hex()
+        return self.root / h[:2] / f"{h}.rec"
+
+    def _remove_stale_tmp(self) -> None:
+        cutoff = time.time() - STALE_TMP_S
+        for tmp in self.root.glob("??/.tmp-*"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------------------------------ reads
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        try:
+            with self._env.begin(db=self._entries) as txn:
+                return [txn.get(k.digest) is not None for k in keys]
+        except lmdb.Error as exc:
+            self._error("index read failed", exc)
+            return [False] * len(keys)
+
+    def _read_record(self, path: Path, key: StoreKey) -> tuple[Record, int]:
+        """Read a whole file into one preallocated buffer and decode it in place. Returns (record, size)."""
+        with open(path, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            buf = torch.empty(st.st_size, dtype=torch.uint8).numpy() if st.st_size else bytearray()
+            view = memoryview(buf)
+            got = 0
+            while got < st.st_size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            if got != st.st_size:
+                raise records.RecordError(f"short read: {got} of {st.st_size} bytes")
+        return records.decode(buf, key), st.st_size
+
+    def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        out: list[Record | None] = []
+        hits: list[tuple[bytes, int]] = []  # digest, size
+        gone: list[tuple[bytes, int | None]] = []  # digest, inode of a corrupt file (None: file missing)
+        corrupt = 0
+        for key in keys:
+            path = self._path(key.digest)
+            try:
+                rec, file_size = self._read_record(path, key)
+            except FileNotFoundError:
+                out.append(None)
+                gone.append((key.digest, None))
+                continue
+            except records.RecordError as exc:
+                corrupt += 1
+                log.warning("tiercache disk tier: dropping corrupt record %s (%s)", path, exc)
+                try:
+                    gone.append((key.digest, os.stat(path).st_ino))
+                except OSError:
+                    gone.append((key.digest, None))
+                out.append(None)
+                continue
+            except OSError as exc:
+                self._error(f"read of {path} failed", exc)
+                out.append(None)
+                continue
+            out.append(rec)
+            hits.append((key.digest, file_size))
+        if corrupt:
+            self.counters.add(corrupt=corrupt)
+        if hits or gone:
+            self._after_read(hits, gone)
+        return out
+
+    def _after_read(self, hits: list[tuple[bytes, int]], gone: list[tuple[bytes, int | None]]) -> None:
+        """Refresh stale access times, repair missing index entries, drop corrupt files and dead entries."""
+        now = time.time_ns()
+        try:
+            with self._env.begin() as txn:
+                stale = []
+                for digest, size in hits:
+                    raw = txn.get(digest, db=self._entries)
+                    if raw is None or now - _ENTRY.unpack_from(raw)[1] > ATIME_REFRESH_NS:
+                        stale.append((digest, size))
+                dead = [(d, ino) for d, ino in gone if ino is not None or txn.get(d, db=self._entries)]
+            if not stale and not dead:
+                return
+            with self._env.begin(write=True) as txn:
+                for digest, size in stale:
+                    raw = txn.get(digest, db=self._entries)
+                    if raw is None:  # a file whose index entry was lost (writer killed): adopt it
+                        self._index_put(txn, digest, size, "", now)
+                    else:
+                        old_size, old_atime = _ENTRY.unpack_from(raw)
+                        txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
+                        txn.put(digest, _ENTRY.pack(old_size, now) + raw[_ENTRY.size:], db=self._entries)
+                        txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
+                for digest, ino in dead:
+                    path = self._path(digest)
+                    if ino is not None:
+                        try:
+                            if os.stat(path).st_ino != ino:
+                                continue  # another process already replaced it with a fresh record
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
+                    elif path.exists():
+                        continue
+                    self._index_delete(txn, digest)
+        except lmdb.Error as exc:
+            self._error("index update after read failed", exc)
+
+    # ----------------------------------------------------------------------------------------- writes
+    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+        pending: list[_Pending] = []
+        refused = 0
+        for key, tensor, meta in items:
+            enc = records.encode(key, tensor, meta)
+            if enc.nbytes > self.capacity:
+                refused += 1
+                continue
+            p = self._write_tmp(key, enc)
+            if p is not None:
+                pending.append(p)
+        if refused:
+            self.counters.add(refused=refused)
+        if pending:
+            self._commit(pending)
+
+    def _write_tmp(self, key: StoreKey, enc: records.Encoded) -> _Pending | None:
+        final = self._path(key.digest)
+        tmp = final.parent / f".tmp-{final.stem}-{uuid.uuid4().hex[:12]}"
+        fd = -1
+        try:
+            os.makedirs(final.parent, mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            for piece in (memoryview(enc.prefix), enc.payload):
+                while piece.nbytes:
+                    n = os.write(fd, piece)
+                    piece = piece[n:]
+            if self.config.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if exc.errno in _FULL_ERRNOS:
+                self.counters.add(dropped_writes=1, errors=1)
+                self._warn_once("full", f"tiercache disk tier: filesystem full under {self.root} "
+                                f"({exc.strerror}); skipping writes until space is free")
+            else:
+                self._error(f"write of {final} failed", exc)
+                self.counters.add(dropped_writes=1)
+            return None
+        return _Pending(key.digest, str(tmp), str(final), enc.nbytes, key.text)
+
+    def _commit(self, pending: list[_Pending]) -> None:
+        """Rename files into place and account for them under the index's write lock, then evict."""
+        evicted = puts = written = 0
+        try:
+            with self._env.begin(write=True) as txn:
+                now = time.time_ns()
+                for p in pending:
+                    os.replace(p.tmp, p.final)
+                    self._index_put(txn, p.digest, p.size, p.text, now)
+                    puts += 1
+                    written += p.size
+                total = self._total(txn)
+                if total > self.capacity:
+                    cursor = txn.cursor(db=self._by_atime)
+                    victims = []
+                    for akey, _ in cursor.iternext(keys=True, values=True):
+                        if total <= self.capacity:
+                            break
+                        digest = bytes(akey[8:])
+                        raw = txn.get(digest, db=self._entries)
+                        victims.append(digest)
+                        if raw is not None:
+                            total -= _ENTRY.unpack_from(raw)[0]
+                    for digest in victims:
+                        self._index_delete(txn, digest)
+                        path = self._path(digest)
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
+                        evicted += 1
+        except (lmdb.Error, OSError) as exc:
+            self._error("commit of written records failed", exc)
+            for p in pending:
+                for leftover in (p.tmp, p.final):
+                    try:
+                        os.unlink(leftover)
+                    except OSError:
+                        pass
+            self.counters.add(dropped_writes=len(pending))
+            return
+        self.counters.add(puts=puts, bytes_written=written, evictions=evicted)
+
+    # ------------------------------------------------------------------------------------------ index
+    def _total(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(_TOTAL, db=self._meta)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def _index_put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now: int) -> None:
+        total = self._total(txn)
+        raw = txn.get(digest, db=self._entries)
+        if raw is not None:
+            old_size, old_atime = _ENTRY.unpack_from(raw)
+            total -= old_size
+            txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
+        txn.put(digest, _ENTRY.pack(size, now) + text.encode(), db=self._entries)
+        txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
+        txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self._meta)
+
+    def _index_delete(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        raw = txn.get(digest, db=self._entries)
+        if raw is None:
+            return
+        size, atime = _ENTRY.unpack_from(raw)
+        txn.delete(digest, db=self._entries)
+        txn.delete(struct.pack(">Q", atime) + digest, db=self._by_atime)
+        txn.put(_TOTAL, _U64.pack(max(0, self._total(txn) - size)), db=self._meta)
+
+    def iter_index(self) -> Iterator[tuple[bytes, int, float, str]]:
+        """(digest, size, last access unix time, key text) of every indexed record (for `tiercache stats`)."""
+        with self._env.begin(db=self._entries) as txn:
+            for digest, raw in txn.cursor():
+                size, atime = _ENTRY.unpack_from(raw)
+                yield bytes(digest), size, atime / 1e9, bytes(raw[_ENTRY.size:]).decode(errors="replace")
+
+    def usage(self) -> dict[str, Any]:
+        try:
+            with self._env.begin() as txn:
+                return {"entries": txn.stat(self._entries)["entries"], "bytes_used": self._total(txn),
+                        "capacity": self.capacity, "path": str(self.root)}
+        except lmdb.Error:
+            return {"entries": None, "bytes_used": None, "capacity": self.capacity, "path": str(self.root)}
+
+    # ------------------------------------------------------------------------------------------- misc
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+
+    def _error(self, what: str, exc: BaseException) -> None:
+        self.counters.add(errors=1)
+        self._warn_once(what, f"tiercache {self.kind} tier {self.root}: {what}: {exc}")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _release_env(self._index_dir)

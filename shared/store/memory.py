@@ -1,0 +1,93 @@
+"""Memory tier: a byte-bounded LRU of tensor objects inside this process.
+
+Why it stores the tensor object itself: a hit is then free (no copy, no decode). The tiered store hands
+it a tensor it owns (copied on put), and callers never mutate what a read returns, so sharing is safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shared.config import MemoryTierConfig
+from shared.store.api import Record, StoreKey
+from shared.store.counters import TierCounters
+
+
+class MemoryTier:
+    """LRU bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
+
+    kind = "memory"
+    shared_across_processes = False
+
+    def __init__(self, config: MemoryTierConfig, name: str = "memory") -> None:
+        self.config = config
+        self.name = name
+        self.capacity = config.capacity
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._items: OrderedDict[bytes, tuple[Record, int]] = OrderedDict()
+        self._bytes = 0
+        self._evict_listeners: list[Callable[[bytes], None]] = []
+
+    def add_eviction_listener(self, listener: Callable[[bytes], None]) -> None:
+        """Call `listener(digest)` after a record leaves this tier (the KV connector's residency reports)."""
+        self._evict_listeners.append(listener)
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        with self._lock:
+            return [k.digest in self._items for k in keys]
+
+    def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        out: list[Record | None] = []
+        with self._lock:
+            for k in keys:
+                entry = self._items.get(k.digest)
+                if entry is not None:
+                    self._items.move_to_end(k.digest)
+                    out.append(entry[0])
+                else:
+                    out.append(None)
+        return out
+
+    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+        evicted = refused = puts = written = 0
+        evicted_digests: list[bytes] = []
+        with self._lock:
+            for key, tensor, meta in items:
+                size = tensor.numel() * tensor.element_size()
+                if size > self.capacity:
+                    refused += 1
+                    continue
+                old = self._items.pop(key.digest, None)
+                if old is not None:
+                    self._bytes -= old[1]
+                self._items[key.digest] = (Record(tensor, dict(meta or {})), size)
+                self._bytes += size
+                puts += 1
+                written += size
+                while self._bytes > self.capacity:
+                    old_digest, (_, old_size) = self._items.popitem(last=False)
+                    self._bytes -= old_size
+                    evicted += 1
+                    evicted_digests.append(old_digest)
+        self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused)
+        for digest in evicted_digests:
+            for listener in self._evict_listeners:
+                listener(digest)
+
+    def usage(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": len(self._items), "bytes_used": self._bytes, "capacity": self.capacity}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def close(self) -> None:
+        self.clear()

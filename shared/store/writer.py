@@ -1,0 +1,127 @@
+"""Background writer: one thread that drains a bounded queue of slower-tier writes.
+
+Why: a put must return as fast as the fastest tier; disk fsyncs and Redis round trips happen here.
+Why bounded and non-blocking: when slower tiers cannot keep up, dropping a cache write costs a future
+miss, while blocking would stall vLLM's forward pass. Drops are counted per tier (`dropped_writes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shared.store.api import StoreKey, Tier
+
+log = logging.getLogger(__name__)
+
+Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
+#: At most this many queued jobs are merged into one batched `put_many` per tier.
+MAX_BATCH = 32
+
+
+class BackgroundWriter:
+    """Queue of (tiers, items) jobs; `submit` never blocks; `flush` waits for everything submitted."""
+
+    def __init__(self, maxsize: int, name: str = "tiercache-writer") -> None:
+        self._queue: queue.Queue[tuple[Sequence[Tier], Sequence[Item]] | None] = queue.Queue(maxsize)
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tiers: Sequence[Tier], items: Sequence[Item]) -> bool:
+        """Queue a write of ``items`` to ``tiers``; False (and counted as dropped) when the queue is full."""
+        if not tiers or not items:
+            return True
+        if self._stopped:
+            self._count_dropped(tiers, items)
+            return False
+        with self._cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait((tiers, items))
+        except queue.Full:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+            self._count_dropped(tiers, items)
+            return False
+        return True
+
+    @staticmethod
+    def _count_dropped(tiers: Sequence[Tier], items: Sequence[Item]) -> None:
+        for tier in tiers:
+            tier.counters.add(dropped_writes=len(items))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs = [job]
+            stop = False
+            while len(jobs) < MAX_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                jobs.append(nxt)
+            self._run(jobs)
+            with self._cond:
+                self._pending -= len(jobs)
+                self._cond.notify_all()
+            if stop:
+                return
+
+    @staticmethod
+    def _run(jobs: list[tuple[Sequence[Tier], Sequence[Item]]]) -> None:
+        by_tier: dict[int, tuple[Tier, list[Item]]] = {}
+        for tiers, items in jobs:
+            for tier in tiers:
+                by_tier.setdefault(id(tier), (tier, []))[1].extend(items)
+        for tier, items in by_tier.values():
+            start = time.perf_counter()
+            try:
+                tier.put_many(items)
+            except Exception as exc:  # a tier bug must not kill the writer thread
+                tier.counters.add(errors=1, dropped_writes=len(items))
+                log.exception("tiercache writer: %s tier put failed: %s", tier.name, exc)
+            tier.counters.add(write_seconds=time.perf_counter() - start)
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job is written; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush, then stop the thread. Returns whether everything was written."""
+        done = self.flush(timeout)
+        if not self._stopped:
+            self._stopped = True
+            try:
+                self._queue.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+            self._thread.join(timeout=5.0)
+        return done

@@ -1,0 +1,202 @@
+"""Disk and GDS tiers: persistence, LRU capacity, corruption, swapped files, ENOSPC, two processes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing as mp
+import os
+import stat
+
+import pytest
+import torch
+
+from shared.config import DiskTierConfig, GdsTierConfig
+from shared.store import DiskTier, GdsTier, StoreKey
+
+
+def _k(i: int | str) -> StoreKey:
+    return StoreKey(f"ns|disk|{i}")
+
+
+def _t(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(torch.bfloat16)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20))
+    yield t
+    t.close()
+
+
+def test_put_get_contains_layout(tier, tmp_path):
+    t = _t(1000)
+    tier.put_many([(_k(1), t, {"tokens": 16})])
+    rec = tier.get_many([_k(1), _k(2)])
+    assert torch.equal(rec[0].tensor, t) and rec[0].meta == {"tokens": 16} and rec[1] is None
+    assert tier.contains_many([_k(1), _k(2)]) == [True, False]
+    path = tier.path_for(_k(1))
+    h = _k(1).hex
+    assert path == tmp_path / "d" / h[:2] / f"{h}.rec"
+    assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp")]
+    usage = tier.usage()
+    assert usage["entries"] == 1 and usage["bytes_used"] == path.stat().st_size
+    assert [(d, s, txt) for d, s, _, txt in tier.iter_index()] == [(_k(1).digest, usage["bytes_used"],
+                                                                     _k(1).text)]
+
+
+def test_persists_across_restart(tmp_path):
+    cfg = DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20)
+    a = DiskTier(cfg)
+    a.put_many([(_k(i), _t(100, i), None) for i in range(5)])
+    a.close()
+    b = DiskTier(cfg)
+    try:
+        assert b.contains_many([_k(i) for i in range(6)]) == [True] * 5 + [False]
+        assert torch.equal(b.get_many([_k(3)])[0].tensor, _t(100, 3))
+        assert b.usage()["entries"] == 5
+    finally:
+        b.close()
+
+
+def test_lru_capacity_and_oversized(tmp_path):
+    one = 2048 * 2  # bf16 payload; each file is payload + a small header
+    t = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=3 * one + 3 * 256))
+    try:
+        for i in range(3):
+            t.put_many([(_k(i), _t(2048, i), None)])
+        import shared.store.disk as disk_mod
+
+        old = disk_mod.ATIME_REFRESH_NS
+        disk_mod.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
+        try:
+            t.get_many([_k(0)])
+        finally:
+            disk_mod.ATIME_REFRESH_NS = old
+        t.put_many([(_k(3), _t(2048, 3), None)])
+        assert t.contains_many([_k(i) for i in range(4)]) == [True, False, True, True]
+        assert not t.path_for(_k(1)).exists()
+        assert t.counters.get("evictions") == 1
+        assert t.usage()["bytes_used"] <= t.capacity
+        t.put_many([(_k(9), _t(10_000), None)])
+        assert t.counters.get("refused") == 1 and t.contains_many([_k(9)]) == [False]
+    finally:
+        t.close()
+
+
+def test_bit_flip_and_truncation_are_counted_misses(tier):
+    tier.put_many([(_k("flip"), _t(500), None), (_k("trunc"), _t(500), None)])
+    p = tier.path_for(_k("flip"))
+    raw = bytearray(p.read_bytes())
+    raw[-10] ^= 0x04
+    p.write_bytes(raw)
+    q = tier.path_for(_k("trunc"))
+    q.write_bytes(q.read_bytes()[:-7])
+    assert tier.get_many([_k("flip"), _k("trunc")]) == [None, None]
+    assert tier.counters.get("corrupt") == 2
+    assert not p.exists() and not q.exists()
+    assert tier.contains_many([_k("flip"), _k("trunc")]) == [False, False]
+    assert tier.usage()["entries"] == 0 and tier.usage()["bytes_used"] == 0
+
+
+def test_swapped_file_is_a_miss(tier):
+    tier.put_many([(_k("A"), _t(100, 1), None), (_k("B"), _t(100, 2), None)])
+    os.replace(tier.path_for(_k("A")), tier.path_for(_k("B")))
+    assert tier.get_many([_k("B")]) == [None]
+    assert tier.counters.get("corrupt") == 1
+
+
+def test_missing_file_drops_index_entry(tier):
+    tier.put_many([(_k(1), _t(100), None)])
+    tier.path_for(_k(1)).unlink()
+    assert tier.get_many([_k(1)]) == [None]
+    assert tier.contains_many([_k(1)]) == [False]
+
+
+def test_filesystem_full_skips_write(tier, monkeypatch, caplog):
+    """ENOSPC is injected at os.write (a real full filesystem needs root); the tier must not raise."""
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with caplog.at_level(logging.WARNING):
+        tier.put_many([(_k(1), _t(100), None)])
+        tier.put_many([(_k(2), _t(100), None)])
+    monkeypatch.setattr(os, "write", real_write)
+    assert tier.counters.get("dropped_writes") == 2
+    assert sum("filesystem full" in r.message for r in caplog.records) == 1
+    assert tier.contains_many([_k(1)]) == [False]
+    assert not [p for p in tier.root.rglob(".tmp-*")]
+    tier.put_many([(_k(3), _t(100), None)])
+    assert tier.contains_many([_k(3)]) == [True]
+
+
+def _worker(path: str, worker: int, n: int, capacity: int, q) -> None:
+    t = DiskTier(DiskTierConfig(path=path, capacity=capacity))
+    errors = 0
+    for i in range(n):
+        t.put_many([(_k(f"w{worker}-{i}"), _t(256, i), {"w": worker})])
+        other = 1 - worker
+        for rec in t.get_many([_k(f"w{other}-{j}") for j in range(max(0, i - 3), i)]):
+            if rec is not None and rec.meta != {"w": other}:
+                errors += 1
+    t.close()
+    q.put(errors)
+
+
+def test_two_processes_share_one_directory(tmp_path):
+    path = str(tmp_path / "shared")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n, capacity = 60, 40 * 700
+    procs = [ctx.Process(target=_worker, args=(path, w, n, capacity, q)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [q.get(timeout=5) for _ in procs] == [0, 0]
+    t = DiskTier(DiskTierConfig(path=path, capacity=capacity))
+    try:
+        usage = t.usage()
+        files = [p for p in (tmp_path / "shared").glob("??/*.rec")]
+        assert usage["bytes_used"] <= capacity
+        assert usage["entries"] == len(files)
+        assert usage["bytes_used"] == sum(f.stat().st_size for f in files)
+        # every indexed record is there and decodes: the index and the files agree
+        indexed = [StoreKey(text) for _, _, _, text in t.iter_index()]
+        assert len(indexed) > 10
+        assert all(r is not None for r in t.get_many(indexed))
+        assert t.counters.get("corrupt") == 0
+    finally:
+        t.close()
+
+
+def test_gds_falls_back_to_posix_with_one_warning(tmp_path, caplog):
+    import shared.store.gds as gds
+
+    gds._warned_unavailable = False
+    with caplog.at_level(logging.WARNING):
+        a = GdsTier(GdsTierConfig(path=str(tmp_path / "g1"), capacity=1 << 20))
+        b = GdsTier(GdsTierConfig(path=str(tmp_path / "g2"), capacity=1 << 20))
+    try:
+        warnings = [r for r in caplog.records if "GPUDirect Storage unavailable" in r.message]
+        assert len(warnings) == 1 and a.unavailable_reason and not a.gpu_direct
+        t = _t(1000)
+        a.put_many([(_k(1), t, {"x": 1})])
+        assert torch.equal(a.get_many([_k(1)])[0].tensor, t)
+        assert a.shared_across_processes and a.kind == "gds"
+        # same layout as the disk tier: a disk tier on the same directory reads it (after gds closes)
+    finally:
+        a.close()
+        b.close()
+    d = DiskTier(DiskTierConfig(path=str(tmp_path / "g1"), capacity=1 << 20))
+    try:
+        assert torch.equal(d.get_many([_k(1)])[0].tensor, t)
+    finally:
+        d.close()

@@ -1,0 +1,223 @@
+"""TieredStore: read/write paths across real tiers, promotion, the write queue, outages, singletons."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shared.config import StoreConfig
+from shared.store import TieredStore, build_store, get_store
+from shared.store.api import StoreKey
+
+
+def _k(i: int | str) -> StoreKey:
+    return StoreKey(f"ns|tiered|{i}")
+
+
+def _t(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def _cfg(tmp_path, *, redis_url: str | None = None, mem: str = "1MiB", **top) -> StoreConfig:
+    tiers = [{"kind": "memory", "capacity": mem}, {"kind": "disk", "path": str(tmp_path / "d"),
+                                                   "capacity": "16MiB"}]
+    if redis_url:
+        tiers.append({"kind": "redis", "url": redis_url, "retry_after_s": 0.2, "timeout_s": 0.5})
+    return StoreConfig.load({"tiers": tiers, **top})
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = build_store(_cfg(tmp_path))
+    yield s
+    s.close()
+
+
+def test_put_then_get_everywhere(store):
+    t = _t(1000)
+    store.put(_k(1), t, {"m": 1})
+    assert store.flush(10)
+    mem, disk = store.tiers
+    assert mem.contains_many([_k(1)]) == [True] and disk.contains_many([_k(1)]) == [True]
+    rec = store.get(_k(1))
+    assert torch.equal(rec.tensor, t) and rec.meta == {"m": 1}
+    assert store.get(_k(2)) is None
+    stats = store.stats()
+    assert stats["tiers"]["memory"]["hits"] == 1 and stats["tiers"]["disk"]["misses"] == 1
+    for key in ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt",
+                "dropped_writes", "errors", "read_seconds", "write_seconds", "entries", "bytes_used"):
+        assert key in stats["tiers"]["disk"]
+    import json
+
+    json.dumps(stats)
+
+
+def test_put_copies_unless_owned(store):
+    t = _t(100)
+    store.put(_k(1), t)
+    t.zero_()
+    assert not torch.equal(store.get(_k(1)).tensor, t)
+    u = _t(100)
+    store.put(_k(2), u, owned=True)
+    assert store.get(_k(2)).tensor.data_ptr() == u.data_ptr()  # kept, not copied
+    view = torch.arange(20, dtype=torch.float32).reshape(4, 5)[:, 1]  # non-contiguous
+    store.put(_k(3), view, owned=True)
+    assert torch.equal(store.get(_k(3)).tensor, view)
+    store.flush(10)
+    store.tiers[0].clear()
+    assert torch.equal(store.get(_k(3)).tensor, view)
+
+
+def test_promotion_from_disk_to_memory(store):
+    store.put_many([(_k(i), _t(100, i), None) for i in range(3)])
+    store.flush(10)
+    mem, disk = store.tiers
+    mem.clear()
+    recs = store.get_many([_k(0), _k(1), _k(9)])
+    assert recs[2] is None and torch.equal(recs[1].tensor, _t(100, 1))
+    assert mem.contains_many([_k(0), _k(1)]) == [True, True]
+    assert disk.counters.get("hits") == 2
+    store.get_many([_k(0), _k(1)])
+    assert mem.counters.get("hits") == 2 and disk.counters.get("hits") == 2
+
+
+def test_contains_longest_prefix_and_shared_only(store):
+    keys = [_k(i) for i in range(6)]
+    store.put_many([(k, _t(10), None) for k in keys[:3]] + [(keys[4], _t(10), None)])
+    assert store.longest_prefix(keys) == 3
+    assert store.contains_many(keys) == [True, True, True, False, True, False]
+    assert store.longest_prefix(keys, shared_only=True) in (0, 1, 2, 3)  # disk may still be writing
+    store.flush(10)
+    assert store.longest_prefix(keys, shared_only=True) == 3
+    store.tiers[1].path_for(keys[0]).unlink()
+    store.get_many([keys[0]])  # memory still has it
+    assert store.contains_many(keys[:1], shared_only=True) == [True]  # index says so until a disk read
+
+
+def test_full_write_queue_drops_without_blocking(tmp_path):
+    s = build_store(_cfg(tmp_path, write_queue_size=1))
+    disk = s.tiers[1]
+    gate = threading.Event()
+    real_put = disk.put_many
+
+    def slow_put(items):  # hold the writer thread so the queue fills up
+        gate.wait(10)
+        real_put(items)
+
+    disk.put_many = slow_put
+    try:
+        start = time.perf_counter()
+        for i in range(20):
+            s.put(_k(i), _t(100, i))
+        elapsed = time.perf_counter() - start
+        assert elapsed < 5  # generous: only shows puts did not wait for the 10 s gate
+        dropped = disk.counters.get("dropped_writes")
+        assert dropped >= 17 and s.stats()["tiers"]["disk"]["dropped_writes"] == dropped
+        assert s.tiers[0].contains_many([_k(i) for i in range(20)]) == [True] * 20
+        assert s.flush(0.05) is False
+        gate.set()
+        assert s.flush(10) is True and s.pending_writes == 0
+        assert sum(disk.contains_many([_k(i) for i in range(20)])) == 20 - dropped
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_oversized_for_memory_still_reaches_disk(store):
+    big = torch.zeros(2 << 20, dtype=torch.uint8)  # 2 MiB > 1 MiB memory tier
+    store.put(_k("big"), big)
+    store.flush(10)
+    assert store.tiers[0].counters.get("refused") == 1
+    assert torch.equal(store.get(_k("big")).tensor, big)
+
+
+def test_corrupt_disk_record_is_a_miss_through_the_store(store):
+    store.put(_k(1), _t(100))
+    store.flush(10)
+    store.tiers[0].clear()
+    p = store.tiers[1].path_for(_k(1))
+    raw = bytearray(p.read_bytes())
+    raw[-1] ^= 0xFF
+    p.write_bytes(raw)
+    assert store.get(_k(1)) is None
+    assert store.stats()["tiers"]["disk"]["corrupt"] == 1 and not p.exists()
+
+
+@pytest.mark.redis
+def test_redis_killed_mid_test_store_keeps_serving(tmp_path, redis_url, redis_server):
+    s = build_store(_cfg(tmp_path, redis_url=redis_url))
+    mem, disk, red = s.tiers
+    try:
+        s.put_many([(_k(i), _t(100, i), None) for i in range(4)])
+        assert s.flush(10)
+        assert red.contains_many([_k(0)]) == [True]
+        redis_server.kill()
+        mem.clear()
+        recs = s.get_many([_k(i) for i in range(5)])  # served by disk, no exception
+        assert [r is not None for r in recs] == [True] * 4 + [False]
+        s.put(_k(10), _t(100, 10))
+        assert s.flush(10)
+        assert s.contains_many([_k(10)]) == [True]
+        stats = s.stats()["tiers"]["redis"]
+        assert stats["down"] is True and stats["dropped_writes"] >= 1 and stats["errors"] >= 1
+        redis_server.restart()
+        time.sleep(0.3)
+        s.put(_k(11), _t(100, 11))
+        assert s.flush(10)
+        assert red.contains_many([_k(11)]) == [True] and s.stats()["tiers"]["redis"]["down"] is False
+        # a record only in redis is promoted into memory and disk
+        red.put_many([(_k(20), _t(50, 20), None)])
+        assert torch.equal(s.get(_k(20)).tensor, _t(50, 20))
+        assert s.flush(10)
+        assert mem.contains_many([_k(20)]) == [True] and disk.contains_many([_k(20)]) == [True]
+    finally:
+        s.close()
+
+
+def test_get_store_is_a_singleton_per_config(tmp_path):
+    cfg = {"tiers": [{"kind": "memory", "capacity": "1MiB"}]}
+    a = get_store(cfg)
+    b = get_store(StoreConfig.load({**cfg, "namespace": "other"}))
+    c = get_store({"tiers": [{"kind": "memory", "capacity": "2MiB"}]})
+    try:
+        assert a is b and a is not c and isinstance(a, TieredStore)
+    finally:
+        a.close()
+        c.close()
+    assert get_store(cfg) is not a  # a closed singleton is replaced
+
+
+def test_threads_hammering_one_store(store):
+    errors: list[BaseException] = []
+
+    def work(w: int) -> None:
+        try:
+            for i in range(50):
+                store.put(_k(f"{w}-{i}"), _t(64, i))
+                rec = store.get(_k(f"{w}-{i}"))
+                assert rec is not None
+                store.contains_many([_k(f"{w}-{j}") for j in range(i)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.flush(10)
+
+
+def test_close_flushes(tmp_path):
+    s = build_store(_cfg(tmp_path))
+    s.put_many([(_k(i), _t(100, i), None) for i in range(10)])
+    s.close()
+    s2 = build_store(_cfg(tmp_path))
+    try:
+        assert s2.tiers[1].contains_many([_k(i) for i in range(10)]) == [True] * 10
+    finally:
+        s2.close()
