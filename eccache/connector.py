@@ -1,0 +1,228 @@
+"""`TieredECConnector`: vLLM's encoder-cache connector over the tiered store (memory -> disk -> Redis).
+
+Configure it like any vLLM 0.32 EC connector::
+
+    ECTransferConfig(
+        ec_connector="TieredECConnector",
+        ec_connector_module_path="eccache.connector",   # not needed once the tiercache plugin is loaded
+        ec_role="ec_both",                              # or ec_producer / ec_consumer
+        ec_connector_extra_config={"namespace": "demo", "tiers": [...], "x_ec_stats_path": "/tmp/ec.json"},
+    )
+
+`ec_connector_extra_config` is a `shared.config.StoreConfig` dict (validated there); `x_ec_stats_path`
+(optional) is where the process writes its counters as JSON. Roles: `ec_producer` saves what it encodes
+and never loads (vLLM then runs the encoder only: an encode instance), `ec_consumer` loads and never
+saves, `ec_both` loads what is stored and saves what it computed.
+
+The two halves live in `eccache.scheduler` and `eccache.worker`; this module only wires them to vLLM's
+interface and keeps the counters that both halves share when they run in one process (vLLM's uniproc
+executor, the default for one device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+
+from eccache.scheduler import ECSchedulerSide, TieredECMetadata
+from eccache.worker import ECWorkerSide
+from shared.config import StoreConfig
+from shared.keys import EncoderIdentity, encoder_key
+from shared.store import get_store
+from shared.store.api import StoreKey
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+#: Counter names; `*_seconds` are float sums, the rest ints.
+COUNTER_NAMES = (
+    "hits", "misses", "lookup_errors", "loads", "load_failures", "recomputed", "bytes_loaded",
+    "load_seconds", "saves", "save_errors", "bytes_saved", "save_seconds",
+)
+
+
+class ECCounters:
+    """Process-wide, thread-safe counters; `delta()` feeds vLLM's per-interval stats."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reported: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                self._values[name] = self._values.get(name, 0) + value
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+    def delta(self) -> dict[str, float]:
+        with self._lock:
+            out = {k: v - self._reported.get(k, 0) for k, v in self._values.items()}
+            self._reported = dict(self._values)
+        return {k: v for k, v in out.items() if v}
+
+
+#: One per process: the scheduler-side and worker-side connector of a uniproc engine count together.
+COUNTERS = ECCounters()
+
+
+def process_stats() -> dict[str, float]:
+    """Cumulative counters of this process (tests and `tiercache stats` read these)."""
+    return COUNTERS.snapshot()
+
+
+class TieredECStats(ECConnectorStats):
+    """vLLM's EC stats hook (0.32 has one): counters since the last interval, summed across workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        lookups = out.get("hits", 0) + out.get("misses", 0)
+        if lookups:
+            out["hit_rate"] = out.get("hits", 0) / lookups
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class TieredECConnector(ECConnectorBase):
+    """Encoder outputs keyed by (namespace, encoder identity, full mm_hash) in the shared tiered store."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        ec = vllm_config.ec_transfer_config
+        assert ec is not None
+        self._config = StoreConfig.load(dict(ec.ec_connector_extra_config or {}))
+        # One store per process and config: the KV connector in this process shares it (and its budget).
+        self._store = get_store(self._config)
+        self._identity = EncoderIdentity.from_vllm_config(vllm_config)
+        self._stats_path: str | None = self._config.extra.get("x_ec_stats_path")
+        self._last_stats_write = 0.0
+        # The scheduler and the worker share the memory tier only in one process (uniproc executor).
+        same_process = vllm_config.parallel_config.world_size == 1 and (
+            vllm_config.parallel_config.distributed_executor_backend in (None, "uni")
+        )
+        if role == ECConnectorRole.SCHEDULER:
+            self._sched: ECSchedulerSide | None = ECSchedulerSide(
+                self._store, self._key, load_enabled=self.is_consumer, shared_only=not same_process,
+                counters=COUNTERS,
+            )
+            self._worker: ECWorkerSide | None = None
+        else:
+            self._sched = None
+            mc = vllm_config.model_config
+            self._worker = ECWorkerSide(
+                self._store, self._key, device=_worker_device(), dtype=mc.dtype,
+                hidden_size=mc.get_hidden_size(), save_enabled=self.is_producer, counters=COUNTERS,
+            )
+
+    def _key(self, mm_hash: str) -> StoreKey:
+        return encoder_key(self._config.namespace, self._identity, mm_hash)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process plus the store's own stats."""
+        out: dict[str, Any] = {"connector": process_stats()}
+        try:
+            out["store"] = self._store.stats()
+        except Exception as exc:  # stats must never break serving
+            out["store"] = {"error": repr(exc)}
+        return out
+
+    def _maybe_write_stats(self, force: bool = False) -> None:
+        if not self._stats_path:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_stats_write < 0.2:
+            return
+        self._last_stats_write = now
+        tmp = f"{self._stats_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "connector": process_stats()}, f)
+        os.replace(tmp, self._stats_path)
+
+    # ------------------------------------------------------------------------------------ worker side
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        if self._worker is None or not self.is_consumer:
+            return
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, TieredECMetadata)
+        self._worker.start_load_caches(encoder_cache, metadata)
+        self._maybe_write_stats(force=bool(metadata.loads))
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_caches(encoder_cache, mm_hash)
+            self._maybe_write_stats()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads finish inside start_load_caches; saves never hold a request
+
+    def get_ec_connector_stats(self) -> ECConnectorStats | None:
+        data = COUNTERS.delta() if self._sched is not None else {}
+        return TieredECStats(data=data) if data else None
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats | None:
+        return TieredECStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        try:
+            self._store.flush(10.0)
+        finally:
+            self._maybe_write_stats(force=True)
+
+    # --------------------------------------------------------------------------------- scheduler side
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        return self._sched.ensure_cache_available(request) if self._sched is not None else True
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._sched.has_cache_item(identifier) if self._sched is not None else False
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        if self._sched is not None:
+            self._sched.update_state_after_alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        if self._sched is None:
+            return TieredECMetadata()
+        self._maybe_write_stats()
+        return self._sched.build_connector_meta()
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is not None:
+            self._sched.request_finished(request)
+        return False, None
+
+
+def _worker_device() -> torch.device:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return torch.device(f"cuda:{current_platform.current_device()}")
+    return torch.device(current_platform.device_type if current_platform.device_type else "cpu")

@@ -1,0 +1,146 @@
+"""Worker side of `TieredECConnector`: load promised encoder outputs, save computed ones off the forward path.
+
+Where vLLM 0.32 calls it (`v1/worker/ec_connector_model_runner_mixin.py`, used by the GPU and CPU model
+runners): inside `execute_model`, `start_load_caches(encoder_cache)` runs right before
+`_execute_mm_encoder(scheduler_output)` and `_gather_mm_embeddings`; `save_caches(encoder_cache, mm_hash)`
+runs from `_cache_encoder_output` for every item the encoder just produced (whatever the role).
+`encoder_cache` is the model runner's own `dict[mm_hash, Tensor]` on the model's device.
+
+A failed load must not crash and must not feed garbage: if an item vLLM was promised is absent from
+`encoder_cache` at gather time, vLLM raises `RuntimeError("Encoder cache miss ...")`. So every record is
+validated (checksummed by the store; shape, dtype and width checked here) and an item that fails is
+added to this step's `scheduler_output.scheduled_encoder_inputs`, which `_execute_mm_encoder` reads next:
+vLLM re-encodes it in the same step and the tokens are those of a run without the connector.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from eccache.scheduler import LoadItem, TieredECMetadata
+from shared.store.api import StoreKey
+
+logger = logging.getLogger(__name__)
+
+
+def find_scheduler_output(metadata: TieredECMetadata, max_depth: int = 8) -> Any | None:
+    """The `SchedulerOutput` carrying `metadata`, from the calling frames (the mixin's context manager).
+
+    vLLM gives `start_load_caches` only the encoder cache; the object that decides what gets encoded this
+    step is a local of the caller. Matching on the metadata object's identity makes this exact (never
+    another step's output) and returns None if a future vLLM reshapes the call path.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("scheduler_output")
+        if candidate is not None and getattr(candidate, "ec_connector_metadata", None) is metadata:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class ECWorkerSide:
+    """Batched loads into the device encoder cache; saves handed to the store's background writer."""
+
+    def __init__(
+        self,
+        store: Any,
+        key_of: Callable[[str], StoreKey],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        hidden_size: int | None,
+        save_enabled: bool,
+        counters: Any,
+    ) -> None:
+        self._store = store
+        self._key_of = key_of
+        self._device = device
+        self._dtype = dtype
+        self._hidden = hidden_size
+        self._save_enabled = save_enabled
+        self._counters = counters
+
+    # ------------------------------------------------------------------------------------------- load
+
+    def _valid(self, tensor: torch.Tensor | None, item: LoadItem) -> bool:
+        if tensor is None or tensor.dtype != self._dtype or tensor.dim() < 1:
+            return False
+        if tensor.shape[0] != item.num_embeds:
+            return False
+        return not (tensor.dim() == 2 and self._hidden is not None and tensor.shape[1] != self._hidden)
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: TieredECMetadata) -> None:
+        todo = [it for it in metadata.loads if it.mm_hash not in encoder_cache]
+        if not todo:
+            return
+        start = time.perf_counter()
+        try:
+            records = list(self._store.get_many([self._key_of(it.mm_hash) for it in todo]))
+        except Exception:
+            logger.exception("tiercache EC: store read failed; re-encoding %d items", len(todo))
+            records = [None] * len(todo)
+        failed: list[LoadItem] = []
+        nbytes = 0
+        for item, rec in zip(todo, records, strict=True):
+            tensor = rec.tensor if rec is not None else None
+            if not self._valid(tensor, item):
+                failed.append(item)
+                continue
+            assert tensor is not None
+            # Same device: `.to` returns the tensor itself (a memory-tier hit is never copied).
+            encoder_cache[item.mm_hash] = tensor.to(self._device, non_blocking=True)
+            nbytes += tensor.numel() * tensor.element_size()
+        self._counters.add(
+            loads=len(todo) - len(failed), load_failures=len(failed), bytes_loaded=nbytes,
+            load_seconds=time.perf_counter() - start,
+        )
+        if failed:
+            self._recompute(failed, metadata)
+
+    def _recompute(self, failed: list[LoadItem], metadata: TieredECMetadata) -> None:
+        scheduler_output = find_scheduler_output(metadata)
+        if scheduler_output is None:
+            logger.error(
+                "tiercache EC: %d promised encoder outputs could not be loaded and this vLLM's call path "
+                "gives no way to re-encode them; the step will fail", len(failed)
+            )
+            return
+        scheduled = scheduler_output.scheduled_encoder_inputs
+        for item in failed:
+            ids = list(scheduled.get(item.req_id, []))
+            if item.input_id not in ids:
+                ids.append(item.input_id)
+            scheduled[item.req_id] = ids
+        self._counters.add(recomputed=len(failed))
+        logger.warning("tiercache EC: %d stored encoder outputs were unusable; re-encoding them", len(failed))
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        """Copy off the device and hand to the store; slower tiers are written by its background writer."""
+        if not self._save_enabled:
+            return
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        start = time.perf_counter()
+        cpu = tensor.detach()
+        if cpu.device.type != "cpu":
+            cpu = cpu.to("cpu")  # one device->host copy; the store keeps its own copy off this path
+        try:
+            self._store.put(self._key_of(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)})
+        except Exception:
+            logger.exception("tiercache EC: store write failed for %s", mm_hash)
+            self._counters.add(save_errors=1)
+            return
+        self._counters.add(saves=1, bytes_saved=cpu.numel() * cpu.element_size(),
+                           save_seconds=time.perf_counter() - start)
