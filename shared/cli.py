@@ -15,7 +15,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("shared.bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
     ("bench", "kv"): ("kvcache.bench", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
     ("bench", "ec"): ("eccache.bench", "encoder-cache policy hit rates and per-image load latency"),
-    ("stats",): ("shared.stats_cmd", "entries, bytes and counters per tier and namespace"),
     ("demo",): ("shared.demo", "the end-to-end demo (until the RAG demo exists: the tier benchmark)"),
 }
 
