@@ -153,11 +153,27 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
     return Header(dtype, shape, key, nbytes, checksum, meta, payload_offset(hlen))
 
 
-def _tensor_from(header: Header, payload: memoryview) -> torch.Tensor:
+def payload_start(head: Any) -> int | None:
+    """Offset of the payload given the first bytes of a record, or None if they don't say yet.
+
+    Only a hint for streaming readers: `decode` checks everything again.
+    """
+    mv = memoryview(head).cast("B")
+    if mv.nbytes < FIXED_SIZE:
+        return None
+    _, _, hlen, _ = _FIXED.unpack_from(mv, 0)
+    if hlen > MAX_HEADER:
+        return None
+    return payload_offset(hlen)
+
+
+def _tensor_from(header: Header, payload: memoryview, checksum: int | None = None) -> torch.Tensor:
     if payload.nbytes != header.nbytes:
         raise RecordError(f"truncated or oversized payload: {payload.nbytes} bytes, "
                           f"header says {header.nbytes}")
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if checksum is None:
+        checksum = xxhash.xxh3_64_intdigest(payload)
+    if checksum != header.checksum:
         raise RecordError("payload checksum mismatch")
     if header.nbytes == 0:
         return torch.empty(header.shape, dtype=header.dtype)
@@ -172,11 +188,17 @@ def _tensor_from(header: Header, payload: memoryview) -> torch.Tensor:
     return flat.view(header.dtype).reshape(header.shape)
 
 
-def decode(buf: Any, expected_key: StoreKey) -> Record:
-    """Check and decode one contiguous record; the tensor shares memory with ``buf`` (no copy)."""
+def decode(buf: Any, expected_key: StoreKey, *, payload_checksum: int | None = None) -> Record:
+    """Check and decode one contiguous record; the tensor shares memory with ``buf`` (no copy).
+
+    ``payload_checksum``: the xxh3-64 of the bytes after the header, when the caller already computed it
+    while reading (it is still compared with the header's).
+    """
     mv = memoryview(buf).cast("B")
     header = decode_header(mv, expected_key)
-    return Record(_tensor_from(header, mv[header.payload_offset:]), header.meta)
+    if payload_checksum is not None and header.payload_offset != payload_start(mv):
+        payload_checksum = None
+    return Record(_tensor_from(header, mv[header.payload_offset:], payload_checksum), header.meta)
 
 
 def decode_split(prefix: Any, payload: Any, expected_key: StoreKey) -> Record:
