@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.hashing import chunk_boundaries
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from shared.hashing import chunk_boundaries
 
 
 @dataclass(frozen=True)

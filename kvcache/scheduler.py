@@ -208,9 +208,7 @@ class KVSchedulerSide:
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
                 start = geometry.chunk_start(end)
-                plan.saves.append(
-                    ChunkSave(chunk_hash=request.block_hashes[end - 1], block_ids=block_ids[start:end])
-                )
+                plan.saves.append(ChunkSave(chunk_hash=request.block_hashes[end - 1], block_ids=block_ids[start:end]))
                 state.saved_until = end
         return plan
 

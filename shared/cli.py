@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     words = [w for w in argv if not w.startswith("-")]
     full = argparse.ArgumentParser(prog="tiercache " + " ".join(words[: _command_depth(known)]))
     module.add_arguments(full)
-    args = full.parse_args(argv[_command_depth(known):])
+    args = full.parse_args(argv[_command_depth(known) :])
     return int(module.run(args) or 0)
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Question: what is in the picture? Answer:"
 MAX_TOKENS = 8

@@ -16,7 +16,6 @@ Why this shape:
 from __future__ import annotations
 
 import contextlib
-
 import errno
 import logging
 import os
@@ -30,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import xxhash
 import torch
+import xxhash
 
 from shared import records
 from shared.config import DiskTierConfig
