@@ -7,7 +7,9 @@ when their command runs, so `tiercache --help` stays fast and never imports vLLM
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import sys
 
 #: command words -> (module, one-line help)
@@ -40,13 +42,21 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    # First pass: find which module owns the command, then let it declare its own arguments.
-    known, _ = parser.parse_known_args(argv)
+    # First pass, without -h: find which module owns the command; that module declares its own options.
+    words = [arg for arg in argv if arg not in ("-h", "--help")]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            known, _ = parser.parse_known_args(words)
+    except SystemExit:
+        known = None
+    if known is None:
+        parser.parse_args(argv)  # prints the usage or the error for an unknown/incomplete command
+        return 2
+    depth = _command_depth(known)
     module = importlib.import_module(known._module)
-    words = [w for w in argv if not w.startswith("-")]
-    full = argparse.ArgumentParser(prog="tiercache " + " ".join(words[: _command_depth(known)]))
+    full = argparse.ArgumentParser(prog="tiercache " + " ".join(words[:depth]))
     module.add_arguments(full)
-    args = full.parse_args(argv[_command_depth(known) :])
+    args = full.parse_args(argv[depth:])
     return int(module.run(args) or 0)
 
 
