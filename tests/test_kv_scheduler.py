@@ -1,0 +1,183 @@
+"""KVSchedulerSide planning on real vLLM `Request`s and a real disk store (no engine needed).
+
+Only the scheduler output and the block table are stand-ins: plain objects with the fields vLLM 0.32's
+scheduler fills. Everything the plan is computed from (block hashes, the store) is real.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from kvcache.plan import ChunkGeometry, TieredKVWorkerMetadata
+from kvcache.scheduler import KVSchedulerSide
+from shared.keys import KVModelIdentity, kv_chunk_key
+from shared.store import build_store
+
+BLOCK, CHUNK = 32, 128  # 4 blocks per chunk
+IDENTITY = KVModelIdentity(
+    model="tiny",
+    dtype="bfloat16",
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=64,
+    block_size=BLOCK,
+    layout="paged-bhnc",
+    tp_size=1,
+    tp_rank=0,
+)
+
+
+def make_request(req_id: str, tokens: list[int]) -> Request:
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+    )
+
+
+class BlockTable:
+    """Stand-in for vLLM's KVCacheManager.get_block_ids: request i owns blocks 1000*i ..."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, int] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+        base = 1000 * (self.owner.setdefault(req_id, len(self.owner)) + 1)
+        return (list(range(base, base + 64)),)
+
+
+def step(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled: dict[str, int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
+        ),
+        num_scheduled_tokens=scheduled,
+        finished_req_ids=set(),
+    )
+
+
+@pytest.fixture
+def side(tmp_path):
+    store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
+    scheduler = KVSchedulerSide(
+        store=store,
+        namespace="t",
+        identities=[IDENTITY],
+        geometry=ChunkGeometry(BLOCK, CHUNK),
+        can_load=True,
+        can_save=True,
+        save_partial_chunks=True,
+        save_decode=False,
+        hash_algo="sha256",
+    )
+    scheduler.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    yield scheduler
+    store.close()
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def store_chunk(side: KVSchedulerSide, chunk_hash: bytes, blocks: int) -> None:
+    for layer in range(IDENTITY.num_layers):
+        side.store.put(kv_chunk_key("t", IDENTITY, chunk_hash, layer), torch.zeros(blocks, 2, BLOCK, 128))
+    side.store.flush()
+
+
+def test_full_chunks_during_chunked_prefill_and_the_partial_one_only_at_the_end(side) -> None:
+    request = make_request("a", tokens(330))  # 10 full blocks: chunks [0,4) [4,8) and partial [8,10)
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_state_after_alloc(request, 0)
+    first = side.build_connector_meta(step([("a", 0)], [], {"a": 200}))
+    (plan,) = first.requests
+    assert [len(s.block_ids) for s in plan.saves] == [4]  # blocks 0-3 are complete after 200 tokens
+    assert plan.saves[0].chunk_hash == request.block_hashes[3] and plan.saves[0].block_ids == [1000, 1001, 1002, 1003]
+    second = side.build_connector_meta(step([], [("a", 200)], {"a": 100}))
+    assert [s.chunk_hash for s in second.requests[0].saves] == [request.block_hashes[7]]  # not yet the partial
+    third = side.build_connector_meta(step([], [("a", 300)], {"a": 30}))  # prefill ends: the partial chunk
+    assert [s.chunk_hash for s in third.requests[0].saves] == [request.block_hashes[9]]
+    assert third.requests[0].saves[0].block_ids == [1008, 1009]
+    decode = side.build_connector_meta(step([], [("a", 330)], {"a": 1}))
+    assert decode.requests == []  # save_decode is off
+
+
+def test_hit_stops_one_token_short_and_loads_only_beyond_local_hits(side) -> None:
+    prompt = tokens(256)  # exactly 2 chunks
+    request = make_request("b", prompt)
+    store_chunk(side, request.block_hashes[3], 4)
+    store_chunk(side, request.block_hashes[7], 4)
+    # 255 usable tokens -> 7 blocks; vLLM already holds 2 blocks locally.
+    assert side.get_num_new_matched_tokens(request, 64) == (5 * BLOCK, False)
+    side.update_state_after_alloc(request, 5 * BLOCK)
+    meta = side.build_connector_meta(step([("b", 224)], [], {"b": 32}))
+    (plan,) = meta.requests
+    assert [(load.chunk_start, load.first, load.end) for load in plan.loads] == [(0, 2, 4), (4, 4, 7)]
+    assert plan.loads[1].chunk_hash == request.block_hashes[7] and plan.loads[1].source_slice == slice(0, 3)
+    assert plan.saves == []  # both chunks were already stored
+
+
+def test_a_missing_layer_or_rank_is_no_hit(side) -> None:
+    request = make_request("c", tokens(200))
+    side.store.put(kv_chunk_key("t", IDENTITY, request.block_hashes[3], 0), torch.zeros(4, 2, BLOCK, 128))
+    side.store.flush()
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_residency_reports_make_worker_memory_hits_visible(side) -> None:
+    request = make_request("d", tokens(200))
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_connector_output(TieredKVWorkerMetadata(added={request.block_hashes[3]}))
+    assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+    side.update_connector_output(TieredKVWorkerMetadata(evicted={request.block_hashes[3]}))
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_tensor_parallel_reports_aggregate_to_what_every_rank_holds() -> None:
+    a = TieredKVWorkerMetadata(added={b"x", b"y"}, evicted={b"p"})
+    b = TieredKVWorkerMetadata(added={b"y"}, evicted={b"q"})
+    merged = a.aggregate(b)
+    assert merged.added == {b"y"} and merged.evicted == {b"p", b"q"}
+
+
+def test_save_decode_saves_chunks_completed_while_decoding(tmp_path) -> None:
+    store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
+    side = KVSchedulerSide(
+        store=store,
+        namespace="t",
+        identities=[IDENTITY],
+        geometry=ChunkGeometry(BLOCK, CHUNK),
+        can_load=False,
+        can_save=True,
+        save_partial_chunks=False,
+        save_decode=True,
+        hash_algo="sha256",
+    )
+    side.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    request = make_request("e", tokens(120))
+    side.get_num_new_matched_tokens(request, 0)
+    assert side.build_connector_meta(step([("e", 0)], [], {"e": 120})).requests == []  # 3 blocks, no chunk
+    for _ in range(8):
+        request.append_output_token_ids(7)
+    meta = side.build_connector_meta(step([], [("e", 120)], {"e": 8}))
+    assert [s.chunk_hash for s in meta.requests[0].saves] == [request.block_hashes[3]]
+    store.close()
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
+    with pytest.raises(ValueError, match="chunk_size=100 must be a positive multiple"):
+        ChunkGeometry(32, 100)
