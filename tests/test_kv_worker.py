@@ -1,0 +1,147 @@
+"""KVWorkerSide on real paged-cache-shaped tensors and a real store: round trip, refusals, layout checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.layout import PagedLayout, UnsupportedLayoutError
+from kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
+from kvcache.worker import KVWorkerSide
+from shared.keys import KVModelIdentity, kv_chunk_key
+from shared.store import build_store
+
+BLOCK, HEADS, HEAD = 32, 2, 64
+NUM_BLOCKS, LAYERS = 16, 3
+IDENTITY = KVModelIdentity(
+    model="tiny",
+    dtype="bfloat16",
+    num_layers=LAYERS,
+    num_kv_heads=HEADS,
+    head_size=HEAD,
+    block_size=BLOCK,
+    layout="paged-bhnc",
+    tp_size=1,
+    tp_rank=0,
+)
+
+
+def paged_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """What vLLM's CPU backend registers: one [blocks, kv_heads, block_size, 2*head] view per layer."""
+    g = torch.Generator().manual_seed(seed or 0)
+    make = (
+        (lambda: torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=g))
+        if seed is not None
+        else (lambda: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD))
+    )
+    return {f"model.layers.{i}.self_attn.attn": make().to(torch.bfloat16) for i in range(LAYERS)}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = build_store(
+        {
+            "tiers": [
+                {"kind": "memory", "capacity": "64MiB"},
+                {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"},
+            ]
+        }
+    )
+    yield s
+    s.close()
+
+
+def worker(store) -> KVWorkerSide:
+    return KVWorkerSide(store=store, namespace="t", identity=IDENTITY, block_size=BLOCK, use_mla=False)
+
+
+def save(side: KVWorkerSide, caches: dict[str, torch.Tensor], chunk: bytes, block_ids: list[int]) -> None:
+    meta = TieredKVMetadata([RequestPlan("r", saves=[ChunkSave(chunk, block_ids)])])
+    for name, tensor in caches.items():
+        side.save_layer(name, tensor, meta)
+    side.wait_for_save()
+    side.flush_saves()
+
+
+def load(side: KVWorkerSide, loads: list[ChunkLoad]) -> set[int]:
+    side.start_load(TieredKVMetadata([RequestPlan("r", loads=loads)]))
+    for name in side.layout.layer_names:  # what the attention layers do, in order
+        side.wait_for_layer(name)
+    side.finish_load()
+    return side.take_load_errors()
+
+
+def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
+    source, target = paged_caches(1), paged_caches(None)
+    producer = worker(store)
+    producer.register_kv_caches(source, NUM_BLOCKS)
+    save(producer, source, b"chunk-a", [3, 7, 1, 9])
+    consumer = worker(store)
+    consumer.register_kv_caches(target, NUM_BLOCKS)
+    errors = load(consumer, [ChunkLoad(b"chunk-a", chunk_start=0, first=1, end=4, block_ids=[12, 13, 14])])
+    assert errors == set()
+    for name in source:
+        assert torch.equal(target[name][[12, 13, 14]], source[name][[7, 1, 9]])
+        assert not target[name][[0, 3, 7, 15]].any()  # nothing else was written
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_a_record_of_another_dtype_or_a_missing_layer_is_a_load_error(store) -> None:
+    target = paged_caches(None)
+    side = worker(store)
+    side.register_kv_caches(target, NUM_BLOCKS)
+    for layer in range(LAYERS):  # right shape and layout text, wrong dtype: must never reach attention
+        store.put(
+            kv_chunk_key("t", IDENTITY, b"fp32", layer),
+            torch.ones(2, HEADS, BLOCK, 2 * HEAD),
+            {"layout": side.layout.describe(), "blocks": 2},
+        )
+    store.put(
+        kv_chunk_key("t", IDENTITY, b"partial", 0),
+        torch.ones(2, HEADS, BLOCK, 2 * HEAD).bfloat16(),
+        {"layout": side.layout.describe(), "blocks": 2},
+    )
+    errors = load(side, [ChunkLoad(b"fp32", 0, 0, 2, [4, 5]), ChunkLoad(b"partial", 0, 0, 2, [6, 8])])
+    assert errors == {4, 5, 6, 8}
+    assert not any(t[[4, 5]].any() for t in target.values())  # the fp32 record never landed anywhere
+    assert side.take_counters()["load_errors"] == 2
+    side.shutdown()
+
+
+def test_unknown_layouts_are_refused_with_a_clear_message() -> None:
+    bad = {"model.layers.0.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD)}  # [2, blocks, ...] (K/V first)
+    with pytest.raises(UnsupportedLayoutError, match=r"unknown KV cache layout \(2, 16, 32, 2, 64\)"):
+        PagedLayout.learn(
+            bad, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, use_mla=False
+        )
+    mixed = {
+        "model.layers.0.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),
+        "model.layers.1.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.float16),
+    }
+    with pytest.raises(UnsupportedLayoutError, match="one shape and dtype"):
+        PagedLayout.learn(
+            mixed, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, use_mla=False
+        )
+
+
+def test_layers_are_ordered_by_index_not_by_name() -> None:
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in (10, 2, 1)}
+    layout = PagedLayout.learn(
+        caches, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, use_mla=False
+    )
+    assert layout.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in (1, 2, 10))
+
+
+def test_memory_evictions_are_reported_to_the_scheduler(tmp_path) -> None:
+    small = build_store({"tiers": [{"kind": "memory", "capacity": 3 * 2 * HEADS * BLOCK * 2 * HEAD * 2}]})
+    source = paged_caches(2)
+    side = worker(small)
+    side.register_kv_caches(source, NUM_BLOCKS)
+    save(side, source, b"first", [0, 1])
+    assert side.worker_meta().added == {b"first"}
+    save(side, source, b"second", [2, 3])  # 6 records of 2 blocks each: the first chunk's layers go
+    meta = side.worker_meta()
+    assert meta.added == {b"second"} and meta.evicted == {b"first"}
+    side.shutdown()
+    small.close()
