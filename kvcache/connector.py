@@ -69,8 +69,6 @@ def split_extra_config(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 class TieredKVConnector(KVConnectorBase_V1):
     """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
 
-    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
@@ -186,6 +184,10 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from kvcache.plan import (
     ChunkGeometry,
     ChunkLoad,
@@ -38,6 +40,8 @@ class _RequestState:
     request: Request
     #: chunk index -> present in the store at lookup time (those are never written again)
     stored: list[bool] = field(default_factory=list)
+    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
+    resident: list[bool] = field(default_factory=list)
     #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
     load_first: int = 0
     load_end: int = 0
@@ -70,6 +74,12 @@ class KVSchedulerSide:
         self.save_partial_chunks = save_partial_chunks
         self.save_decode = save_decode
         self.hash_algo = hash_algo
+        shared_kinds = {t.kind for t in getattr(store, "tiers", []) if t.shared_across_processes}
+        self.shared_source = (
+            CacheHitSource.DISK
+            if shared_kinds and shared_kinds <= {"disk", "gds"}
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
         self._checked_engine_hashing = False
         self.resident: set[bytes] = set()
         self._requests: dict[str, _RequestState] = {}
@@ -100,12 +110,16 @@ class KVSchedulerSide:
             )
 
     def lookup(self, request: Request) -> list[bool]:
+        return self._lookup(request)[0]
+
+    def _lookup(self, request: Request) -> tuple[list[bool], list[bool]]:
         """Per chunk of the prompt's full blocks: can a worker load it now? One batched store call."""
         if not self._checked_engine_hashing:
             self._check_engine_hashing(request)
         ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
         hashes = [request.block_hashes[end - 1] for end in ends]
-        present = [h in self.resident for h in hashes]
+        resident = [h in self.resident for h in hashes]
+        present = list(resident)
         missing = [i for i, hit in enumerate(present) if not hit]
         if missing:
             per_chunk = [self._chunk_keys(hashes[i]) for i in missing]
@@ -115,7 +129,7 @@ class KVSchedulerSide:
             for i, keys in zip(missing, per_chunk, strict=True):
                 present[i] = all(found[offset : offset + len(keys)])
                 offset += len(keys)
-        return present
+        return present, resident
 
     def _prompt_full_blocks(self, request: Request) -> int:
         num_prompt = request.num_prompt_tokens
@@ -123,11 +137,11 @@ class KVSchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         block_size = self.geometry.block_size
-        stored = self.lookup(request)
+        stored, resident = self._lookup(request)
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestState(request)
-        state.stored = stored
+        state.stored, state.resident = stored, resident
         state.load_first = state.load_end = 0
         if not self.can_load:
             return 0, False
@@ -153,6 +167,21 @@ class KVSchedulerSide:
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Split a hit between the workers' memory tier (HOST) and the shared tiers, for vLLM's metrics."""
+        state = self._requests.get(request.request_id)
+        if not num_external_tokens or state is None:
+            return {}
+        geometry = self.geometry
+        host_blocks = 0
+        for index, end in enumerate(geometry.chunk_ends(state.load_end)):
+            first = max(geometry.chunk_start(end), state.load_first)
+            if end > first and index < len(state.resident) and state.resident[index]:
+                host_blocks += end - first
+        host = min(host_blocks * geometry.block_size, num_external_tokens)
+        sources = {CacheHitSource.HOST: host, self.shared_source: num_external_tokens - host}
+        return {source: tokens for source, tokens in sources.items() if tokens}
 
     # ------------------------------------------------------------------------------------- step plan
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:

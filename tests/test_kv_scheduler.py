@@ -181,3 +181,14 @@ def test_save_decode_saves_chunks_completed_while_decoding(tmp_path) -> None:
 def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
     with pytest.raises(ValueError, match="chunk_size=100 must be a positive multiple"):
         ChunkGeometry(32, 100)
+
+
+def test_hit_sources_split_memory_residents_from_disk(side) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    request = make_request("f", tokens(300))  # chunks [0,4) [4,8) [8,9)
+    side.update_connector_output(TieredKVWorkerMetadata(added={request.block_hashes[3]}))
+    store_chunk(side, request.block_hashes[7], 4)
+    assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+    side.update_state_after_alloc(request, 8 * BLOCK)
+    assert side.hit_sources(request, 8 * BLOCK) == {CacheHitSource.HOST: 4 * BLOCK, CacheHitSource.DISK: 4 * BLOCK}

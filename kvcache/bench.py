@@ -1,0 +1,511 @@
+"""`tiercache bench kv`: time-to-first-token of KV-cache hits per tier, beside vLLM's own prefix cache.
+
+Why these cases: a KV connector is worth having when loading a prefix is much cheaper than computing
+it, and it must cost (almost) nothing when it misses. vLLM's own prefix-cache hit (the KV is still in
+the engine's paged cache) is the best any connector can do, so every hit is reported as a ratio to it;
+the cold prefill without a connector is the cost a hit saves, and the reference a miss with the
+connector is held to. vLLM's `ExampleConnector` (safetensors files) and `SimpleCPUOffloadConnector`
+show what the connectors shipped with vLLM achieve on the same machine.
+
+Why subprocesses: every engine configuration runs in its own fresh Python process
+(``python -m kvcache.bench --job SPEC.json``), as it would after a restart or on another machine. The
+disk and Redis cases need it to mean anything: a producer process writes, it exits, and a new
+consumer process, whose memory holds nothing, measures the hit.
+
+How TTFT is measured: one request at a time, ``max_tokens=1``, wall time of ``LLM.generate`` (the
+prefill plus the one sampled token). Each process first sends warm-up prompts unrelated to the measured
+ones (a short one, then a full-length one through the same path the measured prompts take, hit path
+included), because the first requests of a process pay one-time costs (allocations, kernel set-up,
+opening the store). The figure per case is the median over ``--prompts`` distinct random prompts. A
+hit counts only when vLLM reports ``num_cached_tokens`` of at least the whole blocks before the last
+prompt token (2016 of 2048); otherwise the table says the connector missed instead of printing a
+number that is really a prefill.
+
+Absolute seconds depend on the machine and on whatever else runs on it; the ratios between cases of
+one run are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 32
+#: Tokens ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
+TOKEN_RANGE = (3, 259)
+#: Seconds one engine process may take, start-up included.
+JOB_TIMEOUT_S = 1800
+#: Lines an engine process writes with this prefix are echoed by the runner as progress.
+PROGRESS_MARK = "tiercache-bench: "
+
+#: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
+TARGETS: list[tuple[str, str, float]] = [
+    ("tiered-memory", "resident", 1.3),
+    ("tiered-disk", "resident", 2.0),
+    ("tiered-memory", "example", 0.5),
+    ("tiered-cold", "cold", 1.05),
+]
+
+#: Case name -> label printed in the table, in table order.
+CASE_LABELS: dict[str, str] = {
+    "cold": "1 cold, no connector (prefix caching on)",
+    "resident": "2 vLLM prefix-cache hit (resident)",
+    "tiered-memory": "3 Tiered hit, memory tier (same engine)",
+    "tiered-disk": "4 Tiered hit, disk tier (fresh process)",
+    "tiered-redis": "5 Tiered hit, Redis tier (fresh process)",
+    "example": "6 ExampleConnector hit (fresh process)",
+    "simple-cpu": "7 SimpleCPUOffloadConnector hit",
+    "tiered-cold": "8 cold, Tiered memory+disk (miss)",
+}
+
+HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-redis", "example", "simple-cpu"}
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `tiercache bench kv` (and the hidden `--job` entry each engine process runs)."""
+    parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per case (default %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt (default %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: the 2-layer tiny model and 512-token prompts")
+    parser.add_argument(
+        "--work-dir", help="where models, disk tiers and logs go (default: a temp dir, removed afterwards)"
+    )
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASE_LABELS),
+        help="comma-separated subset of: " + ", ".join(CASE_LABELS) + " (default: all)",
+    )
+    parser.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine (GiB)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--job-out", help=argparse.SUPPRESS)
+
+
+# ------------------------------------------------------------------------------------- engine process
+def run_job(spec_path: str, out_path: str) -> int:
+    """Inside a fresh process: build one engine, send each step's prompts one at a time, write timings.
+
+    Each prompt is its own `generate` call with ``max_tokens=1`` so its wall time is that request's
+    TTFT and nothing else is in flight. Steps run in order; a step only warms up when `measure` is false.
+    """
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=spec["max_model_len"],
+        max_num_batched_tokens=spec["max_model_len"],
+        max_num_seqs=4,
+        enable_prefix_caching=spec["enable_prefix_caching"],
+        seed=0,
+    )
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": []}
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for step in spec["steps"]:
+        ttft, cached = [], []
+        for prompt in step["prompts"]:
+            t0 = time.perf_counter()
+            (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            ttft.append(time.perf_counter() - t0)
+            cached.append(int(output.num_cached_tokens or 0))
+        result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached})
+        per_prompt = ", ".join(f"{t:.3f}s/{c}" for t, c in zip(ttft, cached, strict=True))
+        print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
+    # Let a producer's background writes reach disk/Redis before the process ends (the connector's
+    # shutdown flushes too; this makes it explicit and timed).
+    flush_started = time.perf_counter()
+    del llm
+    result["shutdown_s"] = time.perf_counter() - flush_started
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- the runner
+@dataclass
+class CaseResult:
+    """One row of the table: per-prompt TTFTs and cached-token counts, and whether it really hit."""
+
+    name: str
+    ttft_s: list[float] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.ttft_s) if self.ttft_s else None
+
+
+class Bench:
+    """Builds the prompts and engine specs of every case, runs the engine processes, collects rows."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.prompt_len: int = 512 if args.quick and args.prompt_len == 2048 else args.prompt_len
+        self.num_prompts: int = args.prompts
+        self.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        unknown = [c for c in self.cases if c not in CASE_LABELS]
+        if unknown:
+            raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASE_LABELS)}")
+        self.namespace = f"bench-{uuid.uuid4().hex[:8]}"  # never hit records of an earlier run
+        self.rng = random.Random(20261122)
+        self.results: dict[str, CaseResult] = {}
+        self.model = ""
+        self.job_count = 0
+        self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    # ------------------------------------------------------------------------------------- helpers
+    def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
+        """Fresh random prompts; every call gives prompts no earlier call gave (no accidental hits)."""
+        return [[self.rng.randrange(*TOKEN_RANGE) for _ in range(length or self.prompt_len)] for _ in range(n)]
+
+    def warmups(self) -> tuple[list[int], list[int]]:
+        """(short, full-length) prompts unrelated to every measured prompt."""
+        return self.prompts(1, 64)[0], self.prompts(1)[0]
+
+    def progress(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def tiered(self, role: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "kv_connector": "TieredKVConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"namespace": self.namespace, "tiers": tiers},
+        }
+
+    def disk_tier(self, name: str) -> dict[str, Any]:
+        return {"kind": "disk", "path": str(self.work / name), "capacity": "4GiB"}
+
+    def job(
+        self,
+        label: str,
+        steps: list[tuple[str, list[list[int]]]],
+        *,
+        prefix_caching: bool,
+        kv_transfer_config: dict[str, Any] | None = None,
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Run one engine process; return its steps by name (raises RuntimeError with the log tail)."""
+        self.job_count += 1
+        n = self.job_count
+        spec = {
+            "label": label,
+            "model": self.model,
+            "max_model_len": max(self.prompt_len + 64, 1024),
+            "enable_prefix_caching": prefix_caching,
+            "kv_transfer_config": kv_transfer_config,
+            "steps": [{"name": name, "prompts": prompts} for name, prompts in steps],
+        }
+        spec_path, out_path = self.work / f"job-{n}.json", self.work / f"job-{n}.out.json"
+        log_path = self.work / f"job-{n}-{label}.log"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.kv_space_gib)
+        env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        started = time.perf_counter()
+        self.progress(f"[{n}] {label}: starting engine process (log: {log_path})")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvcache.bench", "--job", str(spec_path), "--job-out", str(out_path)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            self._follow(proc, log_path, started)
+        if proc.returncode != 0 or not out_path.exists():
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"engine process exited with {proc.returncode}: " + " | ".join(tail)[-1500:])
+        result = json.loads(out_path.read_text())
+        self.progress(
+            f"[{n}] {label}: done in {time.perf_counter() - started:.0f}s (engine start-up {result['startup_s']:.0f}s)"
+        )
+        out: dict[str, list[dict[str, Any]]] = {}
+        for step in result["steps"]:
+            out.setdefault(step["name"], []).append(step)
+        return out
+
+    def _follow(self, proc: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
+        """Wait for an engine process, echoing its progress lines (vLLM's own log stays in the file)."""
+        seen = 0
+        while True:
+            done = proc.poll() is not None
+            text = log_path.read_text(errors="replace")
+            for line in text[seen:].splitlines(keepends=True):
+                if not line.endswith("\n") and not done:
+                    break
+                seen += len(line)
+                if line.startswith(PROGRESS_MARK):
+                    self.progress("    " + line[len(PROGRESS_MARK) :].rstrip())
+            if done:
+                return
+            if time.perf_counter() - started > JOB_TIMEOUT_S:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"engine process ran past {JOB_TIMEOUT_S}s (log: {log_path})")
+            time.sleep(0.5)
+
+    def record(self, name: str, step: dict[str, Any]) -> None:
+        self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]))
+
+    def guarded(self, names: list[str], fn: Any) -> None:
+        """Run a case's processes; a failure marks its rows instead of ending the whole benchmark."""
+        if not any(n in self.cases for n in names):
+            return
+        try:
+            fn()
+        except Exception as exc:  # a connector that cannot run here is a result, not a crash
+            for name in names:
+                if name in self.cases and name not in self.results:
+                    self.results[name] = CaseResult(name, error=f"{type(exc).__name__}: {exc}")
+            self.progress(f"    failed: {exc}")
+
+    # --------------------------------------------------------------------------------------- cases
+    def case_baseline(self) -> None:
+        """Cases 1 and 2: cold prefill, then the same prompts again while vLLM still holds their KV."""
+        short, full = self.warmups()
+        measured = self.prompts(self.num_prompts)
+        steps = self.job(
+            "baseline",
+            [("warmup", [short, full, full]), ("cold", measured), ("resident", measured)],
+            prefix_caching=True,
+        )
+        self.record("cold", steps["cold"][0])
+        self.record("resident", steps["resident"][0])
+
+    def case_tiered_cold(self) -> None:
+        """Case 8: a miss with the connector (memory+disk, saving everything), prefix caching on as in 1."""
+        short, full = self.warmups()
+        measured = self.prompts(self.num_prompts)
+        config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}, self.disk_tier("disk-cold")])
+        steps = self.job(
+            "tiered-cold",
+            [("warmup", [short, full, full]), ("cold", measured)],
+            prefix_caching=True,
+            kv_transfer_config=config,
+        )
+        self.record("tiered-cold", steps["cold"][0])
+
+    def case_tiered_memory(self) -> None:
+        """Case 3: second send in the same engine, prefix caching off so only the connector can hit."""
+        short, full = self.warmups()
+        measured = self.prompts(self.num_prompts)
+        config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}])
+        steps = self.job(
+            "tiered-memory",
+            [("warmup", [short, full, full]), ("first", measured), ("hit", measured)],
+            prefix_caching=False,
+            kv_transfer_config=config,
+        )
+        self.record("tiered-memory", steps["hit"][0])
+
+    def _produce_then_consume(self, name: str, producer: dict[str, Any], consumer: dict[str, Any]) -> None:
+        """Cases 4-6: a producer process stores the prompts and exits; a fresh consumer measures hits.
+
+        The full-length warm-up prompt is stored by the producer too, so the consumer's warm-up takes
+        the hit path (opening files, connecting to Redis) without touching any measured prompt.
+        """
+        short, full = self.warmups()
+        measured = self.prompts(self.num_prompts)
+        self.job(f"{name}-producer", [("store", [full, *measured])], prefix_caching=False, kv_transfer_config=producer)
+        steps = self.job(
+            f"{name}-consumer",
+            [("warmup", [short, full]), ("hit", measured)],
+            prefix_caching=False,
+            kv_transfer_config=consumer,
+        )
+        self.record(name, steps["hit"][0])
+
+    def case_tiered_disk(self) -> None:
+        tiers = [self.disk_tier("disk-only")]
+        self._produce_then_consume("tiered-disk", self.tiered("kv_both", tiers), self.tiered("kv_consumer", tiers))
+
+    def case_tiered_redis(self) -> None:
+        from shared.testing.redis_server import RedisServer
+
+        with RedisServer() as server:
+            tiers = [{"kind": "redis", "url": server.url}]
+            self._produce_then_consume("tiered-redis", self.tiered("kv_both", tiers), self.tiered("kv_consumer", tiers))
+
+    def case_example(self) -> None:
+        path = self.work / f"example-{self.namespace}"  # its files are keyed by tokens only
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)},
+        }
+        self._produce_then_consume("example", config, config)
+
+    def case_simple_cpu(self) -> None:
+        """Case 7: vLLM's SimpleCPUOffloadConnector, second send in the same engine.
+
+        It turns itself off without prefix caching, so this engine has prefix caching on; the hit is
+        the connector's only if vLLM's own cache no longer holds the blocks, which `num_cached_tokens`
+        cannot tell apart, so the row says which it was when it can.
+        """
+        short, full = self.warmups()
+        measured = self.prompts(self.num_prompts)
+        config = {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30},
+        }
+        steps = self.job(
+            "simple-cpu",
+            [("warmup", [short, full, full]), ("first", measured), ("hit", measured)],
+            prefix_caching=True,
+            kv_transfer_config=config,
+        )
+        self.record("simple-cpu", steps["hit"][0])
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        from shared.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
+
+        spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
+        self.progress(
+            f"model: {'tiny (quick)' if self.args.quick else 'BENCH_SPEC ~130M'}, "
+            f"{self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
+        )
+        self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
+        # Cold-with-connector right after the baseline, so the miss comparison sees the same machine load.
+        self.guarded(["cold", "resident"], self.case_baseline)
+        self.guarded(["tiered-cold"], self.case_tiered_cold)
+        self.guarded(["tiered-memory"], self.case_tiered_memory)
+        self.guarded(["tiered-disk"], self.case_tiered_disk)
+        self.guarded(["tiered-redis"], self.case_tiered_redis)
+        self.guarded(["example"], self.case_example)
+        self.guarded(["simple-cpu"], self.case_simple_cpu)
+        return self.report()
+
+    def report(self) -> dict[str, Any]:
+        """Rows with medians, ratios and hit checks, plus the targets, as one JSON-able dict."""
+
+        def median(name: str) -> float | None:
+            row = self.rows.get(name)
+            return row["ttft_median_s"] if row and row["status"] == "ok" else None
+
+        self.rows: dict[str, dict[str, Any]] = {}
+        for name in CASE_LABELS:
+            if name not in self.cases:
+                continue
+            res = self.results.get(name, CaseResult(name, error="not run"))
+            status = "ok"
+            if res.error:
+                status = "error"
+            elif name in HIT_CASES and min(res.num_cached_tokens, default=0) < self.min_hit_tokens:
+                status = "miss"
+            self.rows[name] = {
+                "case": name,
+                "label": CASE_LABELS[name],
+                "status": status,
+                "error": res.error,
+                "ttft_median_s": res.median_s,
+                "ttft_s": res.ttft_s,
+                "num_cached_tokens": res.num_cached_tokens,
+            }
+        resident, cold = median("resident"), median("cold")
+        for name, row in self.rows.items():
+            own = median(name)
+            row["ratio_to_resident"] = round(own / resident, 3) if own is not None and resident else None
+            row["ratio_to_cold"] = round(own / cold, 3) if own is not None and cold and name == "tiered-cold" else None
+        targets = []
+        for case, ref, limit in TARGETS:
+            own, base = median(case), median(ref)
+            ratio = own / base if own is not None and base else None
+            targets.append(
+                {
+                    "case": case,
+                    "reference": ref,
+                    "target": limit,
+                    "ratio": round(ratio, 3) if ratio is not None else None,
+                    "ok": ratio is not None and ratio <= limit,
+                }
+            )
+        return {
+            "prompt_len": self.prompt_len,
+            "prompts": self.num_prompts,
+            "model": "tiny" if self.args.quick else "BENCH_SPEC",
+            "min_hit_tokens": self.min_hit_tokens,
+            "rows": list(self.rows.values()),
+            "targets": targets,
+        }
+
+
+# ----------------------------------------------------------------------------------------- printing
+def format_table(report: dict[str, Any]) -> str:
+    """The human table: one row per case, then the targets with ok/BELOW."""
+    lines = [
+        f"TTFT, {report['prompts']} prompts x {report['prompt_len']} tokens, model {report['model']} "
+        f"(hits need num_cached_tokens >= {report['min_hit_tokens']})",
+        f"{'case':44} {'TTFT med (s)':>12} {'x resident':>10} {'x cold':>7} {'cached tokens':>14}  note",
+    ]
+    for row in report["rows"]:
+        med = f"{row['ttft_median_s']:.4f}" if row["status"] == "ok" else "-"
+        res = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] is not None else "-"
+        cold = f"{row['ratio_to_cold']:.3f}" if row["ratio_to_cold"] is not None else ""
+        cached = "/".join(str(c) for c in row["num_cached_tokens"]) if row["num_cached_tokens"] else "-"
+        if len(cached) > 14:
+            cached = f"{min(row['num_cached_tokens'])}..{max(row['num_cached_tokens'])}"
+        if row["status"] == "error":
+            note = f"NOT MEASURED: {row['error']}"[:160]
+        elif row["status"] == "miss":
+            med_all = statistics.median(row["ttft_s"]) if row["ttft_s"] else float("nan")
+            note = f"NO HIT (connector did not supply the prefix; TTFT {med_all:.4f}s is a prefill)"
+        else:
+            note = ""
+        lines.append(f"{row['label']:44} {med:>12} {res:>10} {cold:>7} {cached:>14}  {note}".rstrip())
+    lines.append("")
+    lines.append("targets:")
+    for t in report["targets"]:
+        verdict = "n/a" if t["ratio"] is None else ("ok" if t["ok"] else "BELOW")
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
+        lines.append(f"  {t['case']:14} / {t['reference']:9} = {ratio:>6}  (target <= {t['target']})  {verdict}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `tiercache bench kv` (and of the engine processes it starts)."""
+    if args.job:
+        return run_job(args.job, args.job_out)
+    if shutil.which("redis-server") is None and "tiered-redis" in args.cases:
+        print("note: redis-server not found; the Redis case will be reported as not measured", file=sys.stderr)
+    keep = args.work_dir is not None
+    work = Path(args.work_dir) if keep else Path(tempfile.mkdtemp(prefix="tiercache-bench-kv-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        report = Bench(args, work).run()
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m kvcache.bench")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
