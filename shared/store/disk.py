@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,7 @@ class DiskTier:
         self.root = Path(config.path)
         self.counters = TierCounters()
         self._warned: set[str] = set()
+        self._refreshed: dict[bytes, int] = {}  # digest -> when this process last refreshed its atime
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._index_dir = str(self.root / "index.lmdb")
         self._open_index()
@@ -245,6 +246,14 @@ class DiskTier:
     def _after_read(self, hits: list[tuple[bytes, int]], gone: list[tuple[bytes, int | None]]) -> None:
         """Refresh stale access times, repair missing index entries, drop corrupt files and dead entries."""
         now = time.time_ns()
+        # Hits this process refreshed less than ATIME_REFRESH_NS ago need no index transaction at all.
+        hits = [(d, size) for d, size in hits if now - self._refreshed.get(d, 0) > ATIME_REFRESH_NS]
+        if not hits and not gone:
+            return
+        if len(self._refreshed) > 100_000:
+            self._refreshed.clear()
+        for digest, _ in hits:
+            self._refreshed[digest] = now
         try:
             with self._env.begin() as txn:
                 stale = []
@@ -403,6 +412,63 @@ class DiskTier:
             for digest, raw in txn.cursor():
                 size, atime = _ENTRY.unpack_from(raw)
                 yield bytes(digest), size, atime / 1e9, bytes(raw[_ENTRY.size:]).decode(errors="replace")
+
+    def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """Stored size of each key's record from the index (None: not indexed). No file is read.
+
+        Why: offline jobs report how many bytes they stored without reading the records back.
+        """
+        try:
+            with self._env.begin(db=self._entries) as txn:
+                out: list[int | None] = []
+                for key in keys:
+                    raw = txn.get(key.digest)
+                    out.append(None if raw is None else _ENTRY.unpack_from(raw)[0])
+                return out
+        except lmdb.Error as exc:
+            self._error("index read failed", exc)
+            return [None] * len(keys)
+
+    def delete_where(
+        self, predicate: Callable[[str, int, float], bool], *, dry_run: bool = False, batch: int = 1000
+    ) -> tuple[int, int]:
+        """Remove every indexed record for which ``predicate(key_text, size, atime_s)`` is true.
+
+        Returns (records, bytes) removed (or that would be, with ``dry_run``). Safe beside serving
+        processes: matches are collected under a read transaction, then removed in batches, each under
+        the index's write transaction (the same cross-process lock writers and eviction take), so a
+        writer never sees its fresh record accounted twice or unaccounted. A reader that already opened a
+        file keeps reading it (POSIX unlink), a later reader gets a miss. Entries whose key text is
+        unknown (an index rebuilt from record headers stores none) get ``""`` as key text.
+        """
+        matches: list[bytes] = []
+        matched_bytes = 0
+        with self._env.begin(db=self._entries) as txn:
+            for digest, raw in txn.cursor():
+                size, atime = _ENTRY.unpack_from(raw)
+                text = bytes(raw[_ENTRY.size:]).decode(errors="replace")
+                if predicate(text, size, atime / 1e9):
+                    matches.append(bytes(digest))
+                    matched_bytes += size
+        if dry_run:  # no write transaction: a dry run never blocks writers
+            return len(matches), matched_bytes
+        removed = removed_bytes = 0
+        for lo in range(0, len(matches), batch):
+            with self._env.begin(write=True) as txn:
+                for digest in matches[lo:lo + batch]:
+                    raw = txn.get(digest, db=self._entries)
+                    if raw is None:
+                        continue  # evicted or removed by another process meanwhile
+                    size, atime = _ENTRY.unpack_from(raw)
+                    text = bytes(raw[_ENTRY.size:]).decode(errors="replace")
+                    if not predicate(text, size, atime / 1e9):
+                        continue  # rewritten or read since the scan (e.g. atime refreshed)
+                    removed += 1
+                    removed_bytes += size
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(digest))
+                    self._index_delete(txn, digest)
+        return removed, removed_bytes
 
     def usage(self) -> dict[str, Any]:
         try:
