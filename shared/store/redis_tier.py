@@ -5,6 +5,7 @@ record in one slot)::
 
     {prefix}{H}       head: u32 part count + the record header (`shared.records` prefix)
     {prefix}{H}:0..n  payload parts of at most ``part_size`` bytes
+    {prefix}{H}#text  the key text (for `tiercache stats` / `tiercache evict`; readers never need it)
 
 Why split: Redis values are capped (512 MB) and huge values block the server; parts keep each command
 bounded. Parts are sent as memoryview slices of the tensor (no copy) and the head is written last on
@@ -21,7 +22,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -156,6 +157,9 @@ class RedisTier:
     def _part(self, key: StoreKey, i: int) -> str:
         return f"{self.config.key_prefix}{{{key.hex}}}:{i}"
 
+    def _text_name(self, key: StoreKey) -> str:
+        return f"{self.config.key_prefix}{{{key.hex}}}#text"
+
     # ------------------------------------------------------------------------------------------ reads
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         if not keys:
@@ -266,6 +270,7 @@ class RedisTier:
                 nparts = max(1, -(-payload.nbytes // part_size))
                 for p in range(nparts):
                     pipe.set(self._part(key, p), payload[p * part_size:(p + 1) * part_size], px=ttl_ms)
+                pipe.set(self._text_name(key), key.text.encode(), px=ttl_ms)
                 pipe.set(self._head(key), _NPARTS.pack(nparts) + enc.prefix, px=ttl_ms)
             return pipe.execute()
 
@@ -273,6 +278,107 @@ class RedisTier:
             self.counters.add(dropped_writes=len(items))
             return
         self.counters.add(puts=len(items), bytes_written=sum(enc.nbytes for _, enc in encoded))
+
+    # ------------------------------------------------------------------------------ admin (stats/evict)
+    def _client_or_raise(self) -> Any:
+        """Admin commands must say when Redis is unreachable, not silently report an empty store."""
+        if self._client is None:
+            self._connect()
+        if self._client is None:
+            raise ConnectionError(f"redis tier {self.address} is unreachable")
+        return self._client
+
+    def iter_records(self, batch: int = 500) -> Iterator[tuple[str, int | None, float | None, str]]:
+        """(digest hex, record bytes, idle seconds, key text) of every record under ``key_prefix``.
+
+        SCANs the heads (never KEYS, so a big server is not blocked), then one pipelined round trip per
+        batch for the heads, key texts and OBJECT IDLETIME. Size is header + payload as the head says
+        (None when the head is unreadable); key text is ``""`` for records written before texts were
+        stored; idle time is seconds since the head was last read or written.
+        """
+        client = self._client_or_raise()
+        prefix = self.config.key_prefix
+        heads: list[str] = []
+
+        def flush() -> Iterator[tuple[str, int | None, float | None, str]]:
+            pipe = client.pipeline(transaction=False)
+            for name in heads:
+                pipe.object("idletime", name)  # before the GET, which resets the idle time
+                pipe.get(name)
+                pipe.get(f"{name}#text")
+            res = pipe.execute(raise_on_error=False)
+            for i, name in enumerate(heads):
+                idle, head, text = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                if head is None or isinstance(head, Exception):
+                    continue  # expired or deleted between SCAN and GET
+                size: int | None
+                try:
+                    header = records.decode_header(memoryview(head)[_NPARTS.size:])
+                    size = header.payload_offset + header.nbytes
+                except records.RecordError:
+                    size = None
+                hex_digest = name[len(prefix) + 1:-1]
+                text_str = text.decode(errors="replace") if isinstance(text, bytes) else ""
+                idle_s = float(idle) if isinstance(idle, int) else None
+                yield hex_digest, size, idle_s, text_str
+            heads.clear()
+
+        for raw in client.scan_iter(match=f"{prefix}{{*}}", count=batch):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if not name.endswith("}"):
+                continue  # a part or a key text
+            heads.append(name)
+            if len(heads) >= batch:
+                yield from flush()
+        if heads:
+            yield from flush()
+
+    def delete_digests(self, hex_digests: Sequence[str]) -> int:
+        """Delete whole records (head first, so readers see a miss, then parts and key text); returns count.
+
+        The part count comes from each head; a head that vanished meanwhile counts as not deleted.
+        """
+        client = self._client_or_raise()
+        prefix = self.config.key_prefix
+        deleted = 0
+        for lo in range(0, len(hex_digests), 500):
+            names = [f"{prefix}{{{h}}}" for h in hex_digests[lo:lo + 500]]
+            heads = self._mget(client, names)
+            pipe = client.pipeline(transaction=False)
+            for name, head in zip(names, heads, strict=True):
+                if head is None:
+                    continue
+                nparts = _NPARTS.unpack_from(head)[0] if len(head) >= _NPARTS.size else 0
+                pipe.delete(name)
+                for p in range(min(nparts, 1 << 20)):
+                    pipe.delete(f"{name}:{p}")
+                pipe.delete(f"{name}#text")
+                deleted += 1
+            pipe.execute()
+        return deleted
+
+    def _mget(self, client: Any, names: list[str]) -> list[Any]:
+        if not self.config.cluster:
+            return client.mget(names)
+        pipe = client.pipeline(transaction=False)  # names of many slots: pipelined GETs
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
+
+    def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """Record size (header + payload) per key from the heads; None when absent or unreadable."""
+        if not keys:
+            return []
+        names = [self._head(k) for k in keys]
+        res = self._run("sizes", lambda: self._mget(self._client, names))
+        out: list[int | None] = []
+        for head in res or [None] * len(keys):
+            try:
+                header = records.decode_header(memoryview(head)[_NPARTS.size:]) if head else None
+            except records.RecordError:
+                header = None
+            out.append(None if header is None else header.payload_offset + header.nbytes)
+        return out
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:

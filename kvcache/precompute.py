@@ -1,0 +1,289 @@
+"""`tiercache precompute docs`: store the KV prefix of every document before serving RAG queries on it.
+
+A RAG request is ``rag_prompt(document, question, template)``: the document (optionally wrapped in a
+template, and with its image when ``name.png`` sits beside ``name.txt`` and the model is multimodal),
+then the question. The job runs vLLM as a `kv_producer` over ``rag_prompt(document, None, template)``
+with ``max_tokens=1``, so the store holds the KV chunks of exactly the prefix that serving requests
+share. Serving must build its prompts with the same `rag_prompt` and run with the same model, dtype,
+block size, chunk size and namespace.
+
+Resume: before starting an engine, every document's chunk keys are computed offline with vLLM's own
+input processor (tokenizer, multimodal processor and mm_hash) and `shared.hashing`, exactly as the
+engine's scheduler names them; documents whose chunks are all stored are skipped.
+
+What a serving prompt can reuse: the connector names a chunk by the hash of its last block and looks
+up the chunks of the *serving* prompt. Every full ``chunk_size`` chunk of the prefix is therefore
+reusable; the prefix's last, partial chunk is stored too but only a prompt whose own chunk ends at the
+same block finds it. With ``chunk_size`` equal to the block size every full block of the prefix is
+reusable (more, smaller records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache.layout import layout_tag
+from shared.config import ConfigError, StoreConfig
+from shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
+from shared.jobs import (
+    DEFAULT_BATCH,
+    JobError,
+    PrecomputeSummary,
+    add_engine_arguments,
+    batches,
+    checked_store_config,
+    engine_config,
+    engine_kwargs_from_args,
+    fail,
+    gather_files,
+    load_store_arg,
+    offline_input_processor,
+    process_offline,
+    record_sizes,
+    report,
+    shutdown_llm,
+    start_llm,
+    wait_for_records,
+)
+from shared.keys import KVModelIdentity, kv_chunk_key
+from shared.store import build_store
+from shared.store.api import StoreKey
+
+log = logging.getLogger(__name__)
+
+#: Placeholder a template must contain; replaced verbatim (documents may contain braces).
+DOCUMENT_PLACEHOLDER = "{document}"
+#: Images looked for beside ``name.txt`` (first match wins).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+#: What follows the shared prefix in a serving request (BLIP-2's VQA prompt format in vLLM 0.32).
+QUESTION_SUFFIX = "\n\nQuestion: {question} Answer:"
+
+
+def rag_prompt(document_text: str, question: str | None = None, template: str | None = None) -> str:
+    """The text of a RAG request: template(document), then the question (None: the prefix alone).
+
+    One function for the precompute job and for serving, so the stored prefix is a prefix of every
+    serving prompt. Trailing whitespace of the wrapped document is dropped and the question part starts
+    with a newline: BPE tokenizers merge runs of whitespace, so a prefix ending in whitespace would
+    tokenize differently alone than followed by the question. With an image (BLIP-2), vLLM inserts the
+    image's placeholder tokens at the start of the prompt, so pass the image as ``multi_modal_data`` of
+    both the precompute and the serving request; the prompt text is the same.
+    """
+    if template is not None and DOCUMENT_PLACEHOLDER not in template:
+        raise ValueError(f"the template has no {DOCUMENT_PLACEHOLDER} placeholder")
+    body = template.replace(DOCUMENT_PLACEHOLDER, document_text) if template else document_text
+    body = body.rstrip()
+    return body if question is None else body + QUESTION_SUFFIX.format(question=question)
+
+
+def doc_image(doc: Path) -> Path | None:
+    """``name.png`` (or .jpg/.jpeg/.webp) beside ``name.txt``, if any."""
+    for suffix in IMAGE_SUFFIXES:
+        candidate = doc.with_suffix(suffix)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: str | None = None) -> dict[str, Any]:
+    """The vLLM prompt dict for a document (with its image when the model takes images)."""
+    from eccache.precompute import load_image
+
+    prompt: dict[str, Any] = {"prompt": rag_prompt(doc.read_text(), question, template)}
+    image = doc_image(doc) if multimodal else None
+    if image is not None:
+        prompt["multi_modal_data"] = {"image": load_image(image)}
+    return prompt
+
+
+@dataclass(frozen=True)
+class KVNaming:
+    """Everything that names a prompt's chunks in the store, read from the engine's own config."""
+
+    namespace: str
+    identities: tuple[KVModelIdentity, ...]
+    block_size: int
+    blocks_per_chunk: int
+    hash_algo: str
+    save_partial_chunks: bool
+
+    @classmethod
+    def from_configs(cls, vllm_config: Any, config: StoreConfig) -> KVNaming:
+        block_size = int(vllm_config.cache_config.block_size)
+        if config.chunk_size % block_size:
+            raise ConfigError(f"chunk_size: {config.chunk_size} is not a multiple of the engine's block size "
+                              f"{block_size}; set chunk_size to a multiple of {block_size}")
+        algo = vllm_config.cache_config.prefix_caching_hash_algo
+        check_seed_is_stable(algo)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        layout = layout_tag(vllm_config)
+        return cls(
+            namespace=config.namespace,
+            identities=tuple(KVModelIdentity.from_vllm_config(vllm_config, layout, r) for r in range(tp)),
+            block_size=block_size,
+            blocks_per_chunk=config.chunk_size // block_size,
+            hash_algo=algo,
+            save_partial_chunks=config.save_partial_chunks,
+        )
+
+    def chunk_keys(self, request: Any) -> tuple[list[StoreKey], int]:
+        """(store keys of every chunk a kv_producer saves for this request, full-chunk tokens).
+
+        Mirrors `KVSchedulerSide`: full blocks of the prompt, grouped in chunks; the partial last chunk
+        only with ``save_partial_chunks``; one record per layer and tensor-parallel rank.
+        """
+        features = getattr(request, "mm_features", None) or ()
+        extra = BlockExtraKeys(
+            mm_inputs=tuple(MMInput(f.mm_position.offset, f.mm_position.length, f.identifier) for f in features),
+            cache_salt=getattr(request, "cache_salt", None),
+        )
+        hashes = block_hashes(list(request.prompt_token_ids), self.block_size, self.hash_algo,
+                              extra_keys_per_block=None if extra.is_empty else extra)
+        ends = chunk_boundaries(len(hashes), self.blocks_per_chunk)
+        if ends and ends[-1] % self.blocks_per_chunk and not self.save_partial_chunks:
+            ends = ends[:-1]
+        keys = [
+            kv_chunk_key(self.namespace, identity, hashes[end - 1], layer)
+            for end in ends
+            for identity in self.identities
+            for layer in range(identity.num_layers)
+        ]
+        full_tokens = len(hashes) // self.blocks_per_chunk * self.blocks_per_chunk * self.block_size
+        return keys, full_tokens
+
+
+def precompute_docs(
+    model: str,
+    docs: list[Path],
+    store_config: dict[str, Any],
+    *,
+    template: str | None,
+    progress: bool = True,
+    engine_kwargs: dict[str, Any] | None = None,
+    batch_size: int = DEFAULT_BATCH,
+) -> PrecomputeSummary:
+    """Store the KV prefix chunks of every document whose chunks are not all stored yet.
+
+    Unreadable documents, prompts longer than ``max_model_len`` and documents shorter than one block
+    are reported in ``failed``; the job goes on. An engine starts only when some document needs it.
+    """
+    from tqdm import tqdm
+    from vllm.config import KVTransferConfig
+
+    started = time.perf_counter()
+    summary = PrecomputeSummary(kind="docs", total=len(docs))
+    if template is not None and DOCUMENT_PLACEHOLDER not in template:
+        raise JobError(f"--template: the template has no {DOCUMENT_PLACEHOLDER} placeholder; add it where "
+                       "the document text goes")
+    config = checked_store_config(store_config)
+    kwargs = dict(engine_kwargs or {})
+    transfer = {"kv_transfer_config": KVTransferConfig(
+        kv_connector="TieredKVConnector", kv_role="kv_producer", kv_connector_extra_config=dict(store_config))}
+    vllm_config = engine_config(model, kwargs, **transfer)
+    naming = KVNaming.from_configs(vllm_config, config)
+    multimodal = bool(vllm_config.model_config.is_multimodal_model)
+    processor = offline_input_processor(vllm_config)
+    max_len = int(vllm_config.model_config.max_model_len)
+    ignored_images = 0
+    tokens_total = reusable_total = 0
+    misaligned: list[str] = []
+
+    todo: list[tuple[Path, list[StoreKey]]] = []
+    with build_store(config) as store:
+        for doc in tqdm(docs, desc="hashing docs", unit="doc", disable=not progress):
+            try:
+                if not multimodal and doc_image(doc) is not None:
+                    ignored_images += 1
+                request = process_offline(processor, doc_request(doc, template, multimodal=multimodal))
+                probe = process_offline(processor, doc_request(doc, template, multimodal=multimodal,
+                                                                question="?"))
+            except Exception as exc:  # unreadable text/image, or rejected by vLLM (too long...)
+                summary.failed.append((doc.name, str(exc)))
+                continue
+            ids = list(request.prompt_token_ids)
+            if len(ids) >= max_len:
+                summary.failed.append((doc.name, f"{len(ids)} prompt tokens, not below max_model_len={max_len}; "
+                                                 "raise --max-model-len or split the document"))
+                continue
+            if list(probe.prompt_token_ids[: len(ids)]) != ids:
+                misaligned.append(doc.name)
+            keys, reusable = naming.chunk_keys(request)
+            if not keys:
+                summary.failed.append((doc.name, f"{len(ids)} tokens: shorter than one block "
+                                                 f"({naming.block_size} tokens), nothing to cache"))
+                continue
+            tokens_total += len(ids)
+            reusable_total += reusable
+            if all(store.contains_many(keys, shared_only=True)):
+                summary.skipped += 1
+            else:
+                todo.append((doc, keys))
+
+        if todo:
+            from vllm import SamplingParams
+
+            llm = start_llm(model, kwargs, **transfer)
+            params = SamplingParams(max_tokens=1)
+            bar = tqdm(total=len(todo), desc="prefilling docs", unit="doc", disable=not progress)
+            try:
+                for batch in batches(todo, batch_size):
+                    prompts = [doc_request(doc, template, multimodal=multimodal) for doc, _ in batch]
+                    llm.generate(prompts, params, use_tqdm=False)
+                    bar.update(len(batch))
+                wait_for_records(store, [k for _, keys in todo for k in keys])
+            finally:
+                bar.close()
+                shutdown_llm(llm)
+
+        for doc, keys in todo:
+            if all(store.contains_many(keys, shared_only=True)):
+                summary.stored += 1
+                summary.bytes_stored += sum(size or 0 for size in record_sizes(store, keys))
+            else:
+                summary.failed.append((doc.name, "prefilled but some chunks are not in the store afterwards "
+                                                 "(see the engine log: dropped write, full disk or Redis down)"))
+    summary.details["tokens"] = f"{tokens_total} prefix tokens, {reusable_total} in full chunks"
+    if ignored_images:
+        summary.details["images"] = f"{ignored_images} images beside docs ignored: {model} is text-only"
+    if misaligned:
+        summary.details["warning"] = (f"{len(misaligned)} docs tokenize differently once a question follows "
+                                      f"(e.g. {misaligned[0]}); their last tokens will not hit")
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Store the KV prefix chunks of a document corpus (vLLM kv_producer, max_tokens=1). "
+                          "Documents whose chunks are all stored are skipped, so a rerun resumes.")
+    add_engine_arguments(parser)
+    parser.add_argument("--docs", required=True, metavar="DIR_OR_LIST",
+                        help="a directory of .txt files (name.png beside name.txt joins the prompt of a "
+                             "multimodal model), or a text file with one path per line")
+    parser.add_argument("--template", default=None, metavar="FILE",
+                        help=f"template file with a {DOCUMENT_PLACEHOLDER} placeholder (serving must use it too)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        store_config = load_store_arg(args.config)
+        template = None
+        if args.template:
+            try:
+                template = Path(args.template).read_text()
+            except OSError as exc:
+                return fail(f"--template: cannot read {args.template!r} ({exc.strerror})")
+        docs = gather_files(Path(args.docs), (".txt",), "--docs")
+        if not docs:
+            return fail(f"--docs: no .txt file in {args.docs!r}")
+        summary = precompute_docs(args.model, docs, store_config, template=template,
+                                  progress=not args.no_progress, engine_kwargs=engine_kwargs_from_args(args),
+                                  batch_size=args.batch_size)
+    except (ConfigError, JobError, ValueError) as exc:
+        return fail(str(exc))
+    return report(summary, args.json)

@@ -1,0 +1,123 @@
+"""`tiercache evict`: remove records after a model or adapter update, or by age.
+
+Keys carry the namespace and the model name as their first and third fields
+(``{ns}|kv|{model}|...``, ``{ns}|enc|{model}|...``), so invalidation is a filter over key texts:
+
+- disk / gds: the index is scanned and matches are removed with `DiskTier.delete_where`, batch by batch
+  under the index's write transaction, safely beside serving processes (a reader mid-read keeps its
+  open file; a later reader gets a miss and recomputes).
+- redis: SCAN over ``key_prefix``, then head, parts and key text of each match are deleted.
+- memory: per process; serving processes drop their memory copies by LRU or on restart. A new model
+  or adapter changes the key fingerprint anyway, so stale memory copies are never served for it.
+
+``--older-than`` compares with the last access (disk: index access time, refreshed at most once a
+minute on reads; redis: OBJECT IDLETIME of the record head). Records without a key text (disk index
+rebuilt from headers, Redis records written before texts were stored) match only filters that do not
+need the text (``--older-than`` alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shared.config import ConfigError, StoreConfig
+from shared.jobs import load_store_arg
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"30m"`` -> 1800.0; units s, m, h, d, w. Raises ArgumentTypeError with the accepted form."""
+    match = _DURATION.match(text or "")
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}; use e.g. 30m, 12h, 7d")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def make_predicate(namespace: str | None, model: str | None,
+                   older_than_s: float | None) -> Callable[[str, float | None], bool]:
+    """``predicate(key_text, age_s)``: True for a record every given filter matches."""
+
+    def predicate(text: str, age_s: float | None) -> bool:
+        fields = text.split("|") if text else []
+        if namespace is not None and (len(fields) < 3 or fields[0] != namespace):
+            return False
+        if model is not None and (len(fields) < 3 or fields[2] != model):
+            return False
+        return not (older_than_s is not None and (age_s is None or age_s < older_than_s))
+
+    return predicate
+
+
+def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, model: str | None = None,
+          older_than_s: float | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """Remove matching records from every shared tier; returns per-tier counts and bytes."""
+    from shared.store import build_store
+
+    if namespace is None and model is None and older_than_s is None:
+        raise ValueError("give at least one of --namespace, --model, --older-than "
+                         "(to drop a whole store, delete its directory or Redis database)")
+    predicate = make_predicate(namespace, model, older_than_s)
+    config = StoreConfig.load(store_config)
+    result: dict[str, Any] = {"dry_run": dry_run, "tiers": []}
+    with build_store(config) as store:
+        for tier in store.tiers:
+            entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind, "records": 0, "bytes": 0}
+            try:
+                if tier.kind in ("disk", "gds"):
+                    now = time.time()
+                    entry["records"], entry["bytes"] = tier.delete_where(
+                        lambda text, size, atime, now=now: predicate(text, now - atime), dry_run=dry_run)
+                elif tier.kind == "redis":
+                    matches = [(h, size or 0) for h, size, idle, text in tier.iter_records()
+                               if predicate(text, idle)]
+                    entry["bytes"] = sum(size for _, size in matches)
+                    entry["records"] = len(matches) if dry_run else tier.delete_digests([h for h, _ in matches])
+                else:
+                    entry["note"] = "per process: not reachable from here (see docs/jobs.md)"
+            except Exception as exc:  # report the tier, go on with the others
+                entry["error"] = str(exc)
+            result["tiers"].append(entry)
+    result["records"] = sum(t["records"] for t in result["tiers"])
+    result["bytes"] = sum(t["bytes"] for t in result["tiers"])
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Remove records by namespace, model or age from the disk/gds and Redis tiers."
+    parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
+    parser.add_argument("--namespace", default=None, help="only records of this namespace")
+    parser.add_argument("--model", default=None, help="only records of this model (the name as the engine got it)")
+    parser.add_argument("--older-than", type=parse_duration, default=None, metavar="D",
+                        help="only records not used for D (e.g. 30m, 12h, 7d)")
+    parser.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = evict(load_store_arg(args.config), namespace=args.namespace, model=args.model,
+                       older_than_s=args.older_than, dry_run=args.dry_run)
+    except (ConfigError, ValueError) as exc:
+        print(f"tiercache evict: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for t in result["tiers"]:
+            if t.get("error"):
+                print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}")
+            elif t.get("note"):
+                print(f"tier {t['name']} ({t['kind']}): skipped ({t['note']})")
+            else:
+                print(f"tier {t['name']} ({t['kind']}): {verb} {t['records']} records, {t['bytes']:,} bytes")
+        print(f"total: {verb} {result['records']} records, {result['bytes']:,} bytes")
+    return 1 if any(t.get("error") for t in result["tiers"]) else 0

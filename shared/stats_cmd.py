@@ -1,0 +1,156 @@
+"""`tiercache stats`: what a store holds (entries and bytes per tier and per namespace) and hit counters.
+
+Where each number comes from, and why:
+
+- disk / gds: the LMDB index (no record file is read). Each entry keeps its key text, so records are
+  grouped by namespace, kind (``kv`` / ``enc``) and model; entries restored by an index rebuild have no
+  key text and are listed under ``?``.
+- redis: SCAN over ``key_prefix`` (never KEYS), with the head of each record for its size and the
+  ``#text`` key for its key text (records written before key texts were stored are listed under ``?``).
+- memory: a memory tier lives inside one process; this command's own is always empty. Serving
+  processes report theirs through their stats files.
+- hit counters are per process too: connectors write theirs, with their store's per-tier counters, to
+  ``$TIERCACHE_STATS_DIR/<name>-<pid>.json`` (``kv-worker-*``, ``ec-*``...). ``--stats-dir`` (default:
+  ``$TIERCACHE_STATS_DIR``) prints those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from shared.config import ConfigError, StoreConfig
+from shared.jobs import load_store_arg
+
+#: Tier counters shown per stats file (all are in the JSON output).
+_SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes")
+
+
+def group_of(key_text: str) -> tuple[str, str, str]:
+    """(namespace, kind, model) of a key text; ``("?", "?", "?")`` when the text is unknown."""
+    fields = key_text.split("|")
+    if len(fields) < 3 or not fields[0]:
+        return "?", "?", "?"
+    return fields[0], fields[1], fields[2]
+
+
+def tier_contents(tier: Any) -> dict[str, Any]:
+    """Entries and bytes of one tier, in total and per (namespace, kind, model)."""
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    out: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
+    if tier.kind == "memory":
+        out.update(entries=0, bytes=0, note="per process: empty in this process; see the stats files")
+        return out
+    try:
+        if tier.kind in ("disk", "gds"):
+            rows = ((text, size) for _, size, _, text in tier.iter_index())
+        elif tier.kind == "redis":
+            rows = ((text, size or 0) for _, size, _, text in tier.iter_records())
+        else:  # pragma: no cover - every tier kind is handled above
+            rows = iter(())
+        for text, size in rows:
+            g = groups[group_of(text)]
+            g[0] += 1
+            g[1] += size
+    except Exception as exc:  # an unreachable Redis must not hide the other tiers
+        out.update(entries=None, bytes=None, error=str(exc))
+        return out
+    out["entries"] = sum(g[0] for g in groups.values())
+    out["bytes"] = sum(g[1] for g in groups.values())
+    usage = tier.usage()
+    if usage.get("capacity") is not None:
+        out["capacity"] = usage["capacity"]
+    out["groups"] = [
+        {"namespace": ns, "kind": kind, "model": model, "entries": n, "bytes": b}
+        for (ns, kind, model), (n, b) in sorted(groups.items())
+    ]
+    return out
+
+
+def read_stats_files(directory: str) -> list[dict[str, Any]]:
+    """Every ``*.json`` stats file of ``directory`` (unreadable ones are reported, not fatal)."""
+    out = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            data = {"error": f"unreadable: {exc}"}
+        out.append({"file": path.name, **(data if isinstance(data, dict) else {"value": data})})
+    return out
+
+
+def collect(store_config: dict[str, Any] | None, stats_dir: str | None) -> dict[str, Any]:
+    from shared.store import build_store
+
+    config = StoreConfig.load(store_config)
+    with build_store(config) as store:
+        tiers = [tier_contents(tier) for tier in store.tiers]
+    result: dict[str, Any] = {"namespace": config.namespace, "tiers": tiers}
+    if stats_dir:
+        result["stats_dir"] = stats_dir
+        result["processes"] = read_stats_files(stats_dir)
+    return result
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def format_text(result: dict[str, Any]) -> str:
+    lines = []
+    for tier in result["tiers"]:
+        head = f"tier {tier['name']} ({tier['kind']}): "
+        if tier.get("error"):
+            lines.append(head + f"unavailable: {tier['error']}")
+            continue
+        cap = f" of {_fmt_bytes(tier['capacity'])}" if tier.get("capacity") else ""
+        lines.append(head + f"{tier['entries']} entries, {_fmt_bytes(tier['bytes'])}{cap}")
+        if tier.get("note"):
+            lines.append(f"  ({tier['note']})")
+        for g in tier.get("groups", []):
+            lines.append(f"  {g['namespace']:<16} {g['kind']:<4} {g['model'][-48:]:<48} "
+                         f"{g['entries']:>8} entries {_fmt_bytes(g['bytes']):>11}")
+    if "processes" in result:
+        lines.append(f"\nhit counters from {result['stats_dir']} ({len(result['processes'])} files, one per process):")
+        for proc in result["processes"]:
+            lines.append(f"  {proc['file']}")
+            connector = proc.get("counters") or proc.get("connector")
+            if isinstance(connector, dict):
+                shown = {k: v for k, v in connector.items() if isinstance(v, int | float) and v}
+                lines.append(f"    connector: {shown or 'all zero'}")
+            tiers = (proc.get("store") or {}).get("tiers") or {}
+            for name, c in tiers.items():
+                lines.append("    " + f"{name:<8} " + " ".join(f"{k}={c.get(k, 0)}" for k in _SHOWN))
+    else:
+        lines.append("\nhit counters: none shown (they are per process; pass --stats-dir or set "
+                     "TIERCACHE_STATS_DIR for the engines and for this command)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Entries, bytes and hit counters per tier and per namespace of a tiercache store."
+    parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
+    parser.add_argument("--stats-dir", default=os.environ.get("TIERCACHE_STATS_DIR"),
+                        help="directory of the engines' stats files (default: $TIERCACHE_STATS_DIR)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = collect(load_store_arg(args.config), args.stats_dir)
+    except ConfigError as exc:
+        print(f"tiercache: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, default=str) if args.json else format_text(result))
+    return 0
