@@ -11,11 +11,9 @@ Resume: before starting an engine, every document's chunk keys are computed offl
 input processor (tokenizer, multimodal processor and mm_hash) and `shared.hashing`, exactly as the
 engine's scheduler names them; documents whose chunks are all stored are skipped.
 
-What a serving prompt can reuse: the connector names a chunk by the hash of its last block and looks
-up the chunks of the *serving* prompt. Every full ``chunk_size`` chunk of the prefix is therefore
-reusable; the prefix's last, partial chunk is stored too but only a prompt whose own chunk ends at the
-same block finds it. With ``chunk_size`` equal to the block size every full block of the prefix is
-reusable (more, smaller records).
+What a serving prompt can reuse: every full block of the prefix. The connector names a chunk by the
+hash of its last block; a serving prompt that extends the document finds its full chunks directly and
+its partial last chunk by probing the shorter chunk endings after the last full-chunk hit.
 """
 
 from __future__ import annotations
@@ -132,7 +130,7 @@ class KVNaming:
         )
 
     def chunk_keys(self, request: Any) -> tuple[list[StoreKey], int]:
-        """(store keys of every chunk a kv_producer saves for this request, full-chunk tokens).
+        """(store keys of every chunk a kv_producer saves for this request, prefix tokens a longer prompt reuses).
 
         Mirrors `KVSchedulerSide`: full blocks of the prompt, grouped in chunks; the partial last chunk
         only with ``save_partial_chunks``; one record per layer and tensor-parallel rank.
@@ -153,8 +151,9 @@ class KVNaming:
             for identity in self.identities
             for layer in range(identity.num_layers)
         ]
-        full_tokens = len(hashes) // self.blocks_per_chunk * self.blocks_per_chunk * self.block_size
-        return keys, full_tokens
+        # A longer serving prompt finds every stored chunk, the partial last one included (the scheduler
+        # probes the shorter chunk endings after its last full-chunk hit).
+        return keys, (ends[-1] * self.block_size if ends else 0)
 
 
 def precompute_docs(
@@ -247,7 +246,7 @@ def precompute_docs(
             else:
                 summary.failed.append((doc.name, "prefilled but some chunks are not in the store afterwards "
                                                  "(see the engine log: dropped write, full disk or Redis down)"))
-    summary.details["tokens"] = f"{tokens_total} prefix tokens, {reusable_total} in full chunks"
+    summary.details["tokens"] = f"{tokens_total} prefix tokens, {reusable_total} reusable by longer prompts"
     if ignored_images:
         summary.details["images"] = f"{ignored_images} images beside docs ignored: {model} is text-only"
     if misaligned:

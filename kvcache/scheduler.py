@@ -45,6 +45,8 @@ class _RequestState:
     #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
     load_first: int = 0
     load_end: int = 0
+    #: end block of every stored chunk the load reads from, and whether the workers' memory holds it
+    load_chunks: list[tuple[int, bool]] = field(default_factory=list)
     #: end block of the last chunk already planned for saving
     saved_until: int = 0
 
@@ -131,6 +133,27 @@ class KVSchedulerSide:
                 offset += len(keys)
         return present, resident
 
+    def _shorter_chunk(self, request: Request, start: int, end: int) -> tuple[int, bool] | None:
+        """The longest stored chunk that starts at block `start` and ends before `end`, if any.
+
+        A chunk is named by the hash at its last block, so a prompt that extends a stored prompt (a RAG
+        question after a precomputed document) finds the document's partial last chunk only by probing
+        the shorter endings: first on layer 0 of rank 0 for every candidate in one call, then on every
+        layer and rank of the best candidate.
+        """
+        candidates = list(range(end - 1, start, -1))
+        if not candidates:
+            return None
+        hashes = [request.block_hashes[e - 1] for e in candidates]
+        for e, h in zip(candidates, hashes, strict=True):
+            if h in self.resident:
+                return e, True
+        probe = [kv_chunk_key(self.namespace, self.identities[0], h, 0) for h in hashes]
+        for e, h, hit in zip(candidates, hashes, self.store.contains_many(probe, shared_only=True), strict=True):
+            if hit and all(self.store.contains_many(self._chunk_keys(h), shared_only=True)):
+                return e, False
+        return None
+
     def _prompt_full_blocks(self, request: Request) -> int:
         num_prompt = request.num_prompt_tokens
         return min(num_prompt // self.geometry.block_size, len(request.block_hashes))
@@ -143,19 +166,25 @@ class KVSchedulerSide:
             state = self._requests[request.request_id] = _RequestState(request)
         state.stored, state.resident = stored, resident
         state.load_first = state.load_end = 0
+        state.load_chunks = []
         if not self.can_load:
             return 0, False
-        hit_chunks = next((i for i, ok in enumerate(stored) if not ok), len(stored))
-        if hit_chunks == 0:
-            return 0, False
         ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
+        hit_chunks = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+        chunks = [(end, resident[i]) for i, end in enumerate(ends[:hit_chunks])]
+        if hit_chunks < len(ends):
+            shorter = self._shorter_chunk(request, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
+            if shorter is not None:
+                chunks.append(shorter)
+        if not chunks:
+            return 0, False
         # vLLM must compute at least the last prompt token itself, so a hit stops one token short.
         usable_blocks = (request.num_prompt_tokens - 1) // block_size
-        hit_blocks = min(ends[hit_chunks - 1], usable_blocks)
+        hit_blocks = min(chunks[-1][0], usable_blocks)
         local_blocks = num_computed_tokens // block_size
         if hit_blocks <= local_blocks:
             return 0, False
-        state.load_first, state.load_end = local_blocks, hit_blocks
+        state.load_first, state.load_end, state.load_chunks = local_blocks, hit_blocks, chunks
         return (hit_blocks - local_blocks) * block_size, False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -164,6 +193,7 @@ class KVSchedulerSide:
             state = self._requests[request.request_id] = _RequestState(request)
         if num_external_tokens == 0:
             state.load_first = state.load_end = 0
+            state.load_chunks = []
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
@@ -173,13 +203,12 @@ class KVSchedulerSide:
         state = self._requests.get(request.request_id)
         if not num_external_tokens or state is None:
             return {}
-        geometry = self.geometry
         host_blocks = 0
-        for index, end in enumerate(geometry.chunk_ends(state.load_end)):
-            first = max(geometry.chunk_start(end), state.load_first)
-            if end > first and index < len(state.resident) and state.resident[index]:
-                host_blocks += end - first
-        host = min(host_blocks * geometry.block_size, num_external_tokens)
+        for end, in_memory in state.load_chunks:
+            first, last = max(self.geometry.chunk_start(end), state.load_first), min(end, state.load_end)
+            if in_memory and last > first:
+                host_blocks += last - first
+        host = min(host_blocks * self.geometry.block_size, num_external_tokens)
         sources = {CacheHitSource.HOST: host, self.shared_source: num_external_tokens - host}
         return {source: tokens for source, tokens in sources.items() if tokens}
 
@@ -216,15 +245,14 @@ class KVSchedulerSide:
         geometry = self.geometry
         if state.load_end > state.load_first:
             block_ids = self._block_ids(request.request_id)
-            for end in geometry.chunk_ends(state.load_end):
+            for end, _ in state.load_chunks:
                 start = geometry.chunk_start(end)
-                first, last = max(start, state.load_first), end
+                first, last = max(start, state.load_first), min(end, state.load_end)
                 if last <= first:
                     continue
-                chunk_end = min(start + geometry.blocks_per_chunk, self._prompt_full_blocks(request))
                 plan.loads.append(
                     ChunkLoad(
-                        chunk_hash=request.block_hashes[chunk_end - 1],
+                        chunk_hash=request.block_hashes[end - 1],
                         chunk_start=start,
                         first=first,
                         end=last,
@@ -232,6 +260,7 @@ class KVSchedulerSide:
                     )
                 )
             state.load_first = state.load_end = 0
+            state.load_chunks = []
         if self.can_save:
             for end in self._chunks_to_save(state, computed_after):
                 if block_ids is None:

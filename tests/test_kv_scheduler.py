@@ -192,3 +192,22 @@ def test_hit_sources_split_memory_residents_from_disk(side) -> None:
     assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
     side.update_state_after_alloc(request, 8 * BLOCK)
     assert side.hit_sources(request, 8 * BLOCK) == {CacheHitSource.HOST: 4 * BLOCK, CacheHitSource.DISK: 4 * BLOCK}
+
+
+def test_a_longer_prompt_reaches_the_stored_partial_chunk_of_its_prefix(side) -> None:
+    """RAG: a precomputed document (its last chunk partial) followed by a question must hit all of it."""
+    document = tokens(200, seed=7)  # 6 full blocks: chunk [0,4) and partial chunk [4,6)
+    produced = make_request("doc", document)
+    store_chunk(side, produced.block_hashes[3], 4)
+    store_chunk(side, produced.block_hashes[5], 2)
+    query = make_request("q", document + tokens(90, seed=8))  # 9 full blocks: chunks end at 4, 8, 9
+    assert query.block_hashes[:6] == produced.block_hashes
+    assert side.get_num_new_matched_tokens(query, 0) == (6 * BLOCK, False)
+    side.update_state_after_alloc(query, 6 * BLOCK)
+    (plan,) = side.build_connector_meta(step([("q", 0)], [], {"q": 290})).requests
+    assert [(load.chunk_hash, load.chunk_start, load.first, load.end) for load in plan.loads] == [
+        (query.block_hashes[3], 0, 0, 4),
+        (query.block_hashes[5], 4, 4, 6),
+    ]
+    # The query's own chunks [4,8) and [8,9) were not stored: they are saved, the stored one is not.
+    assert [s.chunk_hash for s in plan.saves] == [query.block_hashes[7], query.block_hashes[8]]

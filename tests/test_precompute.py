@@ -107,7 +107,7 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     model = str(tiny_llama)
     prompts = [{"prompt": rag_prompt(d.read_text(), f"question {i}?", template)} for i, d in enumerate(docs)]
 
-    # Expected hits, from vLLM's own processor: every full chunk of each prefix.
+    # Expected hits, from vLLM's own processor: every stored chunk of each prefix, the partial last one too.
     cfg = engine_config(model, LLAMA_ENGINE)
     processor = offline_input_processor(cfg)
     naming = KVNaming.from_configs(cfg, StoreConfig.load(store))
