@@ -9,22 +9,27 @@ Configure it like any vLLM 0.32 EC connector::
         ec_connector_extra_config={"namespace": "demo", "tiers": [...], "x_ec_stats_path": "/tmp/ec.json"},
     )
 
-`ec_connector_extra_config` is a `shared.config.StoreConfig` dict (validated there); `x_ec_stats_path`
-(optional) is where the process writes its counters as JSON. Roles: `ec_producer` saves what it encodes
-and never loads (vLLM then runs the encoder only: an encode instance), `ec_consumer` loads and never
-saves, `ec_both` loads what is stored and saves what it computed.
+`ec_connector_extra_config` is a `shared.config.StoreConfig` dict (validated there). Roles: `ec_producer`
+saves what it encodes and never loads (vLLM then runs the encoder only: an encode instance),
+`ec_consumer` loads and never saves, `ec_both` loads what is stored and saves what it computed.
 
-The two halves live in `eccache.scheduler` and `eccache.worker`; this module only wires them to vLLM's
-interface and keeps the counters that both halves share when they run in one process (vLLM's uniproc
-executor, the default for one device).
+Processes: vLLM builds a SCHEDULER-role connector in its engine-core process and a WORKER-role one in
+each worker. With the uniproc executor they share one process (and one store); with the multiproc
+executor (always on vLLM-CPU, and with more than one device) they do not, and the scheduler learns what
+the worker's memory tier holds from the worker's residency reports (see `eccache.scheduler`).
+
+Counters: every process keeps its own (`process_stats()`); with env `TIERCACHE_STATS_DIR` set, each
+process writes them, with its store's stats, to `$TIERCACHE_STATS_DIR/ec-<pid>.json` whenever they change
+(`shared.stats_dump`; sum the files for an engine's totals). `x_ec_stats_path` (optional, legacy) is one
+more such file; `{pid}` in it is replaced by the process id, so that processes do not overwrite it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,17 +40,21 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
-from eccache.scheduler import ECSchedulerSide, TieredECMetadata
-from eccache.worker import ECWorkerSide
+from eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
+from eccache.worker import ECWorkerSide, worker_in_process
 from shared.config import StoreConfig
 from shared.keys import EncoderIdentity, encoder_key
+from shared.stats_dump import dump_stats
 from shared.store import get_store
 from shared.store.api import StoreKey
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
 
 #: Counter names; `*_seconds` are float sums, the rest ints.
 COUNTER_NAMES = (
@@ -61,11 +70,14 @@ class ECCounters:
         self._lock = threading.Lock()
         self._values: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
         self._reported: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
+        #: Bumped by every `add` (lets the stats file be rewritten only when something changed).
+        self.version = 0
 
     def add(self, **deltas: float) -> None:
         with self._lock:
             for name, value in deltas.items():
                 self._values[name] = self._values.get(name, 0) + value
+            self.version += 1
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -80,6 +92,10 @@ class ECCounters:
 
 #: One per process: the scheduler-side and worker-side connector of a uniproc engine count together.
 COUNTERS = ECCounters()
+
+
+#: Roles of the EC connectors built in this process (both with vLLM's uniproc executor), for the stats files.
+_ROLES: set[str] = set()
 
 
 def process_stats() -> dict[str, float]:
@@ -120,16 +136,23 @@ class TieredECConnector(ECConnectorBase):
         # One store per process and config: the KV connector in this process shares it (and its budget).
         self._store = get_store(self._config)
         self._identity = EncoderIdentity.from_vllm_config(vllm_config)
-        self._stats_path: str | None = self._config.extra.get("x_ec_stats_path")
-        self._last_stats_write = 0.0
-        # The scheduler and the worker share the memory tier only in one process (uniproc executor).
-        same_process = vllm_config.parallel_config.world_size == 1 and (
-            vllm_config.parallel_config.distributed_executor_backend in (None, "uni")
+        path = self._config.extra.get("x_ec_stats_path")
+        self._stats_path: str | None = str(path).replace("{pid}", str(os.getpid())) if path else None
+        self._stats_version = -1
+        self._executor = str(vllm_config.parallel_config.distributed_executor_backend)
+        _ROLES.add(role.name.lower())
+        logger.info(
+            "TieredECConnector: role=%s ec_role=%s pid=%d executor=%s world_size=%d",
+            role.name, ec.ec_role, os.getpid(), vllm_config.parallel_config.distributed_executor_backend,
+            vllm_config.parallel_config.world_size,
         )
         if role == ECConnectorRole.SCHEDULER:
+            # Whether the worker shares this process (and so its memory tier) is checked at lookup time:
+            # the uniproc executor builds its worker here, the multiproc one in another process.
+            store = self._store
             self._sched: ECSchedulerSide | None = ECSchedulerSide(
-                self._store, self._key, load_enabled=self.is_consumer, shared_only=not same_process,
-                counters=COUNTERS,
+                self._store, self._key, load_enabled=self.is_consumer,
+                same_process=lambda: worker_in_process(store), counters=COUNTERS,
             )
             self._worker: ECWorkerSide | None = None
         else:
@@ -145,7 +168,7 @@ class TieredECConnector(ECConnectorBase):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process plus the store's own stats."""
-        out: dict[str, Any] = {"connector": process_stats()}
+        out: dict[str, Any] = {"connector": process_stats(), "roles": sorted(_ROLES), "executor": self._executor}
         try:
             out["store"] = self._store.stats()
         except Exception as exc:  # stats must never break serving
@@ -153,16 +176,21 @@ class TieredECConnector(ECConnectorBase):
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:
-        if not self._stats_path:
+        """Write this process's counters when they changed since the last write (at most once a step)."""
+        version = COUNTERS.version
+        if not force and version == self._stats_version:
             return
-        now = time.monotonic()
-        if not force and now - self._last_stats_write < 0.2:
-            return
-        self._last_stats_write = now
-        tmp = f"{self._stats_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"pid": os.getpid(), "connector": process_stats()}, f)
-        os.replace(tmp, self._stats_path)
+        self._stats_version = version
+        payload = self.stats()
+        dump_stats("ec", payload, min_interval_s=0.0)
+        if self._stats_path:
+            try:
+                tmp = f"{self._stats_path}.tmp{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump({"pid": os.getpid(), **payload}, f, default=str)
+                os.replace(tmp, self._stats_path)
+            except OSError as exc:
+                logger.warning("tiercache EC: cannot write stats to %s: %s", self._stats_path, exc)
 
     # ------------------------------------------------------------------------------------ worker side
 
@@ -172,12 +200,17 @@ class TieredECConnector(ECConnectorBase):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TieredECMetadata)
         self._worker.start_load_caches(encoder_cache, metadata)
-        self._maybe_write_stats(force=bool(metadata.loads))
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.save_caches(encoder_cache, mm_hash)
-            self._maybe_write_stats()
+
+    def build_connector_worker_meta(self) -> TieredECWorkerMetadata | None:
+        """End of every model step (vLLM's worker -> scheduler channel): memory-tier residency changes."""
+        if self._worker is None:
+            return None
+        self._maybe_write_stats()
+        return self._worker.worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads finish inside start_load_caches; saves never hold a request
@@ -213,6 +246,10 @@ class TieredECConnector(ECConnectorBase):
             return TieredECMetadata()
         self._maybe_write_stats()
         return self._sched.build_connector_meta()
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output.ec_connector_worker_meta)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is not None:

@@ -9,6 +9,13 @@ Lookups cost one batched `contains_many` per request, made the first time the re
 until it finishes: `ensure_cache_available` runs every step for every running multimodal request, so
 anything slower would tax every decode step. A promise can still turn out false at load time (record
 evicted or corrupt since); the worker then re-encodes the item in the same step (see `eccache.worker`).
+
+Where the lookup looks: vLLM usually runs the scheduler and the worker in different processes (on CPU,
+and with more than one device, its multiproc executor), so the worker's in-process memory tier is
+invisible here. The store is then asked only for its shared tiers (disk, GDS, Redis), and what the
+worker's memory tier holds is known from the residency reports it sends back every step
+(`TieredECWorkerMetadata`, through vLLM's `build_connector_worker_meta` -> `update_connector_output`
+channel). When the worker lives in this very process (uniproc executor), the whole store is asked.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
 from shared.store.api import StoreKey
 
@@ -42,8 +49,33 @@ class TieredECMetadata(ECConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
 
 
+@dataclass
+class TieredECWorkerMetadata(ECConnectorWorkerMetadata):
+    """Worker -> scheduler: mm_hashes whose encoder output entered or left the worker's memory tier.
+
+    With several workers (tensor parallel) an item is resident only when every worker holds it
+    (added: intersection, evicted: union), so a promise made from this is true on every rank.
+    """
+
+    added: set[str] = field(default_factory=set)
+    evicted: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        assert isinstance(other, TieredECWorkerMetadata)
+        return TieredECWorkerMetadata(added=self.added & other.added, evicted=self.evicted | other.evicted)
+
+
+#: An answer known only from the worker's residency reports (re-checked before it becomes a promise).
+RESIDENT = "resident"
+
+
 class ECSchedulerSide:
-    """Per-request existence answers from one batched store lookup; the loads promised this step."""
+    """Per-request existence answers from one batched store lookup; the loads promised this step.
+
+    `same_process()` tells whether a worker sharing this process's store exists (then its memory tier is
+    visible here); it is asked at every lookup because vLLM builds the scheduler and the workers in an
+    order this class should not depend on.
+    """
 
     def __init__(
         self,
@@ -51,30 +83,46 @@ class ECSchedulerSide:
         key_of: Callable[[str], StoreKey],
         *,
         load_enabled: bool,
-        shared_only: bool,
+        same_process: Callable[[], bool],
         counters: Any,
     ) -> None:
         self._store = store
         self._key_of = key_of
         self._load_enabled = load_enabled
-        self._shared_only = shared_only
+        self._same_process = same_process
         self._counters = counters
-        #: req_id -> {mm_hash: stored?}, filled once per request.
-        self._answers: dict[str, dict[str, bool]] = {}
+        #: mm_hashes the worker(s) reported in their memory tier (and not evicted since).
+        self.resident: set[str] = set()
+        #: req_id -> {mm_hash: stored? (True, False or RESIDENT)}, filled once per request.
+        self._answers: dict[str, dict[str, bool | str]] = {}
         #: mm_hash -> stored?, the union of live requests' answers (has_cache_item only gets a hash).
-        self._known: dict[str, bool] = {}
+        self._known: dict[str, bool | str] = {}
         self._promised: set[str] = set()
         self._pending: dict[str, LoadItem] = {}
 
-    def _lookup(self, mm_hashes: list[str]) -> list[bool]:
-        keys = [self._key_of(h) for h in mm_hashes]
+    def _lookup(self, mm_hashes: list[str]) -> list[bool | str]:
+        """Per hash: True (in a tier the worker reads and this process sees), RESIDENT, or False."""
+        found: list[bool | str] = [False] * len(mm_hashes)
+        same_process = self._same_process()
+        todo = list(range(len(mm_hashes)))
+        if not same_process and self.resident:
+            todo = []
+            for i, h in enumerate(mm_hashes):
+                if h in self.resident:
+                    found[i] = RESIDENT
+                else:
+                    todo.append(i)
+        if not todo:
+            return found
+        keys = [self._key_of(mm_hashes[i]) for i in todo]
         try:
-            if self._shared_only:
-                return list(self._store.contains_many(keys, shared_only=True))
-            return list(self._store.contains_many(keys))
+            hits = self._store.contains_many(keys, shared_only=not same_process)
         except Exception:  # a store that cannot answer is a miss, never a scheduling failure
             self._counters.add(lookup_errors=1)
-            return [False] * len(keys)
+            return found
+        for i, hit in zip(todo, hits, strict=True):
+            found[i] = bool(hit)
+        return found
 
     def ensure_cache_available(self, request: Request) -> bool:
         """Batch-check every item of a request once; never defers (loads are synchronous)."""
@@ -92,9 +140,11 @@ class ECSchedulerSide:
         if not self._load_enabled:
             return False
         stored = self._known.get(identifier)
-        if stored is None:
+        if stored is None or (stored == RESIDENT and identifier not in self.resident):
+            # Never asked, or the worker evicted it from memory since: ask again (a shared tier may have it).
             stored = self._lookup([identifier])[0]
             self._known[identifier] = stored
+        stored = bool(stored)
         self._counters.add(**({"hits": 1} if stored else {"misses": 1}))
         if stored:
             self._promised.add(identifier)
@@ -112,6 +162,12 @@ class ECSchedulerSide:
         self._pending.clear()
         self._promised.clear()
         return meta
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        """Apply the workers' residency report of the last step."""
+        if isinstance(worker_meta, TieredECWorkerMetadata):
+            self.resident -= worker_meta.evicted
+            self.resident |= worker_meta.added
 
     def request_finished(self, request: Request) -> None:
         answers = self._answers.pop(request.request_id, None)

@@ -11,22 +11,37 @@ A failed load must not crash and must not feed garbage: if an item vLLM was prom
 validated (checksummed by the store; shape, dtype and width checked here) and an item that fails is
 added to this step's `scheduler_output.scheduled_encoder_inputs`, which `_execute_mm_encoder` reads next:
 vLLM re-encodes it in the same step and the tokens are those of a run without the connector.
+
+Residency reports: vLLM usually runs the scheduler in another process, which cannot see this process's
+memory tier. Every item saved into (or promoted into, by a load) the memory tier is reported back as
+added, every one the memory tier evicts (`store.add_eviction_listener`) as evicted, through
+`worker_meta()` (vLLM's `build_connector_worker_meta`, called at the end of every model step).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from eccache.scheduler import LoadItem, TieredECMetadata
+from eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
 from shared.store.api import StoreKey
 
 logger = logging.getLogger(__name__)
+
+#: Stores an EC worker side of this process uses (the scheduler side then sees that worker's memory tier).
+_WORKER_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def worker_in_process(store: Any) -> bool:
+    """True when a worker-side EC connector of this process uses `store` (vLLM's uniproc executor)."""
+    return store in _WORKER_STORES
 
 
 def find_scheduler_output(metadata: TieredECMetadata, max_depth: int = 8) -> Any | None:
@@ -68,6 +83,15 @@ class ECWorkerSide:
         self._hidden = hidden_size
         self._save_enabled = save_enabled
         self._counters = counters
+        # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
+        self._memory = next((t for t in getattr(store, "tiers", []) if t.kind == "memory"), None)
+        self._resident_lock = threading.Lock()
+        self._hash_of_digest: dict[bytes, str] = {}
+        self._added: set[str] = set()
+        self._evicted: set[str] = set()
+        if self._memory is not None:
+            store.add_eviction_listener(self._on_evicted)
+        _WORKER_STORES.add(store)
 
     # ------------------------------------------------------------------------------------------- load
 
@@ -99,6 +123,7 @@ class ECWorkerSide:
             # Same device: `.to` returns the tensor itself (a memory-tier hit is never copied).
             encoder_cache[item.mm_hash] = tensor.to(self._device, non_blocking=True)
             nbytes += tensor.numel() * tensor.element_size()
+            self._track(item.mm_hash)  # a hit in a slower tier was promoted into memory
         self._counters.add(
             loads=len(todo) - len(failed), load_failures=len(failed), bytes_loaded=nbytes,
             load_seconds=time.perf_counter() - start,
@@ -142,5 +167,44 @@ class ECWorkerSide:
             logger.exception("tiercache EC: store write failed for %s", mm_hash)
             self._counters.add(save_errors=1)
             return
+        self._track(mm_hash)
         self._counters.add(saves=1, bytes_saved=cpu.numel() * cpu.element_size(),
                            save_seconds=time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------ residency reports
+
+    def _track(self, mm_hash: str) -> None:
+        """Report `mm_hash` as resident if the memory tier holds it now (a put can be refused or evicted).
+
+        The check and the update happen under the lock the eviction listener takes, so an eviction racing
+        with this (the KV connector's saver thread shares the memory tier) is never lost.
+        """
+        if self._memory is None:
+            return
+        key = self._key_of(mm_hash)
+        with self._resident_lock:
+            if not self._memory.contains_many([key])[0]:
+                return
+            self._hash_of_digest[key.digest] = mm_hash
+            self._added.add(mm_hash)
+            self._evicted.discard(mm_hash)
+
+    def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
+        if tier_kind != "memory":
+            return
+        with self._resident_lock:
+            mm_hash = self._hash_of_digest.pop(digest, None)
+            if mm_hash is not None:
+                self._evicted.add(mm_hash)
+                self._added.discard(mm_hash)
+
+    def worker_meta(self) -> TieredECWorkerMetadata | None:
+        """This step's residency changes, or None when there are none (vLLM then sends nothing)."""
+        if self._memory is None:
+            return None
+        with self._resident_lock:
+            if not self._added and not self._evicted:
+                return None
+            meta = TieredECWorkerMetadata(added=self._added, evicted=self._evicted)
+            self._added, self._evicted = set(), set()
+        return meta
