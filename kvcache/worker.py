@@ -266,9 +266,7 @@ class KVWorkerSide:
                     items.append((key, blocks, {**meta, "blocks": int(blocks.shape[0])}))
                 self.store.put_many(items, owned=True)
                 done = {chunk_hash for _, _, chunk_hash, last in batch if last}
-                with self._resident_lock:
-                    self._resident_added |= done
-                    self._resident_evicted -= done
+                self._report_resident(batch, done)
                 with self._counters_lock:
                     self.counters.saved_chunks += len(done)
                     self.counters.saved_bytes += sum(b.numel() * b.element_size() for _, b, _, _ in batch)
@@ -287,12 +285,31 @@ class KVWorkerSide:
         self.store.flush(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------------------ residency reports
+    def _report_resident(self, batch: list[tuple[StoreKey, torch.Tensor, bytes, bool]], done: set[bytes]) -> None:
+        """Report chunks whose every layer the memory tier holds now (a put can be refused or evicted).
+
+        Checked under the lock the eviction listener takes, so an eviction racing with the report (the
+        EC connector's saves share the memory tier) is never lost.
+        """
+        memory = next((tier for tier in self.store.tiers if tier.kind == "memory"), None)
+        if memory is None or not done:
+            return
+        keys_of: dict[bytes, list[StoreKey]] = {}
+        for key, _, chunk_hash, _ in batch:
+            if chunk_hash in done:
+                keys_of.setdefault(chunk_hash, []).append(key)
+        with self._resident_lock:
+            for chunk_hash, keys in keys_of.items():
+                if all(memory.contains_many(keys)):
+                    self._resident_added.add(chunk_hash)
+                    self._resident_evicted.discard(chunk_hash)
+
     def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
         if tier_kind != "memory":
             return
-        chunk_hash = self._chunk_of_key.pop(digest, None)
-        if chunk_hash is not None:
-            with self._resident_lock:
+        with self._resident_lock:
+            chunk_hash = self._chunk_of_key.pop(digest, None)
+            if chunk_hash is not None:
                 self._resident_evicted.add(chunk_hash)
                 self._resident_added.discard(chunk_hash)
 

@@ -145,3 +145,22 @@ def test_memory_evictions_are_reported_to_the_scheduler(tmp_path) -> None:
     assert meta.added == {b"second"} and meta.evicted == {b"first"}
     side.shutdown()
     small.close()
+
+
+def test_a_chunk_the_memory_tier_refused_is_never_reported_resident(tmp_path) -> None:
+    tiny = build_store(
+        {
+            "tiers": [
+                {"kind": "memory", "capacity": 1024},  # smaller than one record
+                {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"},
+            ]
+        }
+    )
+    source = paged_caches(3)
+    side = worker(tiny)
+    side.register_kv_caches(source, NUM_BLOCKS)
+    save(side, source, b"too-big", [0, 1])
+    assert side.worker_meta() is None  # on disk (shared tiers answer for it), but not in worker memory
+    assert tiny.contains_many([kv_chunk_key("t", IDENTITY, b"too-big", 0)], shared_only=True) == [True]
+    side.shutdown()
+    tiny.close()
