@@ -17,7 +17,11 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("shared.bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
     ("bench", "kv"): ("kvcache.bench", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
     ("bench", "ec"): ("eccache.bench", "encoder-cache policy hit rates and per-image load latency"),
-    ("demo",): ("shared.demo", "the end-to-end demo (until the RAG demo exists: the tier benchmark)"),
+    ("demo",): ("shared.demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
+    ("precompute", "images"): ("eccache.precompute", "store encoder outputs of an image corpus (ec_producer)"),
+    ("precompute", "docs"): ("kvcache.precompute", "store KV prefix chunks of a document corpus (kv_producer)"),
+    ("stats",): ("shared.stats_cmd", "entries, bytes and hit counters per tier and namespace"),
+    ("evict",): ("shared.evict_cmd", "remove records by namespace, model or age (after a model update)"),
 }
 
 
