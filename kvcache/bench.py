@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -88,7 +89,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(CASE_LABELS),
         help="comma-separated subset of: " + ", ".join(CASE_LABELS) + " (default: all)",
     )
+    parser.add_argument(
+        "--hit-repeats",
+        type=int,
+        default=3,
+        help="times the hit cases resend their prompts (hits are cheap; more samples against noise; default "
+        "%(default)s)",
+    )
     parser.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine (GiB)")
+    parser.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=1,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default %(default)s, vLLM's own default without a "
+        "connector); fixed so engines with and without a connector compute on the same number of cores",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -143,6 +158,17 @@ def run_job(spec_path: str, out_path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------- the runner
+def root_cause(log_path: Path) -> str:
+    """The first exception line of a failed engine's log (vLLM re-raises it several times, wrapped)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    for line in lines:
+        match = re.search(r"\b(\w+(?:Error|Exception): .*)", line)
+        if match:
+            return match.group(1)[:300]
+    return " | ".join(lines[-5:])[-300:]
+
+
+
 @dataclass
 class CaseResult:
     """One row of the table: per-prompt TTFTs and cached-token counts, and whether it really hit."""
@@ -156,6 +182,10 @@ class CaseResult:
     def median_s(self) -> float | None:
         return statistics.median(self.ttft_s) if self.ttft_s else None
 
+    @property
+    def min_s(self) -> float | None:
+        return min(self.ttft_s) if self.ttft_s else None
+
 
 class Bench:
     """Builds the prompts and engine specs of every case, runs the engine processes, collects rows."""
@@ -165,6 +195,7 @@ class Bench:
         self.work = work
         self.prompt_len: int = 512 if args.quick and args.prompt_len == 2048 else args.prompt_len
         self.num_prompts: int = args.prompts
+        self.hit_repeats: int = max(1, args.hit_repeats)
         self.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
         unknown = [c for c in self.cases if c not in CASE_LABELS]
         if unknown:
@@ -224,6 +255,10 @@ class Bench:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.kv_space_gib)
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's CPU backend reserves one more core for the scheduler whenever a kv_transfer_config is set;
+        # on a 2-core machine that silently gives connector engines twice the compute threads of the
+        # baseline (its reservation no longer fits, so none is made). Pin it for every engine.
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
         started = time.perf_counter()
         self.progress(f"[{n}] {label}: starting engine process (log: {log_path})")
         with open(log_path, "w") as log:
@@ -236,8 +271,7 @@ class Bench:
             )
             self._follow(proc, log_path, started)
         if proc.returncode != 0 or not out_path.exists():
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
-            raise RuntimeError(f"engine process exited with {proc.returncode}: " + " | ".join(tail)[-1500:])
+            raise RuntimeError(f"engine process exited with {proc.returncode}: {root_cause(log_path)}")
         result = json.loads(out_path.read_text())
         self.progress(
             f"[{n}] {label}: done in {time.perf_counter() - started:.0f}s (engine start-up {result['startup_s']:.0f}s)"
@@ -289,7 +323,7 @@ class Bench:
         measured = self.prompts(self.num_prompts)
         steps = self.job(
             "baseline",
-            [("warmup", [short, full, full]), ("cold", measured), ("resident", measured)],
+            [("warmup", [short, full, full]), ("cold", measured), ("resident", measured * self.hit_repeats)],
             prefix_caching=True,
         )
         self.record("cold", steps["cold"][0])
@@ -315,7 +349,7 @@ class Bench:
         config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}])
         steps = self.job(
             "tiered-memory",
-            [("warmup", [short, full, full]), ("first", measured), ("hit", measured)],
+            [("warmup", [short, full, full]), ("first", measured), ("hit", measured * self.hit_repeats)],
             prefix_caching=False,
             kv_transfer_config=config,
         )
@@ -332,7 +366,7 @@ class Bench:
         self.job(f"{name}-producer", [("store", [full, *measured])], prefix_caching=False, kv_transfer_config=producer)
         steps = self.job(
             f"{name}-consumer",
-            [("warmup", [short, full]), ("hit", measured)],
+            [("warmup", [short, full]), ("hit", measured * self.hit_repeats)],
             prefix_caching=False,
             kv_transfer_config=consumer,
         )
@@ -375,7 +409,7 @@ class Bench:
         }
         steps = self.job(
             "simple-cpu",
-            [("warmup", [short, full, full]), ("first", measured), ("hit", measured)],
+            [("warmup", [short, full, full]), ("first", measured), ("hit", measured * self.hit_repeats)],
             prefix_caching=True,
             kv_transfer_config=config,
         )
@@ -424,6 +458,7 @@ class Bench:
                 "status": status,
                 "error": res.error,
                 "ttft_median_s": res.median_s,
+                "ttft_min_s": res.min_s,
                 "ttft_s": res.ttft_s,
                 "num_cached_tokens": res.num_cached_tokens,
             }
@@ -448,6 +483,7 @@ class Bench:
         return {
             "prompt_len": self.prompt_len,
             "prompts": self.num_prompts,
+            "hit_repeats": self.hit_repeats,
             "model": "tiny" if self.args.quick else "BENCH_SPEC",
             "min_hit_tokens": self.min_hit_tokens,
             "rows": list(self.rows.values()),
@@ -459,12 +495,14 @@ class Bench:
 def format_table(report: dict[str, Any]) -> str:
     """The human table: one row per case, then the targets with ok/BELOW."""
     lines = [
-        f"TTFT, {report['prompts']} prompts x {report['prompt_len']} tokens, model {report['model']} "
-        f"(hits need num_cached_tokens >= {report['min_hit_tokens']})",
-        f"{'case':44} {'TTFT med (s)':>12} {'x resident':>10} {'x cold':>7} {'cached tokens':>14}  note",
+        f"TTFT, {report['prompts']} prompts x {report['prompt_len']} tokens (hit cases: each sent "
+        f"{report['hit_repeats']}x), model {report['model']}; "
+        f"hits need num_cached_tokens >= {report['min_hit_tokens']}",
+        f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'x cold':>7} {'cached tokens':>14}  note",
     ]
     for row in report["rows"]:
         med = f"{row['ttft_median_s']:.4f}" if row["status"] == "ok" else "-"
+        low = f"{row['ttft_min_s']:.4f}" if row["status"] == "ok" else "-"
         res = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] is not None else "-"
         cold = f"{row['ratio_to_cold']:.3f}" if row["ratio_to_cold"] is not None else ""
         cached = "/".join(str(c) for c in row["num_cached_tokens"]) if row["num_cached_tokens"] else "-"
@@ -477,7 +515,7 @@ def format_table(report: dict[str, Any]) -> str:
             note = f"NO HIT (connector did not supply the prefix; TTFT {med_all:.4f}s is a prefill)"
         else:
             note = ""
-        lines.append(f"{row['label']:44} {med:>12} {res:>10} {cold:>7} {cached:>14}  {note}".rstrip())
+        lines.append(f"{row['label']:44} {med:>12} {low:>8} {res:>10} {cold:>7} {cached:>14}  {note}".rstrip())
     lines.append("")
     lines.append("targets:")
     for t in report["targets"]:
