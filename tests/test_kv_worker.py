@@ -164,3 +164,11 @@ def test_a_chunk_the_memory_tier_refused_is_never_reported_resident(tmp_path) ->
     assert tiny.contains_many([kv_chunk_key("t", IDENTITY, b"too-big", 0)], shared_only=True) == [True]
     side.shutdown()
     tiny.close()
+
+
+def test_block_runs_group_consecutive_ids() -> None:
+    from kvcache.transfer import block_runs
+
+    assert block_runs([]) == []
+    assert block_runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
+    assert block_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
