@@ -82,6 +82,10 @@ class Server:
         self.args = args + list(extra_args or [])
         self.env = dict(os.environ)
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM's CPU backend reserves one more core for the scheduler whenever a KV connector is configured;
+        # on a small machine that changes how many cores the forward pass gets, so the runs with and without
+        # tiercache would not compare like with like. Both servers get the same reservation.
+        self.env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         self.env.pop("TIERCACHE_STATS_DIR", None)
         if stats_dir is not None:
             stats_dir.mkdir(parents=True, exist_ok=True)
