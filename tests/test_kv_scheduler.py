@@ -69,23 +69,27 @@ def step(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled: d
     )
 
 
-@pytest.fixture
-def side(tmp_path):
+def make_side(tmp_path, **options: bool) -> KVSchedulerSide:
+    """A scheduler side over a real disk store; `options` override the kv_both defaults."""
     store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
+    settings = {"can_load": True, "can_save": True, "save_partial_chunks": True, "save_decode": False, **options}
     scheduler = KVSchedulerSide(
         store=store,
         namespace="t",
         identities=[IDENTITY],
         geometry=ChunkGeometry(BLOCK, CHUNK),
-        can_load=True,
-        can_save=True,
-        save_partial_chunks=True,
-        save_decode=False,
         hash_algo="sha256",
+        **settings,
     )
     scheduler.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    return scheduler
+
+
+@pytest.fixture
+def side(tmp_path):
+    scheduler = make_side(tmp_path)
     yield scheduler
-    store.close()
+    scheduler.store.close()
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -155,19 +159,7 @@ def test_tensor_parallel_reports_aggregate_to_what_every_rank_holds() -> None:
 
 
 def test_save_decode_saves_chunks_completed_while_decoding(tmp_path) -> None:
-    store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
-    side = KVSchedulerSide(
-        store=store,
-        namespace="t",
-        identities=[IDENTITY],
-        geometry=ChunkGeometry(BLOCK, CHUNK),
-        can_load=False,
-        can_save=True,
-        save_partial_chunks=False,
-        save_decode=True,
-        hash_algo="sha256",
-    )
-    side.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    side = make_side(tmp_path, can_load=False, save_partial_chunks=False, save_decode=True)
     request = make_request("e", tokens(120))
     side.get_num_new_matched_tokens(request, 0)
     assert side.build_connector_meta(step([("e", 0)], [], {"e": 120})).requests == []  # 3 blocks, no chunk
@@ -175,7 +167,7 @@ def test_save_decode_saves_chunks_completed_while_decoding(tmp_path) -> None:
         request.append_output_token_ids(7)
     meta = side.build_connector_meta(step([], [("e", 120)], {"e": 8}))
     assert [s.chunk_hash for s in meta.requests[0].saves] == [request.block_hashes[3]]
-    store.close()
+    side.store.close()
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
