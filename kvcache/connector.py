@@ -116,7 +116,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         layout = self._worker.register_kv_caches(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
         if layout.device.type == "cpu" and self._options["warmup_cpu_attention"]:
-            warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
+            warmed = warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
+            self._worker.totals["cpu_attention_warmed"] = int(warmed)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -121,6 +121,7 @@ def test_consumer_in_fresh_process_loads_from_disk_with_identical_tokens(produce
     assert everything["tokens"] == produced["baseline"]
     assert everything["num_cached_tokens"] == [expected_hits(p) for p in PROMPTS]
     stats = worker_stats(work / "consumer-stats")
+    assert stats["counters"]["cpu_attention_warmed"] == 1  # before the first request, in this fresh process
     assert stats["counters"]["load_errors"] == 0
     assert stats["counters"]["loaded_blocks"] == sum(expected_hits(p) for p in [PROMPTS[0], *PROMPTS]) // BLOCK
     # A consumer never writes: no put in its store, no file changed on disk.
