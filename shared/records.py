@@ -34,6 +34,8 @@ _FIXED = struct.Struct("<4sHII")
 FIXED_SIZE = _FIXED.size  # 14
 #: A header larger than this is treated as corrupt (meta is meant to be small).
 MAX_HEADER = 1 << 20
+#: Most dimensions a record's tensor may have (torch's own limit).
+MAX_DIMS = 64
 
 # torch warns once when a tensor is built over a read-only buffer (bytes from Redis). Records are
 # read-only by contract (callers never mutate), so that warning carries no information here.
@@ -136,12 +138,14 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
         dtype = _dtype_from_name(h["dtype"])
         shape = tuple(int(s) for s in h["shape"])
         key, nbytes, checksum, meta = h["key"], int(h["nbytes"]), int(h["checksum"]), h["meta"]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(inf)
         raise RecordError(f"malformed header: {exc!r}") from exc
     if not isinstance(key, bytes) or len(key) != KEY_DIGEST_SIZE or not isinstance(meta, dict):
         raise RecordError("malformed header: key or meta of the wrong type")
     if expected_key is not None and key != expected_key.digest:
         raise RecordError(f"key mismatch: record of {key.hex()} found where {expected_key.hex} was expected")
+    if len(shape) > MAX_DIMS:  # torch's own limit; also keeps a forged header from costing big-int work
+        raise RecordError(f"shape of rank {len(shape)}, more than {MAX_DIMS} dimensions")
     numel = 1
     for s in shape:
         if s < 0:
@@ -150,7 +154,12 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
     itemsize = dtype.itemsize
     if numel * itemsize != nbytes:
         raise RecordError(f"nbytes {nbytes} does not match shape {shape} x {itemsize}-byte {dtype}")
-    return Header(dtype, shape, key, nbytes, checksum, meta, payload_offset(hlen))
+    offset = payload_offset(hlen)
+    # The pad between header and payload is covered by neither checksum: require it to be zeros, so a
+    # flipped bit anywhere in a record is detected (and the record dropped), not silently tolerated.
+    if any(mv[FIXED_SIZE + hlen:min(offset, mv.nbytes)].tobytes()):
+        raise RecordError("corrupt padding after the header")
+    return Header(dtype, shape, key, nbytes, checksum, meta, offset)
 
 
 def payload_start(head: Any) -> int | None:
@@ -175,17 +184,22 @@ def _tensor_from(header: Header, payload: memoryview, checksum: int | None = Non
         checksum = xxhash.xxh3_64_intdigest(payload)
     if checksum != header.checksum:
         raise RecordError("payload checksum mismatch")
-    if header.nbytes == 0:
-        return torch.empty(header.shape, dtype=header.dtype)
-    if payload.readonly and not _silenced[0]:
-        # torch warns once per process about read-only buffers; swallow that single warning here.
-        with _silence_lock, warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
+    try:
+        if header.nbytes == 0:
+            return torch.empty(header.shape, dtype=header.dtype)
+        if payload.readonly and not _silenced[0]:
+            # torch warns once per process about read-only buffers; swallow that single warning here.
+            with _silence_lock, warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(payload, dtype=torch.uint8)
+                _silenced[0] = True
+        else:
             flat = torch.frombuffer(payload, dtype=torch.uint8)
-            _silenced[0] = True
-    else:
-        flat = torch.frombuffer(payload, dtype=torch.uint8)
-    return flat.view(header.dtype).reshape(header.shape)
+        return flat.view(header.dtype).reshape(header.shape)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # A well-formed header naming a dtype or shape torch cannot build over raw bytes (quantized,
+        # sparse-only dtypes, an absurd rank): foreign data, so a miss like any other.
+        raise RecordError(f"cannot build a {header.dtype} tensor of shape {header.shape}: {exc}") from exc
 
 
 def decode(buf: Any, expected_key: StoreKey, *, payload_checksum: int | None = None) -> Record:

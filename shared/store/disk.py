@@ -49,7 +49,8 @@ STALE_TMP_S = 600
 _ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-8)
 _TOTAL = b"total_bytes"
 _U64 = struct.Struct("<Q")
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: "No room for this write": a full filesystem, a quota, a file-size limit (RLIMIT_FSIZE).
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _ENV_LOCK = threading.Lock()
 _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount]; LMDB forbids opening one env twice
@@ -64,6 +65,9 @@ def _open_env(index_dir: str) -> lmdb.Environment:
         # No fsync per index commit: record files are fsynced themselves, LMDB stays consistent across
         # process crashes without it, and an index damaged by an OS crash is rebuilt from the record
         # headers (see DiskTier._open_index). Two fsyncs per put would halve put throughput.
+        # The directory is made here, owner-only: LMDB would mkdir it with the file mode (0600, no
+        # search bit), which only root can then create files in.
+        os.makedirs(real, mode=0o700, exist_ok=True)
         env = lmdb.open(real, map_size=4 << 30, max_dbs=4, subdir=True, sync=False, metasync=False,
                         readahead=False, max_readers=1024, mode=0o600)
         _ENVS[real] = [env, 1]
