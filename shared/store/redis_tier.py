@@ -37,6 +37,9 @@ from shared.store.counters import TierCounters
 
 log = logging.getLogger(__name__)
 _NPARTS = struct.Struct("<I")
+#: Parts deleted per command when a corrupt record is dropped, and the most parts it may have.
+DELETE_RUN = 256
+MAX_DELETE_PARTS = 1 << 20
 #: Errors that mean "the server is not there": the tier goes down and is retried later.
 _DOWN_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
 try:  # cluster-wide unavailability counts as down too
@@ -216,8 +219,24 @@ class RedisTier:
             self._get_rest(keys, res, more, out, corrupt)
         if corrupt:
             self.counters.add(corrupt=len(corrupt))
-            self._run("delete corrupt", lambda: self._client.delete(*[self._head(k) for k in corrupt]))
+            self._run("delete corrupt", lambda: self._delete_pieces(corrupt))
         return out
+
+    def _delete_pieces(self, corrupt: Sequence[StoreKey]) -> None:
+        """Drop every piece of corrupt records: head and key text first (readers then miss), then parts.
+
+        The head's part count cannot be trusted (it may be the damage, or another record's head), so
+        parts are deleted in runs of `DELETE_RUN` until a run deletes fewer than it names (parts are
+        numbered 0..n-1): no orphan part outlives its record (`tiercache evict` finds records by heads).
+        """
+        pipe = self._client.pipeline(transaction=False)
+        for key in corrupt:
+            pipe.delete(self._head(key), self._text_name(key))
+        pipe.execute()
+        for key in corrupt:
+            for lo in range(0, MAX_DELETE_PARTS, DELETE_RUN):
+                if self._client.delete(*[self._part(key, p) for p in range(lo, lo + DELETE_RUN)]) < DELETE_RUN:
+                    break
 
     def _get_rest(self, keys: Sequence[StoreKey], res: list[Any], more: list[tuple[int, Any, int, bytes]],
                   out: list[Record | None], corrupt: list[StoreKey]) -> None:
