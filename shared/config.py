@@ -20,9 +20,10 @@ Top-level keys and defaults:
 - ``save_partial_chunks`` (bool, true): also store the trailing chunk shorter than ``chunk_size``.
 - ``save_decode`` (bool, false): also store KV produced while decoding.
 - ``write_queue_size`` (int, 256): bound of the background queue for slower-tier writes.
-- ``encoder_cache_policy`` (str or null, null): policy name for the encoder-cache connector.
+- ``encoder_cache_policy`` (str or null, null): eviction policy of ``PolicyEncoderCacheManager``
+  (lru, lfu, wtinylfu; null = ``shared.eviction.DEFAULT_POLICY``).
 - ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis) and ``policy``
-  ("lru", the only one for now) plus:
+  (memory: lru, lfu, wtinylfu; the shared tiers: lru only; default lru) plus:
 
   - memory: ``capacity`` (size, 2GiB)
   - disk / gds: ``path`` (user cache dir), ``capacity`` (size, 20GiB), ``fsync`` (bool, true)
@@ -58,8 +59,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.eviction import POLICIES
+
 TIER_KINDS = ("memory", "disk", "gds", "redis")
-POLICIES = ("lru",)
+#: eviction policies per tier kind: the shared tiers keep LRU in their cross-process index (an in-process
+#: frequency sketch cannot see the other processes' accesses)
+TIER_POLICIES = {"memory": POLICIES, "disk": ("lru",), "gds": ("lru",), "redis": ("lru",)}
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
 
 DEFAULT_MEMORY_CAPACITY = 2 << 30
@@ -219,8 +224,8 @@ def _parse_tier(raw: Any, path: str) -> TierConfig:
             raise ConfigError(f"{path}.{name}: unknown key for a {kind} tier; known keys: "
                               f"{', '.join(known)}{extra}")
     policy = raw.get("policy", "lru")
-    if policy not in POLICIES:
-        raise _err(f"{path}.policy", policy, ", ".join(POLICIES))
+    if policy not in TIER_POLICIES[kind]:
+        raise _err(f"{path}.policy", policy, ", ".join(TIER_POLICIES[kind]))
     if kind == "memory":
         cap = parse_size(raw.get("capacity", _env_size("TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)),
                          f"{path}.capacity")
@@ -334,8 +339,8 @@ class StoreConfig:
                           lambda v: v > 0 and v % 16 == 0)
         wqs = _int(raw.get("write_queue_size", 256), "write_queue_size", "a positive int", lambda v: v > 0)
         ecp = raw.get("encoder_cache_policy")
-        if ecp is not None and (not isinstance(ecp, str) or not ecp):
-            raise _err("encoder_cache_policy", ecp, "a policy name (string) or null")
+        if ecp is not None and ecp not in POLICIES:
+            raise _err("encoder_cache_policy", ecp, ", ".join(POLICIES) + " or null")
         tiers_raw = raw.get("tiers")
         if tiers_raw is None:
             tiers_raw = default_tiers()

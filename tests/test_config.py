@@ -69,7 +69,9 @@ def test_sizes(text, value):
 @pytest.mark.parametrize(("raw", "field", "allowed"), [
     ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis"),
     ({"tiers": [{"kind": "memory"}, {"kind": "disk", "capacity": "lots"}]}, "tiers[1].capacity", "8GiB"),
-    ({"tiers": [{"kind": "memory", "policy": "lfu"}]}, "tiers[0].policy", "allowed: lru"),
+    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy", "allowed: lru, lfu, wtinylfu"),
+    ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
+    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", "allowed: lru, lfu, wtinylfu or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": -1}]}, "tiers[0].ttl_s", "positive"),
     ({"tiers": [{"kind": "disk", "fsync": "yes"}]}, "tiers[0].fsync", "true or false"),
@@ -159,3 +161,11 @@ def test_duplicate_disk_path_rejected(tmp_path):
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.path"):
         StoreConfig.load({"tiers": [{"kind": "disk", "path": str(tmp_path)},
                                     {"kind": "gds", "path": str(tmp_path)}]})
+
+
+def test_eviction_policies_selected_per_tier_and_for_the_encoder_cache():
+    cfg = StoreConfig.load({"encoder_cache_policy": "wtinylfu",
+                            "tiers": [{"kind": "memory", "policy": "wtinylfu"}, {"kind": "disk", "policy": "lru"}]})
+    assert cfg.encoder_cache_policy == "wtinylfu"
+    assert [t.policy for t in cfg.tiers] == ["wtinylfu", "lru"]
+    assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).tiers[0].policy == "lru"

@@ -46,3 +46,39 @@ def test_oversized_refused_and_replacement_accounted():
     tier.put_many([(_k(1), _t(50, 2), None)])
     assert tier.usage()["bytes_used"] == 50
     assert tier.get_many([_k(1)])[0].tensor[0].item() == 2
+
+
+def test_policy_from_config_capacity_in_bytes_and_listeners():
+    """W-TinyLFU tier: bytes never exceed capacity, every record that leaves is reported to the listeners."""
+    tier = MemoryTier(MemoryTierConfig(capacity=1000, policy="wtinylfu"))
+    gone: list[bytes] = []
+    tier.add_eviction_listener(gone.append)
+    for i in range(200):
+        tier.put_many([(_k(i), _t(30 + i % 4 * 20), None)])
+        assert tier.usage()["bytes_used"] <= 1000
+    resident = {i for i in range(200) if tier.contains_many([_k(i)])[0]}
+    # Every record that was ever resident and is no longer is reported once; refused arrivals never were.
+    assert len(gone) == len(set(gone))
+    assert set(gone).isdisjoint({_k(i).digest for i in resident})
+    assert tier.counters.get("evictions") == len(gone)
+
+
+def test_wtinylfu_admission_refuses_cold_puts_and_counts_them():
+    tier = MemoryTier(MemoryTierConfig(capacity=1000, policy="wtinylfu"))
+    hot = [_k(i) for i in range(10)]
+    for _ in range(3):
+        for k in hot:
+            if tier.contains_many([k])[0]:
+                tier.get_many([k])
+            else:
+                tier.put_many([(k, _t(100), None)])
+    for i in range(100, 150):  # a one-off sweep
+        tier.put_many([(_k(i), _t(100), None)])
+    assert sum(tier.contains_many(hot)) >= 9  # the sweep did not flush the hot set
+    assert tier.counters.get("admission_refused") >= 40
+    lru = MemoryTier(MemoryTierConfig(capacity=1000))
+    for k in hot:
+        lru.put_many([(k, _t(100), None)])
+    for i in range(100, 150):
+        lru.put_many([(_k(i), _t(100), None)])
+    assert sum(lru.contains_many(hot)) == 0 and lru.counters.get("admission_refused") == 0

@@ -1,25 +1,31 @@
-"""Memory tier: a byte-bounded LRU of tensor objects inside this process.
+"""Memory tier: a byte-bounded cache of tensor objects inside this process, evicting by `shared.eviction`.
 
 Why it stores the tensor object itself: a hit is then free (no copy, no decode). The tiered store hands
 it a tensor it owns (copied on put), and callers never mutate what a read returns, so sharing is safe.
+
+The eviction order comes from the tier's `policy` ("lru" by default, "wtinylfu", "lfu"): the same code
+as the encoder cache managers. With W-TinyLFU a record can be refused by admission: the new record, or
+one leaving the admission window, was asked for less often than what it would displace. Every such
+refusal counts as `admission_refused`; a put refused on arrival also counts as `refused`. The record
+simply stays in the slower tiers.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from shared.config import MemoryTierConfig
+from shared.eviction import make_policy
 from shared.store.api import Record, StoreKey
 from shared.store.counters import TierCounters
 
 
 class MemoryTier:
-    """LRU bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
+    """Bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
 
     kind = "memory"
     shared_across_processes = False
@@ -30,7 +36,8 @@ class MemoryTier:
         self.capacity = config.capacity
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        self._items: OrderedDict[bytes, tuple[Record, int]] = OrderedDict()
+        self._items: dict[bytes, tuple[Record, int]] = {}
+        self.policy = make_policy(config.policy, self.capacity, "memory.policy")
         self._bytes = 0
         self._evict_listeners: list[Callable[[bytes], None]] = []
 
@@ -48,14 +55,14 @@ class MemoryTier:
             for k in keys:
                 entry = self._items.get(k.digest)
                 if entry is not None:
-                    self._items.move_to_end(k.digest)
+                    self.policy.access(k.digest)
                     out.append(entry[0])
                 else:
                     out.append(None)
         return out
 
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
-        evicted = refused = puts = written = 0
+        evicted = refused = admission_refused = puts = written = 0
         evicted_digests: list[bytes] = []
         with self._lock:
             for key, tensor, meta in items:
@@ -66,16 +73,23 @@ class MemoryTier:
                 old = self._items.pop(key.digest, None)
                 if old is not None:
                     self._bytes -= old[1]
+                    self.policy.remove(key.digest)
                 self._items[key.digest] = (Record(tensor, dict(meta or {})), size)
+                self.policy.insert(key.digest, size)
                 self._bytes += size
                 puts += 1
                 written += size
-                while self._bytes > self.capacity:
-                    old_digest, (_, old_size) = self._items.popitem(last=False)
-                    self._bytes -= old_size
+                rejected_before = self.policy.rejections
+                for digest in self.policy.evict(self._bytes - self.capacity):
+                    self._bytes -= self._items.pop(digest)[1]
+                    if digest == key.digest and old is None:
+                        refused += 1  # refused on arrival: never resident, nobody to tell
+                        continue
                     evicted += 1
-                    evicted_digests.append(old_digest)
-        self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused)
+                    evicted_digests.append(digest)
+                admission_refused += self.policy.rejections - rejected_before
+        self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused,
+                          admission_refused=admission_refused)
         for digest in evicted_digests:
             for listener in self._evict_listeners:
                 listener(digest)
@@ -88,6 +102,7 @@ class MemoryTier:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+            self.policy = make_policy(self.config.policy, self.capacity, "memory.policy")
 
     def close(self) -> None:
         self.clear()

@@ -1,0 +1,145 @@
+"""shared.eviction on its own: policy invariants under random traffic, admission, scan resistance, sketch aging."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.eviction import (
+    DEFAULT_POLICY,
+    POLICIES,
+    FrequencySketch,
+    LRUPolicy,
+    WTinyLFUPolicy,
+    make_policy,
+)
+
+
+class _Owner:
+    """A minimal cache owner: keeps sizes, pins some keys, asks the policy for room like the real owners."""
+
+    def __init__(self, policy_name: str, capacity: int) -> None:
+        self.capacity = capacity
+        self.policy = make_policy(policy_name, capacity)
+        self.sizes: dict[int, int] = {}
+        self.pinned: set[int] = set()
+        self.evicted: list[int] = []
+
+    def used(self) -> int:
+        return sum(self.sizes.values())
+
+    def request(self, key: int, size: int) -> bool:
+        if key in self.sizes:
+            self.policy.access(key)
+            return True
+        need = self.used() + size - self.capacity
+        for victim in self.policy.evict(need, lambda k: k not in self.pinned, size):
+            assert victim not in self.pinned, "a pinned entry was evicted"
+            self.evicted.append(victim)
+            del self.sizes[victim]
+        if self.used() + size <= self.capacity:
+            self.sizes[key] = size
+            self.policy.insert(key, size)
+        return False
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_invariants_under_random_traffic(name: str) -> None:
+    """Capacity never exceeded, pinned entries never evicted, the policy tracks exactly the resident set."""
+    rng = random.Random(1)
+    owner = _Owner(name, capacity=200)
+    for _ in range(5000):
+        key = int(rng.paretovariate(0.8)) % 300
+        owner.request(key, 4 + key % 5 * 8)
+        if owner.sizes and rng.random() < 0.3:
+            owner.pinned = set(rng.sample(sorted(owner.sizes), k=min(3, len(owner.sizes))))
+        assert owner.used() <= owner.capacity
+        assert len(owner.policy) == len(owner.sizes)
+        assert all(k in owner.policy for k in owner.sizes)
+
+
+def test_lru_order_and_pinned_skipped() -> None:
+    p = LRUPolicy(3)
+    for k in "abc":
+        p.insert(k, 1)
+    p.access("a")  # order now b, c, a
+    assert p.evict(1, lambda k: k != "b") == ["c"]
+    assert p.evict(2) == ["b", "a"]
+
+
+def test_wtinylfu_rejects_cold_candidates_and_keeps_the_hot_set() -> None:
+    owner = _Owner("wtinylfu", capacity=100)
+    for _ in range(3):
+        for k in range(100):
+            owner.request(k, 1)
+    for k in range(10):  # one-offs: each is judged against a hot entry when it leaves the window, and loses
+        owner.request(f"cold-{k}", 1)
+    assert owner.policy.rejections >= 9
+    assert sum(k in owner.sizes for k in range(100)) >= 98
+
+
+def test_wtinylfu_scan_does_not_flush_the_popular_set() -> None:
+    owner = _Owner("wtinylfu", capacity=50)
+    hot = list(range(40))
+    for _ in range(20):
+        for k in hot:
+            owner.request(k, 1)
+    for k in range(1000, 3000):  # a one-off sweep, 40x the capacity
+        owner.request(k, 1)
+    assert sum(k in owner.sizes for k in hot) >= 35
+    lru = _Owner("lru", capacity=50)
+    for _ in range(20):
+        for k in hot:
+            lru.request(k, 1)
+    for k in range(1000, 3000):
+        lru.request(k, 1)
+    assert not any(k in lru.sizes for k in hot)  # what the admission filter saves us from
+
+
+def test_wtinylfu_size_aware_large_candidate_must_beat_every_victim() -> None:
+    p = WTinyLFUPolicy(100, window_fraction=0.05)  # window 5 units
+    for k in range(95):
+        p.insert(k, 1)
+    p.evict(0)  # fill: window overflow admitted while there is room
+    for k in range(10):  # ten warm entries
+        for _ in range(3):
+            p.access(k)
+    p.insert("big", 40)
+    for _ in range(2):
+        p.access("big")
+    victims = p.evict(35)  # "big" (freq 3) leaves the window and needs 40 units of space
+    assert "big" not in victims  # it beats the cold entries
+    assert not any(v in range(10) for v in victims)  # warm entries (freq 4) are not displaced by it
+
+
+def test_pinned_loser_is_first_to_go_once_unpinned() -> None:
+    p = WTinyLFUPolicy(10)
+    for k in range(10):
+        p.insert(k, 1)
+        for _ in range(3):
+            p.access(k)
+    p.evict(0, incoming=1)  # the window is empty: "new" alone will leave it
+    p.insert("new", 1)
+    pinned = {"new"}
+    victims = p.evict(1, lambda k: k not in pinned, incoming=1)  # "new" loses but is pinned
+    assert "new" not in victims and len(victims) == 1
+    assert p.rejections == 1
+    assert p.evict(1) == ["new"]  # unpinned: it goes first
+
+
+def test_sketch_counts_and_halves() -> None:
+    s = FrequencySketch(1024)
+    s.sample_size = 10
+    for _ in range(8):
+        s.increment("a")
+    assert s.frequency("a") == 8 and s.frequency("never") == 0
+    s.increment("b")
+    s.increment("b")  # the 10th increment: every counter is halved
+    assert s.frequency("a") == 4 and s.frequency("b") == 1
+
+
+def test_unknown_policy_names_field_value_and_choices() -> None:
+    with pytest.raises(ValueError, match=r"encoder_cache_policy: invalid value 'arc'; allowed: lru, lfu, wtinylfu"):
+        make_policy("arc", 10, "encoder_cache_policy")
+    assert DEFAULT_POLICY in POLICIES
