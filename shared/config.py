@@ -103,7 +103,9 @@ def parse_size(value: Any, path: str = "size") -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if math.isfinite(size):  # "1" * 400 + "GiB" overflows a float: an error, not a crash
+                return int(size)
     raise _err(path, value, allowed)
 
 
@@ -242,6 +244,7 @@ def _parse_tier(raw: Any, path: str) -> TierConfig:
     url = raw.get("url")
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
         raise _err(f"{path}.url", url, "a URL starting with " + ", ".join(REDIS_SCHEMES))
+    _check_redis_url(url, f"{path}.url")
     part_size = parse_size(raw.get("part_size", DEFAULT_PART_SIZE), f"{path}.part_size")
     if part_size < 1024:
         raise _err(f"{path}.part_size", raw.get("part_size"), "a size of at least 1KiB")
@@ -261,6 +264,19 @@ def _parse_tier(raw: Any, path: str) -> TierConfig:
         ssl=ssl,
         policy=policy,
     )
+
+
+def _check_redis_url(url: str, path: str) -> None:
+    """Parse the URL as redis-py will (port, query options), so a bad one is a ConfigError here and not
+    a ValueError out of the tier's constructor when the engine starts."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url.replace("+cluster://", "://", 1))
+    except (ValueError, TypeError) as exc:
+        shown = re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password into a log
+        raise _err(path, shown, f"a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db] "
+                                f"({exc})") from exc
 
 
 def _env_size(name: str, default: int) -> int | str:
@@ -331,7 +347,8 @@ class StoreConfig:
             raise ConfigError(f"{key}: unknown key; known keys: {', '.join(_TOP_KEYS)}, extra, x_* "
                               "(anything prefixed x_ is kept in StoreConfig.extra)")
         if "config_file" in raw:
-            raise ConfigError("config_file: only allowed in the connector's extra config, not inside a file")
+            raise _err("config_file", raw["config_file"],
+                       "only in the connector's extra config (or $TIERCACHE_CONFIG), not inside a config file")
         namespace = raw.get("namespace", "default")
         if not isinstance(namespace, str) or not namespace or "|" in namespace:
             raise _err("namespace", namespace, "a non-empty string without '|'")
@@ -397,7 +414,8 @@ def load_file(path: str, origin: str = "config_file") -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except Exception as exc:
-        raise ConfigError(f"{origin}: {str(p)!r} is not valid YAML/JSON: {exc}") from exc
+        raise ConfigError(f"{origin}: {str(p)!r} is not valid YAML/JSON: {exc}; allowed: a YAML or JSON "
+                          "file holding a mapping of store options") from exc
     if data is None:
         return {}
     if not isinstance(data, Mapping):

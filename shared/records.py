@@ -210,6 +210,8 @@ def decode(buf: Any, expected_key: StoreKey, *, payload_checksum: int | None = N
     """
     mv = memoryview(buf).cast("B")
     header = decode_header(mv, expected_key)
+    if mv.nbytes < header.payload_offset:  # cut inside the padding: an empty payload would still "match"
+        raise RecordError(f"truncated: {mv.nbytes} bytes, the payload starts at {header.payload_offset}")
     if payload_checksum is not None and header.payload_offset != payload_start(mv):
         payload_checksum = None
     return Record(_tensor_from(header, mv[header.payload_offset:], payload_checksum), header.meta)
