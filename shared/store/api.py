@@ -23,6 +23,8 @@ class StoreKey:
     """A record's identity: the canonical text of a `shared.keys` key and its digest.
 
     The text is for humans (stats, logs); tiers only ever use `digest`, so no key can become a path.
+    Any str hashes, lone surrogates included ("surrogatepass": a name decoded with errors="surrogateescape"
+    must not make building its key raise); valid text hashes exactly as plain UTF-8.
     """
 
     text: str
@@ -30,9 +32,8 @@ class StoreKey:
 
     def __post_init__(self) -> None:
         if not self.digest:
-            object.__setattr__(
-                self, "digest", hashlib.blake2b(self.text.encode(), digest_size=KEY_DIGEST_SIZE).digest()
-            )
+            raw = self.text.encode("utf-8", "surrogatepass")
+            object.__setattr__(self, "digest", hashlib.blake2b(raw, digest_size=KEY_DIGEST_SIZE).digest())
 
     @property
     def hex(self) -> str:

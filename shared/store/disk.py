@@ -397,7 +397,7 @@ class DiskTier:
             old_size, old_atime = _ENTRY.unpack_from(raw)
             total -= old_size
             txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
-        txn.put(digest, _ENTRY.pack(size, now) + text.encode(), db=self._entries)
+        txn.put(digest, _ENTRY.pack(size, now) + text.encode("utf-8", "surrogatepass"), db=self._entries)
         txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self._meta)
 

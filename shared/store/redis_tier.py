@@ -19,6 +19,7 @@ are skipped (counted), one warning names the address, and no exception reaches t
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import threading
 import time
@@ -121,9 +122,19 @@ class RedisTier:
             self._down = True
             self._down_until = time.monotonic() + self.config.retry_after_s
         if not was_down:
-            log.warning("tiercache redis tier: %s unreachable (%s: %s); serving misses and skipping "
-                        "writes, retrying every %.1fs", self.address, type(exc).__name__, exc,
-                        self.config.retry_after_s)
+            log.warning("tiercache redis tier: %s unreachable (%s: %s); tried: %s; serving misses and "
+                        "skipping writes, retrying every %.1fs", self.address, type(exc).__name__, exc,
+                        self.tried(), self.config.retry_after_s)
+
+    def tried(self) -> str:
+        """What a connection attempt does, for the 'unreachable' line: the address alone rarely says
+        whether a timeout, a missing password or a TLS setting was the problem."""
+        tls = "TLS" + (f" with CA {self.config.ssl['ssl_ca_certs']}" if self.config.ssl.get("ssl_ca_certs") else "") \
+            if self.config.url.startswith("rediss") else "plain TCP (no TLS)"
+        auth = "with a password" if self.config.password or re.search(r"//[^/@]*:[^/@]+@", self.config.url) \
+            else "without a password"
+        return (f"{'cluster' if self.config.cluster else 'single server'}, {tls}, {auth}, "
+                f"{self.config.timeout_s:g}s connect/read timeout, 1 immediate retry")
 
     def _mark_up(self) -> None:
         if self._down:
@@ -289,7 +300,7 @@ class RedisTier:
                 nparts = max(1, -(-payload.nbytes // part_size))
                 for p in range(nparts):
                     pipe.set(self._part(key, p), payload[p * part_size:(p + 1) * part_size], px=ttl_ms)
-                pipe.set(self._text_name(key), key.text.encode(), px=ttl_ms)
+                pipe.set(self._text_name(key), key.text.encode("utf-8", "surrogatepass"), px=ttl_ms)
                 pipe.set(self._head(key), _NPARTS.pack(nparts) + enc.prefix, px=ttl_ms)
             return pipe.execute()
 
