@@ -22,7 +22,8 @@ from typing import IO, Any
 
 import pytest
 
-from shared.store import build_store
+from shared.config import DiskTierConfig
+from shared.store import DiskTier, build_store
 from shared.testing.store_workers import (
     audit_disk_dir,
     digest_map,
@@ -255,9 +256,8 @@ def test_writer_reader_and_evict_share_one_directory(tmp_path: Path) -> None:
     known = {k: v for k, v in digest_map(written, ("keep", "evict")).items() if v[1] == model_of(v[0])}
     audit = audit_disk_dir(path, capacity, known)
     assert audit["wrong"] == 0 and audit["unknown_files"] == 0 and audit["corrupt"] == 0, audit
+    assert audit["misses"] == 0, audit  # no index entry outlived its file
     assert audit["index_ok"], audit
-    from shared.config import DiskTierConfig
-    from shared.store import DiskTier
 
     tier = DiskTier(DiskTierConfig(path=path, capacity=capacity))
     try:
@@ -271,3 +271,28 @@ def test_writer_reader_and_evict_share_one_directory(tmp_path: Path) -> None:
         assert len(left) < len(evicted)  # the evictor did remove records while the writer wrote
     finally:
         tier.close()
+
+
+def test_a_read_does_not_resurrect_a_record_evicted_meanwhile(tmp_path: Path) -> None:
+    """Found by the soak: a reader that hit a file whose index entry was missing re-indexed it after
+    `tiercache evict` had removed entry and file in between, leaving an entry for a missing file (with
+    no key text, so no later evict could match it). Adoption now checks the file under the write lock."""
+    reader = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20))
+    try:
+        key = fault_key(1)
+        reader.put_many([(key, expected_tensor(1), expected_meta(1))])
+        size = reader.path_for(key).stat().st_size
+        # the reader has just read the file (a hit) when the evictor removes entry and file
+        assert reader.delete_where(lambda text, size, atime: True) == (1, size)
+        reader._after_read([(key.digest, size)], [])
+        assert reader.contains_many([key]) == [False]
+        assert reader.usage()["entries"] == 0 and reader.usage()["bytes_used"] == 0
+        # a real orphan (file present, entry lost) is still adopted
+        reader.put_many([(key, expected_tensor(1), expected_meta(1))])
+        with reader._env.begin(write=True) as txn:
+            reader._index_delete(txn, key.digest)
+        reader._refreshed.clear()  # as in a process that has not read it yet
+        rec = reader.get_many([key])[0]
+        assert rec is not None and matches(1, rec) and reader.contains_many([key]) == [True]
+    finally:
+        reader.close()

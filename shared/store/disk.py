@@ -271,7 +271,14 @@ class DiskTier:
             with self._env.begin(write=True) as txn:
                 for digest, size in stale:
                     raw = txn.get(digest, db=self._entries)
-                    if raw is None:  # a file whose index entry was lost (writer killed): adopt it
+                    if raw is None:  # a file whose index entry was lost (writer killed): adopt it,
+                        # unless it was evicted since we read it: files are only unlinked under this
+                        # write lock, so a file that is still there now stays until we commit.
+                        try:
+                            if os.stat(self._path(digest)).st_size != size:
+                                continue  # replaced meanwhile; its writer indexed it
+                        except FileNotFoundError:
+                            continue  # evicted after our read: adopting it would index a missing file
                         self._index_put(txn, digest, size, "", now)
                     else:
                         old_size, old_atime = _ENTRY.unpack_from(raw)
