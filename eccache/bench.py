@@ -1,9 +1,8 @@
 """`tiercache bench ec`: encoder-cache policy hit rates and per-image load latency per tier.
 
-Part 1 replays Zipf-distributed RAG traces (a few images are retrieved very often, most rarely) through
-the REAL manager classes: vLLM's `EncoderCacheManager` (evicts in the order entries became unreferenced)
-and ours (`LRUEncoderCacheManager`, `LFUEncoderCacheManager`). Requests overlap: each lives 1-16 steps, as
-in a scheduler's running batch, so referenced entries cannot be evicted.
+Part 1 is `tiercache bench policy` (`eccache.policy_bench`): Zipf, shifting, scan and variable-size
+traces replayed through the REAL manager classes, vLLM's `EncoderCacheManager` and ours, beside
+Belady's optimum, with the fraction of the gap each policy closes.
 
 Part 2 times, per image, recomputing the encoder (BLIP-2 vision tower + Q-Former + projection, the part
 vLLM's encoder cache replaces) against loading the same output from each tier (store get + copy to the
@@ -15,102 +14,26 @@ would time engine overhead, not the encoder.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-EMBEDS_PER_IMAGE = 32  # BLIP-2's query tokens: every image costs the same number of cache slots
+from eccache import policy_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smaller traces and fewer timing repeats")
-    parser.add_argument("--requests", type=int, default=20000)
-    parser.add_argument("--images", type=int, default=4000)
-    parser.add_argument("--exponents", type=float, nargs="+", default=[0.8, 1.0, 1.2])
-    parser.add_argument("--capacities", type=float, nargs="+", default=[0.02, 0.05, 0.10],
-                        help="cache capacity as a fraction of the corpus")
-    parser.add_argument("--max-overlap", type=int, default=16, help="longest request lifetime in steps")
+    policy_bench.add_arguments(parser)  # --quick, --requests, --images, --exponents, --capacities, ...
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per latency point")
     parser.add_argument("--redis-url", default=None, help="use this Redis; default: start a local one")
     parser.add_argument("--skip-policies", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--work-dir", default=None, help="where models and tier files go (default: tmp)")
-
-
-# ----------------------------------------------------------------------------------------- part 1
-
-
-@dataclass
-class _Feature:
-    identifier: str
-
-
-class _TraceRequest:
-    """What a manager reads from a vLLM `Request`: id, mm identifiers, embeddings per item."""
-
-    __slots__ = ("mm_features", "request_id")
-
-    def __init__(self, request_id: str, mm_hash: str) -> None:
-        self.request_id = request_id
-        self.mm_features = [_Feature(mm_hash)]
-
-    def get_num_encoder_embeds(self, input_id: int) -> int:
-        return EMBEDS_PER_IMAGE
-
-
-def zipf_trace(n_requests: int, n_images: int, exponent: float, seed: int) -> list[int]:
-    """Image ids drawn with P(rank k) ~ 1/k^s, ranks shuffled onto ids (popularity is not id order)."""
-    rng = random.Random(seed)
-    weights = [1.0 / (k + 1) ** exponent for k in range(n_images)]
-    ids = list(range(n_images))
-    rng.shuffle(ids)
-    return [ids[k] for k in rng.choices(range(n_images), weights=weights, k=n_requests)]
-
-
-def replay(manager: Any, trace: list[int], max_overlap: int, seed: int) -> float:
-    """Hit rate of `manager` on `trace`: one arrival per step, each request held 1..max_overlap steps."""
-    rng = random.Random(seed)
-    ends: dict[int, list[_TraceRequest]] = {}
-    hits = 0
-    for step, image in enumerate(trace):
-        for req in ends.pop(step, []):
-            manager.free(req)
-        req = _TraceRequest(f"r{step}", f"img{image}")
-        if manager.check_and_update_cache(req, 0):
-            hits += 1
-        elif manager.can_allocate(req, 0, 1 << 30, 0):
-            manager.allocate(req, 0)
-        else:  # every slot referenced: the scheduler would wait; count a miss and move on
-            continue
-        manager.get_freed_mm_hashes()
-        ends.setdefault(step + rng.randint(1, max_overlap), []).append(req)
-    return hits / len(trace)
-
-
-def policy_table(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-
-    from eccache.managers import LFUEncoderCacheManager, LRUEncoderCacheManager
-
-    classes = {"vLLM FIFO": EncoderCacheManager, "LRU": LRUEncoderCacheManager, "LFU": LFUEncoderCacheManager}
-    rows = []
-    for s in args.exponents:
-        trace = zipf_trace(args.requests, args.images, s, seed=int(s * 1000))
-        for frac in args.capacities:
-            cap_images = max(args.max_overlap + 1, int(frac * args.images))
-            row: dict[str, Any] = {"zipf_s": s, "capacity": f"{frac:.0%} ({cap_images} img)"}
-            for name, cls in classes.items():
-                row[name] = replay(cls(cache_size=cap_images * EMBEDS_PER_IMAGE), trace, args.max_overlap, 7)
-            rows.append(row)
-    return rows
 
 
 # ----------------------------------------------------------------------------------------- part 2
@@ -243,14 +166,11 @@ def _print_table(rows: list[dict[str, Any]], fmt: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.requests, args.images, args.repeats = 10000, 2000, 10
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if not args.skip_policies:
-        print(f"== encoder cache hit rate: {args.requests} requests over {args.images} images, Zipf traces, "
-              f"requests overlapping 1-{args.max_overlap} steps ==")
-        _print_table(policy_table(args), {"zipf_s": "{:.1f}", "vLLM FIFO": "{:.3f}", "LRU": "{:.3f}",
-                                          "LFU": "{:.3f}"})
+        policy_bench.run(args)  # --quick shrinks the traces
+    if args.quick:
+        args.repeats = 10
     if not args.skip_latency:
         print("\n== per-image latency, load vs recompute (ratio to recompute; <1 is faster) ==")
         work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tiercache-ec-bench-"))

@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("shared.bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
     ("bench", "kv"): ("kvcache.bench", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
     ("bench", "ec"): ("eccache.bench", "encoder-cache policy hit rates and per-image load latency"),
+    ("bench", "policy"): ("eccache.policy_bench", "eviction policies vs vLLM's encoder cache manager and Belady"),
     ("demo",): ("shared.demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
     ("precompute", "images"): ("eccache.precompute", "store encoder outputs of an image corpus (ec_producer)"),
     ("precompute", "docs"): ("kvcache.precompute", "store KV prefix chunks of a document corpus (kv_producer)"),

@@ -23,7 +23,7 @@ Top-level keys and defaults:
 - ``encoder_cache_policy`` (str or null, null): eviction policy of ``PolicyEncoderCacheManager``
   (lru, lfu, wtinylfu; null = ``shared.eviction.DEFAULT_POLICY``).
 - ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis) and ``policy``
-  (memory: lru, lfu, wtinylfu; the shared tiers: lru only; default lru) plus:
+  (memory: lru, wtinylfu; the shared tiers: lru only; default lru) plus:
 
   - memory: ``capacity`` (size, 2GiB)
   - disk / gds: ``path`` (user cache dir), ``capacity`` (size, 20GiB), ``fsync`` (bool, true)
@@ -62,9 +62,10 @@ from typing import Any
 from shared.eviction import POLICIES
 
 TIER_KINDS = ("memory", "disk", "gds", "redis")
-#: eviction policies per tier kind: the shared tiers keep LRU in their cross-process index (an in-process
-#: frequency sketch cannot see the other processes' accesses)
-TIER_POLICIES = {"memory": POLICIES, "disk": ("lru",), "gds": ("lru",), "redis": ("lru",)}
+#: eviction policies per tier kind (shared.eviction): the shared tiers keep LRU in their cross-process index
+#: (an in-process frequency sketch cannot see the other processes' accesses); "lfu" scans every entry per
+#: eviction, fine for the encoder cache, too slow for a memory tier of many thousand records
+TIER_POLICIES = {"memory": ("lru", "wtinylfu"), "disk": ("lru",), "gds": ("lru",), "redis": ("lru",)}
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
 
 DEFAULT_MEMORY_CAPACITY = 2 << 30

@@ -18,26 +18,47 @@ Policies:
   overflows the window is a *candidate* for the main area, a segmented LRU (probation, then protected,
   80% of main). A candidate is admitted only if a count-min sketch of recent access frequencies (4-bit
   counters, halved every 10 x entries accesses so old popularity fades) rates it above the victim it
-  would displace; otherwise the candidate itself is evicted. Size-aware like Caffeine's weighted mode:
-  capacity is counted in the owner's units, and a large candidate keeps being compared against victim
-  after victim until enough room is made, so it has to beat every entry it displaces. A candidate that
-  loses but is pinned cannot be evicted now; it is moved to the head of probation, first in line once
-  the owner unpins it.
+  would displace; otherwise the candidate itself is evicted. Size-aware: capacity is counted in the
+  owner's units, frequencies are compared per unit of size, and a large candidate keeps being compared
+  against victim after victim until enough room is made, so it has to beat every entry it displaces
+  (Caffeine's weighted mode compares raw frequencies; per size is what maximizes the hit rate when
+  entries differ in size). The victim is the least frequent (per size) of the 16 oldest probation entries
+  (Caffeine takes the oldest alone). A candidate that loses but is pinned cannot be evicted now; it is
+  moved to the head of probation, first in line once the owner unpins it.
+- `lfu`: least frequently used with aging and a bounded history of evicted keys' counts, per unit of
+  size. No admission filter (in the encoder cache a newcomer must be allocated anyway; a cold one is
+  simply the next to go). The default for the encoder cache: best measured on every trace of
+  `tiercache bench policy` but the shifting one, where W-TinyLFU adapts faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import heapq
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-#: Every policy name the store and the encoder cache managers accept.
+#: Every policy name the encoder cache managers accept (the memory tier: lru and wtinylfu).
 POLICIES = ("lru", "lfu", "wtinylfu")
 #: The best measured policy on the encoder-cache benchmark (`tiercache bench policy`).
-DEFAULT_POLICY = "wtinylfu"
+DEFAULT_POLICY = "lfu"
 
 _MASK64 = (1 << 64) - 1
 _SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+
+
+def _stable_hash(key: Hashable) -> int:
+    """A 64-bit hash that is the same in every process (Python's str/bytes hash is salted per process):
+    benchmark figures and eviction decisions then reproduce run to run."""
+    if isinstance(key, str):
+        key = key.encode()
+    if isinstance(key, (bytes, bytearray)):
+        h = zlib.crc32(key) | (zlib.adler32(key) << 32)
+    else:
+        h = hash(key)
+    h = ((h & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64
+    return h ^ (h >> 29)
 
 
 class FrequencySketch:
@@ -60,7 +81,7 @@ class FrequencySketch:
         """Size the table for `expected_entries` (grows only; growing forgets the counts, as Caffeine does)."""
         if expected_entries <= self.expected_entries:
             return
-        self.expected_entries = max(16, expected_entries)
+        self.expected_entries = max(64, expected_entries)
         width = 1
         while width < self.width_factor * self.expected_entries:
             width <<= 1
@@ -70,7 +91,7 @@ class FrequencySketch:
         self._additions = 0
 
     def _indexes(self, key: Hashable) -> list[int]:
-        h = hash(key) & _MASK64
+        h = _stable_hash(key)
         return [(((h ^ seed) * 0xFF51AFD7ED558CCD) & _MASK64) >> 40 & self._mask for seed in _SEEDS]
 
     def frequency(self, key: Hashable) -> int:
@@ -181,15 +202,19 @@ class WTinyLFUPolicy(EvictionPolicy):
         capacity: total capacity in the owner's units (embeddings, bytes).
         window_fraction: share of the capacity for the admission window (Caffeine's default 1%).
         protected_fraction: share of the main area for entries hit at least twice (Caffeine: 80%).
+        size_aware: compare frequencies per unit of size (False: raw frequencies, as Caffeine).
+        victim_sample: how many of the oldest probation entries the victim is chosen from (Caffeine: 1).
     """
 
     name = "wtinylfu"
 
-    def __init__(self, capacity: int, window_fraction: float = 0.01, protected_fraction: float = 0.8) -> None:
+    def __init__(self, capacity: int, window_fraction: float = 0.01, protected_fraction: float = 0.8,
+                 size_aware: bool = True, victim_sample: int = 16) -> None:
         super().__init__(capacity)
+        self.size_aware = bool(size_aware)
         if not 0.0 < window_fraction < 1.0 or not 0.0 < protected_fraction < 1.0:
             raise ValueError("window_fraction and protected_fraction must lie strictly between 0 and 1")
-        self.victim_sample = 1
+        self.victim_sample = max(1, int(victim_sample))
         self.window_max = max(1, int(self.capacity * window_fraction))
         self.protected_max = int((self.capacity - self.window_max) * protected_fraction)
         self._window: OrderedDict[Any, int] = OrderedDict()
@@ -306,14 +331,14 @@ class WTinyLFUPolicy(EvictionPolicy):
     def _victim(self, ok: Callable[[Any], bool], skip: set[Any]) -> Any | None:
         """Evictable non-candidate: probation, then protected, then window (as Caffeine).
 
-        Within probation, the least frequent of its `victim_sample` oldest entries (Caffeine takes the
-        oldest alone; with 1 this is Caffeine's choice).
+        Within probation, the least frequent (per size) of its `victim_sample` oldest entries (with 1 this
+        is Caffeine's choice).
         """
         best, best_freq, seen = None, 0, 0
         for key in self._probation:
             if key in skip or not ok(key):
                 continue
-            freq = self.sketch.frequency(key)
+            freq = self._density(key)
             if best is None or freq < best_freq:
                 best, best_freq = key, freq
             seen += 1
@@ -327,28 +352,38 @@ class WTinyLFUPolicy(EvictionPolicy):
                 return key
         return None
 
+    def _density(self, key: Any) -> float:
+        freq = self.sketch.frequency(key)
+        return freq / max(1, self._size(key)) if self.size_aware else freq
+
     def _admit(self, candidate: Any, victim: Any) -> bool:
-        """TinyLFU: a candidate displaces a victim only if it was asked for more often, recently."""
-        return self.sketch.frequency(candidate) > self.sketch.frequency(victim)
+        """TinyLFU: a candidate displaces a victim only if it was asked for more often, recently (per unit
+        of size when size-aware: one big entry must earn the space of the several small ones it displaces)."""
+        return self._density(candidate) > self._density(victim)
 
 
 class LFUPolicy(EvictionPolicy):
-    """Least frequently used, ties broken by recency; counts are aged and outlive eviction.
+    """Least frequently used, ties broken by recency; counts are aged and outlive eviction; size-aware.
 
     Why the history: a popular entry that was evicted comes back with its count, so it is not judged as a
     newcomer. Why aging: every `aging_period` accesses all counts are halved, so yesterday's favourites
     fade. Exact counts (not a sketch), so the victim search is a scan over the resident entries: fine for
-    the encoder cache (hundreds of entries), too slow for a memory tier of many thousand records.
+    the encoder cache (tens to hundreds of entries), too slow for a memory tier of many thousand records,
+    which therefore offers only lru and wtinylfu.
 
     Args:
         aging_period: accesses between two halvings of every count (0 disables aging).
         history_size: how many evicted keys keep their count (a bounded "ghost" table).
+        size_aware: rank by count per unit of size (an entry of 576 embeddings must be asked for 36 times
+            as often as one of 16 to stay); with equal sizes this is plain LFU.
     """
 
     name = "lfu"
 
-    def __init__(self, capacity: int, aging_period: int = 4096, history_size: int = 65536) -> None:
+    def __init__(self, capacity: int, aging_period: int = 4096, history_size: int = 65536,
+                 size_aware: bool = True) -> None:
         super().__init__(capacity)
+        self.size_aware = bool(size_aware)
         self.aging_period = int(aging_period)
         self.history_size = int(history_size)
         self._size: dict[Any, int] = {}
@@ -399,12 +434,16 @@ class LFUPolicy(EvictionPolicy):
 
     def evict(self, need: int, can_evict: Callable[[Any], bool] | None = None, incoming: int = 0) -> list[Any]:
         ok = can_evict or (lambda _k: True)
-        order = sorted((k for k in self._size if ok(k)), key=lambda k: (self._freq[k], self._last[k]))
+        if self.size_aware:  # least hits per unit of space first: what maximizes the hit rate
+            heap = [(self._freq[k] / max(1, self._size[k]), self._last[k], i, k)
+                    for i, k in enumerate(self._size) if ok(k)]
+        else:
+            heap = [(self._freq[k], self._last[k], i, k) for i, k in enumerate(self._size) if ok(k)]
+        heapq.heapify(heap)  # O(n), then O(log n) per victim: an eviction usually needs one or two
         victims: list[Any] = []
         freed = 0
-        for key in order:
-            if freed >= need:
-                break
+        while heap and freed < need:
+            key = heapq.heappop(heap)[3]
             victims.append(key)
             freed += self._size[key]
         for key in victims:

@@ -69,7 +69,7 @@ def test_sizes(text, value):
 @pytest.mark.parametrize(("raw", "field", "allowed"), [
     ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis"),
     ({"tiers": [{"kind": "memory"}, {"kind": "disk", "capacity": "lots"}]}, "tiers[1].capacity", "8GiB"),
-    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy", "allowed: lru, lfu, wtinylfu"),
+    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy", "allowed: lru, wtinylfu"),
     ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
     ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", "allowed: lru, lfu, wtinylfu or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),

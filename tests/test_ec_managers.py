@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 import pytest
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from eccache.managers import LFUEncoderCacheManager, LRUEncoderCacheManager
+from eccache.managers import (
+    LFUEncoderCacheManager,
+    LRUEncoderCacheManager,
+    PolicyEncoderCacheManager,
+    WTinyLFUEncoderCacheManager,
+)
 
 
 @dataclass
@@ -80,7 +85,8 @@ def test_lfu_keeps_frequent_entry() -> None:
     assert mgr.get_freed_mm_hashes() == ["Q"]  # Q is newer, but P is used 5x more
 
 
-@pytest.mark.parametrize("cls", [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager])
+@pytest.mark.parametrize("cls", [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager,
+                                 WTinyLFUEncoderCacheManager])
 def test_invariants_under_random_traffic(cls: type[EncoderCacheManager]) -> None:
     """Capacity is never exceeded, referenced entries are never evicted, counters stay consistent."""
     rng = random.Random(0)
@@ -135,3 +141,121 @@ def test_managers_load_through_vllm_ec_manager_config() -> None:
         assert resolved is cls
         mgr = resolved.create_manager(cache_size=32, vllm_config=SimpleNamespace(ec_manager_config=cfg))
         assert isinstance(mgr, cls) and mgr.cache_size == 32
+
+
+# ------------------------------------------------------------------------------ shared.eviction policies
+
+POLICY_MANAGERS = [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager,
+                   WTinyLFUEncoderCacheManager, PolicyEncoderCacheManager]
+
+
+@pytest.mark.parametrize("cls", POLICY_MANAGERS)
+def test_can_allocate_answers_as_vllm_and_freed_contract(cls: type[EncoderCacheManager]) -> None:
+    """can_allocate says yes exactly when vLLM's rule does (no starved request, no over-commit); evicted
+    entries were unreferenced, leave `cached`, and are reported once by get_freed_mm_hashes."""
+    rng = random.Random(3)
+    capacity = 96
+    mgr = cls(cache_size=capacity)
+    live: list[_Req] = []
+    for step in range(2000):
+        if live and (rng.random() < 0.45 or len(live) > 10):
+            mgr.free(live.pop(rng.randrange(len(live))))
+        h = f"img{int(rng.paretovariate(0.9)) % 150}"
+        size = 4 + int(h[3:]) % 4 * 6
+        req = _Req(f"r{step}", [h], [size])
+        if mgr.check_and_update_cache(req, 0):
+            live.append(req)
+            continue
+        budget = rng.choice([size - 1, size, 10**9])
+        to_schedule = rng.choice([0, 0, 8])
+        expected = size <= budget and size + to_schedule <= mgr.num_freeable_slots
+        unreferenced = {k for k, refs in mgr.cached.items() if not refs}
+        assert mgr.can_allocate(req, 0, budget, to_schedule) == expected
+        freed = mgr.get_freed_mm_hashes()
+        assert set(freed) <= unreferenced and len(freed) == len(set(freed))
+        assert not set(freed) & set(mgr.cached)
+        if expected:
+            assert mgr.num_free_slots >= size + to_schedule
+            mgr.allocate(req, 0)
+            live.append(req)
+        assert sum(mgr.num_embeds_by_hash.values()) <= capacity
+
+
+def test_policy_manager_selected_by_config() -> None:
+    """`manager_config["policy"]` first, then the EC connector's `encoder_cache_policy`, then the default."""
+    from types import SimpleNamespace
+
+    from vllm.config import EncoderCacheManagerConfig
+
+    from shared.eviction import DEFAULT_POLICY, LFUPolicy, LRUPolicy, WTinyLFUPolicy
+
+    def build(manager_config: dict, extra: dict | None) -> PolicyEncoderCacheManager:
+        cfg = EncoderCacheManagerConfig(encoder_cache_manager_cls="eccache.managers.PolicyEncoderCacheManager",
+                                        manager_config=manager_config)
+        assert cfg.get_encoder_cache_manager_obj() is PolicyEncoderCacheManager
+        ec = SimpleNamespace(ec_connector_extra_config=extra) if extra is not None else None
+        vllm_config = SimpleNamespace(ec_manager_config=cfg, ec_transfer_config=ec)
+        return PolicyEncoderCacheManager.create_manager(cache_size=64, vllm_config=vllm_config)
+
+    assert isinstance(build({"policy": "lru"}, {"encoder_cache_policy": "wtinylfu"}).policy, LRUPolicy)
+    assert isinstance(build({}, {"encoder_cache_policy": "lfu"}).policy, LFUPolicy)
+    mgr = build({"window_fraction": 0.05}, {"encoder_cache_policy": "wtinylfu"})
+    assert isinstance(mgr.policy, WTinyLFUPolicy) and mgr.policy.window_max == 3
+    assert build({}, None).policy_name == DEFAULT_POLICY
+    with pytest.raises(ValueError, match=r"encoder_cache_policy: invalid value 'fifo'; allowed: lru, lfu, wtinylfu"):
+        build({"policy": "fifo"}, None)
+    mgr = build({}, None)
+    mgr.reset()  # reset rebuilds the same policy, empty
+    assert mgr.policy_name == DEFAULT_POLICY and len(mgr.policy) == 0
+
+
+def _gap_closed(policy: str, trace: list[int], capacity: int) -> float:
+    from eccache import policy_bench as pb
+
+    rates = {}
+    for label, mgr in (("vLLM", EncoderCacheManager(cache_size=capacity)),
+                       ("policy", PolicyEncoderCacheManager(cache_size=capacity, policy=policy))):
+        rates[label] = pb._rate(pb.replay(mgr, trace, None, 16, seed=7))
+    belady = PolicyEncoderCacheManager(cache_size=capacity, policy="lru")
+    belady.policy = pb.BeladyPolicy(capacity, trace)
+    rates["Belady"] = pb._rate(pb.replay(belady, trace, None, 16, seed=7))
+    return pb.gap(rates["policy"], rates["vLLM"], rates["Belady"])
+
+
+def test_default_policy_closes_most_of_the_gap_to_belady_on_zipf_1_0_at_5_percent() -> None:
+    """A seeded, smaller version of `tiercache bench policy`'s headline row (1,000 images, 8,000 requests)."""
+    from eccache import policy_bench as pb
+    from shared.eviction import DEFAULT_POLICY
+
+    trace = pb.zipf_trace(8000, 1000, 1.0, seed=1000)
+    capacity = 50 * pb.EMBEDS_PER_IMAGE
+    assert _gap_closed(DEFAULT_POLICY, trace, capacity) >= 0.55
+    assert _gap_closed("lru", trace, capacity) < 0.05  # recency alone changes nothing on this traffic
+
+
+@pytest.mark.xfail(strict=True, reason="issue 7's target (2/3 of the gap) is not reached: the default closes "
+                   "~0.6; an oracle that knows every image's popularity closes ~0.68 (docs/benchmarks.md)")
+def test_default_policy_closes_two_thirds_of_the_gap() -> None:
+    from eccache import policy_bench as pb
+    from shared.eviction import DEFAULT_POLICY
+
+    trace = pb.zipf_trace(8000, 1000, 1.0, seed=1000)
+    assert _gap_closed(DEFAULT_POLICY, trace, 50 * pb.EMBEDS_PER_IMAGE) >= 2 / 3
+
+
+@pytest.mark.parametrize("policy", ["lfu", "wtinylfu"])
+def test_scan_does_not_flush_the_popular_set(policy: str) -> None:
+    """A one-off sweep over the whole corpus mid-trace: one capacity's worth of requests after it, the hit
+    rate is back to within 5 points of what it was before (LRU, for contrast, loses its whole hot set)."""
+    from eccache import policy_bench as pb
+
+    trace, start, end = pb.scan_trace(6000, 600, 1.0, seed=1000)
+    capacity_entries = 30
+    mgr = PolicyEncoderCacheManager(cache_size=capacity_entries * pb.EMBEDS_PER_IMAGE, policy=policy)
+    hits = pb.replay(mgr, trace, None, 16, seed=7)
+    before, after = pb.scan_recovery(hits, start, end, capacity_entries, window=1000)
+    assert after >= before - 0.05, (before, after)
+    right_after = pb._rate(hits, end, end + capacity_entries)
+    lru_hits = pb.replay(LRUEncoderCacheManager(cache_size=capacity_entries * pb.EMBEDS_PER_IMAGE), trace, None,
+                         16, seed=7)
+    assert right_after > pb._rate(lru_hits, end, end + capacity_entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -97,20 +98,30 @@ def test_wtinylfu_scan_does_not_flush_the_popular_set() -> None:
     assert not any(k in lru.sizes for k in hot)  # what the admission filter saves us from
 
 
-def test_wtinylfu_size_aware_large_candidate_must_beat_every_victim() -> None:
-    p = WTinyLFUPolicy(100, window_fraction=0.05)  # window 5 units
+def _with_big_candidate(size: int, hits: int, size_aware: bool) -> tuple[WTinyLFUPolicy, list[Any]]:
+    """95 cold entries and 10 warm ones in main, then a candidate of `size` units asked `hits` + 1 times."""
+    p = WTinyLFUPolicy(100, window_fraction=0.05, size_aware=size_aware)  # window: 5 units
+    p.sketch = FrequencySketch(1024)  # sized up front: growing the sketch while filling would forget counts
     for k in range(95):
         p.insert(k, 1)
-    p.evict(0)  # fill: window overflow admitted while there is room
+    p.evict(0, incoming=5)  # fill: the whole window moves to main, admitted while there is room
     for k in range(10):  # ten warm entries
         for _ in range(3):
             p.access(k)
-    p.insert("big", 40)
-    for _ in range(2):
+    p.insert("big", size)
+    for _ in range(hits):
         p.access("big")
-    victims = p.evict(35)  # "big" (freq 3) leaves the window and needs 40 units of space
-    assert "big" not in victims  # it beats the cold entries
-    assert not any(v in range(10) for v in victims)  # warm entries (freq 4) are not displaced by it
+    return p, p.evict(size, incoming=5)  # "big" leaves the window alone and needs `size` units in main
+
+
+def test_wtinylfu_size_aware_candidate_must_beat_every_victim_per_unit_of_size() -> None:
+    p, victims = _with_big_candidate(size=4, hits=5, size_aware=True)  # 6 hits / 4 units > 1 hit / unit
+    assert "big" not in victims and p.segment_of("big") == "probation"
+    assert not any(v in range(10) for v in victims)  # warm entries (4 hits / unit) are not displaced
+    p, victims = _with_big_candidate(size=40, hits=2, size_aware=True)  # 3 hits for 40 units: refused
+    assert "big" in victims and p.rejections >= 1
+    p, victims = _with_big_candidate(size=40, hits=2, size_aware=False)  # Caffeine: raw counts, admitted
+    assert "big" not in victims
 
 
 def test_pinned_loser_is_first_to_go_once_unpinned() -> None:

@@ -3,7 +3,7 @@
 Why it stores the tensor object itself: a hit is then free (no copy, no decode). The tiered store hands
 it a tensor it owns (copied on put), and callers never mutate what a read returns, so sharing is safe.
 
-The eviction order comes from the tier's `policy` ("lru" by default, "wtinylfu", "lfu"): the same code
+The eviction order comes from the tier's `policy` ("lru" by default, or "wtinylfu"): the same code
 as the encoder cache managers. With W-TinyLFU a record can be refused by admission: the new record, or
 one leaving the admission window, was asked for less often than what it would displace. Every such
 refusal counts as `admission_refused`; a put refused on arrival also counts as `refused`. The record
