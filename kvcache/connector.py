@@ -35,6 +35,7 @@ from shared.config import ConfigError, StoreConfig
 from shared.hashing import check_seed_is_stable
 from shared.keys import KVModelIdentity
 from shared.store import get_store
+from shared.store.counters import COUNTER_NAMES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -160,14 +161,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def _tier_deltas(self) -> dict[str, dict[str, Any]]:
         now = self._store.stats().get("tiers", {})
-        deltas: dict[str, dict[str, Any]] = {}
-        for tier, numbers in now.items():
-            before = self._last_tier_stats.get(tier, {})
-            deltas[tier] = {
-                k: v - before.get(k, 0)
-                for k, v in numbers.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)
-            }
+        deltas = tier_counter_deltas(now, self._last_tier_stats)
         self._last_tier_stats = {t: dict(n) for t, n in now.items()}
         return deltas
 
@@ -220,3 +214,26 @@ class TieredKVConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> TieredKVPromMetrics:
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def tier_counter_deltas(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
+                        ) -> dict[str, dict[str, float]]:
+    """Per tier, how much each monotonic counter (`COUNTER_NAMES`) grew since the last snapshot.
+
+    Only the counters: a tier's snapshot also carries usage gauges (`entries`, `bytes_used`) that are
+    `None` while a Redis server is down and may shrink, so a difference of them once crashed the worker
+    (`int - None` when Redis came back) and would feed negative increments to Prometheus counters.
+    """
+    deltas: dict[str, dict[str, float]] = {}
+    for tier, numbers in now.items():
+        previous = before.get(tier, {})
+        out: dict[str, float] = {}
+        for name in COUNTER_NAMES:
+            value = numbers.get(name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            last = previous.get(name)
+            base = last if isinstance(last, int | float) and not isinstance(last, bool) else 0
+            out[name] = value - base
+        deltas[tier] = out
+    return deltas

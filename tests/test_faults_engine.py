@@ -1,0 +1,254 @@
+"""Faults around real vLLM engines: a producer SIGKILLed while it writes, Redis killed under a live server.
+
+Why whole processes: what must hold is what a client or a later engine sees, and a crash is only real
+when the kernel ends the process (no `finally`, no flush). The store-level half of the fault tests
+(writer processes killed at random points, corrupted records, a full disk) is in the store's own tests;
+these start real engines on the project's tiny Llama (float32, so a server's greedy tokens match an
+offline engine's) and compare every answer with an engine that has no connector.
+
+- SIGKILL: a `kv_producer` engine in its own process group, killed at a random moment after its first
+  record reached the disk tier, three times over on one directory; then a `kv_consumer` in a fresh
+  process on that directory must give the baseline's tokens, hit only complete chunks, and meet no
+  corrupt record (writes are temp file + fsync + rename, so a kill leaves a whole record or none).
+- Redis: `api_server` with `TieredKVConnector` on a Redis-only store; redis-server is SIGKILLed while
+  requests are being served, requests go on while it is down, then it restarts empty on the same port.
+  No request may fail, every answer must be the baseline's, and hits must come back after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache.connector import tier_counter_deltas
+from shared.demo.prompts import CHAT_TEMPLATE
+from shared.demo.server import Server
+from shared.stats_dump import read_stats
+from shared.testing import RedisServer
+from tests.fixtures.models import REPO, run_engine
+
+BLOCK = 32
+DTYPE = "float32"
+MAX_TOKENS = 8
+
+
+def _prompts() -> list[list[int]]:
+    """24 prompts, 100 to 1100 tokens; some share 256- and 512-token prefixes (chunks reused across prompts)."""
+    rng = random.Random(606)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 259) for _ in range(n)]
+
+    shared = tokens(512)
+    out = []
+    for i in range(24):
+        if i % 4 == 1:
+            out.append(shared + tokens(rng.randrange(40, 400)))
+        elif i % 4 == 3:
+            out.append(shared[:256] + tokens(rng.randrange(40, 400)))
+        else:
+            out.append(tokens(rng.randrange(100, 1100)))
+    return out
+
+
+PROMPTS = _prompts()
+
+
+def _expected_hits(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy tokens of every prompt from an engine without a connector (fresh process)."""
+    work = tmp_path_factory.mktemp("faults-baseline")
+    result = run_engine({"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "rounds": [PROMPTS]},
+                        work)
+    return result["rounds"][0]["tokens"]
+
+
+# ------------------------------------------------------------------------------ producer SIGKILL
+def _disk_kv(role: str, disk: Path) -> dict[str, Any]:
+    return {"kv_connector": "TieredKVConnector", "kv_role": role,
+            "kv_connector_extra_config": {"namespace": "killed", "chunk_size": 64,
+                                          "tiers": [{"kind": "disk", "path": str(disk), "capacity": "1GiB"}]}}
+
+
+def _records(disk: Path) -> int:
+    return sum(1 for _ in disk.rglob("*.rec")) if disk.exists() else 0
+
+
+def _start_engine(spec: dict[str, Any], work: Path, name: str) -> subprocess.Popen[bytes]:
+    """`tests.engine_job` in its own process group (the engine core and worker die with it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("TIERCACHE_STATS_DIR", None)
+    with open(work / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "tests.engine_job", str(spec_path), str(work / f"{name}.out")],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.engine
+def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
+        tiny_llama: Path, baseline: list[list[int]], tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    rng = random.Random(2026)
+    # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole run.
+    spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
+            "rounds": [PROMPTS[i:i + 4] for i in range(0, len(PROMPTS), 4)],
+            "kv_transfer_config": _disk_kv("kv_producer", disk)}
+    kills: list[dict[str, Any]] = []
+    for k in range(3):
+        before = _records(disk)
+        proc = _start_engine(spec, tmp_path, f"producer-{k}")
+        try:
+            # Wait (bounded by the engine's own life) until this run has written a record, then a random delay.
+            while proc.poll() is None and _records(disk) == before:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 1.5))
+            alive = proc.poll() is None
+        finally:
+            _kill_group(proc)
+        kills.append({"alive_at_kill": alive, "records_before": before, "records_after": _records(disk),
+                      "exit": proc.returncode})
+    # A run that finished before its kill proves nothing about crashes: at least two must have been killed.
+    assert sum(k["alive_at_kill"] for k in kills) >= 2, kills
+    assert kills[-1]["records_after"] > 0, kills
+
+    stats_dir = tmp_path / "consumer-stats"
+    consumer = run_engine({"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "rounds": [PROMPTS],
+                           "kv_transfer_config": _disk_kv("kv_consumer", disk)}, tmp_path, stats_dir=stats_dir)
+    (only,) = consumer["rounds"]
+    assert only["tokens"] == baseline
+    cached = only["num_cached_tokens"]
+    assert all(c % BLOCK == 0 and 0 <= c <= _expected_hits(p) for c, p in zip(cached, PROMPTS, strict=True))
+    assert sum(cached) > 0, "the killed producers left nothing a consumer could use"
+    (worker,) = read_stats(str(stats_dir), "kv-worker")
+    assert worker["counters"]["load_errors"] == 0, worker["counters"]
+    assert worker["store"]["tiers"]["disk"]["corrupt"] == 0, worker["store"]
+    assert worker["counters"]["loaded_blocks"] == sum(cached) // BLOCK
+    print("sigkill runs:", kills, "consumer cached tokens:", sum(cached))
+
+
+# ------------------------------------------------------------------------------- redis restart
+def _complete(base_url: str, prompt: list[int]) -> dict[str, Any]:
+    """One /v1/completions request; returns tokens, cached prompt tokens and the error, if any."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    request = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            data = json.loads(resp.read())
+    except Exception as exc:  # a failed request is a result here, asserted on by the test
+        return {"error": f"{type(exc).__name__}: {exc}", "tokens": None, "cached": 0}
+    choice = data["choices"][0]
+    details = data["usage"].get("prompt_tokens_details") or {}
+    return {"error": None, "tokens": choice.get("token_ids"), "cached": int(details.get("cached_tokens") or 0)}
+
+
+@pytest.mark.engine
+@pytest.mark.redis
+def test_redis_killed_and_restarted_under_a_live_server(
+        tiny_llama: Path, baseline: list[list[int]], tmp_path: Path) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    served: list[tuple[int, dict[str, Any]]] = []
+
+    def send(indices: list[int]) -> list[dict[str, Any]]:
+        out = []
+        for i in indices:
+            result = _complete(server.base_url, PROMPTS[i])
+            served.append((i, result))
+            out.append(result)
+        return out
+
+    with RedisServer() as redis_srv:
+        kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"namespace": "redis-fault", "chunk_size": 64, "tiers": [
+                  {"kind": "redis", "url": redis_srv.url, "timeout_s": 0.5, "retry_after_s": 0.5}]}}
+        with Server(tiny_llama, tmp_path / "server.log", served_name="tiny", chat_template=template,
+                    max_model_len=2048, kv_transfer=kv, stats_dir=tmp_path / "stats") as server:
+            server.wait_healthy()
+            first = list(range(8))
+            # 1. Fill Redis, then repeat until every prompt hits (saves are asynchronous).
+            send(first)
+            warm = []
+            for _ in range(10):
+                warm = send(first)
+                if all(r["cached"] > 0 for r in warm):
+                    break
+            assert [r["cached"] for r in warm] == [_expected_hits(PROMPTS[i]) for i in first], warm
+
+            # 2. SIGKILL redis-server while a run of requests (hits and misses) is being served.
+            during = list(range(24))
+            runner = threading.Thread(target=send, args=(during,))
+            n_before = len(served)
+            runner.start()
+            while runner.is_alive() and len(served) < n_before + 3:
+                time.sleep(0.01)
+            redis_srv.kill()
+            killed_after = len(served) - n_before
+            runner.join()
+            assert killed_after < len(during), "the run ended before the kill"
+
+            # 3. While it is down: every request is served, from recomputation.
+            down = send(first)
+            assert [r["cached"] for r in down] == [0] * len(first)
+
+            # 4. Restart it (empty, same port): saves resume, then the same prompts hit again.
+            redis_srv.start()
+            recovered = []
+            rounds_to_recover = 0
+            for _ in range(20):
+                rounds_to_recover += 1
+                recovered = send(first)
+                if all(r["cached"] > 0 for r in recovered):
+                    break
+                time.sleep(0.5)  # the tier retries a down server every retry_after_s
+            assert [r["cached"] for r in recovered] == [_expected_hits(PROMPTS[i]) for i in first], recovered
+            metrics = server.metrics()
+
+    failed = [(i, r["error"]) for i, r in served if r["error"]]
+    assert not failed, failed
+    wrong = [i for i, r in served if r["tokens"] != baseline[i]]
+    assert not wrong, f"{len(wrong)} of {len(served)} answers differ from the baseline: prompts {wrong}"
+    assert "tiercache" in metrics
+    (worker,) = read_stats(str(tmp_path / "stats"), "kv-worker")
+    print(f"redis fault: {len(served)} requests served, 0 failed; killed after {killed_after} of the run; "
+          f"hits back after {rounds_to_recover} round(s); worker counters {worker['counters']}")
+
+
+def test_tier_deltas_survive_a_redis_tier_that_was_down() -> None:
+    """Regression: the worker died (`int - None`) on the first stats step after Redis came back.
+
+    A down Redis tier reports `bytes_used: None`; the next snapshot has an int. Only the monotonic
+    counters are differenced, so gauges can be None or shrink without harm.
+    """
+    down = {"redis": {"hits": 3, "misses": 5, "entries": None, "bytes_used": None, "down": True}}
+    up = {"redis": {"hits": 4, "misses": 9, "entries": None, "bytes_used": 1024, "down": False}}
+    assert tier_counter_deltas(up, down) == {"redis": {**dict.fromkeys(tier_counter_deltas(up, {})["redis"], 0),
+                                                       "hits": 1, "misses": 4}}
+    shrunk = {"redis": {"hits": 4, "misses": 9, "bytes_used": 10}}
+    assert all(v >= 0 for v in tier_counter_deltas(shrunk, up)["redis"].values())
