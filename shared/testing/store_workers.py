@@ -163,7 +163,7 @@ def reader(opts: dict[str, Any]) -> None:
     deadline = time.monotonic() + float(opts["duration_s"])
     reads = hits = mismatches = 0
     print("ready", flush=True)
-    while time.monotonic() < deadline:
+    while True:  # at least one pass, however slow the machine
         listed = [(key_id(text), text) for _, _, _, text in disk.iter_index()]
         listed = [(i, text) for i, text in listed if i is not None]
         sample = rng.sample(listed, min(len(listed), 16))
@@ -176,6 +176,8 @@ def reader(opts: dict[str, Any]) -> None:
             if rec is not None:
                 hits += 1
                 mismatches += 0 if matches(i, rec) else 1  # type: ignore[arg-type]
+        if time.monotonic() >= deadline:
+            break
     stats = store.stats()["tiers"]["disk"]
     store.close()
     _emit({"reads": reads, "hits": hits, "mismatches": mismatches, "corrupt": stats["corrupt"],
@@ -191,7 +193,7 @@ def evictor(opts: dict[str, Any]) -> None:
     deadline = time.monotonic() + float(opts["duration_s"])
     runs = removed = 0
     print("ready", flush=True)
-    while time.monotonic() < deadline:
+    while runs == 0 or time.monotonic() < deadline:
         result = evict(config, model="evict")
         if any(t.get("error") for t in result["tiers"]):
             _emit({"runs": runs, "removed": removed, "error": result})
