@@ -254,3 +254,20 @@ def test_unreachable_redis_names_address_and_what_was_tried(caplog: pytest.LogCa
         assert piece in line, (piece, line)
     tier.close()
 
+
+
+def test_unusable_disk_path_names_the_path_and_what_was_tried(tmp_path: Path) -> None:
+    """A disk tier path under a regular file: one clear error at start, naming the directory, the OS
+    error and what was attempted, instead of a bare errno from deep inside LMDB."""
+    from shared.store.disk import DiskTierError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    path = blocker / "cache"
+    with pytest.raises(DiskTierError) as info:
+        DiskTier(DiskTierConfig(path=str(path), capacity=1 << 20))
+    msg = str(info.value)
+    for piece in (str(path), "NotADirectoryError", "create the directory (mode 0700)", "LMDB index",
+                  f"{path}/index.lmdb"):
+        assert piece in msg, (piece, msg)
+    assert isinstance(info.value, OSError)

@@ -86,6 +86,14 @@ def _release_env(index_dir: str) -> None:
             slot[0].close()
 
 
+class DiskTierError(OSError):
+    """The tier's directory or index cannot be used at all; the message names the path and what was tried.
+
+    Raised when the tier is built (a misconfigured path should stop an engine at start, clearly), never
+    while serving: there, I/O problems are counted misses and skipped writes.
+    """
+
+
 class _Pending:
     __slots__ = ("digest", "final", "size", "text", "tmp")
 
@@ -107,9 +115,15 @@ class DiskTier:
         self.counters = TierCounters()
         self._warned: set[str] = set()
         self._refreshed: dict[bytes, int] = {}  # digest -> when this process last refreshed its atime
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._index_dir = str(self.root / "index.lmdb")
-        self._open_index()
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self._open_index()
+        except (OSError, lmdb.Error) as exc:
+            raise DiskTierError(
+                f"tiercache {self.kind} tier: cannot use {self.root} ({type(exc).__name__}: {exc}); tried: "
+                f"create the directory (mode 0700) and open its LMDB index {self._index_dir}. Give the "
+                f"tier a writable local directory (the 'path' of this tier in the store config)") from exc
         self._closed = False
         self._remove_stale_tmp()
 
