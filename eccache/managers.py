@@ -114,11 +114,14 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
 
 
 def _connector_policy(vllm_config: Any) -> str | None:
-    """`encoder_cache_policy` from the EC connector's extra config, when one is configured."""
+    """`encoder_cache_policy` of the EC connector's store config (read as the connector reads it, so a
+    `config_file` or `$TIERCACHE_CONFIG` works too), or None without an EC connector."""
     ec = getattr(vllm_config, "ec_transfer_config", None)
-    extra = getattr(ec, "ec_connector_extra_config", None) or {}
-    policy = extra.get("encoder_cache_policy") if isinstance(extra, dict) else None
-    return policy if isinstance(policy, str) and policy else None
+    if ec is None:
+        return None
+    from shared.config import StoreConfig
+
+    return StoreConfig.load(dict(getattr(ec, "ec_connector_extra_config", None) or {})).encoder_cache_policy
 
 
 class LRUEncoderCacheManager(PolicyEncoderCacheManager):

@@ -159,10 +159,10 @@ class BeladyPolicy(EvictionPolicy):
 
 
 class TopKPolicy(BeladyPolicy):
-    """Bench-only oracle of the best *online* policy on stationary traffic ("A0"): it knows each image's
-    popularity (its count over the whole trace) and evicts the least popular entry, so it holds the top-k
-    set. On a stationary Zipf trace no policy that learns popularity from the past can beat it by much;
-    Belady can, because it also knows *when* each image comes back."""
+    """Bench-only oracle ("A0" for independent requests): it knows each image's popularity (its count over
+    the whole trace) and evicts the least popular entry, so it holds the top-k set. A policy that has to
+    learn popularity from the past can hardly beat it on a stationary Zipf trace; Belady can, because it
+    also knows *when* each image comes back. It says how much of the gap to Belady is reachable at all."""
 
     name = "topk"
 
@@ -292,8 +292,9 @@ def print_report(cases: list[dict[str, Any]], window: int) -> list[tuple[str, bo
     for line in lines:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
     print("(in brackets: fraction of the gap between vLLM's manager and Belady that the policy closes;\n"
-          " top-k oracle: knows every image's popularity over the whole trace and keeps the most popular, the\n"
-          " ceiling for online policies on stationary traffic; for var-size, Belady is a greedy approximation)")
+          " top-k oracle: keeps the images most popular over the whole trace (per embedding for var-size), the\n"
+          " best a policy that learns popularity can hope for on the stationary rows, meaningless on the\n"
+          " shifting one; for var-size, Belady is a greedy approximation, not a bound)")
 
     checks: list[tuple[str, bool]] = []
     d = DEFAULT_LABEL

@@ -181,7 +181,7 @@ def test_can_allocate_answers_as_vllm_and_freed_contract(cls: type[EncoderCacheM
         assert sum(mgr.num_embeds_by_hash.values()) <= capacity
 
 
-def test_policy_manager_selected_by_config() -> None:
+def test_policy_manager_selected_by_config(tmp_path, monkeypatch) -> None:
     """`manager_config["policy"]` first, then the EC connector's `encoder_cache_policy`, then the default."""
     from types import SimpleNamespace
 
@@ -199,6 +199,9 @@ def test_policy_manager_selected_by_config() -> None:
 
     assert isinstance(build({"policy": "lru"}, {"encoder_cache_policy": "wtinylfu"}).policy, LRUPolicy)
     assert isinstance(build({}, {"encoder_cache_policy": "lfu"}).policy, LFUPolicy)
+    monkeypatch.delenv("TIERCACHE_CONFIG", raising=False)
+    (tmp_path / "store.json").write_text('{"encoder_cache_policy": "wtinylfu", "tiers": [{"kind": "memory"}]}')
+    assert isinstance(build({}, {"config_file": str(tmp_path / "store.json")}).policy, WTinyLFUPolicy)
     mgr = build({"window_fraction": 0.05}, {"encoder_cache_policy": "wtinylfu"})
     assert isinstance(mgr.policy, WTinyLFUPolicy) and mgr.policy.window_max == 3
     assert build({}, None).policy_name == DEFAULT_POLICY
