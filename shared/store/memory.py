@@ -88,8 +88,9 @@ class MemoryTier:
                     evicted += 1
                     evicted_digests.append(digest)
                 admission_refused += self.policy.rejections - rejected_before
-        self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused,
-                          admission_refused=admission_refused)
+        self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused)
+        if admission_refused:  # only W-TinyLFU refuses by admission; LRU tiers keep the common key set
+            self.counters.add(admission_refused=admission_refused)
         for digest in evicted_digests:
             for listener in self._evict_listeners:
                 listener(digest)
