@@ -41,13 +41,14 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
 
     The policy is picked, first match wins, by `manager_config["policy"]`, by `encoder_cache_policy` in
     the EC connector's extra config, or else `shared.eviction.DEFAULT_POLICY` (the best measured one).
-    Other `manager_config` keys go to the policy (`window_fraction`, `protected_fraction`).
+    Other `manager_config` keys go to the policy (lfu: `aging_period`, `history_size`, `size_aware`;
+    wtinylfu: `window_fraction`, `protected_fraction`, `victim_sample`, `size_aware`).
 
     vLLM's contract kept: `can_allocate` answers exactly as vLLM's would (True whenever the free plus
     freeable slots suffice), so no request is starved; only entries in `freeable` (unreferenced) are
-    offered to the policy; capacity is never exceeded. An admission refusal therefore never refuses the
-    allocation itself (the running request needs the encoder output): a refused entry is kept while
-    referenced and is the first to go once unreferenced.
+    offered to the policy; capacity is never exceeded. W-TinyLFU's admission refusal therefore never
+    refuses the allocation itself (the running request needs the encoder output): a refused entry is
+    kept while referenced and is the first to go once unreferenced.
     """
 
     policy_name: str | None = None  #: fixed by subclasses; None: chosen by config
