@@ -223,6 +223,7 @@ def precompute_docs(
             else:
                 todo.append((doc, keys))
 
+        seen: set[StoreKey] = set()
         if todo:
             from vllm import SamplingParams
 
@@ -234,19 +235,27 @@ def precompute_docs(
                     prompts = [doc_request(doc, template, multimodal=multimodal) for doc, _ in batch]
                     llm.generate(prompts, params, use_tqdm=False)
                     bar.update(len(batch))
-                wait_for_records(store, [k for _, keys in todo for k in keys])
+                seen = wait_for_records(store, [k for _, keys in todo for k in keys])
             finally:
                 bar.close()
                 shutdown_llm(llm)
 
+        evicted_since = 0
         for doc, keys in todo:
-            if all(store.contains_many(keys, shared_only=True)):
+            present = store.contains_many(keys, shared_only=True)
+            # Seen stored while the engine ran, or there now: stored. A chunk seen and gone since was
+            # evicted by someone else (`tiercache evict`, another writer's LRU), which is no failed write.
+            if all(hit or key in seen for key, hit in zip(keys, present, strict=True)):
                 summary.stored += 1
                 summary.bytes_stored += sum(size or 0 for size in record_sizes(store, keys))
+                evicted_since += not all(present)
             else:
                 summary.failed.append((doc.name, "prefilled but some chunks are not in the store afterwards "
                                                  "(see the engine log: dropped write, full disk or Redis down)"))
     summary.details["tokens"] = f"{tokens_total} prefix tokens, {reusable_total} reusable by longer prompts"
+    if evicted_since:
+        summary.details["evicted"] = (f"{evicted_since} stored docs lost chunks to eviction before the job ended "
+                                      "(a concurrent `tiercache evict` or LRU); the next run stores them again")
     if ignored_images:
         summary.details["images"] = f"{ignored_images} images beside docs ignored: {model} is text-only"
     if misaligned:

@@ -162,26 +162,32 @@ def shutdown_llm(llm: Any) -> None:
     gc.collect()
 
 
-def wait_for_records(store: TieredStore, keys: Sequence[StoreKey], *, idle_timeout_s: float = 15.0) -> None:
+def wait_for_records(store: TieredStore, keys: Sequence[StoreKey], *, idle_timeout_s: float = 15.0
+                     ) -> set[StoreKey]:
     """Wait until the engine's workers have written ``keys`` to a shared tier, before stopping the engine.
 
     Why: workers save from background threads and vLLM's shutdown may kill them without a drain. We
     poll the store (batched lookups) and stop waiting once nothing new arrived for ``idle_timeout_s``;
-    the check after shutdown reports whatever is still missing.
+    the check after shutdown reports whatever is still missing. Returns the keys seen stored: a record
+    that `tiercache evict` (or another process's LRU eviction) removes after it was written was stored
+    all the same, and the job must not report it as a failed write.
     """
     import time
 
+    seen: set[StoreKey] = set()
     missing = list(keys)
     last_progress = time.monotonic()
     while missing:
         present = store.contains_many(missing, shared_only=True)
+        seen.update(k for k, hit in zip(missing, present, strict=True) if hit)
         still = [k for k, hit in zip(missing, present, strict=True) if not hit]
         if len(still) < len(missing):
             last_progress = time.monotonic()
         missing = still
         if not missing or time.monotonic() - last_progress > idle_timeout_s:
-            return
+            return seen
         time.sleep(0.2)
+    return seen
 
 
 def batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
