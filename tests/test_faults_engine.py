@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +74,16 @@ def _expected_hits(prompt: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    """Greedy tokens of every prompt from an engine without a connector (fresh process)."""
+def baseline(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[list[list[int]]]]:
+    """Greedy tokens of every prompt from an engine without a connector (fresh process).
+
+    A future: the engine runs beside the first test's own engines (an engine start is mostly
+    single-threaded), and each test waits for it only when it compares answers.
+    """
     work = tmp_path_factory.mktemp("faults-baseline")
-    result = run_engine({"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "rounds": [PROMPTS]},
-                        work)
-    return result["rounds"][0]["tokens"]
+    spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "rounds": [PROMPTS]}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(lambda: run_engine(spec, work)["rounds"][0]["tokens"])
 
 
 # ------------------------------------------------------------------------------ producer SIGKILL
@@ -113,7 +119,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.engine
 def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
-        tiny_llama: Path, baseline: list[list[int]], tmp_path: Path) -> None:
+        tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     rng = random.Random(2026)
     # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole run.
@@ -143,7 +149,7 @@ def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
     consumer = run_engine({"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "rounds": [PROMPTS],
                            "kv_transfer_config": _disk_kv("kv_consumer", disk)}, tmp_path, stats_dir=stats_dir)
     (only,) = consumer["rounds"]
-    assert only["tokens"] == baseline
+    assert only["tokens"] == baseline.result()
     cached = only["num_cached_tokens"]
     assert all(c % BLOCK == 0 and 0 <= c <= _expected_hits(p) for c, p in zip(cached, PROMPTS, strict=True))
     assert sum(cached) > 0, "the killed producers left nothing a consumer could use"
@@ -174,7 +180,7 @@ def _complete(base_url: str, prompt: list[int]) -> dict[str, Any]:
 @pytest.mark.engine
 @pytest.mark.redis
 def test_redis_killed_and_restarted_under_a_live_server(
-        tiny_llama: Path, baseline: list[list[int]], tmp_path: Path) -> None:
+        tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path) -> None:
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
     served: list[tuple[int, dict[str, Any]]] = []
@@ -235,7 +241,8 @@ def test_redis_killed_and_restarted_under_a_live_server(
 
     failed = [(i, r["error"]) for i, r in served if r["error"]]
     assert not failed, failed
-    wrong = [i for i, r in served if r["tokens"] != baseline[i]]
+    reference = baseline.result()
+    wrong = [i for i, r in served if r["tokens"] != reference[i]]
     assert not wrong, f"{len(wrong)} of {len(served)} answers differ from the baseline: prompts {wrong}"
     assert "tiercache" in metrics
     (worker,) = read_stats(str(tmp_path / "stats"), "kv-worker")
