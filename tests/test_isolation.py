@@ -140,14 +140,30 @@ def test_adapters_change_the_tokens(world: dict[str, Any]) -> None:
     assert base["plain"] != base["plain, with adapter a"]
 
 
-def test_salt_and_adapter_hit_only_their_own_entries(world: dict[str, Any]) -> None:
-    """Same namespace and model: only the exact (salt, adapter) the producer used hits."""
+def _same_namespace(world: dict[str, Any], labels: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """(cached tokens, expected cached tokens) of the same-namespace consumer, for the given ASKED labels."""
     run = world["same"]
-    labels = [label for label, *_ in ASKED]
-    expected = [HIT if hits else 0 for *_, hits in ASKED]
-    assert dict(zip(labels, run["cached"], strict=True)) == dict(zip(labels, expected, strict=True))
+    asked = {label: i for i, (label, *_) in enumerate(ASKED)}
     assert run["tokens"] == world["baseline"]
-    assert run["loaded"] == sum(expected) // BLOCK
+    cached = {label: run["cached"][asked[label]] for label in labels}
+    expected = {label: HIT if ASKED[asked[label]][4] else 0 for label in labels}
+    return cached, expected
+
+
+def test_cache_salt_hits_only_the_same_salt(world: dict[str, Any]) -> None:
+    """Salted entries: not for another salt, not for no salt; plain entries: not for a salted request."""
+    labels = ["salted, other salt", "salted, no salt", "salted, same salt", "plain, with a salt", "plain"]
+    cached, expected = _same_namespace(world, labels)
+    assert cached == expected and expected["salted, same salt"] == HIT and expected["salted, other salt"] == 0
+
+
+def test_lora_adapter_hits_only_the_same_adapter(world: dict[str, Any]) -> None:
+    """Adapter-a entries: not for no adapter, not for adapter b; plain entries: not for an adapter request."""
+    labels = ["adapted, no adapter", "adapted, adapter b", "adapted, same adapter", "plain, with adapter a"]
+    cached, expected = _same_namespace(world, labels)
+    assert cached == expected and expected["adapted, same adapter"] == HIT and expected["adapted, adapter b"] == 0
+    # Every block the consumer loaded belongs to one of the three exact matches.
+    assert world["same"]["loaded"] == sum(HIT for *_, hits in ASKED if hits) // BLOCK
 
 
 def test_other_namespace_sees_no_entry(world: dict[str, Any]) -> None:
