@@ -129,6 +129,7 @@ def precompute_images(
                 todo.append((path, key))
 
         # Pass 2: one producer engine over what is missing.
+        seen: set[StoreKey] = set()
         if todo:
             llm = start_llm(model, kwargs, **transfer)
             from vllm import SamplingParams
@@ -140,7 +141,7 @@ def precompute_images(
                     prompts = [{"prompt": text, "multi_modal_data": {"image": load_image(p)}} for p, _ in batch]
                     llm.generate(prompts, params, use_tqdm=False)
                     bar.update(len(batch))
-                wait_for_records(store, [key for _, key in todo])
+                seen = wait_for_records(store, [key for _, key in todo])
             finally:
                 bar.close()
                 shutdown_llm(llm)
@@ -149,8 +150,10 @@ def precompute_images(
         keys = [key for _, key in todo]
         stored = store.contains_many(keys, shared_only=True)
         sizes = record_sizes(store, keys)
-        for (path, _), ok, size in zip(todo, stored, sizes, strict=True):
-            if ok:
+        for (path, key), ok, size in zip(todo, stored, sizes, strict=True):
+            # Seen stored while the engine ran counts too: a concurrent `tiercache evict` (or another
+            # writer's LRU) may have removed it since, which is no failed write.
+            if ok or key in seen:
                 summary.stored += 1
                 summary.bytes_stored += size or 0
             else:
