@@ -66,16 +66,21 @@ def test_policy_from_config_capacity_in_bytes_and_listeners():
 def test_wtinylfu_admission_refuses_cold_puts_and_counts_them():
     tier = MemoryTier(MemoryTierConfig(capacity=1000, policy="wtinylfu"))
     hot = [_k(i) for i in range(10)]
+    attempts = 0
     for _ in range(3):
         for k in hot:
             if tier.contains_many([k])[0]:
                 tier.get_many([k])
             else:
                 tier.put_many([(k, _t(100), None)])
+                attempts += 1
     for i in range(100, 150):  # a one-off sweep
         tier.put_many([(_k(i), _t(100), None)])
+        attempts += 1
     assert sum(tier.contains_many(hot)) >= 9  # the sweep did not flush the hot set
     assert tier.counters.get("admission_refused") >= 40
+    # A put refused on arrival is counted as refused, not as a put: every attempt is one or the other.
+    assert tier.counters.get("puts") + tier.counters.get("refused") == attempts
     lru = MemoryTier(MemoryTierConfig(capacity=1000))
     for k in hot:
         lru.put_many([(k, _t(100), None)])

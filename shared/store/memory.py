@@ -83,7 +83,10 @@ class MemoryTier:
                 for digest in self.policy.evict(self._bytes - self.capacity):
                     self._bytes -= self._items.pop(digest)[1]
                     if digest == key.digest and old is None:
-                        refused += 1  # refused on arrival: never resident, nobody to tell
+                        # Refused on arrival: never resident, nobody to tell, and not a put either.
+                        refused += 1
+                        puts -= 1
+                        written -= size
                         continue
                     evicted += 1
                     evicted_digests.append(digest)
