@@ -18,13 +18,21 @@ import torch
 KEY_DIGEST_SIZE = 16
 
 
+def key_text_bytes(text: str) -> bytes:
+    """The bytes of a key text, as hashed into its digest and kept beside a record (index, Redis).
+
+    Any str encodes, lone surrogates included ("surrogatepass"), so a name decoded with
+    errors="surrogateescape" never makes building or storing its key raise; valid text is plain UTF-8.
+    """
+    return text.encode("utf-8", "surrogatepass")
+
+
 @dataclass(frozen=True)
 class StoreKey:
     """A record's identity: the canonical text of a `shared.keys` key and its digest.
 
     The text is for humans (stats, logs); tiers only ever use `digest`, so no key can become a path.
-    Any str hashes, lone surrogates included ("surrogatepass": a name decoded with errors="surrogateescape"
-    must not make building its key raise); valid text hashes exactly as plain UTF-8.
+    Any str hashes (see `key_text_bytes`).
     """
 
     text: str
@@ -32,7 +40,7 @@ class StoreKey:
 
     def __post_init__(self) -> None:
         if not self.digest:
-            raw = self.text.encode("utf-8", "surrogatepass")
+            raw = key_text_bytes(self.text)
             object.__setattr__(self, "digest", hashlib.blake2b(raw, digest_size=KEY_DIGEST_SIZE).digest())
 
     @property

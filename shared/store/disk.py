@@ -34,7 +34,7 @@ import xxhash
 
 from shared import records
 from shared.config import DiskTierConfig
-from shared.store.api import Record, StoreKey
+from shared.store.api import Record, StoreKey, key_text_bytes
 from shared.store.counters import TierCounters
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,7 @@ class DiskTier:
             old_size, old_atime = _ENTRY.unpack_from(raw)
             total -= old_size
             txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
-        txn.put(digest, _ENTRY.pack(size, now) + text.encode("utf-8", "surrogatepass"), db=self._entries)
+        txn.put(digest, _ENTRY.pack(size, now) + key_text_bytes(text), db=self._entries)
         txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self._meta)
 

@@ -33,7 +33,7 @@ from redis.retry import Retry
 
 from shared import records
 from shared.config import RedisTierConfig
-from shared.store.api import Record, StoreKey
+from shared.store.api import Record, StoreKey, key_text_bytes
 from shared.store.counters import TierCounters
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ class RedisTier:
                 nparts = max(1, -(-payload.nbytes // part_size))
                 for p in range(nparts):
                     pipe.set(self._part(key, p), payload[p * part_size:(p + 1) * part_size], px=ttl_ms)
-                pipe.set(self._text_name(key), key.text.encode("utf-8", "surrogatepass"), px=ttl_ms)
+                pipe.set(self._text_name(key), key_text_bytes(key.text), px=ttl_ms)
                 pipe.set(self._head(key), _NPARTS.pack(nparts) + enc.prefix, px=ttl_ms)
             return pipe.execute()
 
