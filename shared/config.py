@@ -22,6 +22,9 @@ Top-level keys and defaults:
 - ``write_queue_size`` (int, 256): bound of the background queue for slower-tier writes.
 - ``encoder_cache_policy`` (str or null, null): eviction policy of ``PolicyEncoderCacheManager``
   (lru, lfu, wtinylfu; null = ``shared.eviction.DEFAULT_POLICY``).
+- ``trust_multi_modal_uuids`` (bool, false): the operator vouches that user-supplied ``multi_modal_uuids``
+  name their items' content, so records may be stored and served under them (see
+  ``shared.mm_identifiers``); without it, items named by a uuid are never cached.
 - ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis) and ``policy``
   (memory: lru, wtinylfu; the shared tiers: lru only; default lru) plus:
 
@@ -292,7 +295,7 @@ def default_tiers() -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- store
 
 _TOP_KEYS = ("namespace", "chunk_size", "save_partial_chunks", "save_decode", "write_queue_size",
-             "encoder_cache_policy", "tiers", "config_file")
+             "encoder_cache_policy", "trust_multi_modal_uuids", "tiers", "config_file")
 
 
 @dataclass(frozen=True)
@@ -305,6 +308,7 @@ class StoreConfig:
     save_decode: bool = False
     write_queue_size: int = 256
     encoder_cache_policy: str | None = None
+    trust_multi_modal_uuids: bool = False
     tiers: tuple[TierConfig, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -378,6 +382,7 @@ class StoreConfig:
             save_decode=_bool(raw.get("save_decode", False), "save_decode"),
             write_queue_size=wqs,
             encoder_cache_policy=ecp,
+            trust_multi_modal_uuids=_bool(raw.get("trust_multi_modal_uuids", False), "trust_multi_modal_uuids"),
             tiers=tiers,
             extra=extra,
         )
