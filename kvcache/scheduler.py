@@ -10,10 +10,9 @@ corrupted after the lookup) is reported by the worker as invalid blocks, and vLL
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache.plan import (
     ChunkGeometry,
@@ -26,6 +25,7 @@ from kvcache.plan import (
 from shared.hashing import assert_engine_seed_matches
 from shared.keys import KVModelIdentity, kv_chunk_key
 from shared.store.api import Store, StoreKey
+from shared.vllm_compat import CacheHitSource, publishable_block_count
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -49,6 +49,8 @@ class _RequestState:
     load_chunks: list[tuple[int, bool]] = field(default_factory=list)
     #: end block of the last chunk already planned for saving
     saved_until: int = 0
+    #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
+    cacheable: bool = True
 
 
 class KVSchedulerSide:
@@ -66,7 +68,14 @@ class KVSchedulerSide:
         save_partial_chunks: bool,
         save_decode: bool,
         hash_algo: str,
+        request_cacheable: Callable[[Request], bool] | None = None,
+        volatile_decode_tail: bool = False,
     ) -> None:
+        """`request_cacheable`: asked once per request; False keeps the request out of the store both ways
+        (no lookup, no save), e.g. when its multimodal items carry no trustworthy content identifier, so
+        its block hashes do not name its content. `volatile_decode_tail`: an EAGLE/MTP drafter runs, so
+        the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
+        be rewritten when draft tokens are rejected; see `shared.vllm_compat.uses_eagle`)."""
         self.store = store
         self.namespace = namespace
         self.identities = identities  # one per tensor-parallel rank: a chunk is there when all ranks are
@@ -76,6 +85,8 @@ class KVSchedulerSide:
         self.save_partial_chunks = save_partial_chunks
         self.save_decode = save_decode
         self.hash_algo = hash_algo
+        self.request_cacheable = request_cacheable
+        self.volatile_decode_tail = volatile_decode_tail
         shared_kinds = {t.kind for t in getattr(store, "tiers", []) if t.shared_across_processes}
         self.shared_source = (
             CacheHitSource.DISK
@@ -158,12 +169,20 @@ class KVSchedulerSide:
         num_prompt = request.num_prompt_tokens
         return min(num_prompt // self.geometry.block_size, len(request.block_hashes))
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        block_size = self.geometry.block_size
-        stored, resident = self._lookup(request)
+    def _state(self, request: Request) -> _RequestState:
+        """The request's state, created on first sight (when `request_cacheable` is asked, once)."""
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            cacheable = self.request_cacheable is None or bool(self.request_cacheable(request))
+            state = self._requests[request.request_id] = _RequestState(request, cacheable=cacheable)
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        block_size = self.geometry.block_size
+        state = self._state(request)
+        if not state.cacheable:
+            return 0, False
+        stored, resident = self._lookup(request)
         state.stored, state.resident = stored, resident
         state.load_first = state.load_end = 0
         state.load_chunks = []
@@ -188,9 +207,7 @@ class KVSchedulerSide:
         return (hit_blocks - local_blocks) * block_size, False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+        state = self._state(request)
         if num_external_tokens == 0:
             state.load_first = state.load_end = 0
             state.load_chunks = []
@@ -241,6 +258,8 @@ class KVSchedulerSide:
     def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan:
         request = state.request
         plan = RequestPlan(req_id=request.request_id)
+        if not state.cacheable:
+            return plan
         block_ids: list[int] | None = None
         geometry = self.geometry
         if state.load_end > state.load_first:
@@ -271,17 +290,28 @@ class KVSchedulerSide:
         return plan
 
     def _chunks_to_save(self, state: _RequestState, computed_after: int) -> list[int]:
-        """End blocks of chunks whose KV is complete after this step and not yet stored or planned."""
+        """End blocks of chunks whose KV is complete after this step and not yet stored or planned.
+
+        Only publishable blocks count (`shared.vllm_compat.publishable_block_count`: vLLM may hash blocks
+        whose drafter KV is not materialized yet), and with `volatile_decode_tail` a decoding request's
+        last full chunk past the prompt waits for the next one (the rule vLLM's OffloadingConnector
+        follows for EAGLE groups).
+        """
         request = state.request
         block_size = self.geometry.block_size
+        per_chunk = self.geometry.blocks_per_chunk
         prompt_blocks = self._prompt_full_blocks(request)
         limit = len(request.block_hashes) if self.save_decode else prompt_blocks
+        limit = min(limit, publishable_block_count(request))
         computed_blocks = min(computed_after // block_size, limit)
         ends = [
             end
             for end in self.geometry.chunk_ends(computed_blocks)
-            if end > state.saved_until and end % self.geometry.blocks_per_chunk == 0
+            if end > state.saved_until and end % per_chunk == 0
         ]
+        if self.volatile_decode_tail and computed_after > request.num_prompt_tokens:
+            volatile_end = computed_blocks // per_chunk * per_chunk
+            ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
         prefill_done = computed_after >= request.num_prompt_tokens
         if (
             self.save_partial_chunks

@@ -203,3 +203,60 @@ def test_a_longer_prompt_reaches_the_stored_partial_chunk_of_its_prefix(side) ->
     ]
     # The query's own chunks [4,8) and [8,9) were not stored: they are saved, the stored one is not.
     assert [s.chunk_hash for s in plan.saves] == [query.block_hashes[7], query.block_hashes[8]]
+
+
+def test_a_request_the_hook_calls_uncacheable_is_never_looked_up_nor_saved(tmp_path) -> None:
+    """`request_cacheable` (the multimodal-identifier hook): False keeps the request out of the store both ways."""
+    asked: list[str] = []
+
+    def cacheable(request: Request) -> bool:
+        asked.append(request.request_id)
+        return request.request_id != "private"
+
+    side = make_side(tmp_path, request_cacheable=cacheable)  # type: ignore[arg-type]
+    prompt = tokens(300)
+    private, public = make_request("private", prompt), make_request("public", prompt)
+    store_chunk(side, private.block_hashes[3], 4)
+    assert side.get_num_new_matched_tokens(private, 0) == (0, False)  # stored, but never looked up
+    side.update_state_after_alloc(private, 0)
+    meta = side.build_connector_meta(step([("private", 0)], [], {"private": 300}))
+    assert meta.requests == []  # and nothing saved
+    assert side.get_num_new_matched_tokens(public, 0) == (4 * BLOCK, False)
+    side.update_state_after_alloc(public, 4 * BLOCK)
+    (plan,) = side.build_connector_meta(step([("public", 128)], [], {"public": 172})).requests
+    assert plan.loads and plan.saves
+    assert asked == ["private", "public"]  # asked once per request
+    side.store.close()
+
+
+def test_update_state_after_alloc_first_still_honours_the_hook(tmp_path) -> None:
+    side = make_side(tmp_path, request_cacheable=lambda request: False)  # type: ignore[arg-type]
+    request = make_request("x", tokens(300))
+    side.update_state_after_alloc(request, 0)
+    assert side.build_connector_meta(step([("x", 0)], [], {"x": 300})).requests == []
+    side.store.close()
+
+
+def test_only_publishable_blocks_are_saved(side) -> None:
+    """Newer vLLM marks how many block hashes may be published (EAGLE prefix-cache hashing)."""
+    request = make_request("p", tokens(330))  # 10 full blocks: chunks [0,4) [4,8) and partial [8,10)
+    request.num_publishable_block_hashes = 5  # type: ignore[attr-defined]
+    side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, 0)
+    (plan,) = side.build_connector_meta(step([("p", 0)], [], {"p": 330})).requests
+    assert [s.chunk_hash for s in plan.saves] == [request.block_hashes[3]]  # not [4,8), not the partial one
+
+
+def test_eagle_keeps_the_trailing_decode_chunk_until_the_next_one_completes(tmp_path) -> None:
+    side = make_side(tmp_path, can_load=False, save_partial_chunks=False, save_decode=True, volatile_decode_tail=True)
+    request = make_request("g", tokens(120))
+    side.get_num_new_matched_tokens(request, 0)
+    assert side.build_connector_meta(step([("g", 0)], [], {"g": 120})).requests == []
+    for _ in range(8):
+        request.append_output_token_ids(7)
+    assert side.build_connector_meta(step([], [("g", 120)], {"g": 8})).requests == []  # [0,4) is the volatile tail
+    for _ in range(128):
+        request.append_output_token_ids(7)
+    meta = side.build_connector_meta(step([], [("g", 128)], {"g": 128}))
+    assert [s.chunk_hash for s in meta.requests[0].saves] == [request.block_hashes[3]]  # [4,8) now the tail
+    side.store.close()
