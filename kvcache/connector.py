@@ -8,8 +8,10 @@ WORKER). The shell reads the configuration, then forwards every call to `KVSched
                            "kv_connector_extra_config": {...store config, see shared.config...}}'
 
 Connector-only keys in the extra config (removed before the store sees it): `load_failure_policy`
-("recompute", the default: a chunk that fails to load is recomputed by vLLM; "fail": vLLM fails the
-request) and `warmup_cpu_attention` (default true; see `kvcache.cpu_warmup`).
+("recompute": a chunk that fails to load is recomputed by vLLM; "fail": vLLM fails the request) and
+`warmup_cpu_attention` (default true; see `kvcache.cpu_warmup`). `load_failure_policy` only fills a
+default: vLLM's own `KVTransferConfig.kv_load_failure_policy`, when the user set it, wins, and the two set
+to different values is a `ConfigError` (`resolve_load_failure_policy`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache.cpu_warmup import warm_cpu_attention
 from kvcache.layout import layout_tag
@@ -36,6 +37,7 @@ from shared.hashing import check_seed_is_stable
 from shared.keys import KVModelIdentity
 from shared.store import get_store
 from shared.store.counters import COUNTER_NAMES
+from shared.vllm_compat import CacheHitSource, check_vllm_version, is_encode_only, is_explicitly_set, uses_eagle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,14 +53,21 @@ log = logging.getLogger(__name__)
 
 _CONNECTOR_KEYS = ("load_failure_policy", "warmup_cpu_attention")
 _FAILURE_POLICIES = ("recompute", "fail")
+#: What a chunk that fails to load costs when neither vLLM's setting nor our option says: a recompute,
+#: never a failed request (a bad or evicted record is a cache miss).
+DEFAULT_LOAD_FAILURE_POLICY = "recompute"
 
 
 def split_extra_config(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(connector-only options, store config) from `kv_connector_extra_config`."""
+    """(connector-only options, store config) from `kv_connector_extra_config`.
+
+    `load_failure_policy` stays None when the user did not give it: whether it fills the default is
+    decided against vLLM's own setting (`resolve_load_failure_policy`).
+    """
     own = {k: extra[k] for k in _CONNECTOR_KEYS if k in extra}
     store = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
-    policy = own.setdefault("load_failure_policy", "recompute")
-    if policy not in _FAILURE_POLICIES:
+    policy = own.setdefault("load_failure_policy", None)
+    if policy is not None and policy not in _FAILURE_POLICIES:
         raise ConfigError(
             f"kv_connector_extra_config.load_failure_policy={policy!r} is not allowed; "
             f"allowed: {', '.join(_FAILURE_POLICIES)}"
@@ -67,17 +76,58 @@ def split_extra_config(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     return own, store
 
 
+def resolve_load_failure_policy(vllm_policy: str, vllm_explicit: bool, option: str | None) -> str:
+    """The `kv_load_failure_policy` vLLM runs with: the user's vLLM setting, else our option, else ours.
+
+    An explicit vLLM setting wins; `kv_connector_extra_config.load_failure_policy` only fills the default;
+    both set to different values is a contradiction the user must resolve, so it is an error naming both.
+    On vLLM 0.32/0.33 an explicit "fail" (vLLM's own default value) cannot be told from the default
+    (`shared.vllm_compat.explicit_fields`): set `load_failure_policy: "fail"` in the extra config there.
+    """
+    if vllm_explicit:
+        if option is not None and option != vllm_policy:
+            raise ConfigError(
+                f"kv_load_failure_policy conflict: KVTransferConfig.kv_load_failure_policy={vllm_policy!r} but "
+                f"kv_connector_extra_config.load_failure_policy={option!r}. Set one of them, or both to the "
+                "same value (the vLLM setting wins when only it is set)."
+            )
+        return vllm_policy
+    return option if option is not None else DEFAULT_LOAD_FAILURE_POLICY
+
+
+def check_not_encode_only(vllm_config: VllmConfig) -> None:
+    """Refuse a KV connector on an encoder-only instance, naming the role and the fixes.
+
+    vLLM 0.32+ runs an `ec_role="ec_producer"` instance as encoder only: it allocates no KV cache, so the
+    worker side would die at start in `register_kv_caches` with no hint at the cause.
+    """
+    if not is_encode_only(vllm_config):
+        return
+    ec = vllm_config.ec_transfer_config
+    role = getattr(ec, "ec_role", None) if ec is not None else None
+    raise ConfigError(
+        f"TieredKVConnector cannot run on an encoder-only instance (ec_role={role!r}): vLLM runs only the "
+        "multimodal encoder there and allocates no KV cache. Use ec_role='ec_both' to run the language "
+        "model and the KV connector on this instance, or drop kv_transfer_config on the encoder instance "
+        "and put TieredKVConnector on the instance that runs the language model."
+    )
+
+
 class TieredKVConnector(KVConnectorBase_V1):
     """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        check_not_encode_only(vllm_config)
+        check_vllm_version("TieredKVConnector")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self._options, store_dict = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
-        if self._options["load_failure_policy"] == "recompute":
-            # The scheduler reads this right after building us: make a bad record cost a recompute,
-            # never a failed request.
-            transfer.kv_load_failure_policy = "recompute"
+        # The scheduler reads this right after building us (and before any request).
+        transfer.kv_load_failure_policy = resolve_load_failure_policy(
+            transfer.kv_load_failure_policy,
+            is_explicitly_set(transfer, "kv_load_failure_policy"),
+            self._options["load_failure_policy"],
+        )
         config = StoreConfig.load(store_dict)
         cache_config = vllm_config.cache_config
         check_seed_is_stable(cache_config.prefix_caching_hash_algo)
@@ -100,6 +150,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                 save_partial_chunks=config.save_partial_chunks,
                 save_decode=config.save_decode,
                 hash_algo=cache_config.prefix_caching_hash_algo,
+                volatile_decode_tail=uses_eagle(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -111,6 +162,19 @@ class TieredKVConnector(KVConnectorBase_V1):
                 block_size=cache_config.block_size,
                 use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
             )
+
+    # ------------------------------------------------------------------------------- vLLM capabilities
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache. A dropped save is a later miss, never a lost hand-off, and saves
+        are private copies taken within the step, so a preempted request's output need not be dropped."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: `wait_for_layer_load` / `save_kv_layer` run per layer inside the forward pass, which a
+        full CUDA graph replay would skip (vLLM then uses PIECEWISE graphs)."""
+        return True
 
     # ------------------------------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -184,7 +248,16 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.hit_sources(request, num_external_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        num_computed_tokens: int | None = None,
+    ) -> None:
+        """Record how many blocks the scheduler allocated for our load (`num_external_tokens` decides,
+        never whether `blocks` is empty). `num_computed_tokens` is what newer vLLM passes; the plan
+        already knows the local hit from `get_num_new_matched_tokens`, so it is accepted and unused."""
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, num_external_tokens)
 
