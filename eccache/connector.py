@@ -44,6 +44,7 @@ from eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerM
 from eccache.worker import ECWorkerSide, worker_in_process
 from shared.config import StoreConfig
 from shared.keys import EncoderIdentity, encoder_key
+from shared.mm_identifiers import MultiModalIdentifierPolicy
 from shared.stats_dump import dump_stats
 from shared.store import get_store
 from shared.store.api import StoreKey
@@ -133,6 +134,10 @@ class TieredECConnector(ECConnectorBase):
         ec = vllm_config.ec_transfer_config
         assert ec is not None
         self._config = StoreConfig.load(dict(ec.ec_connector_extra_config or {}))
+        # Refuses, before a store is opened, a mode where identifiers do not name content.
+        self._identifiers = MultiModalIdentifierPolicy.for_engine(
+            vllm_config, trust_user_uuids=self._config.trust_multi_modal_uuids, connector="TieredECConnector"
+        )
         # One store per process and config: the KV connector in this process shares it (and its budget).
         self._store = get_store(self._config)
         self._identity = EncoderIdentity.from_vllm_config(vllm_config)

@@ -35,6 +35,7 @@ from kvcache.worker import KVWorkerSide
 from shared.config import ConfigError, StoreConfig
 from shared.hashing import check_seed_is_stable
 from shared.keys import KVModelIdentity
+from shared.mm_identifiers import MultiModalIdentifierPolicy
 from shared.store import get_store
 from shared.store.counters import COUNTER_NAMES
 from shared.vllm_compat import CacheHitSource, check_vllm_version, is_encode_only, is_explicitly_set, uses_eagle
@@ -129,6 +130,10 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._options["load_failure_policy"],
         )
         config = StoreConfig.load(store_dict)
+        # Refuses, before a store is opened, a mode where multimodal identifiers do not name content.
+        identifiers = MultiModalIdentifierPolicy.for_engine(
+            vllm_config, trust_user_uuids=config.trust_multi_modal_uuids, connector="TieredKVConnector"
+        )
         cache_config = vllm_config.cache_config
         check_seed_is_stable(cache_config.prefix_caching_hash_algo)
         self._block_size = cache_config.block_size
@@ -151,6 +156,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                 save_decode=config.save_decode,
                 hash_algo=cache_config.prefix_caching_hash_algo,
                 volatile_decode_tail=uses_eagle(vllm_config),
+                request_cacheable=identifiers.request_cacheable,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
