@@ -4,7 +4,8 @@ Loads: `start_load` hands the step's load plan to one loader thread that walks t
 reading every chunk of layer i in one batched store call and copying it into its blocks; the forward
 pass waits in `wait_for_layer` only for the layer it is about to run, so layer i+1 is read while layer i
 computes. A record that is missing, corrupt or of another layout marks its destination blocks invalid;
-vLLM then recomputes them (the connector sets `kv_load_failure_policy=recompute`).
+vLLM then recomputes them (with `kv_load_failure_policy=recompute`, the connector's default) or fails the
+request (`fail`, when the user set it).
 
 Saves: `save_layer` gathers this step's chunk blocks of one layer right after the layer wrote them (a
 private copy, so vLLM may reuse the blocks at once); `wait_for_save` hands the copies to one saver thread
