@@ -10,7 +10,8 @@ Configure it like any vLLM 0.32 EC connector::
     )
 
 `ec_connector_extra_config` is a `shared.config.StoreConfig` dict (validated there). Roles: `ec_producer`
-saves what it encodes and never loads (vLLM then runs the encoder only: an encode instance),
+saves what it encodes and never loads (vLLM then runs the encoder only: an encode instance; an item
+the store already holds is not encoded again),
 `ec_consumer` loads and never saves, `ec_both` loads what is stored and saves what it computed.
 
 Processes: vLLM builds a SCHEDULER-role connector in its engine-core process and a WORKER-role one in
@@ -18,8 +19,11 @@ each worker. With the uniproc executor they share one process (and one store); w
 executor (always on vLLM-CPU, and with more than one device) they do not, and the scheduler learns what
 the worker's memory tier holds from the worker's residency reports (see `eccache.scheduler`).
 
-Counters: every process keeps its own (`process_stats()`); with env `TIERCACHE_STATS_DIR` set, each
-process writes them, with its store's stats, to `$TIERCACHE_STATS_DIR/ec-<pid>.json` whenever they change
+Counters: the supported view is vLLM's `/metrics` (`vllm:tiercache_ec_*_total`, see `eccache.metrics`):
+they reach vLLM's stats through `get_ec_connector_stats` of the scheduler-side connector, which also
+carries what the workers counted (sent back with their residency reports). Diagnostics besides: every
+process keeps its own totals (`process_stats()`); with env `TIERCACHE_STATS_DIR` set, each process writes
+them, with its store's stats, to `$TIERCACHE_STATS_DIR/ec-<pid>.json` whenever they change
 (`shared.stats_dump`; sum the files for an engine's totals). `x_ec_stats_path` (optional, legacy) is one
 more such file; `{pid}` in it is replaced by the process id, so that processes do not overwrite it.
 """
@@ -38,8 +42,14 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorMetadata,
     ECConnectorRole,
 )
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
+from eccache.metrics import TieredECPromMetrics
 from eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from eccache.worker import ECWorkerSide, worker_in_process
 from shared.config import StoreConfig
@@ -65,12 +75,11 @@ COUNTER_NAMES = (
 
 
 class ECCounters:
-    """Process-wide, thread-safe counters; `delta()` feeds vLLM's per-interval stats."""
+    """Process-wide, thread-safe totals for the stats files (vLLM's stats get per-side increments)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
-        self._reported: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
         #: Bumped by every `add` (lets the stats file be rewritten only when something changed).
         self.version = 0
 
@@ -83,12 +92,6 @@ class ECCounters:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)
-
-    def delta(self) -> dict[str, float]:
-        with self._lock:
-            out = {k: v - self._reported.get(k, 0) for k, v in self._values.items()}
-            self._reported = dict(self._values)
-        return {k: v for k, v in out.items() if v}
 
 
 #: One per process: the scheduler-side and worker-side connector of a uniproc engine count together.
@@ -105,7 +108,8 @@ def process_stats() -> dict[str, float]:
 
 
 class TieredECStats(ECConnectorStats):
-    """vLLM's EC stats hook (0.32 has one): counters since the last interval, summed across workers."""
+    """vLLM's EC stats hook (0.32 has one): counter increments since the last step, summed; vLLM logs
+    `reduce()` and exports `data` on `/metrics` (`eccache.metrics.TieredECPromMetrics`)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -221,12 +225,27 @@ class TieredECConnector(ECConnectorBase):
         return None, None  # loads finish inside start_load_caches; saves never hold a request
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
-        data = COUNTERS.delta() if self._sched is not None else {}
+        """Scheduler side only: its counters plus the workers' (reported with `build_connector_worker_meta`).
+
+        A worker returns None, so Model Runner V2 (which also asks workers) never counts anything twice.
+        """
+        data = self._sched.take_stats() if self._sched is not None else {}
         return TieredECStats(data=data) if data else None
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats | None:
         return TieredECStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECConnectorPromMetrics | None:
+        """`vllm:tiercache_ec_*` counters on `/metrics` (built by vLLM's front end)."""
+        return TieredECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         try:
@@ -237,7 +256,9 @@ class TieredECConnector(ECConnectorBase):
     # --------------------------------------------------------------------------------- scheduler side
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        return self._sched.ensure_cache_available(request) if self._sched is not None else True
+        if self._sched is None:
+            return True
+        return self._sched.ensure_cache_available(request, num_computed_tokens)
 
     def has_cache_item(self, identifier: str) -> bool:
         return self._sched.has_cache_item(identifier) if self._sched is not None else False
@@ -250,7 +271,7 @@ class TieredECConnector(ECConnectorBase):
         if self._sched is None:
             return TieredECMetadata()
         self._maybe_write_stats()
-        return self._sched.build_connector_meta()
+        return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._sched is not None:

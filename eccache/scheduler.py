@@ -1,14 +1,24 @@
 """Scheduler side of `TieredECConnector`: decide which encoder outputs the worker loads instead of computing.
 
-vLLM 0.32's scheduler asks, per request and step, `ensure_cache_available(request)` before it schedules
-the request, then `has_cache_item(mm_hash)` for each item it would otherwise encode (only after its own
-encoder cache missed and space was reserved), then `update_state_after_alloc(request, i)` for every item
-it allocated (computed and loaded alike) and finally `build_connector_meta` once per step.
+vLLM 0.32's scheduler asks, per request and step, `ensure_cache_available(request, num_computed_tokens)`
+before it schedules the request, then `has_cache_item(mm_hash)` for each item it would otherwise encode
+(only after its own encoder cache missed and space was reserved), then `update_state_after_alloc(request, i)`
+for every item it allocated (computed and loaded alike) and finally `build_connector_meta` once per step.
 
-Lookups cost one batched `contains_many` per request, made the first time the request is seen and kept
-until it finishes: `ensure_cache_available` runs every step for every running multimodal request, so
-anything slower would tax every decode step. A promise can still turn out false at load time (record
-evicted or corrupt since); the worker then re-encodes the item in the same step (see `eccache.worker`).
+Answers are valid for one step only. `ensure_cache_available` runs every step for every running multimodal
+request, so it looks up (one batched `contains_many`) only the items the request still needs (placeholder
+range not yet behind `num_computed_tokens`): a decoding request costs nothing. Those answers serve this
+step's `has_cache_item` and are dropped in `build_connector_meta`, so a request that comes back after a
+preemption is asked about again: an item evicted from the store meanwhile is never promised on resume.
+An item `has_cache_item` is asked about without a prefetched answer is looked up then.
+
+A promise can still turn out false at load time (record evicted or corrupt between the lookup and the
+load); the worker then re-encodes the item in the same step (see `eccache.worker`). For that,
+`TieredECMetadata` carries a reference to this step's `scheduler_output.scheduled_encoder_inputs` (never
+modified here).
+
+Every role answers from the store: an `ec_producer` (vLLM then runs the encoder only) that is told an item
+is stored skips encoding it, as vLLM's example connector does; only a consumer gets loads to do.
 
 Where the lookup looks: vLLM usually runs the scheduler and the worker in different processes (on CPU,
 and with more than one device, its multiproc executor), so the worker's in-process memory tier is
@@ -16,8 +26,11 @@ invisible here. The store is then asked only for its shared tiers (disk, GDS, Re
 worker's memory tier holds is known from the residency reports it sends back every step
 (`TieredECWorkerMetadata`, through vLLM's `build_connector_worker_meta` -> `update_connector_output`
 channel). When the worker lives in this very process (uniproc executor), the whole store is asked.
-"""
 
+Counters for vLLM's stats (`/metrics`): this side's (hits, misses, lookup errors) plus the worker's, which
+ride on the same residency reports (the one worker -> scheduler channel both of vLLM's model runners
+serve), are handed out by `take_stats()` from `get_ec_connector_stats`.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,6 +42,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, 
 from shared.store.api import StoreKey
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 
@@ -44,25 +58,47 @@ class LoadItem:
 
 @dataclass
 class TieredECMetadata(ECConnectorMetadata):
-    """What the scheduler side sends to the worker side each step (plain data: crosses processes)."""
+    """What the scheduler side sends to the worker side each step (plain data: crosses processes).
+
+    `scheduled_encoder_inputs` is, when there are loads, the very dict of this step's
+    `SchedulerOutput.scheduled_encoder_inputs` (req_id -> input ids vLLM encodes this step), so that the
+    worker can add an item whose load failed and have vLLM encode it in the same step. It stays the same
+    object on the worker because vLLM ships a `SchedulerOutput` as one object graph: the uniproc executor
+    hands over the object itself, the multiproc one a single pickle (`MessageQueue.enqueue`), Ray a single
+    cloudpickle, and pickling keeps shared references. Should that ever stop holding, the worker's
+    addition is lost and vLLM fails the step loudly ("Encoder cache miss"); it never yields wrong tokens.
+    """
 
     loads: list[LoadItem] = field(default_factory=list)
+    scheduled_encoder_inputs: dict[str, list[int]] | None = None
 
 
 @dataclass
 class TieredECWorkerMetadata(ECConnectorWorkerMetadata):
-    """Worker -> scheduler: mm_hashes whose encoder output entered or left the worker's memory tier.
+    """Worker -> scheduler: mm_hashes whose encoder output entered or left the worker's memory tier,
+    and the worker's counter increments since its last report (`stats`).
 
     With several workers (tensor parallel) an item is resident only when every worker holds it
-    (added: intersection, evicted: union), so a promise made from this is true on every rank.
+    (added: intersection, evicted: union), so a promise made from this is true on every rank. Counters
+    are summed over workers, as vLLM sums connector stats.
+
+    Counters travel here rather than through the worker's `get_ec_connector_stats`: vLLM 0.32's V1 model
+    runner never calls that on a worker (only Model Runner V2 does), while both call
+    `build_connector_worker_meta` every step.
     """
 
     added: set[str] = field(default_factory=set)
     evicted: set[str] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, TieredECWorkerMetadata)
-        return TieredECWorkerMetadata(added=self.added & other.added, evicted=self.evicted | other.evicted)
+        stats = dict(self.stats)
+        for name, value in other.stats.items():
+            stats[name] = stats.get(name, 0) + value
+        return TieredECWorkerMetadata(
+            added=self.added & other.added, evicted=self.evicted | other.evicted, stats=stats
+        )
 
 
 #: An answer known only from the worker's residency reports (re-checked before it becomes a promise).
@@ -70,11 +106,14 @@ RESIDENT = "resident"
 
 
 class ECSchedulerSide:
-    """Per-request existence answers from one batched store lookup; the loads promised this step.
+    """Existence answers for the current step from batched store lookups; the loads promised this step.
 
     `same_process()` tells whether a worker sharing this process's store exists (then its memory tier is
     visible here); it is asked at every lookup because vLLM builds the scheduler and the workers in an
-    order this class should not depend on.
+    order this class should not depend on. `load_enabled` says whether the worker loads what is promised
+    (a consumer); a producer-only instance is answered all the same, and a True answer just spares it the
+    encoding. `cacheable(identifier)` False keeps an item out of the store entirely: never looked up,
+    promised or loaded (the worker side, given the same hook, never saves it).
     """
 
     def __init__(
@@ -85,20 +124,37 @@ class ECSchedulerSide:
         load_enabled: bool,
         same_process: Callable[[], bool],
         counters: Any,
+        cacheable: Callable[[str], bool] | None = None,
     ) -> None:
         self._store = store
         self._key_of = key_of
         self._load_enabled = load_enabled
         self._same_process = same_process
         self._counters = counters
+        self._cacheable = cacheable
         #: mm_hashes the worker(s) reported in their memory tier (and not evicted since).
         self.resident: set[str] = set()
-        #: req_id -> {mm_hash: stored? (True, False or RESIDENT)}, filled once per request.
-        self._answers: dict[str, dict[str, bool | str]] = {}
-        #: mm_hash -> stored?, the union of live requests' answers (has_cache_item only gets a hash).
-        self._known: dict[str, bool | str] = {}
+        #: mm_hash -> stored? (True, False or RESIDENT), prefetched this step; cleared by build_connector_meta.
+        self._step_answers: dict[str, bool | str] = {}
         self._promised: set[str] = set()
         self._pending: dict[str, LoadItem] = {}
+        #: Counter increments not yet handed to vLLM's stats (this side's and the workers' reports).
+        self._unreported: dict[str, float] = {}
+
+    def _count(self, **deltas: float) -> None:
+        """Count in the process-wide counters (stats files) and in what `take_stats` hands to vLLM."""
+        self._counters.add(**deltas)
+        for name, value in deltas.items():
+            self._unreported[name] = self._unreported.get(name, 0) + value
+
+    def take_stats(self) -> dict[str, float]:
+        """Counter increments since the last call (this side's and the workers'); vLLM calls it every step."""
+        out = {k: v for k, v in self._unreported.items() if v}
+        self._unreported = {}
+        return out
+
+    def _is_cacheable(self, identifier: str) -> bool:
+        return self._cacheable is None or self._cacheable(identifier)
 
     def _lookup(self, mm_hashes: list[str]) -> list[bool | str]:
         """Per hash: True (in a tier the worker reads and this process sees), RESIDENT, or False."""
@@ -118,64 +174,76 @@ class ECSchedulerSide:
         try:
             hits = self._store.contains_many(keys, shared_only=not same_process)
         except Exception:  # a store that cannot answer is a miss, never a scheduling failure
-            self._counters.add(lookup_errors=1)
+            self._count(lookup_errors=1)
             return found
         for i, hit in zip(todo, hits, strict=True):
             found[i] = bool(hit)
         return found
 
-    def ensure_cache_available(self, request: Request) -> bool:
-        """Batch-check every item of a request once; never defers (loads are synchronous)."""
-        if not self._load_enabled or request.request_id in self._answers:
-            return True
-        hashes = [f.identifier for f in request.mm_features]
-        found = self._lookup(hashes) if hashes else []
-        answers = dict(zip(hashes, found, strict=True))
-        self._answers[request.request_id] = answers
-        self._known.update(answers)
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int = 0) -> bool:
+        """Prefetch, in one batch, this step's answers for the items the request still needs; never defers.
+
+        An item whose placeholder range lies wholly before `num_computed_tokens` is behind the request (its
+        embeddings are in the KV cache) and is not looked up: a decoding request costs no lookup at all.
+        """
+        hashes = []
+        for feature in request.mm_features:
+            identifier = feature.identifier
+            if identifier in self._step_answers or identifier in hashes or not self._is_cacheable(identifier):
+                continue
+            if num_computed_tokens:
+                pos = feature.mm_position
+                if pos.offset + pos.length <= num_computed_tokens:
+                    continue
+            hashes.append(identifier)
+        if hashes:
+            self._step_answers.update(zip(hashes, self._lookup(hashes), strict=True))
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True promises the worker can load `identifier`; asked only for items vLLM would encode."""
-        if not self._load_enabled:
+        """True when the store holds `identifier` now; asked only for items vLLM is about to encode.
+
+        For a consumer True is a promise the worker loads it; for a producer-only instance it means vLLM
+        need not encode it (it is published already).
+        """
+        if not self._is_cacheable(identifier):
             return False
-        stored = self._known.get(identifier)
+        stored = self._step_answers.get(identifier)
         if stored is None or (stored == RESIDENT and identifier not in self.resident):
-            # Never asked, or the worker evicted it from memory since: ask again (a shared tier may have it).
+            # Not prefetched this step, or the worker evicted it from memory since: ask now.
             stored = self._lookup([identifier])[0]
-            self._known[identifier] = stored
+            self._step_answers[identifier] = stored
         stored = bool(stored)
-        self._counters.add(**({"hits": 1} if stored else {"misses": 1}))
+        self._count(**({"hits": 1} if stored else {"misses": 1}))
         if stored:
             self._promised.add(identifier)
         return stored
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         mm_hash = request.mm_features[index].identifier
-        if mm_hash in self._promised and mm_hash not in self._pending:
+        if self._load_enabled and mm_hash in self._promised and mm_hash not in self._pending:
             self._pending[mm_hash] = LoadItem(
                 mm_hash, request.request_id, index, request.get_num_encoder_embeds(index)
             )
 
-    def build_connector_meta(self) -> TieredECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> TieredECMetadata:
+        """This step's loads; ends the step (its answers and promises are dropped)."""
         meta = TieredECMetadata(loads=list(self._pending.values()))
+        if meta.loads and scheduler_output is not None:
+            # A reference, not a copy, and not modified here (see TieredECMetadata).
+            meta.scheduled_encoder_inputs = scheduler_output.scheduled_encoder_inputs
         self._pending.clear()
         self._promised.clear()
+        self._step_answers.clear()
         return meta
 
     def update_connector_output(self, worker_meta: Any) -> None:
-        """Apply the workers' residency report of the last step."""
+        """Apply the workers' residency report of the last step and take over their counters."""
         if isinstance(worker_meta, TieredECWorkerMetadata):
             self.resident -= worker_meta.evicted
             self.resident |= worker_meta.added
+            for name, value in worker_meta.stats.items():
+                self._unreported[name] = self._unreported.get(name, 0) + value
 
     def request_finished(self, request: Request) -> None:
-        answers = self._answers.pop(request.request_id, None)
-        if not answers:
-            return
-        live = set()
-        for other in self._answers.values():
-            live.update(other)
-        for mm_hash in answers:
-            if mm_hash not in live:
-                self._known.pop(mm_hash, None)
+        """Nothing is kept per request (answers live for one step)."""

@@ -9,19 +9,26 @@ runs from `_cache_encoder_output` for every item the encoder just produced (what
 A failed load must not crash and must not feed garbage: if an item vLLM was promised is absent from
 `encoder_cache` at gather time, vLLM raises `RuntimeError("Encoder cache miss ...")`. So every record is
 validated (checksummed by the store; shape, dtype and width checked here) and an item that fails is
-added to this step's `scheduler_output.scheduled_encoder_inputs`, which `_execute_mm_encoder` reads next:
-vLLM re-encodes it in the same step and the tokens are those of a run without the connector.
+added to this step's `scheduled_encoder_inputs`, which the metadata carries by reference (the very dict
+of the worker's `SchedulerOutput`: see `eccache.scheduler.TieredECMetadata` for why it is the same object).
+Both of vLLM's model runners read that dict only after `start_load_caches` (the V1 runner in
+`_execute_mm_encoder`; Model Runner V2 holds the same dict in a local and passes it to
+`prepare_inputs_embeds`), so vLLM re-encodes the item in the same step and the tokens are those of a run
+without the connector. vLLM gives a connector no in-contract way to do this: `take_unavailable_requests`
+would fail the request instead, which a cache must not do.
 
 Residency reports: vLLM usually runs the scheduler in another process, which cannot see this process's
 memory tier. Every item saved into (or promoted into, by a load) the memory tier is reported back as
 added, every one the memory tier evicts (`store.add_eviction_listener`) as evicted, through
-`worker_meta()` (vLLM's `build_connector_worker_meta`, called at the end of every model step).
+`worker_meta()` (vLLM's `build_connector_worker_meta`, called at the end of every model step), with this
+worker's counter increments for vLLM's stats (`/metrics`).
+
+`cacheable(identifier)` False (optional) keeps an item out of the store: never loaded, never saved.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -44,24 +51,6 @@ def worker_in_process(store: Any) -> bool:
     return store in _WORKER_STORES
 
 
-def find_scheduler_output(metadata: TieredECMetadata, max_depth: int = 8) -> Any | None:
-    """The `SchedulerOutput` carrying `metadata`, from the calling frames (the mixin's context manager).
-
-    vLLM gives `start_load_caches` only the encoder cache; the object that decides what gets encoded this
-    step is a local of the caller. Matching on the metadata object's identity makes this exact (never
-    another step's output) and returns None if a future vLLM reshapes the call path.
-    """
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("scheduler_output")
-        if candidate is not None and getattr(candidate, "ec_connector_metadata", None) is metadata:
-            return candidate
-        frame = frame.f_back
-    return None
-
-
 class ECWorkerSide:
     """Batched loads into the device encoder cache; saves handed to the store's background writer."""
 
@@ -75,6 +64,7 @@ class ECWorkerSide:
         hidden_size: int | None,
         save_enabled: bool,
         counters: Any,
+        cacheable: Callable[[str], bool] | None = None,
     ) -> None:
         self._store = store
         self._key_of = key_of
@@ -83,6 +73,10 @@ class ECWorkerSide:
         self._hidden = hidden_size
         self._save_enabled = save_enabled
         self._counters = counters
+        self._cacheable = cacheable
+        #: Counter increments not yet sent to the scheduler side (with the next residency report).
+        self._unsent: dict[str, float] = {}
+        self._unsent_lock = threading.Lock()
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
         self._memory = next((t for t in getattr(store, "tiers", []) if t.kind == "memory"), None)
         self._resident_lock = threading.Lock()
@@ -92,6 +86,16 @@ class ECWorkerSide:
         if self._memory is not None:
             store.add_eviction_listener(self._on_evicted)
         _WORKER_STORES.add(store)
+
+    def _count(self, **deltas: float) -> None:
+        """Count in the process-wide counters (stats files) and in what the next report carries."""
+        self._counters.add(**deltas)
+        with self._unsent_lock:
+            for name, value in deltas.items():
+                self._unsent[name] = self._unsent.get(name, 0) + value
+
+    def _is_cacheable(self, identifier: str) -> bool:
+        return self._cacheable is None or self._cacheable(identifier)
 
     # ------------------------------------------------------------------------------------------- load
 
@@ -104,6 +108,11 @@ class ECWorkerSide:
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: TieredECMetadata) -> None:
         todo = [it for it in metadata.loads if it.mm_hash not in encoder_cache]
+        # A non-cacheable item is never promised; should one arrive, it is encoded, never read.
+        refused = [it for it in todo if not self._is_cacheable(it.mm_hash)]
+        if refused:
+            todo = [it for it in todo if self._is_cacheable(it.mm_hash)]
+            self._recompute(refused, metadata)
         if not todo:
             return
         start = time.perf_counter()
@@ -124,7 +133,7 @@ class ECWorkerSide:
             encoder_cache[item.mm_hash] = tensor.to(self._device, non_blocking=True)
             nbytes += tensor.numel() * tensor.element_size()
             self._track(item.mm_hash)  # a hit in a slower tier was promoted into memory
-        self._counters.add(
+        self._count(
             loads=len(todo) - len(failed), load_failures=len(failed), bytes_loaded=nbytes,
             load_seconds=time.perf_counter() - start,
         )
@@ -132,27 +141,28 @@ class ECWorkerSide:
             self._recompute(failed, metadata)
 
     def _recompute(self, failed: list[LoadItem], metadata: TieredECMetadata) -> None:
-        scheduler_output = find_scheduler_output(metadata)
-        if scheduler_output is None:
+        """Have vLLM encode `failed` in this step: add them to the step's scheduled encoder inputs."""
+        scheduled = metadata.scheduled_encoder_inputs
+        if scheduled is None:
             logger.error(
-                "tiercache EC: %d promised encoder outputs could not be loaded and this vLLM's call path "
-                "gives no way to re-encode them; the step will fail", len(failed)
+                "tiercache EC: %d promised encoder outputs could not be loaded and the metadata carries no "
+                "scheduled encoder inputs to re-encode them into; the step will fail", len(failed)
             )
             return
-        scheduled = scheduler_output.scheduled_encoder_inputs
         for item in failed:
+            # A new list under the request: the dict is the shared object, the lists may be vLLM's own.
             ids = list(scheduled.get(item.req_id, []))
             if item.input_id not in ids:
                 ids.append(item.input_id)
             scheduled[item.req_id] = ids
-        self._counters.add(recomputed=len(failed))
+        self._count(recomputed=len(failed))
         logger.warning("tiercache EC: %d stored encoder outputs were unusable; re-encoding them", len(failed))
 
     # ------------------------------------------------------------------------------------------- save
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         """Copy off the device and hand to the store; slower tiers are written by its background writer."""
-        if not self._save_enabled:
+        if not self._save_enabled or not self._is_cacheable(mm_hash):
             return
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
@@ -165,10 +175,10 @@ class ECWorkerSide:
             self._store.put(self._key_of(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)})
         except Exception:
             logger.exception("tiercache EC: store write failed for %s", mm_hash)
-            self._counters.add(save_errors=1)
+            self._count(save_errors=1)
             return
         self._track(mm_hash)
-        self._counters.add(saves=1, bytes_saved=cpu.numel() * cpu.element_size(),
+        self._count(saves=1, bytes_saved=cpu.numel() * cpu.element_size(),
                            save_seconds=time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------ residency reports
@@ -199,12 +209,17 @@ class ECWorkerSide:
                 self._added.discard(mm_hash)
 
     def worker_meta(self) -> TieredECWorkerMetadata | None:
-        """This step's residency changes, or None when there are none (vLLM then sends nothing)."""
-        if self._memory is None:
+        """This step's residency changes and counter increments, or None when there are none (vLLM then
+        sends nothing)."""
+        with self._unsent_lock:
+            stats, self._unsent = self._unsent, {}
+        stats = {k: v for k, v in stats.items() if v}
+        added: set[str] = set()
+        evicted: set[str] = set()
+        if self._memory is not None:
+            with self._resident_lock:
+                added, evicted = self._added, self._evicted
+                self._added, self._evicted = set(), set()
+        if not added and not evicted and not stats:
             return None
-        with self._resident_lock:
-            if not self._added and not self._evicted:
-                return None
-            meta = TieredECWorkerMetadata(added=self._added, evicted=self._evicted)
-            self._added, self._evicted = set(), set()
-        return meta
+        return TieredECWorkerMetadata(added=added, evicted=evicted, stats=stats)

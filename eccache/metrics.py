@@ -1,0 +1,64 @@
+"""TieredECConnector's numbers on vLLM's `/metrics`: `vllm:tiercache_ec_*` counters, one per engine.
+
+The path is vLLM's own (0.32+): the scheduler-side connector's `get_ec_connector_stats` returns this
+step's counter increments (its own hits/misses and the ones the workers sent back with their residency
+reports, see `eccache.scheduler`), the scheduler puts their `data` into `SchedulerStats.ec_connector_stats`,
+and the front end's Prometheus logger hands it to the `ECConnectorPromMetrics` that
+`TieredECConnector.build_prom_metrics` built, whose `observe` increments these counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
+
+#: Counter -> help text. Names match `eccache.connector.COUNTER_NAMES` (the keys of the stats data).
+EC_METRICS: dict[str, str] = {
+    "hits": "Encoder inputs the store held when vLLM asked (a consumer loads them, a producer skips them).",
+    "misses": "Encoder inputs vLLM asked about that the store did not hold (vLLM encodes them).",
+    "lookup_errors": "Store lookups that failed (answered as misses).",
+    "loads": "Encoder outputs loaded from the store instead of encoded.",
+    "load_failures": "Promised encoder outputs that could not be loaded (missing, corrupt, wrong shape).",
+    "recomputed": "Encoder outputs re-encoded in the same step after a failed load.",
+    "bytes_loaded": "Bytes of encoder output loaded from the store.",
+    "load_seconds": "Seconds spent loading encoder outputs.",
+    "saves": "Encoder outputs handed to the store.",
+    "save_errors": "Encoder outputs the store refused to take.",
+    "bytes_saved": "Bytes of encoder output handed to the store.",
+    "save_seconds": "Seconds spent handing encoder outputs to the store.",
+}
+
+
+class TieredECPromMetrics(ECConnectorPromMetrics):
+    """`vllm:tiercache_ec_<name>_total` counters, labelled per engine like vLLM's own."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:tiercache_ec_{name}_total", documentation=f"TieredECConnector: {doc}",
+                labelnames=labelnames,
+            )
+            for name, doc in EC_METRICS.items()
+        }
+        # Every series exists from the start (a scrape shows 0, not nothing, before the first image).
+        self._bound = {
+            idx: {name: counter.labels(*labels) for name, counter in self._counters.items()}
+            for idx, labels in per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        bound = self._bound.get(engine_idx)
+        if bound is None:
+            return
+        for name, counter in bound.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counter.inc(value)
