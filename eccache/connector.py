@@ -58,6 +58,7 @@ from shared.mm_identifiers import MultiModalIdentifierPolicy
 from shared.stats_dump import dump_stats
 from shared.store import get_store
 from shared.store.api import StoreKey
+from shared.vllm_compat import check_vllm_version
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,6 +135,7 @@ class TieredECConnector(ECConnectorBase):
     """Encoder outputs keyed by (namespace, encoder identity, full mm_hash) in the shared tiered store."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        check_vllm_version("TieredECConnector")  # one warning when vLLM is outside the verified range
         super().__init__(vllm_config=vllm_config, role=role)
         ec = vllm_config.ec_transfer_config
         assert ec is not None
