@@ -13,6 +13,7 @@ the project's tiny Llama, with `TieredKVConnector` named in the `KVTransferConfi
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,22 @@ def test_installed_vllm_is_in_the_verified_range() -> None:
     assert vllm_compat.is_supported_version(version), f"vLLM {version} is outside {vllm_compat.SUPPORTED_RANGE}"
     assert vllm_compat.is_supported_version("0.32.0") and vllm_compat.is_supported_version("0.33.1.dev4+gabc")
     assert not vllm_compat.is_supported_version("0.31.9") and not vllm_compat.is_supported_version("0.34.0")
+
+
+def test_a_vllm_outside_the_range_gets_one_warning_naming_both(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.34.0")
+    vllm_compat.check_vllm_version.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=vllm_compat.__name__):
+            assert vllm_compat.check_vllm_version("TieredKVConnector") is False
+            assert vllm_compat.check_vllm_version("TieredKVConnector") is False
+        warnings = [r.getMessage() for r in caplog.records if r.name == vllm_compat.__name__]
+        assert len(warnings) == 1
+        assert "vLLM 0.34.0" in warnings[0] and vllm_compat.SUPPORTED_RANGE in warnings[0]
+    finally:
+        vllm_compat.check_vllm_version.cache_clear()
 
 
 def test_the_gpu_extra_pins_the_verified_range() -> None:
