@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcache.cpu_warmup import warm_cpu_attention
+from kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
 from kvcache.layout import layout_tag
 from kvcache.plan import ChunkGeometry, TieredKVMetadata
 from kvcache.scheduler import KVSchedulerSide
@@ -186,9 +186,12 @@ class TieredKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout = self._worker.register_kv_caches(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
-        if layout.device.type == "cpu" and self._options["warmup_cpu_attention"]:
-            warmed = warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
-            self._worker.totals["cpu_attention_warmed"] = int(warmed)
+        if layout.device.type == "cpu":
+            # Before any load: the first step may attend over loaded KV with vLLM's AMX kernel.
+            self._worker.totals["amx_allowed"] = int(allow_amx_tiles())
+            if self._options["warmup_cpu_attention"]:
+                warmed = warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
+                self._worker.totals["cpu_attention_warmed"] = int(warmed)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

