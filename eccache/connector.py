@@ -164,6 +164,7 @@ class TieredECConnector(ECConnectorBase):
             self._sched: ECSchedulerSide | None = ECSchedulerSide(
                 self._store, self._key, load_enabled=self.is_consumer,
                 same_process=lambda: worker_in_process(store), counters=COUNTERS,
+                cacheable=self._identifiers.cacheable,
             )
             self._worker: ECWorkerSide | None = None
         else:
@@ -172,6 +173,7 @@ class TieredECConnector(ECConnectorBase):
             self._worker = ECWorkerSide(
                 self._store, self._key, device=_worker_device(), dtype=mc.dtype,
                 hidden_size=mc.get_hidden_size(), save_enabled=self.is_producer, counters=COUNTERS,
+                cacheable=self._identifiers.cacheable,
             )
 
     def _key(self, mm_hash: str) -> StoreKey:

