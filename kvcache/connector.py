@@ -124,11 +124,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self._options, store_dict = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
         # The scheduler reads this right after building us (and before any request).
+        vllm_explicit = is_explicitly_set(transfer, "kv_load_failure_policy", cli_flag="kv-transfer-config")
         transfer.kv_load_failure_policy = resolve_load_failure_policy(
-            transfer.kv_load_failure_policy,
-            is_explicitly_set(transfer, "kv_load_failure_policy"),
-            self._options["load_failure_policy"],
+            transfer.kv_load_failure_policy, vllm_explicit, self._options["load_failure_policy"]
         )
+        if role == KVConnectorRole.SCHEDULER:  # the process whose value vLLM reads; one line per engine
+            source = ("vLLM's kv_load_failure_policy" if vllm_explicit else "kv_connector_extra_config"
+                      if self._options["load_failure_policy"] is not None else "TieredKVConnector's default")
+            log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
+                     source)
         config = StoreConfig.load(store_dict)
         # Refuses, before a store is opened, a mode where multimodal identifiers do not name content.
         identifiers = MultiModalIdentifierPolicy.for_engine(

@@ -9,6 +9,7 @@ idempotent (vLLM may load plugins more than once per process), and never imports
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,41 @@ def _register(factory: type, name: str, module_path: str, class_name: str) -> No
         pass
 
 
+#: Top-level loggers of this project; their records go wherever vLLM's own go (`route_logs_through_vllm`).
+_OUR_LOGGERS = ("kvcache", "eccache", "shared")
+
+
+class _ForwardToVllm(logging.Handler):
+    """Hands our records to vLLM's `vllm` logger, looked up at emit time (vLLM configures it late)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the root logger has handlers (the user's, or pytest's): the record propagates there
+        target = logging.getLogger("vllm")
+        if record.levelno >= target.getEffectiveLevel():
+            target.handle(record)
+
+
+def route_logs_through_vllm() -> None:
+    """Make an INFO line of ours show in a vLLM server's log, formatted and filtered like vLLM's own.
+
+    vLLM configures only its `vllm` logger (handler, `VLLM_LOGGING_LEVEL`, no propagation), and only after
+    plugins may have loaded, so a plain `logging.getLogger(__name__)` of a plugin printed nothing below
+    WARNING. A forwarding handler is added once per logger; a logger the user gave handlers or a level is
+    left alone.
+    """
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    for name in _OUR_LOGGERS:
+        ours = logging.getLogger(name)
+        if ours.handlers or ours.level != logging.NOTSET:
+            continue
+        ours.addHandler(_ForwardToVllm())
+        ours.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+
+
 def register() -> None:
     """Entry point of the `vllm.general_plugins` group: register both connector names, once."""
+    route_logs_through_vllm()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError as exc:  # vLLM too old or broken: say so once, never break vLLM's startup

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import logging
 import re
+import sys
 from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,17 +130,47 @@ def field_default(config: Any, name: str) -> Any:
     return MISSING
 
 
-def is_explicitly_set(config: Any, name: str) -> bool:
+def command_line_sets(flag: str, name: str, argv: list[str] | None = None) -> bool:
+    """Whether the launch command sets field `name` of the config given by `--<flag>` (JSON or dotted).
+
+    vLLM's server takes `--kv-transfer-config '{"kv_load_failure_policy": "fail", ...}'` (or `=JSON`, or
+    `--kv-transfer-config.kv_load_failure_policy fail`), and its engine-core and worker processes keep the
+    server's `sys.argv` (fork, or multiprocessing's spawn, which copies it). That is the one record of an
+    explicit value equal to the default that vLLM 0.32/0.33 keep; the Python API (`LLM(...)`) leaves none.
+    """
+    args = sys.argv if argv is None else argv
+    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}"}
+    for i, arg in enumerate(args):
+        head, eq, inline = arg.partition("=")
+        if any(head == f"{s}.{name}" for s in spellings):
+            return True
+        if head not in spellings:
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and name in parsed:
+            return True
+    return False
+
+
+def is_explicitly_set(config: Any, name: str, cli_flag: str | None = None) -> bool:
     """Whether the user set `config.<name>`, as far as the installed vLLM lets us know.
 
     Known set fields win (`explicit_fields`). Without them, a value different from the field's default
-    was necessarily set; a value equal to the default counts as not set (the one case we cannot prove).
+    was necessarily set; a value equal to the default counts as set when the launch command names it
+    (`command_line_sets`, for the config given by `--<cli_flag>`), and as not set otherwise: through the
+    Python API, the one case we cannot prove.
     """
     known = explicit_fields(config)
     if known is not None:
         return name in known
     default = field_default(config, name)
-    return default is MISSING or getattr(config, name) != default
+    if default is MISSING or getattr(config, name) != default:
+        return True
+    return cli_flag is not None and command_line_sets(cli_flag, name)
 
 
 def is_encode_only(vllm_config: VllmConfig) -> bool:

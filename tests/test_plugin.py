@@ -46,3 +46,37 @@ def test_cli_dispatches_to_the_owning_module() -> None:
     assert "--redis-url" in sub
     bad = subprocess.run([*run, "bench", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_our_info_lines_reach_vllms_log_handlers_in_a_fresh_process() -> None:
+    """vLLM configures only its own logger; after the plugin loads, an INFO line of ours prints like vLLM's."""
+    code = (  # plugins load first, vLLM configures its logging after (the engine processes' order)
+        "import logging\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.config import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig())\n"
+        "logging.getLogger('kvcache.connector').info('tiercache-visible-line')\n"
+        "logging.getLogger('kvcache.connector').debug('tiercache-debug-line')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "tiercache-visible-line" in line]
+    assert lines and "INFO" in lines[0], proc.stdout + proc.stderr[-2000:]
+    assert "tiercache-debug-line" not in proc.stdout + proc.stderr  # vLLM's level (INFO) filters ours too
+
+
+def test_loggers_the_user_configured_are_left_alone() -> None:
+    import logging
+
+    ours = logging.getLogger("eccache")
+    mine = logging.NullHandler()
+    saved = list(ours.handlers)
+    saved_level = ours.level
+    ours.handlers = [mine]
+    try:
+        plugin.route_logs_through_vllm()
+        assert ours.handlers == [mine] and ours.level == saved_level
+    finally:
+        ours.handlers = saved

@@ -13,7 +13,9 @@ the project's tiny Llama, with `TieredKVConnector` named in the `KVTransferConfi
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +315,36 @@ def test_scheduler_explicit_vllm_fail_survives_construction(tiny_llama: Path, tm
     scheduler = _scheduler(_vllm_config(tiny_llama, kv))
     assert scheduler.vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
     assert scheduler.recompute_kv_load_failures is False
+    _shutdown(scheduler)
+
+
+def test_command_line_sets_reads_every_spelling_of_the_flag() -> None:
+    sets = vllm_compat.command_line_sets
+    name = "kv_load_failure_policy"
+    assert sets("kv-transfer-config", name, ["x", "--kv-transfer-config", '{"kv_load_failure_policy": "fail"}'])
+    assert sets("kv-transfer-config", name, ["x", '--kv_transfer_config={"kv_load_failure_policy":"fail"}'])
+    assert sets("kv-transfer-config", name, ["x", "--kv-transfer-config.kv_load_failure_policy", "fail"])
+    assert sets("kv-transfer-config", name, ["x", "--kv-transfer-config.kv_load_failure_policy=fail"])
+    assert not sets("kv-transfer-config", name, ["x", "--kv-transfer-config", '{"kv_role": "kv_both"}'])
+    assert not sets("kv-transfer-config", name, ["x", "--kv-transfer-config", "not json"])
+    assert not sets("kv-transfer-config", name, ["x", "--kv-transfer-config"])
+    assert not sets("kv-transfer-config", name, ["x", "--ec-transfer-config", '{"kv_load_failure_policy": 1}'])
+
+
+def test_scheduler_explicit_fail_on_the_launch_command_survives(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--kv-transfer-config '{..., "kv_load_failure_policy": "fail"}'`: the engine processes keep the server's
+    argv, which records the explicit default that vLLM 0.32/0.33's config objects cannot."""
+    kv = _kv_transfer(tmp_path, kv_load_failure_policy="fail")
+    flag = json.dumps({"kv_connector": "TieredKVConnector", "kv_load_failure_policy": "fail"})
+    monkeypatch.setattr(sys, "argv", ["vllm.entrypoints.openai.api_server", "--kv-transfer-config", flag])
+    scheduler = _scheduler(_vllm_config(tiny_llama, kv))
+    assert scheduler.recompute_kv_load_failures is False
+    _shutdown(scheduler)
+    monkeypatch.setattr(sys, "argv", ["python", "-m", "pytest"])  # nothing on the command line: our default
+    scheduler = _scheduler(_vllm_config(tiny_llama, _kv_transfer(tmp_path / "b", kv_load_failure_policy="fail")))
+    assert scheduler.recompute_kv_load_failures is True
     _shutdown(scheduler)
 
 
