@@ -14,6 +14,7 @@ What these pin down (issue 11, parts 2 and 3):
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from shared.store.api import StoreKey
 #: Placeholder tokens (= embeddings) of one image in these requests; the prompt has PROMPT_LEN tokens.
 IMAGE_TOKENS = 8
 PROMPT_LEN = 24
+#: Identifiers shaped like vLLM's content hashes (the connector keeps any other kind out of the store).
+IMG_A, IMG_B, IMG_C = (hashlib.sha256(name.encode()).hexdigest() for name in ("img-a", "img-b", "img-c"))
 
 
 def _ec_config(tmp_path: Path, role: str = "ec_both") -> ECTransferConfig:
@@ -160,13 +163,13 @@ class _CountingStore:
 def test_resume_after_preemption_asks_the_store_again(tiny_blip2: Path, tmp_path: Path, evicted: bool) -> None:
     scheduler = _scheduler(tiny_blip2, _ec_config(tmp_path))
     try:
-        _store_item(scheduler, "img-a")
-        scheduler.add_request(_request("r1", ["img-a"], max_tokens=8))
+        _store_item(scheduler, IMG_A)
+        scheduler.add_request(_request("r1", [IMG_A], max_tokens=8))
         out, _ = _step(scheduler)
         meta = out.ec_connector_metadata
         assert isinstance(meta, TieredECMetadata)
         assert "r1" not in out.scheduled_encoder_inputs  # promised: vLLM does not encode it
-        assert meta.loads == [LoadItem("img-a", "r1", 0, IMAGE_TOKENS)]
+        assert meta.loads == [LoadItem(IMG_A, "r1", 0, IMAGE_TOKENS)]
         # The loads carry this step's dict itself (the worker adds failed loads to it), not a copy.
         assert meta.scheduled_encoder_inputs is out.scheduled_encoder_inputs
 
@@ -185,7 +188,7 @@ def test_resume_after_preemption_asks_the_store_again(tiny_blip2: Path, tmp_path
             assert meta.loads == [] and meta.scheduled_encoder_inputs is None
         else:
             assert "r1" not in out.scheduled_encoder_inputs
-            assert meta.loads == [LoadItem("img-a", "r1", 0, IMAGE_TOKENS)]
+            assert meta.loads == [LoadItem(IMG_A, "r1", 0, IMAGE_TOKENS)]
     finally:
         _close(scheduler)
 
@@ -194,22 +197,22 @@ def test_lookups_only_for_items_still_needed(tiny_blip2: Path, tmp_path: Path) -
     """`ensure_cache_available` runs every step: a decoding request must cost no store lookup."""
     scheduler = _scheduler(tiny_blip2, _ec_config(tmp_path))
     try:
-        _store_item(scheduler, "img-a")
+        _store_item(scheduler, IMG_A)
         sched_side = _connector(scheduler)._sched
         assert sched_side is not None
         spy = _CountingStore(sched_side._store)
         sched_side._store = spy
-        scheduler.add_request(_request("r1", ["img-a", "img-b"], max_tokens=6))
+        scheduler.add_request(_request("r1", [IMG_A, IMG_B], max_tokens=6))
         out, _ = _step(scheduler)  # prefill: both images looked up in one batch, nothing more
         assert spy.calls == [2]
         assert out.scheduled_encoder_inputs == {"r1": [1]}  # img-b is not stored: vLLM encodes it
-        assert [it.mm_hash for it in out.ec_connector_metadata.loads] == ["img-a"]
+        assert [it.mm_hash for it in out.ec_connector_metadata.loads] == [IMG_A]
         for _ in range(4):  # decode steps
             out, _ = _step(scheduler)
             assert out.num_scheduled_tokens == {"r1": 1}
         assert spy.calls == [2]
         # Unit level: an image whose placeholders are behind num_computed_tokens is not looked up.
-        req = _request("r2", ["img-a", "img-c"])
+        req = _request("r2", [IMG_A, IMG_C])
         sched_side.ensure_cache_available(req, 1 + IMAGE_TOKENS)
         assert spy.calls == [2, 1]
     finally:
@@ -222,9 +225,9 @@ def test_producer_answers_from_the_store(tiny_blip2: Path, tmp_path: Path) -> No
     try:
         connector = _connector(scheduler)
         assert connector.is_producer and not connector.is_consumer
-        _store_item(scheduler, "img-a")
-        scheduler.add_request(_request("stored", ["img-a"]))
-        scheduler.add_request(_request("fresh", ["img-b"]))
+        _store_item(scheduler, IMG_A)
+        scheduler.add_request(_request("stored", [IMG_A]))
+        scheduler.add_request(_request("fresh", [IMG_B]))
         out, stats = _step(scheduler)
         assert out.scheduled_encoder_inputs == {"fresh": [0]}  # only the unpublished image is encoded
         meta = out.ec_connector_metadata
@@ -240,8 +243,8 @@ def test_metadata_reference_survives_the_multiproc_pickle(tiny_blip2: Path, tmp_
 
     scheduler = _scheduler(tiny_blip2, _ec_config(tmp_path))
     try:
-        _store_item(scheduler, "img-a")
-        scheduler.add_request(_request("r1", ["img-a", "img-b"]))
+        _store_item(scheduler, IMG_A)
+        scheduler.add_request(_request("r1", [IMG_A, IMG_B]))
         out = scheduler.schedule()
         assert out.ec_connector_metadata.scheduled_encoder_inputs is out.scheduled_encoder_inputs
         for copy in (pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)),):
@@ -270,8 +273,8 @@ def test_worker_and_scheduler_counters_reach_scheduler_stats(tiny_blip2: Path, t
     """Scheduler-side hits and worker-reported loads land in `SchedulerStats.ec_connector_stats`, once."""
     scheduler = _scheduler(tiny_blip2, _ec_config(tmp_path))
     try:
-        _store_item(scheduler, "img-a")
-        scheduler.add_request(_request("r1", ["img-a", "img-b"]))
+        _store_item(scheduler, IMG_A)
+        scheduler.add_request(_request("r1", [IMG_A, IMG_B]))
         report = TieredECWorkerMetadata(stats={"loads": 1, "bytes_loaded": 4096, "saves": 1, "bytes_saved": 4096})
         _, stats = _step(scheduler, worker_meta=report)
         assert stats.ec_connector_stats == {
