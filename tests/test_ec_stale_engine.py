@@ -136,6 +136,11 @@ def stored(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     disk = work / "disk"
     prod = _run(work, "producer", model=str(tiny_blip2), seeds=SEEDS, role="ec_producer", extra=_disk_only(disk))
     assert prod["stats"]["saves"] == len(SEEDS)
+    # A second encode-only run finds everything published: vLLM encodes nothing again, nothing is saved.
+    again = _run(work, "producer-again", model=str(tiny_blip2), seeds=SEEDS, role="ec_producer",
+                 extra=_disk_only(disk))
+    assert again["stats"]["hits"] == len(SEEDS) and again["stats"]["misses"] == 0, again["stats"]
+    assert again["stats"]["saves"] == 0 and again["stats"]["loads"] == 0, again["stats"]
     return {"tokens": base["tokens"], "disk": disk}
 
 
