@@ -25,16 +25,15 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, ECTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from eccache.connector import ECCounters, TieredECConnector
 from eccache.scheduler import ECSchedulerSide, LoadItem, TieredECMetadata, TieredECWorkerMetadata
 from eccache.worker import ECWorkerSide
 from shared.store import build_store
 from shared.store.api import StoreKey
+from tests.real_scheduler import real_scheduler
 
 #: Placeholder tokens (= embeddings) of one image in these requests; the prompt has PROMPT_LEN tokens.
 IMAGE_TOKENS = 8
@@ -67,22 +66,7 @@ def _scheduler(model: Path, ec: ECTransferConfig, num_blocks: int = 64) -> Sched
         ec_transfer_config=ec,
         device_config=DeviceConfig("cpu"),
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))
-        ],
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-    )
+    return real_scheduler(vllm_config, num_blocks)
 
 
 def _request(req_id: str, identifiers: list[str], max_tokens: int = 4) -> Request:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -34,8 +33,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.structured_output import StructuredOutputManager
 
 from eccache.connector import TieredECConnector
 from eccache.managers import (
@@ -47,6 +44,7 @@ from eccache.managers import (
 from kvcache.connector import TieredKVConnector, resolve_load_failure_policy
 from shared import vllm_compat
 from shared.config import ConfigError
+from tests.real_scheduler import real_scheduler
 
 PAIRS: list[tuple[type, type]] = [
     (TieredKVConnector, KVConnectorBase_V1),
@@ -264,23 +262,7 @@ def _vllm_config(model: Path, kv: KVTransferConfig, ec: ECTransferConfig | None 
 
 def _scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
     """vLLM's own Scheduler: it builds the connector (role SCHEDULER) and reads its settings back."""
-    block_size = vllm_config.cache_config.block_size
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))
-        ],
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-    )
+    return real_scheduler(vllm_config, num_blocks)
 
 
 def _shutdown(scheduler: Scheduler) -> None:
