@@ -51,11 +51,69 @@ def allow_amx_tiles() -> bool:
     return granted
 
 
+def attend_once(
+    *, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+    query_len: int, seq_len: int,
+) -> str:
+    """One call of vLLM's CPU attention kernel on scratch tensors (4 blocks); returns the ISA it took.
+
+    The query's `query_len` tokens end a sequence of `seq_len`: the rest is context already in the cache.
+    Raises when the kernel produces non-finite values.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    blocks = 4
+    kv_cache = torch.zeros((blocks, num_kv_heads, block_size * 2, head_size), dtype=dtype)
+    key_cache, value_cache = kv_cache.chunk(2, dim=2)
+    query = torch.randn((query_len, num_heads, head_size), dtype=dtype) * 0.1
+    key = torch.randn((query_len, num_kv_heads, head_size), dtype=dtype) * 0.1
+    value = torch.randn((query_len, num_kv_heads, head_size), dtype=dtype) * 0.1
+    output = torch.empty((query_len, num_heads, head_size), dtype=dtype)
+    query_start_loc = torch.tensor([0, query_len], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    slot_mapping = torch.arange(seq_len - query_len, seq_len, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_size,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=head_size**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32).reshape(1, blocks),
+        softcap=0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
+    if not torch.isfinite(output.float()).all():
+        raise RuntimeError("CPU attention warm-up produced non-finite values")
+    return str(isa)
+
+
 def warm_cpu_attention(vllm_config: Any, layout_dtype: torch.dtype, block_size: int) -> bool:
     """Warm the CPU attention kernel; returns True when it ran (False: not the CPU backend)."""
     try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from vllm import _custom_ops  # noqa: F401
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: F401
     except ImportError:
         return False
     model_config = vllm_config.model_config
@@ -63,55 +121,16 @@ def warm_cpu_attention(vllm_config: Any, layout_dtype: torch.dtype, block_size: 
     cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
     if cache_dtype != "auto" or getattr(model_config, "use_mla", False):
         return False  # quantized or latent caches take other kernels; nothing observed to warm there
-    num_heads = model_config.get_num_attention_heads(parallel_config)
-    num_kv_heads = model_config.get_num_kv_heads(parallel_config)
-    head_size = model_config.get_head_size()
-    dtype = layout_dtype
-    isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
-    blocks = 4
-    kv_cache = torch.zeros((blocks, num_kv_heads, block_size * 2, head_size), dtype=dtype)
-    key_cache, value_cache = kv_cache.chunk(2, dim=2)
-    block_table = torch.arange(blocks, dtype=torch.int32).reshape(1, blocks)
+    shape = {
+        "num_heads": model_config.get_num_attention_heads(parallel_config),
+        "num_kv_heads": model_config.get_num_kv_heads(parallel_config),
+        "head_size": model_config.get_head_size(),
+        "block_size": block_size,
+        "dtype": layout_dtype,
+    }
+    isa = ""
     # (query tokens, total tokens): prefill without context, prefill with context, decode.
     for query_len, seq_len in ((block_size, block_size), (block_size, 3 * block_size), (1, 3 * block_size + 1)):
-        query = torch.randn((query_len, num_heads, head_size), dtype=dtype) * 0.1
-        key = torch.randn((query_len, num_kv_heads, head_size), dtype=dtype) * 0.1
-        value = torch.randn((query_len, num_kv_heads, head_size), dtype=dtype) * 0.1
-        output = torch.empty((query_len, num_heads, head_size), dtype=dtype)
-        query_start_loc = torch.tensor([0, query_len], dtype=torch.int32)
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32)
-        slot_mapping = torch.arange(seq_len - query_len, seq_len, dtype=torch.int64)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_size,
-            seq_lens=seq_lens,
-            dtype=dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
-            isa=isa,
-            enable_kv_split=False,
-        )
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=output,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            scale=head_size**-0.5,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0,
-            scheduler_metadata=metadata,
-            s_aux=None,
-        )
-        if not torch.isfinite(output.float()).all():
-            raise RuntimeError("CPU attention warm-up produced non-finite values")
-    log.info("TieredKVConnector: warmed CPU attention (isa=%s, dtype=%s)", isa, dtype)
+        isa = attend_once(**shape, query_len=query_len, seq_len=seq_len)
+    log.info("TieredKVConnector: warmed CPU attention (isa=%s, dtype=%s)", isa, layout_dtype)
     return True

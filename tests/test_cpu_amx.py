@@ -17,33 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from kvcache.cpu_warmup import allow_amx_tiles
+    from kvcache.cpu_warmup import allow_amx_tiles, attend_once
     print("granted", allow_amx_tiles())
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    dtype, block, head, heads, kv_heads = torch.bfloat16, 32, 64, 4, 2
-    isa = _get_attn_isa(dtype, block, head, "auto")
-    kv = torch.zeros((4, kv_heads, 2 * block, head), dtype=dtype)
-    key_cache, value_cache = kv.chunk(2, dim=2)
-    query_len, seq_len = block, 3 * block  # a prefill over two blocks of context
-    query = torch.randn((query_len, heads, head), dtype=dtype) * 0.1
-    key = torch.randn((query_len, kv_heads, head), dtype=dtype) * 0.1
-    value = torch.randn((query_len, kv_heads, head), dtype=dtype) * 0.1
-    output = torch.empty((query_len, heads, head), dtype=dtype)
-    starts = torch.tensor([0, query_len], dtype=torch.int32)
-    lens = torch.tensor([seq_len], dtype=torch.int32)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                   torch.arange(seq_len - query_len, seq_len, dtype=torch.int64), isa)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head, seq_lens=lens, dtype=dtype,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
-        seq_lens=lens, scale=head**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.arange(4, dtype=torch.int32).reshape(1, 4), softcap=0, scheduler_metadata=meta,
-        s_aux=None)
-    assert torch.isfinite(output.float()).all()
+    # A prefill of one block over two blocks of context, as the process's first attention call.
+    isa = attend_once(num_heads=4, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16,
+                      query_len=32, seq_len=96)
     print("isa", isa, "ok")
     """
 )
