@@ -9,6 +9,8 @@ and the front end's Prometheus logger hands it to the `ECConnectorPromMetrics` t
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
@@ -62,3 +64,25 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
             value = transfer_stats_data.get(name, 0)
             if value:
                 counter.inc(value)
+
+
+class PendingCounts:
+    """Counter increments not yet handed on (worker -> scheduler report, scheduler -> vLLM's stats).
+
+    Thread-safe: a worker counts from the forward pass and from the store's saver thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {}
+
+    def add(self, deltas: Mapping[str, float]) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                self._values[name] = self._values.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        """The non-zero increments since the last take; starts over."""
+        with self._lock:
+            values, self._values = self._values, {}
+        return {name: value for name, value in values.items() if value}

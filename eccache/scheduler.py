@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
+from eccache.metrics import PendingCounts
 from shared.store.api import StoreKey
 
 if TYPE_CHECKING:
@@ -139,19 +140,16 @@ class ECSchedulerSide:
         self._promised: set[str] = set()
         self._pending: dict[str, LoadItem] = {}
         #: Counter increments not yet handed to vLLM's stats (this side's and the workers' reports).
-        self._unreported: dict[str, float] = {}
+        self._unreported = PendingCounts()
 
     def _count(self, **deltas: float) -> None:
         """Count in the process-wide counters (stats files) and in what `take_stats` hands to vLLM."""
         self._counters.add(**deltas)
-        for name, value in deltas.items():
-            self._unreported[name] = self._unreported.get(name, 0) + value
+        self._unreported.add(deltas)
 
     def take_stats(self) -> dict[str, float]:
         """Counter increments since the last call (this side's and the workers'); vLLM calls it every step."""
-        out = {k: v for k, v in self._unreported.items() if v}
-        self._unreported = {}
-        return out
+        return self._unreported.take()
 
     def _is_cacheable(self, identifier: str) -> bool:
         return self._cacheable is None or self._cacheable(identifier)
@@ -242,8 +240,7 @@ class ECSchedulerSide:
         if isinstance(worker_meta, TieredECWorkerMetadata):
             self.resident -= worker_meta.evicted
             self.resident |= worker_meta.added
-            for name, value in worker_meta.stats.items():
-                self._unreported[name] = self._unreported.get(name, 0) + value
+            self._unreported.add(worker_meta.stats)
 
     def request_finished(self, request: Request) -> None:
         """Nothing is kept per request (answers live for one step)."""

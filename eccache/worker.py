@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from eccache.metrics import PendingCounts
 from eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
 from shared.store.api import StoreKey
 
@@ -75,8 +76,7 @@ class ECWorkerSide:
         self._counters = counters
         self._cacheable = cacheable
         #: Counter increments not yet sent to the scheduler side (with the next residency report).
-        self._unsent: dict[str, float] = {}
-        self._unsent_lock = threading.Lock()
+        self._unsent = PendingCounts()
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
         self._memory = next((t for t in getattr(store, "tiers", []) if t.kind == "memory"), None)
         self._resident_lock = threading.Lock()
@@ -90,9 +90,7 @@ class ECWorkerSide:
     def _count(self, **deltas: float) -> None:
         """Count in the process-wide counters (stats files) and in what the next report carries."""
         self._counters.add(**deltas)
-        with self._unsent_lock:
-            for name, value in deltas.items():
-                self._unsent[name] = self._unsent.get(name, 0) + value
+        self._unsent.add(deltas)
 
     def _is_cacheable(self, identifier: str) -> bool:
         return self._cacheable is None or self._cacheable(identifier)
@@ -107,11 +105,12 @@ class ECWorkerSide:
         return not (tensor.dim() == 2 and self._hidden is not None and tensor.shape[1] != self._hidden)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: TieredECMetadata) -> None:
-        todo = [it for it in metadata.loads if it.mm_hash not in encoder_cache]
-        # A non-cacheable item is never promised; should one arrive, it is encoded, never read.
-        refused = [it for it in todo if not self._is_cacheable(it.mm_hash)]
+        todo: list[LoadItem] = []
+        refused: list[LoadItem] = []  # never promised; should one arrive, it is encoded, never read
+        for item in metadata.loads:
+            if item.mm_hash not in encoder_cache:
+                (todo if self._is_cacheable(item.mm_hash) else refused).append(item)
         if refused:
-            todo = [it for it in todo if self._is_cacheable(it.mm_hash)]
             self._recompute(refused, metadata)
         if not todo:
             return
@@ -178,8 +177,7 @@ class ECWorkerSide:
             self._count(save_errors=1)
             return
         self._track(mm_hash)
-        self._count(saves=1, bytes_saved=cpu.numel() * cpu.element_size(),
-                           save_seconds=time.perf_counter() - start)
+        self._count(saves=1, bytes_saved=cpu.numel() * cpu.element_size(), save_seconds=time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------ residency reports
 
@@ -211,9 +209,7 @@ class ECWorkerSide:
     def worker_meta(self) -> TieredECWorkerMetadata | None:
         """This step's residency changes and counter increments, or None when there are none (vLLM then
         sends nothing)."""
-        with self._unsent_lock:
-            stats, self._unsent = self._unsent, {}
-        stats = {k: v for k, v in stats.items() if v}
+        stats = self._unsent.take()
         added: set[str] = set()
         evicted: set[str] = set()
         if self._memory is not None:
