@@ -82,8 +82,8 @@ def resolve_load_failure_policy(vllm_policy: str, vllm_explicit: bool, option: s
 
     An explicit vLLM setting wins; `kv_connector_extra_config.load_failure_policy` only fills the default;
     both set to different values is a contradiction the user must resolve, so it is an error naming both.
-    On vLLM 0.32/0.33 an explicit "fail" (vLLM's own default value) cannot be told from the default
-    (`shared.vllm_compat.explicit_fields`): set `load_failure_policy: "fail"` in the extra config there.
+    How "explicit" is known on vLLM 0.32/0.33, where an explicit "fail" equals vLLM's default value:
+    `shared.vllm_compat.is_explicitly_set` (the server's command line; the Python API leaves no record).
     """
     if vllm_explicit:
         if option is not None and option != vllm_policy:
@@ -129,8 +129,12 @@ class TieredKVConnector(KVConnectorBase_V1):
             transfer.kv_load_failure_policy, vllm_explicit, self._options["load_failure_policy"]
         )
         if role == KVConnectorRole.SCHEDULER:  # the process whose value vLLM reads; one line per engine
-            source = ("vLLM's kv_load_failure_policy" if vllm_explicit else "kv_connector_extra_config"
-                      if self._options["load_failure_policy"] is not None else "TieredKVConnector's default")
+            if vllm_explicit:
+                source = "vLLM's kv_load_failure_policy"
+            elif self._options["load_failure_policy"] is not None:
+                source = "kv_connector_extra_config"
+            else:
+                source = "TieredKVConnector's default"
             log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
                      source)
         config = StoreConfig.load(store_dict)
