@@ -231,8 +231,8 @@ def test_metadata_reference_survives_the_multiproc_pickle(tiny_blip2: Path, tmp_
         scheduler.add_request(_request("r1", [IMG_A, IMG_B]))
         out = scheduler.schedule()
         assert out.ec_connector_metadata.scheduled_encoder_inputs is out.scheduled_encoder_inputs
-        for copy in (pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)),):
-            assert copy.ec_connector_metadata.scheduled_encoder_inputs is copy.scheduled_encoder_inputs
+        copy = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        assert copy.ec_connector_metadata.scheduled_encoder_inputs is copy.scheduled_encoder_inputs
         # vLLM's own queue, as its multiproc executor uses it to broadcast execute_model's arguments.
         queue = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 20)
         reader = MessageQueue.create_from_handle(queue.export_handle(), 0)
@@ -244,8 +244,9 @@ def test_metadata_reference_survives_the_multiproc_pickle(tiny_blip2: Path, tmp_
             assert received.ec_connector_metadata.scheduled_encoder_inputs is received.scheduled_encoder_inputs
             assert received.scheduled_encoder_inputs == {"r1": [1]}
         finally:
-            reader.shutdown() if hasattr(reader, "shutdown") else None
-            queue.shutdown() if hasattr(queue, "shutdown") else None
+            for mq in (reader, queue):
+                if hasattr(mq, "shutdown"):
+                    mq.shutdown()
     finally:
         _close(scheduler)
 

@@ -344,14 +344,18 @@ def test_scheduler_refuses_a_policy_conflict_with_both_settings_named(tiny_llama
         _scheduler(_vllm_config(tiny_llama, kv))
 
 
-def test_scheduler_refuses_a_kv_connector_on_an_ec_producer(tiny_blip2: Path, tmp_path: Path) -> None:
-    """`ec_producer` makes vLLM run the encoder only: the KV connector says so before anything starts."""
-    ec = ECTransferConfig(
+def _ec_transfer(tmp_path: Path, role: str) -> ECTransferConfig:
+    return ECTransferConfig(
         ec_connector="TieredECConnector",
         ec_connector_module_path="eccache.connector",
-        ec_role="ec_producer",
+        ec_role=role,
         ec_connector_extra_config={"tiers": [{"kind": "disk", "path": str(tmp_path / "ec"), "capacity": "16MiB"}]},
     )
+
+
+def test_scheduler_refuses_a_kv_connector_on_an_ec_producer(tiny_blip2: Path, tmp_path: Path) -> None:
+    """`ec_producer` makes vLLM run the encoder only: the KV connector says so before anything starts."""
+    ec = _ec_transfer(tmp_path, "ec_producer")
     vllm_config = _vllm_config(tiny_blip2, _kv_transfer(tmp_path), ec)
     assert vllm_compat.is_encode_only(vllm_config)
     with pytest.raises(ConfigError) as err:
@@ -362,12 +366,7 @@ def test_scheduler_refuses_a_kv_connector_on_an_ec_producer(tiny_blip2: Path, tm
 
 
 def test_an_ec_both_instance_keeps_its_kv_connector(tiny_blip2: Path, tmp_path: Path) -> None:
-    ec = ECTransferConfig(
-        ec_connector="TieredECConnector",
-        ec_connector_module_path="eccache.connector",
-        ec_role="ec_both",
-        ec_connector_extra_config={"tiers": [{"kind": "disk", "path": str(tmp_path / "ec"), "capacity": "16MiB"}]},
-    )
+    ec = _ec_transfer(tmp_path, "ec_both")
     vllm_config = _vllm_config(tiny_blip2, _kv_transfer(tmp_path), ec)
     assert not vllm_compat.is_encode_only(vllm_config)
     scheduler = _scheduler(vllm_config)
