@@ -186,13 +186,12 @@ class ECSchedulerSide:
         """
         hashes = []
         for feature in request.mm_features:
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # the position test first: a decode step does nothing else per item
             identifier = feature.identifier
             if identifier in self._step_answers or identifier in hashes or not self._is_cacheable(identifier):
                 continue
-            if num_computed_tokens:
-                pos = feature.mm_position
-                if pos.offset + pos.length <= num_computed_tokens:
-                    continue
             hashes.append(identifier)
         if hashes:
             self._step_answers.update(zip(hashes, self._lookup(hashes), strict=True))
