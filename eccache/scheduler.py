@@ -186,9 +186,10 @@ class ECSchedulerSide:
         """
         hashes = []
         for feature in request.mm_features:
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
-                continue  # the position test first: a decode step does nothing else per item
+            if num_computed_tokens:  # the position test first: a decode step does nothing else per item
+                pos = feature.mm_position
+                if pos.offset + pos.length <= num_computed_tokens:
+                    continue
             identifier = feature.identifier
             if identifier in self._step_answers or identifier in hashes or not self._is_cacheable(identifier):
                 continue
