@@ -336,7 +336,7 @@ class KVWorkerSide:
 
     def dump_totals(self, force: bool = False) -> None:
         """Cumulative counters and store stats for `$TIERCACHE_STATS_DIR` (tests, operators)."""
-        dump_stats("kv-worker", {"counters": self.totals, "store": self.store.stats()}, force=force)
+        dump_stats("kv-worker", {"counters": dict(self.totals), "store": self.store.stats()}, force=force)
 
     def shutdown(self) -> None:
         self.flush_saves()

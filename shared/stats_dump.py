@@ -2,6 +2,11 @@
 
 vLLM's workers live in their own processes; operators (and the test suite) read what each one did
 from these files. Writes are throttled, atomic (temp file + rename) and never raise.
+
+The throttle is trailing: a call inside the interval is not dropped but written by a timer when the
+interval ends, so the file holds a process's last counters within `min_interval_s` of its last step.
+A process can't count on its own shutdown hook to write them: vLLM gives a worker a few seconds to exit
+before it signals, then kills it.
 """
 
 from __future__ import annotations
@@ -9,23 +14,64 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TIERCACHE_STATS_DIR"
-_last_write: dict[str, float] = {}
+
+
+class _ThrottledWriter:
+    """One stats file: the latest payload, when it was last written, and the timer for a pending one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lock = threading.Lock()
+        self.last_write = -1e9
+        self.pending: dict[str, Any] | None = None
+        self.timer: threading.Timer | None = None
+
+    def submit(self, directory: str, payload: dict[str, Any], min_interval_s: float, force: bool) -> None:
+        with self.lock:
+            wait = self.last_write + min_interval_s - time.monotonic()
+            if force or wait <= 0:
+                self.pending = None
+                self.last_write = time.monotonic()
+                _write(directory, self.name, payload)
+                return
+            self.pending = payload
+            if self.timer is None:
+                self.timer = threading.Timer(wait, self._write_pending, args=(directory,))
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _write_pending(self, directory: str) -> None:
+        with self.lock:
+            self.timer = None
+            if self.pending is None:
+                return
+            payload, self.pending = self.pending, None
+            self.last_write = time.monotonic()
+            _write(directory, self.name, payload)
+
+
+_writers: dict[str, _ThrottledWriter] = {}
+_writers_lock = threading.Lock()
 
 
 def dump_stats(name: str, payload: dict[str, Any], *, min_interval_s: float = 0.5, force: bool = False) -> None:
+    """Record `payload` as this process's `name` stats: now, or when the throttle interval ends."""
     directory = os.environ.get(ENV_VAR)
     if not directory:
         return
-    now = time.monotonic()
-    if not force and now - _last_write.get(name, -1e9) < min_interval_s:
-        return
-    _last_write[name] = now
+    with _writers_lock:
+        writer = _writers.setdefault(name, _ThrottledWriter(name))
+    writer.submit(directory, payload, min_interval_s, force)
+
+
+def _write(directory: str, name: str, payload: dict[str, Any]) -> None:
     path = os.path.join(directory, f"{name}-{os.getpid()}.json")
     try:
         os.makedirs(directory, exist_ok=True)

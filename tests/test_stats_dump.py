@@ -1,0 +1,34 @@
+"""`shared.stats_dump`: a throttled write is delayed, never dropped."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import stats_dump
+
+
+def test_a_throttled_write_lands_when_the_interval_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(stats_dump.ENV_VAR, str(tmp_path))
+    name = f"throttle-{time.monotonic_ns()}"
+    stats_dump.dump_stats(name, {"hits": 1}, min_interval_s=0.3)
+    stats_dump.dump_stats(name, {"hits": 2}, min_interval_s=0.3)
+    stats_dump.dump_stats(name, {"hits": 3}, min_interval_s=0.3)
+    (first,) = stats_dump.read_stats(str(tmp_path), name)
+    assert first["hits"] == 1, "the first write is immediate; the next two wait for the interval"
+    deadline = time.monotonic() + 5
+    while stats_dump.read_stats(str(tmp_path), name)[0]["hits"] != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (last,) = stats_dump.read_stats(str(tmp_path), name)
+    assert last["hits"] == 3, "the last payload submitted inside the interval must be written when it ends"
+
+
+def test_a_forced_write_is_immediate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(stats_dump.ENV_VAR, str(tmp_path))
+    name = f"forced-{time.monotonic_ns()}"
+    stats_dump.dump_stats(name, {"hits": 1}, min_interval_s=60)
+    stats_dump.dump_stats(name, {"hits": 2}, min_interval_s=60, force=True)
+    (stats,) = stats_dump.read_stats(str(tmp_path), name)
+    assert stats["hits"] == 2
