@@ -56,8 +56,13 @@ def _store(disk: Path) -> dict[str, Any]:
                       {"kind": "disk", "path": str(disk), "capacity": "1GiB"}]}
 
 
-def group_rss(pgid: int) -> int:
-    """Bytes resident (VmRSS) summed over every live process of one process group, from /proc."""
+def group_rss(pgid: int, field: str = "RssAnon") -> int:
+    """Bytes resident summed over every live process of one process group, from /proc.
+
+    `RssAnon` by default: the heap and anonymous mappings, where a leaked tensor or list lives. VmRSS
+    also counts file pages, which move with the disk tier's memory-mapped LMDB index and the page cache
+    (tens of MiB between runs here) and say nothing about a leak.
+    """
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -69,7 +74,7 @@ def group_rss(pgid: int) -> int:
                 continue
             with open(f"/proc/{entry}/status") as fh:
                 for line in fh:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(f"{field}:"):
                         total += int(line.split()[1]) * 1024
         except (OSError, IndexError, ValueError):
             continue  # the process ended meanwhile

@@ -126,6 +126,70 @@ def test_full_write_queue_drops_without_blocking(tmp_path):
         s.close()
 
 
+def test_a_record_evicted_before_its_disk_write_lands_stays_readable(tmp_path):
+    """The memory tier evicts records whose disk copies are still queued: no moment where no tier has one,
+    and the eviction reaches listeners (residency reports) only once the disk has the record."""
+    s = build_store(_cfg(tmp_path, mem="4KiB"))  # room for two 1600-byte records
+    disk = s.tiers[1]
+    gate = threading.Event()
+    real_put = disk.put_many
+
+    def held_put(items):  # the disk is slow: its writes wait for the gate
+        gate.wait(10)
+        real_put(items)
+
+    disk.put_many = held_put
+    evictions: list[tuple[str, bool]] = []
+    s.add_eviction_listener(lambda kind, digest: evictions.append(
+        (kind, disk.contains_many([next(k for k in keys if k.digest == digest)])[0])))
+    keys = [_k(i) for i in range(6)]
+    tensors = [_t(800, i) for i in range(6)]
+    try:
+        for key, tensor in zip(keys, tensors, strict=True):
+            s.put(key, tensor)
+        assert s.tiers[0].contains_many(keys[:4]) == [False] * 4, "the memory tier must have evicted these"
+        assert evictions == [], "an eviction must wait for the record's disk write"
+        assert s.contains_many(keys) == [True] * 6
+        assert s.contains_many(keys, shared_only=True) == [False] * 6, "other processes can't see the buffer"
+        records = s.get_many(keys)
+        assert all(r is not None and torch.equal(r.tensor, t) for r, t in zip(records, tensors, strict=True))
+        assert s.stats()["write_queue"]["hits"] >= 4
+        gate.set()
+        assert s.flush(10)
+        assert disk.contains_many(keys) == [True] * 6
+        assert evictions and all(kind == "memory" and on_disk for kind, on_disk in evictions), evictions
+        assert s.contains_many(keys, shared_only=True) == [True] * 6
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_dropped_disk_write_releases_its_record_and_eviction(tmp_path):
+    """With the queue full the disk write is dropped: the record leaves the buffer, the eviction is sent."""
+    s = build_store(_cfg(tmp_path, mem="2KiB", write_queue_size=1))
+    disk = s.tiers[1]
+    gate = threading.Event()
+    real_put = disk.put_many
+
+    def held_put(items):
+        gate.wait(10)
+        real_put(items)
+
+    disk.put_many = held_put
+    evicted: list[bytes] = []
+    s.add_eviction_listener(lambda kind, digest: evicted.append(digest))
+    try:
+        for i in range(8):
+            s.put(_k(i), _t(800, i))
+        assert disk.counters.get("dropped_writes") >= 5
+        dropped = [k for k in (_k(i) for i in range(8)) if not s.contains_many([k])[0]]
+        assert dropped, "a record neither in memory nor queued for disk is gone, and says so"
+        assert {k.digest for k in dropped} <= set(evicted)
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_oversized_for_memory_still_reaches_disk(store):
     big = torch.zeros(2 << 20, dtype=torch.uint8)  # 2 MiB > 1 MiB memory tier
     store.put(_k("big"), big)

@@ -3,9 +3,19 @@
 Read path: ask tiers in order, each only for the keys still missing (one batched call per tier); a hit
 in a slower tier is promoted into the faster ones. Write path: the fastest tier synchronously, slower
 tiers through the bounded background writer, so a put costs one memory copy, never an fsync or a
-network round trip. Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache that
-is reused right after; the store must own what it keeps (pass ``owned=True`` to skip the copy when the
-caller guarantees the tensor is never mutated).
+network round trip.
+
+Write-behind stays readable: a record queued for the slower tiers is kept in `_in_flight` until the
+writer has written it, and reads consult it right after the fastest tier. Without this, the memory tier
+can evict a record before its disk or Redis copy lands, and for that moment no tier has it: a load the
+scheduler planned from a residency report fails. For the same reason an eviction from the fastest tier
+reaches listeners (residency reports) only once the record's queued write is done: told earlier, the
+scheduler looks in the shared tier, finds nothing yet and misses. The buffer costs no memory of its own:
+the writer's queue holds the same tensors until then.
+
+Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache that is reused right
+after; the store must own what it keeps (pass ``owned=True`` to skip the copy when the caller
+guarantees the tensor is never mutated).
 """
 
 from __future__ import annotations
@@ -77,6 +87,12 @@ class TieredStore:
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self._writer = BackgroundWriter(config.write_queue_size)
+        self._in_flight_lock = threading.Lock()
+        #: digest -> (record, number of queued writes of it) for records on their way to slower tiers.
+        self._in_flight: dict[bytes, tuple[Record, int]] = {}
+        #: digest -> eviction notifications held back until the record's queued write is done.
+        self._deferred_evictions: dict[bytes, list[tuple[Tier, Callable[[], None]]]] = {}
+        self._write_behind_hits = 0
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -85,12 +101,22 @@ class TieredStore:
         return [(i, t) for i, t in enumerate(self.tiers) if t.shared_across_processes or not shared_only]
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False) -> list[bool]:
-        """Which keys some tier holds; ``shared_only`` consults only tiers other processes also see."""
+        """Which keys some tier holds; ``shared_only`` consults only tiers other processes also see.
+
+        A record still on its way to the slower tiers counts as held, except for ``shared_only``: other
+        processes can't read this process's write-behind buffer.
+        """
         found = [False] * len(keys)
         missing = list(range(len(keys)))
-        for _, tier in self._tiers(shared_only):
+        for ti, tier in self._tiers(shared_only):
             if not missing:
                 break
+            if ti == 1 and not shared_only:
+                held, missing = self._split_in_flight(keys, missing)
+                for i in held:
+                    found[i] = True
+                if not missing:
+                    break
             try:
                 res = tier.contains_many([keys[i] for i in missing])
             except Exception as exc:
@@ -105,6 +131,19 @@ class TieredStore:
             missing = still
         return found
 
+    def _split_in_flight(self, keys: Sequence[StoreKey], missing: list[int]) -> tuple[dict[int, Record], list[int]]:
+        """Of the indexes in ``missing``: the records the write-behind buffer holds, and the rest."""
+        held: dict[int, Record] = {}
+        still: list[int] = []
+        with self._in_flight_lock:
+            for i in missing:
+                entry = self._in_flight.get(keys[i].digest)
+                if entry is None:
+                    still.append(i)
+                else:
+                    held[i] = entry[0]
+        return held, still
+
     def longest_prefix(self, keys: Sequence[StoreKey], shared_only: bool = False) -> int:
         """Number of leading keys present (in any tier): how many chunks of a prompt can be loaded."""
         n = 0
@@ -118,12 +157,22 @@ class TieredStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers."""
         out: list[Record | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         found_in: list[tuple[int, list[Item]]] = []
         for ti, tier in enumerate(self.tiers):
             if not missing:
                 break
+            if ti == 1:
+                held, missing = self._split_in_flight(keys, missing)
+                for i, record in held.items():
+                    out[i] = record
+                if held:
+                    with self._in_flight_lock:
+                        self._write_behind_hits += len(held)
+                if not missing:
+                    break
             start = time.perf_counter()
             try:
                 res = tier.get_many([keys[i] for i in missing])
@@ -173,9 +222,44 @@ class TieredStore:
             if not (owned and tensor.device.type == "cpu" and tensor.is_contiguous()):
                 tensor = own_tensor(tensor)
             mine.append((key, tensor.detach(), dict(meta) if meta else {}))
+        if len(self.tiers) == 1:
+            self._put_sync(self.tiers[0], mine)
+            return
+        self._hold_in_flight(mine)  # before the fastest tier, which may evict one of them right away
         self._put_sync(self.tiers[0], mine)
-        if len(self.tiers) > 1:
-            self._writer.submit(self.tiers[1:], mine)
+        if not self._writer.submit(self.tiers[1:], mine, on_done=self._release_in_flight):
+            self._release_in_flight(mine)
+
+    def _hold_in_flight(self, items: Sequence[Item]) -> None:
+        with self._in_flight_lock:
+            for key, tensor, meta in items:
+                entry = self._in_flight.get(key.digest)
+                self._in_flight[key.digest] = (Record(tensor, meta or {}), 1 + (entry[1] if entry else 0))
+
+    def _release_in_flight(self, items: Sequence[Item]) -> None:
+        """The writer is done with ``items``: drop them from the buffer, send the evictions held back."""
+        held_back: list[tuple[StoreKey, Tier, Callable[[], None]]] = []
+        with self._in_flight_lock:
+            for key, _, _ in items:
+                entry = self._in_flight.get(key.digest)
+                if entry is None:
+                    continue
+                if entry[1] > 1:
+                    self._in_flight[key.digest] = (entry[0], entry[1] - 1)
+                    continue
+                del self._in_flight[key.digest]
+                held_back.extend((key, tier, notify) for tier, notify in self._deferred_evictions.pop(key.digest, ()))
+        for key, tier, notify in held_back:
+            if not tier.contains_many([key])[0]:  # put back meanwhile: that eviction no longer holds
+                notify()
+
+    def _on_tier_eviction(self, tier: Tier, digest: bytes, notify: Callable[[], None]) -> None:
+        """Send an eviction now, or once the record's queued write is done (see the module docstring)."""
+        with self._in_flight_lock:
+            if digest in self._in_flight:
+                self._deferred_evictions.setdefault(digest, []).append((tier, notify))
+                return
+        notify()
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
@@ -206,11 +290,15 @@ class TieredStore:
         return any(tier.kind == "memory" for tier in self.tiers)
 
     def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
-        """Call `listener(tier_kind, digest)` whenever a tier that reports evictions drops a record."""
+        """Call `listener(tier_kind, digest)` whenever a tier that reports evictions drops a record.
+
+        For a record whose write to the slower tiers is still queued, the call waits until that write is
+        done: a listener (a residency report) may then tell other processes to look in a shared tier.
+        """
         for tier in self.tiers:
             add = getattr(tier, "add_eviction_listener", None)
             if add is not None:
-                add(lambda digest, kind=tier.kind: listener(kind, digest))
+                add(lambda digest, t=tier: self._on_tier_eviction(t, digest, lambda: listener(t.kind, digest)))
 
     def stats(self) -> dict[str, Any]:
         """JSON-able snapshot: {"tiers": {name: counters + usage}, "write_queue": {...}}."""
@@ -227,7 +315,8 @@ class TieredStore:
         return {
             "namespace": self.config.namespace,
             "tiers": tiers,
-            "write_queue": {"pending": self._writer.pending, "capacity": self.config.write_queue_size},
+            "write_queue": {"pending": self._writer.pending, "capacity": self.config.write_queue_size,
+                            "hits": self._write_behind_hits},
         }
 
     @property

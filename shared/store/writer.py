@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,9 @@ from shared.store.api import StoreKey, Tier
 log = logging.getLogger(__name__)
 
 Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
+#: Called with a job's items once every tier of the job has been written (or has failed).
+DoneCallback = Callable[[Sequence[Item]], None]
+Job = tuple[Sequence[Tier], Sequence[Item], DoneCallback | None]
 #: At most this many queued jobs are merged into one batched `put_many` per tier.
 MAX_BATCH = 32
 
@@ -29,15 +32,18 @@ class BackgroundWriter:
     """Queue of (tiers, items) jobs; `submit` never blocks; `flush` waits for everything submitted."""
 
     def __init__(self, maxsize: int, name: str = "tiercache-writer") -> None:
-        self._queue: queue.Queue[tuple[Sequence[Tier], Sequence[Item]] | None] = queue.Queue(maxsize)
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize)
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, tiers: Sequence[Tier], items: Sequence[Item]) -> bool:
-        """Queue a write of ``items`` to ``tiers``; False (and counted as dropped) when the queue is full."""
+    def submit(self, tiers: Sequence[Tier], items: Sequence[Item], on_done: DoneCallback | None = None) -> bool:
+        """Queue a write of ``items`` to ``tiers``; False (and counted as dropped) when the queue is full.
+
+        ``on_done(items)`` runs on the writer thread after the write, only for a job that was queued.
+        """
         if not tiers or not items:
             return True
         if self._stopped:
@@ -46,7 +52,7 @@ class BackgroundWriter:
         with self._cond:
             self._pending += 1
         try:
-            self._queue.put_nowait((tiers, items))
+            self._queue.put_nowait((tiers, items, on_done))
         except queue.Full:
             with self._cond:
                 self._pending -= 1
@@ -84,9 +90,9 @@ class BackgroundWriter:
                 return
 
     @staticmethod
-    def _run(jobs: list[tuple[Sequence[Tier], Sequence[Item]]]) -> None:
+    def _run(jobs: list[Job]) -> None:
         by_tier: dict[int, tuple[Tier, list[Item]]] = {}
-        for tiers, items in jobs:
+        for tiers, items, _ in jobs:
             for tier in tiers:
                 by_tier.setdefault(id(tier), (tier, []))[1].extend(items)
         for tier, items in by_tier.values():
@@ -97,6 +103,12 @@ class BackgroundWriter:
                 tier.counters.add(errors=1, dropped_writes=len(items))
                 log.exception("tiercache writer: %s tier put failed: %s", tier.name, exc)
             tier.counters.add(write_seconds=time.perf_counter() - start)
+        for _, items, on_done in jobs:
+            if on_done is not None:
+                try:
+                    on_done(items)
+                except Exception as exc:  # a callback bug must not kill the writer thread either
+                    log.exception("tiercache writer: completion callback failed: %s", exc)
 
     @property
     def pending(self) -> int:
