@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	  if [ "$$extra" = cpu ]; then \
 	    $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
 	  fi
-	$(PY) -c "import vllm, shared, kvcache, eccache; print('tiercache setup: vllm', vllm.__version__)"
+	$(PY) -c "import vllm, vllm_tiercache.shared, vllm_tiercache.kvcache, vllm_tiercache.eccache; print('tiercache setup: vllm', vllm.__version__)"
 	@touch $(STAMP)
 
 redis:
@@ -33,7 +33,7 @@ bench: setup
 	$(VENV)/bin/tiercache bench tiers
 
 lint: setup
-	$(VENV)/bin/ruff check kvcache eccache shared tests
+	$(VENV)/bin/ruff check vllm_tiercache shared kvcache eccache tools tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -4,12 +4,12 @@ Configure it like any vLLM 0.32 EC connector::
 
     ECTransferConfig(
         ec_connector="TieredECConnector",
-        ec_connector_module_path="eccache.connector",   # not needed once the tiercache plugin is loaded
+        ec_connector_module_path="vllm_tiercache.eccache.connector",   # not needed once the tiercache plugin is loaded
         ec_role="ec_both",                              # or ec_producer / ec_consumer
         ec_connector_extra_config={"namespace": "demo", "tiers": [...], "x_ec_stats_path": "/tmp/ec.json"},
     )
 
-`ec_connector_extra_config` is a `shared.config.StoreConfig` dict (validated there). Roles: `ec_producer`
+`ec_connector_extra_config` is a `vllm_tiercache.shared.config.StoreConfig` dict (validated there). Roles: `ec_producer`
 saves what it encodes and never loads (vLLM then runs the encoder only: an encode instance; an item
 the store already holds is not encoded again),
 `ec_consumer` loads and never saves, `ec_both` loads what is stored and saves what it computed.
@@ -17,14 +17,14 @@ the store already holds is not encoded again),
 Processes: vLLM builds a SCHEDULER-role connector in its engine-core process and a WORKER-role one in
 each worker. With the uniproc executor they share one process (and one store); with the multiproc
 executor (always on vLLM-CPU, and with more than one device) they do not, and the scheduler learns what
-the worker's memory tier holds from the worker's residency reports (see `eccache.scheduler`).
+the worker's memory tier holds from the worker's residency reports (see `vllm_tiercache.eccache.scheduler`).
 
-Counters: the supported view is vLLM's `/metrics` (`vllm:tiercache_ec_*_total`, see `eccache.metrics`):
+Counters: the supported view is vLLM's `/metrics` (`vllm:tiercache_ec_*_total`, see `vllm_tiercache.eccache.metrics`):
 they reach vLLM's stats through `get_ec_connector_stats` of the scheduler-side connector, which also
 carries what the workers counted (sent back with their residency reports). Diagnostics besides: every
 process keeps its own totals (`process_stats()`); with env `TIERCACHE_STATS_DIR` set, each process writes
 them, with its store's stats, to `$TIERCACHE_STATS_DIR/ec-<pid>.json` whenever they change
-(`shared.stats_dump`; sum the files for an engine's totals). `x_ec_stats_path` (optional, legacy) is one
+(`vllm_tiercache.shared.stats_dump`; sum the files for an engine's totals). `x_ec_stats_path` (optional, legacy) is one
 more such file; `{pid}` in it is replaced by the process id, so that processes do not overwrite it.
 """
 
@@ -49,16 +49,16 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     PromMetricT,
 )
 
-from eccache.metrics import TieredECPromMetrics
-from eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
-from eccache.worker import ECWorkerSide, worker_in_process
-from shared.config import StoreConfig
-from shared.keys import EncoderIdentity, encoder_key
-from shared.mm_identifiers import MultiModalIdentifierPolicy
-from shared.stats_dump import dump_stats
-from shared.store import get_store
-from shared.store.api import StoreKey
-from shared.vllm_compat import check_vllm_version
+from vllm_tiercache.eccache.metrics import TieredECPromMetrics
+from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
+from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key
+from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
+from vllm_tiercache.shared.stats_dump import dump_stats
+from vllm_tiercache.shared.store import get_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.vllm_compat import check_vllm_version
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,7 +110,7 @@ def process_stats() -> dict[str, float]:
 
 class TieredECStats(ECConnectorStats):
     """vLLM's EC stats hook (0.32 has one): counter increments since the last step, summed; vLLM logs
-    `reduce()` and exports `data` on `/metrics` (`eccache.metrics.TieredECPromMetrics`)."""
+    `reduce()` and exports `data` on `/metrics` (`vllm_tiercache.eccache.metrics.TieredECPromMetrics`)."""
 
     def reset(self) -> None:
         self.data = {}

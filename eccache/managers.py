@@ -4,11 +4,11 @@ vLLM's own `EncoderCacheManager` evicts unreferenced entries in the order they *
 an image a short request just hit can be evicted before one a long request last touched much earlier;
 on RAG traffic a popular image is also evicted as readily as a one-off. These subclasses keep vLLM's
 bookkeeping (reference sets, `freeable`, `freed`, slot counts: the scheduler reads them directly) and
-change only which unreferenced entry is evicted, through a `shared.eviction` policy (the same code the
+change only which unreferenced entry is evicted, through a `vllm_tiercache.shared.eviction` policy (the same code the
 store's memory tier uses):
 
 - `PolicyEncoderCacheManager`: the policy named by config (`manager_config["policy"]`, else the EC
-  connector's `encoder_cache_policy`, else `shared.eviction.DEFAULT_POLICY`).
+  connector's `encoder_cache_policy`, else `vllm_tiercache.shared.eviction.DEFAULT_POLICY`).
 - `LRUEncoderCacheManager`: the least recently *accessed* (every hit and every allocation refreshes).
 - `LFUEncoderCacheManager`: the least frequently accessed, ties broken by recency; counts survive
   eviction in a bounded history and are halved every `aging_period` accesses.
@@ -17,9 +17,9 @@ store's memory tier uses):
 Invariants kept from vLLM: capacity is never exceeded and referenced entries are never evicted (only
 entries in `freeable` are candidates). Enable with::
 
-    --ec-manager-config '{"encoder_cache_manager_cls": "eccache.managers.PolicyEncoderCacheManager",
+    --ec-manager-config '{"encoder_cache_manager_cls": "vllm_tiercache.eccache.managers.PolicyEncoderCacheManager",
                           "manager_config": {"policy": "lfu"}}'
-    LLM(..., ec_manager_config={"encoder_cache_manager_cls": "eccache.managers.LFUEncoderCacheManager",
+    LLM(..., ec_manager_config={"encoder_cache_manager_cls": "vllm_tiercache.eccache.managers.LFUEncoderCacheManager",
                                 "manager_config": {"aging_period": 4096, "history_size": 65536}})
 """
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from shared.eviction import DEFAULT_POLICY, make_policy
+from vllm_tiercache.shared.eviction import DEFAULT_POLICY, make_policy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,7 +40,7 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
     """vLLM's manager with victims chosen by a `shared.eviction` policy (the same code as the memory tier).
 
     The policy is picked, first match wins, by `manager_config["policy"]`, by `encoder_cache_policy` in
-    the EC connector's extra config, or else `shared.eviction.DEFAULT_POLICY` (the best measured one).
+    the EC connector's extra config, or else `vllm_tiercache.shared.eviction.DEFAULT_POLICY` (the best measured one).
     Other `manager_config` keys go to the policy (lfu: `aging_period`, `history_size`, `size_aware`;
     wtinylfu: `window_fraction`, `protected_fraction`, `victim_sample`, `size_aware`).
 
@@ -120,7 +120,7 @@ def _connector_policy(vllm_config: Any) -> str | None:
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is None:
         return None
-    from shared.config import StoreConfig
+    from vllm_tiercache.shared.config import StoreConfig
 
     return StoreConfig.load(dict(getattr(ec, "ec_connector_extra_config", None) or {})).encoder_cache_policy
 

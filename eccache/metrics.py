@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
 
-#: Counter -> help text. Names match `eccache.connector.COUNTER_NAMES` (the keys of the stats data).
+#: Counter -> help text. Names match `vllm_tiercache.eccache.connector.COUNTER_NAMES` (the keys of the stats data).
 EC_METRICS: dict[str, str] = {
     "hits": "Encoder inputs the store held when vLLM asked (a consumer loads them, a producer skips them).",
     "misses": "Encoder inputs vLLM asked about that the store did not hold (vLLM encodes them).",

@@ -13,7 +13,7 @@ preemption is asked about again: an item evicted from the store meanwhile is nev
 An item `has_cache_item` is asked about without a prefetched answer is looked up then.
 
 A promise can still turn out false at load time (record evicted or corrupt between the lookup and the
-load); the worker then re-encodes the item in the same step (see `eccache.worker`). For that,
+load); the worker then re-encodes the item in the same step (see `vllm_tiercache.eccache.worker`). For that,
 `TieredECMetadata` carries a reference to this step's `scheduler_output.scheduled_encoder_inputs` (never
 modified here).
 
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
-from eccache.metrics import PendingCounts
-from shared.store.api import StoreKey
+from vllm_tiercache.eccache.metrics import PendingCounts
+from vllm_tiercache.shared.store.api import StoreKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from eccache.metrics import PendingCounts
-from eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
-from shared.store.api import StoreKey
+from vllm_tiercache.eccache.metrics import PendingCounts
+from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
+from vllm_tiercache.shared.store.api import StoreKey
 
 logger = logging.getLogger(__name__)
 

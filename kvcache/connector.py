@@ -5,11 +5,11 @@ WORKER). The shell reads the configuration, then forwards every call to `KVSched
 `KVWorkerSide`, which hold all the logic. Configure it with
 
     --kv-transfer-config '{"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {...store config, see shared.config...}}'
+                           "kv_connector_extra_config": {...store config, see vllm_tiercache.shared.config...}}'
 
 Connector-only keys in the extra config (removed before the store sees it): `load_failure_policy`
 ("recompute": a chunk that fails to load is recomputed by vLLM; "fail": vLLM fails the request) and
-`warmup_cpu_attention` (default true; see `kvcache.cpu_warmup`). `load_failure_policy` only fills a
+`warmup_cpu_attention` (default true; see `vllm_tiercache.kvcache.cpu_warmup`). `load_failure_policy` only fills a
 default: vLLM's own `KVTransferConfig.kv_load_failure_policy`, when the user set it, wins, and the two set
 to different values is a `ConfigError` (`resolve_load_failure_policy`).
 """
@@ -26,19 +26,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
-from kvcache.layout import layout_tag
-from kvcache.plan import ChunkGeometry, TieredKVMetadata
-from kvcache.scheduler import KVSchedulerSide
-from kvcache.stats import TieredKVPromMetrics, TieredKVStats
-from kvcache.worker import KVWorkerSide
-from shared.config import ConfigError, StoreConfig
-from shared.hashing import check_seed_is_stable
-from shared.keys import KVModelIdentity
-from shared.mm_identifiers import MultiModalIdentifierPolicy
-from shared.store import get_store
-from shared.store.counters import COUNTER_NAMES
-from shared.vllm_compat import CacheHitSource, check_vllm_version, is_encode_only, is_explicitly_set, uses_eagle
+from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
+from vllm_tiercache.kvcache.layout import layout_tag
+from vllm_tiercache.kvcache.plan import ChunkGeometry, TieredKVMetadata
+from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
+from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats
+from vllm_tiercache.kvcache.worker import KVWorkerSide
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.hashing import check_seed_is_stable
+from vllm_tiercache.shared.keys import KVModelIdentity
+from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
+from vllm_tiercache.shared.store import get_store
+from vllm_tiercache.shared.store.counters import COUNTER_NAMES
+from vllm_tiercache.shared.vllm_compat import (
+    CacheHitSource,
+    check_vllm_version,
+    is_encode_only,
+    is_explicitly_set,
+    uses_eagle,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,7 +89,7 @@ def resolve_load_failure_policy(vllm_policy: str, vllm_explicit: bool, option: s
     An explicit vLLM setting wins; `kv_connector_extra_config.load_failure_policy` only fills the default;
     both set to different values is a contradiction the user must resolve, so it is an error naming both.
     How "explicit" is known on vLLM 0.32/0.33, where an explicit "fail" equals vLLM's default value:
-    `shared.vllm_compat.is_explicitly_set` (the server's command line; the Python API leaves no record).
+    `vllm_tiercache.shared.vllm_compat.is_explicitly_set` (the server's command line; the Python API leaves no record).
     """
     if vllm_explicit:
         if option is not None and option != vllm_policy:

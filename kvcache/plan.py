@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from shared.hashing import chunk_boundaries
+from vllm_tiercache.shared.hashing import chunk_boundaries
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcache.plan import (
+from vllm_tiercache.kvcache.plan import (
     ChunkGeometry,
     ChunkLoad,
     ChunkSave,
@@ -22,10 +22,10 @@ from kvcache.plan import (
     TieredKVMetadata,
     TieredKVWorkerMetadata,
 )
-from shared.hashing import assert_engine_seed_matches
-from shared.keys import KVModelIdentity, kv_chunk_key
-from shared.store.api import Store, StoreKey
-from shared.vllm_compat import CacheHitSource, publishable_block_count
+from vllm_tiercache.shared.hashing import assert_engine_seed_matches
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -40,7 +40,7 @@ class _RequestState:
     request: Request
     #: chunk index -> present in the store at lookup time (those are never written again)
     stored: list[bool] = field(default_factory=list)
-    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
+    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from vllm_tiercache.shared tiers)
     resident: list[bool] = field(default_factory=list)
     #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
     load_first: int = 0
@@ -75,7 +75,7 @@ class KVSchedulerSide:
         (no lookup, no save), e.g. when its multimodal items carry no trustworthy content identifier, so
         its block hashes do not name its content. `volatile_decode_tail`: an EAGLE/MTP drafter runs, so
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
-        be rewritten when draft tokens are rejected; see `shared.vllm_compat.uses_eagle`)."""
+        be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`)."""
         self.store = store
         self.namespace = namespace
         self.identities = identities  # one per tensor-parallel rank: a chunk is there when all ranks are
@@ -292,7 +292,7 @@ class KVSchedulerSide:
     def _chunks_to_save(self, state: _RequestState, computed_after: int) -> list[int]:
         """End blocks of chunks whose KV is complete after this step and not yet stored or planned.
 
-        Only publishable blocks count (`shared.vllm_compat.publishable_block_count`: vLLM may hash blocks
+        Only publishable blocks count (`vllm_tiercache.shared.vllm_compat.publishable_block_count`: vLLM may hash blocks
         whose drafter KV is not materialized yet), and with `volatile_decode_tail` a decoding request's
         last full chunk past the prompt waits for the next one (the rule vLLM's OffloadingConnector
         follows for EAGLE groups).

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from kvcache.layout import PagedLayout
-from kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
-from kvcache.transfer import BlockMover, make_mover
-from shared.keys import KVModelIdentity, kv_chunk_key
-from shared.stats_dump import dump_stats
-from shared.store.api import Record, StoreKey
-from shared.store.tiered import TieredStore
+from vllm_tiercache.kvcache.layout import PagedLayout
+from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.transfer import BlockMover, make_mover
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.stats_dump import dump_stats
+from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Why one schema: both connectors (KV cache and encoder cache) and the offline jobs build a store from the
 same user-facing dict; validating it in one place gives one error style (field path, bad value, what is
-allowed) and one normalized form, which `shared.store.get_store` uses to hand every caller in a process
+allowed) and one normalized form, which `vllm_tiercache.shared.store.get_store` uses to hand every caller in a process
 the same store object.
 
 Sources, first match wins:
@@ -21,10 +21,10 @@ Top-level keys and defaults:
 - ``save_decode`` (bool, false): also store KV produced while decoding.
 - ``write_queue_size`` (int, 256): bound of the background queue for slower-tier writes.
 - ``encoder_cache_policy`` (str or null, null): eviction policy of ``PolicyEncoderCacheManager``
-  (lru, lfu, wtinylfu; null = ``shared.eviction.DEFAULT_POLICY``).
+  (lru, lfu, wtinylfu; null = ``vllm_tiercache.shared.eviction.DEFAULT_POLICY``).
 - ``trust_multi_modal_uuids`` (bool, false): the operator vouches that user-supplied ``multi_modal_uuids``
   name their items' content, so records may be stored and served under them (see
-  ``shared.mm_identifiers``); without it, items named by a uuid are never cached.
+  ``vllm_tiercache.shared.mm_identifiers``); without it, items named by a uuid are never cached.
 - ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis) and ``policy``
   (memory: lru, wtinylfu; the shared tiers: lru only; default lru) plus:
 
@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.eviction import POLICIES
+from vllm_tiercache.shared.eviction import POLICIES
 
 TIER_KINDS = ("memory", "disk", "gds", "redis")
 #: eviction policies per tier kind (shared.eviction): the shared tiers keep LRU in their cross-process index

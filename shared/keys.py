@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from shared.store.api import StoreKey
+from vllm_tiercache.shared.store.api import StoreKey
 
 __all__ = [
     "EncoderIdentity",

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config import ConfigError
+from vllm_tiercache.shared.config import ConfigError
 
 log = logging.getLogger(__name__)
 

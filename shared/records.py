@@ -25,7 +25,7 @@ import cbor2
 import torch
 import xxhash
 
-from shared.store.api import KEY_DIGEST_SIZE, Record, StoreKey
+from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, StoreKey
 
 MAGIC = b"TCRC"
 VERSION = 1

@@ -15,7 +15,7 @@ What 0.32 -> 0.33 changed for us (read from both releases' sources):
 - `KVConnectorBase_V1` gained `supports_sleep_mode`, `unregister_kv_caches`, `restore_kv_caches` (all
   with defaults). The defaults suit us: our workers keep no registration of the KV tensors beyond
   tensor views, and every load and save finishes within the step that planned it.
-- The encoder cache manager keeps a per-request `request_hash_refs` table; `eccache.managers` evicts only
+- The encoder cache manager keeps a per-request `request_hash_refs` table; `vllm_tiercache.eccache.managers` evicts only
   `freeable` entries exactly as vLLM's own `can_allocate` does, so it needs no change.
 - With a KV connector configured, 0.33 keeps the legacy block hashes (no EAGLE lookahead hashes).
 

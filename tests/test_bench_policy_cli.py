@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bench_policy_prints_every_trace_and_the_target_checks() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", "policy", "--quick",
+        [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "policy", "--quick",
          "--exponents", "1.0", "--capacities", "0.05"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )

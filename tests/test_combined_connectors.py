@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.stats_dump import read_stats
 from tests.test_ec_connector import ONE_IMAGE_MANAGER, run_mm_engine
+from vllm_tiercache.shared.stats_dump import read_stats
 
 BLOCK = 32
 TEXT_A = "Question: describe every object that you can see in this picture, one by one, in detail. Answer:"
@@ -36,7 +36,7 @@ def store_config(disk: Path) -> dict:
 
 def connectors(disk: Path, kv_role: str = "kv_both", ec_role: str = "ec_both") -> dict:
     return {
-        "kv": {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "kvcache.connector",
+        "kv": {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
                "kv_role": kv_role, "kv_connector_extra_config": store_config(disk)},
         "role": ec_role,
         "extra": store_config(disk),
@@ -47,7 +47,7 @@ def connectors(disk: Path, kv_role: str = "kv_both", ec_role: str = "ec_both") -
 
 def disk_keys(disk: Path) -> list[str]:
     """Key text of every record in the disk tier's index."""
-    from shared.store import build_store
+    from vllm_tiercache.shared.store import build_store
 
     store = build_store({"tiers": [{"kind": "disk", "path": str(disk), "capacity": "1GiB"}]})
     try:

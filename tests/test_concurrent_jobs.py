@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from shared.stats_dump import read_stats
 from tests.test_precompute import LLAMA_ENGINE, ROOT, _run_engine
+from vllm_tiercache.shared.stats_dump import read_stats
 
 pytestmark = pytest.mark.engine
 
@@ -54,9 +54,9 @@ def _make_docs(root: Path) -> list[Path]:
 
 def _audit(disk: Path) -> dict[str, Any]:
     """A fresh disk tier on the directory: does the index match the files, and does every entry read?"""
-    from shared.config import DiskTierConfig
-    from shared.store.api import StoreKey
-    from shared.store.disk import DiskTier
+    from vllm_tiercache.shared.config import DiskTierConfig
+    from vllm_tiercache.shared.store.api import StoreKey
+    from vllm_tiercache.shared.store.disk import DiskTier
 
     tier = DiskTier(DiskTierConfig(path=str(disk), capacity=1 << 30))
     try:
@@ -73,7 +73,7 @@ def _audit(disk: Path) -> dict[str, Any]:
 
 
 def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) -> None:
-    from kvcache.precompute import rag_prompt
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
 
     docs = _make_docs(tmp_path / "docs")
     model = str(tiny_llama)
@@ -94,10 +94,11 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
     serving = subprocess.Popen([sys.executable, str(ROOT / "tests" / "test_precompute.py"), json.dumps(spec)], cwd=ROOT,
                                env=_env(TIERCACHE_STATS_DIR=str(stats_dir)), stdout=serving_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    job_cmd = [sys.executable, "-m", "shared.cli", "precompute", "docs", "--model", model, "--docs",
+    job_cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", "docs", "--model", model, "--docs",
                str(tmp_path / "docs"), "--config", json.dumps(store), "--engine-args", json.dumps(LLAMA_ENGINE),
                "--json", "--no-progress"]
-    evict_cmd = [sys.executable, "-m", "shared.cli", "evict", "--config", json.dumps(store), "--namespace", "rag",
+    evict_cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "evict", "--config", json.dumps(store),
+                 "--namespace", "rag",
                  "--older-than", "2s", "--json"]
     jobs: list[dict[str, Any]] = []
     evictions: list[dict[str, Any]] = []

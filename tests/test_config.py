@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shared.config import (
+from vllm_tiercache.shared.config import (
     ConfigError,
     DiskTierConfig,
     MemoryTierConfig,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import records
-from shared.store import build_store
-from shared.store.redis_tier import RedisTier
-from shared.testing import RedisServer
-from shared.testing.store_workers import expected_meta, expected_tensor, fault_key, matches
+from tests.store_workers import expected_meta, expected_tensor, fault_key, matches
+from vllm_tiercache.shared import records
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.redis_tier import RedisTier
+from vllm_tiercache.tools.redis_server import RedisServer
 
 #: Records corrupted on disk per kind; 8 kinds -> 144 corrupted records (the issue asks for 100).
 PER_KIND_DISK = 18
@@ -132,7 +132,7 @@ def _names(tier: RedisTier, i: int) -> tuple[str, str, str]:
 def test_corrupt_redis_values_are_detected_counted_and_removed(redis_url: str,
                                                                redis_server: RedisServer) -> None:
     """72 records damaged in 12 ways straight in redis-server; none is served, all are deleted whole."""
-    from shared.config import StoreConfig
+    from vllm_tiercache.shared.config import StoreConfig
 
     rng = random.Random(7)
     cfg = StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": redis_url, "part_size": "4KiB"}]})

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from kvcache.cpu_warmup import allow_amx_tiles, attend_once
+    from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, attend_once
     print("granted", allow_amx_tiles())
     # A prefill of one block over two blocks of context, as the process's first attention call.
     isa = attend_once(num_heads=4, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16,

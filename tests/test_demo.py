@@ -25,7 +25,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TIERCACHE_STATS_DIR", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "demo", "--quick", "--work-dir", str(work)],
+        [sys.executable, "-m", "vllm_tiercache.tools.cli", "demo", "--quick", "--work-dir", str(work)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=580,
     )
     out = proc.stdout

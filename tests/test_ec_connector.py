@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from eccache.managers import LRUEncoderCacheManager
-from shared.stats_dump import read_stats
+from vllm_tiercache.eccache.managers import LRUEncoderCacheManager
+from vllm_tiercache.shared.stats_dump import read_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Question: what is in the picture? Answer:"
@@ -76,7 +76,7 @@ def _engine_main(spec: dict) -> None:
     kwargs: dict = {}
     if spec.get("role"):
         kwargs["ec_transfer_config"] = ECTransferConfig(
-            ec_connector="TieredECConnector", ec_connector_module_path="eccache.connector",
+            ec_connector="TieredECConnector", ec_connector_module_path="vllm_tiercache.eccache.connector",
             ec_role=spec["role"], ec_connector_extra_config=spec["extra"],
         )
     if spec.get("kv"):
@@ -162,7 +162,7 @@ def baseline(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     seeds = [1, 2, 3, 4, 5]
     # The baseline also runs our LRU manager through vLLM's --ec-manager-config extension point.
     base = run_mm_engine(tmp_path_factory.mktemp("ec-baseline"), "baseline", model=str(tiny_blip2), images=seeds,
-                         manager="eccache.managers.LRUEncoderCacheManager")
+                         manager="vllm_tiercache.eccache.managers.LRUEncoderCacheManager")
     assert base["manager"] == "LRUEncoderCacheManager"
     assert len({tuple(t) for t in base["tokens"]}) > 1, "images must change tokens"
     return dict(zip(seeds, base["tokens"], strict=True))
@@ -247,11 +247,11 @@ def test_residency_reports_follow_the_memory_tier() -> None:
     """Unit level: saves, promotions and evictions of the worker's memory tier reach the scheduler's lookup."""
     import torch
 
-    from eccache.connector import ECCounters
-    from eccache.scheduler import ECSchedulerSide, TieredECWorkerMetadata
-    from eccache.worker import ECWorkerSide, worker_in_process
-    from shared.store import build_store
-    from shared.store.api import StoreKey
+    from vllm_tiercache.eccache.connector import ECCounters
+    from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECWorkerMetadata
+    from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
+    from vllm_tiercache.shared.store import build_store
+    from vllm_tiercache.shared.store.api import StoreKey
 
     def key_of(h: str) -> StoreKey:
         return StoreKey(f"unit|enc|m|f|{h}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from eccache.managers import (
+from vllm_tiercache.eccache.managers import (
     LFUEncoderCacheManager,
     LRUEncoderCacheManager,
     PolicyEncoderCacheManager,
@@ -135,7 +135,7 @@ def test_managers_load_through_vllm_ec_manager_config() -> None:
 
     for name, cls in (("LRUEncoderCacheManager", LRUEncoderCacheManager),
                       ("LFUEncoderCacheManager", LFUEncoderCacheManager)):
-        cfg = EncoderCacheManagerConfig(encoder_cache_manager_cls=f"eccache.managers.{name}",
+        cfg = EncoderCacheManagerConfig(encoder_cache_manager_cls=f"vllm_tiercache.eccache.managers.{name}",
                                         manager_config={"aging_period": 100} if "LFU" in name else {})
         resolved = cfg.get_encoder_cache_manager_obj()
         assert resolved is cls
@@ -143,7 +143,7 @@ def test_managers_load_through_vllm_ec_manager_config() -> None:
         assert isinstance(mgr, cls) and mgr.cache_size == 32
 
 
-# ------------------------------------------------------------------------------ shared.eviction policies
+# ------------------------------------------------------------------------------ vllm_tiercache.shared.eviction policies
 
 POLICY_MANAGERS = [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager,
                    WTinyLFUEncoderCacheManager, PolicyEncoderCacheManager]
@@ -187,11 +187,12 @@ def test_policy_manager_selected_by_config(tmp_path, monkeypatch) -> None:
 
     from vllm.config import EncoderCacheManagerConfig
 
-    from shared.eviction import DEFAULT_POLICY, LFUPolicy, LRUPolicy, WTinyLFUPolicy
+    from vllm_tiercache.shared.eviction import DEFAULT_POLICY, LFUPolicy, LRUPolicy, WTinyLFUPolicy
 
     def build(manager_config: dict, extra: dict | None) -> PolicyEncoderCacheManager:
-        cfg = EncoderCacheManagerConfig(encoder_cache_manager_cls="eccache.managers.PolicyEncoderCacheManager",
-                                        manager_config=manager_config)
+        cfg = EncoderCacheManagerConfig(
+            encoder_cache_manager_cls="vllm_tiercache.eccache.managers.PolicyEncoderCacheManager",
+            manager_config=manager_config)
         assert cfg.get_encoder_cache_manager_obj() is PolicyEncoderCacheManager
         ec = SimpleNamespace(ec_connector_extra_config=extra) if extra is not None else None
         vllm_config = SimpleNamespace(ec_manager_config=cfg, ec_transfer_config=ec)
@@ -213,7 +214,7 @@ def test_policy_manager_selected_by_config(tmp_path, monkeypatch) -> None:
 
 
 def _gap_closed(policy: str, trace: list[int], capacity: int) -> float:
-    from eccache import policy_bench as pb
+    from vllm_tiercache.tools.bench import policy as pb
 
     rates = {}
     for label, mgr in (("vLLM", EncoderCacheManager(cache_size=capacity)),
@@ -227,8 +228,8 @@ def _gap_closed(policy: str, trace: list[int], capacity: int) -> float:
 
 def test_default_policy_closes_most_of_the_gap_to_belady_on_zipf_1_0_at_5_percent() -> None:
     """A seeded, smaller version of `tiercache bench policy`'s headline row (1,000 images, 8,000 requests)."""
-    from eccache import policy_bench as pb
-    from shared.eviction import DEFAULT_POLICY
+    from vllm_tiercache.shared.eviction import DEFAULT_POLICY
+    from vllm_tiercache.tools.bench import policy as pb
 
     trace = pb.zipf_trace(8000, 1000, 1.0, seed=1000)
     capacity = 50 * pb.EMBEDS_PER_IMAGE
@@ -240,7 +241,7 @@ def test_default_policy_closes_most_of_the_gap_to_belady_on_zipf_1_0_at_5_percen
 def test_scan_does_not_flush_the_popular_set(policy: str) -> None:
     """A one-off sweep over the whole corpus mid-trace: one capacity's worth of requests after it, the hit
     rate is back to within 5 points of what it was before (LRU, for contrast, loses its whole hot set)."""
-    from eccache import policy_bench as pb
+    from vllm_tiercache.tools.bench import policy as pb
 
     trace, start, end = pb.scan_trace(6000, 600, 1.0, seed=1000)
     capacity_entries = 30

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.demo.prompts import CHAT_TEMPLATE
-from shared.demo.server import Server
 from tests.test_ec_connector import IMAGE_TOKENS, ONE_IMAGE_MANAGER, _image
+from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
+from vllm_tiercache.tools.demo.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "tiny-blip2"
@@ -64,7 +64,8 @@ def test_metrics_show_encoder_cache_hits_loads_and_bytes(tiny_blip2: Path, tmp_p
     template = tmp_path / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     ec = {
-        "ec_connector": "TieredECConnector", "ec_connector_module_path": "eccache.connector", "ec_role": "ec_both",
+        "ec_connector": "TieredECConnector", "ec_connector_module_path": "vllm_tiercache.eccache.connector",
+        "ec_role": "ec_both",
         "ec_connector_extra_config": {"namespace": "metrics", "tiers": [
             {"kind": "memory", "capacity": "64MiB"},
             {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"},

@@ -28,12 +28,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from eccache.connector import ECCounters, TieredECConnector
-from eccache.scheduler import ECSchedulerSide, LoadItem, TieredECMetadata, TieredECWorkerMetadata
-from eccache.worker import ECWorkerSide
-from shared.store import build_store
-from shared.store.api import StoreKey
 from tests.real_scheduler import real_scheduler
+from vllm_tiercache.eccache.connector import ECCounters, TieredECConnector
+from vllm_tiercache.eccache.scheduler import ECSchedulerSide, LoadItem, TieredECMetadata, TieredECWorkerMetadata
+from vllm_tiercache.eccache.worker import ECWorkerSide
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
 
 #: Placeholder tokens (= embeddings) of one image in these requests; the prompt has PROMPT_LEN tokens.
 IMAGE_TOKENS = 8
@@ -45,7 +45,7 @@ IMG_A, IMG_B, IMG_C = (hashlib.sha256(name.encode()).hexdigest() for name in ("i
 def _ec_config(tmp_path: Path, role: str = "ec_both") -> ECTransferConfig:
     return ECTransferConfig(
         ec_connector="TieredECConnector",
-        ec_connector_module_path="eccache.connector",
+        ec_connector_module_path="vllm_tiercache.eccache.connector",
         ec_role=role,
         ec_connector_extra_config={
             "namespace": "sched",

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from eccache.connector import TieredECConnector
-from eccache.scheduler import TieredECMetadata
 from tests.test_ec_connector import MAX_TOKENS, PROMPT, _image, ec_totals
+from vllm_tiercache.eccache.connector import TieredECConnector
+from vllm_tiercache.eccache.scheduler import TieredECMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = [1, 2, 3]
@@ -82,7 +82,7 @@ def _engine_main(spec: dict) -> None:
     if spec.get("role"):
         kwargs["ec_transfer_config"] = ECTransferConfig(
             ec_connector=spec.get("connector", "TieredECConnector"),
-            ec_connector_module_path=spec.get("module", "eccache.connector"),
+            ec_connector_module_path=spec.get("module", "vllm_tiercache.eccache.connector"),
             ec_role=spec["role"], ec_connector_extra_config=spec["extra"],
         )
     llm = LLM(

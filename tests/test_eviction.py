@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shared.eviction import (
+from vllm_tiercache.shared.eviction import (
     DEFAULT_POLICY,
     POLICIES,
     FrequencySketch,

@@ -33,12 +33,12 @@ from typing import Any
 
 import pytest
 
-from kvcache.connector import tier_counter_deltas
-from shared.demo.prompts import CHAT_TEMPLATE
-from shared.demo.server import Server
-from shared.stats_dump import read_stats
-from shared.testing import RedisServer
 from tests.fixtures.models import REPO, run_engine
+from vllm_tiercache.kvcache.connector import tier_counter_deltas
+from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
+from vllm_tiercache.tools.demo.server import Server
+from vllm_tiercache.tools.redis_server import RedisServer
 
 BLOCK = 32
 DTYPE = "float32"

@@ -22,9 +22,7 @@ from typing import IO, Any
 
 import pytest
 
-from shared.config import DiskTierConfig
-from shared.store import DiskTier, build_store
-from shared.testing.store_workers import (
+from tests.store_workers import (
     audit_disk_dir,
     digest_map,
     expected_meta,
@@ -33,6 +31,8 @@ from shared.testing.store_workers import (
     matches,
     model_of,
 )
+from vllm_tiercache.shared.config import DiskTierConfig
+from vllm_tiercache.shared.store import DiskTier, build_store
 
 REPO = Path(__file__).resolve().parents[1]
 #: SIGKILLs injected into disk writers (the issue asks for at least 20).
@@ -42,7 +42,7 @@ SOAK_S = float(os.environ.get("TIERCACHE_SOAK_S", "20"))
 
 
 def _worker_cmd(mode: str, opts: dict[str, Any] | None = None) -> list[str]:
-    return [sys.executable, "-m", "shared.testing.store_workers", mode, json.dumps(opts or {})]
+    return [sys.executable, "-m", "tests.store_workers", mode, json.dumps(opts or {})]
 
 
 def _last_json(text: str) -> dict[str, Any]:

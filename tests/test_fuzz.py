@@ -21,9 +21,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import records
-from shared.config import POLICIES, REDIS_SCHEMES, TIER_KINDS, ConfigError, StoreConfig
-from shared.store.api import StoreKey
+from vllm_tiercache.shared import records
+from vllm_tiercache.shared.config import POLICIES, REDIS_SCHEMES, TIER_KINDS, ConfigError, StoreConfig
+from vllm_tiercache.shared.store.api import StoreKey
 
 FUZZ = settings(derandomize=True, max_examples=300, deadline=datetime.timedelta(seconds=5),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from shared.stats_dump import read_stats
-from shared.tiny_models.lora import make_tiny_lora
 from tests.fixtures.models import run_engine
+from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.tools.tiny_models.lora import make_tiny_lora
 
 pytestmark = pytest.mark.engine
 
@@ -173,7 +173,7 @@ def test_other_namespace_sees_no_entry(world: dict[str, Any]) -> None:
 
 
 def test_other_model_sees_no_entry(world: dict[str, Any]) -> None:
-    """The same weights under another model path: the model is part of every key, so nothing is shared.
+    """The same weights under another model path: the model is part of every key, so nothing is vllm_tiercache.shared.
 
     Same weights on purpose: the KV bytes would even be right, so only the key can keep the models apart.
     """

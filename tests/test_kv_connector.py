@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.stats_dump import read_stats
 from tests.fixtures.models import run_engine
+from vllm_tiercache.shared.stats_dump import read_stats
 
 BLOCK = 32
 NAMESPACE = "kvtest"

@@ -16,10 +16,10 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from kvcache.plan import ChunkGeometry, TieredKVWorkerMetadata
-from kvcache.scheduler import KVSchedulerSide
-from shared.keys import KVModelIdentity, kv_chunk_key
-from shared.store import build_store
+from vllm_tiercache.kvcache.plan import ChunkGeometry, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.store import build_store
 
 BLOCK, CHUNK = 32, 128  # 4 blocks per chunk
 IDENTITY = KVModelIdentity(

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-from kvcache.connector import TieredKVConnector
-from kvcache.stats import TieredKVStats
+from vllm_tiercache.kvcache.connector import TieredKVConnector
+from vllm_tiercache.kvcache.stats import TieredKVStats
 
 
 def test_aggregate_sums_counters_and_concatenates_latencies() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.layout import PagedLayout, UnsupportedLayoutError
-from kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
-from kvcache.worker import KVWorkerSide
-from shared.keys import KVModelIdentity, kv_chunk_key
-from shared.store import build_store
+from vllm_tiercache.kvcache.layout import PagedLayout, UnsupportedLayoutError
+from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
+from vllm_tiercache.kvcache.worker import KVWorkerSide
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.store import build_store
 
 BLOCK, HEADS, HEAD = 32, 2, 64
 NUM_BLOCKS, LAYERS = 16, 3
@@ -167,7 +167,7 @@ def test_a_chunk_the_memory_tier_refused_is_never_reported_resident(tmp_path) ->
 
 
 def test_block_runs_group_consecutive_ids() -> None:
-    from kvcache.transfer import block_runs
+    from vllm_tiercache.kvcache.transfer import block_runs
 
     assert block_runs([]) == []
     assert block_runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_ruff_check_is_clean() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "kvcache", "eccache", "shared", "tests"],
+        [sys.executable, "-m", "ruff", "check", "vllm_tiercache", "shared", "kvcache", "eccache", "tools", "tests"],
         cwd=REPO,
         capture_output=True,
         text=True,

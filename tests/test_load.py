@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from shared.demo.corpus import QUESTIONS, Document, make_corpus
-from shared.demo.prompts import CHAT_TEMPLATE, build_prompt
-from shared.demo.server import Server
-from shared.stats_dump import read_stats
+from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.tools.demo.corpus import QUESTIONS, Document, make_corpus
+from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE, build_prompt
+from vllm_tiercache.tools.demo.server import Server
 
 pytestmark = pytest.mark.engine
 
@@ -163,7 +163,7 @@ def load_run(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                          "kv_connector_extra_config": store},
             ec_transfer={"ec_connector": "TieredECConnector", "ec_role": "ec_both",
                          "ec_connector_extra_config": store},
-            ec_manager={"encoder_cache_manager_cls": "eccache.managers.LFUEncoderCacheManager"},
+            ec_manager={"encoder_cache_manager_cls": "vllm_tiercache.eccache.managers.LFUEncoderCacheManager"},
             stats_dir=work / "stats",
         ),
     ]

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared.config import ConfigError, StoreConfig
-from shared.mm_identifiers import MultiModalIdentifierPolicy, refusal_message, uses_per_process_names
 from tests.test_combined_connectors import TEXT_A, TEXT_B, disk_keys, kv_worker
 from tests.test_ec_connector import ONE_IMAGE_MANAGER, run_mm_engine
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy, refusal_message, uses_per_process_names
 
 SHA = "ab" * 32
 
@@ -97,7 +97,7 @@ def _connectors(disk: Path, *, trust: bool) -> dict:
              "tiers": [{"kind": "memory", "capacity": "256MiB"},
                        {"kind": "disk", "path": str(disk), "capacity": "1GiB"}]}
     return {
-        "kv": {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "kvcache.connector",
+        "kv": {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
                "kv_role": "kv_both", "kv_connector_extra_config": store},
         "role": "ec_both", "extra": store, "manager": ONE_IMAGE_MANAGER, "mp": True,
     }

@@ -9,12 +9,12 @@ from importlib.metadata import entry_points
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-from shared import plugin
+from vllm_tiercache import plugin
 
 
 def test_entry_point_is_installed_in_vllms_plugin_group() -> None:
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("tiercache") == "shared.plugin:register"
+    assert names.get("tiercache") == "vllm_tiercache.plugin:register"
 
 
 def test_register_is_idempotent_and_lazy() -> None:
@@ -24,22 +24,22 @@ def test_register_is_idempotent_and_lazy() -> None:
     assert "TieredECConnector" in ECConnectorFactory._registry
     kv_cls = KVConnectorFactory._registry["TieredKVConnector"]()
     ec_cls = ECConnectorFactory._registry["TieredECConnector"]()
-    assert kv_cls.__module__ == "kvcache.connector" and kv_cls.__name__ == "TieredKVConnector"
-    assert ec_cls.__module__ == "eccache.connector" and ec_cls.__name__ == "TieredECConnector"
+    assert kv_cls.__module__ == "vllm_tiercache.kvcache.connector" and kv_cls.__name__ == "TieredKVConnector"
+    assert ec_cls.__module__ == "vllm_tiercache.eccache.connector" and ec_cls.__name__ == "TieredECConnector"
 
 
 def test_vllm_loads_the_plugin_in_a_fresh_process() -> None:
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins();"
         "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K;"
-        "import sys; print('kvcache.connector' in sys.modules, 'TieredKVConnector' in K._registry)"
+        "import sys; print('vllm_tiercache.kvcache.connector' in sys.modules, 'TieredKVConnector' in K._registry)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-2:] == ["False", "True"]  # registered, and nothing imported until used
 
 
 def test_cli_dispatches_to_the_owning_module() -> None:
-    run = [sys.executable, "-m", "shared.cli"]
+    run = [sys.executable, "-m", "vllm_tiercache.tools.cli"]
     top = subprocess.run([*run, "--help"], capture_output=True, text=True, check=True).stdout
     assert "bench" in top and "demo" in top
     sub = subprocess.run([*run, "bench", "tiers", "--help"], capture_output=True, text=True, check=True).stdout
@@ -57,8 +57,8 @@ def test_our_info_lines_reach_vllms_log_handlers_in_a_fresh_process() -> None:
         "from vllm.config import LoggingConfig\n"
         "from vllm.logger import configure_logging\n"
         "configure_logging(LoggingConfig())\n"
-        "logging.getLogger('kvcache.connector').info('tiercache-visible-line')\n"
-        "logging.getLogger('kvcache.connector').debug('tiercache-debug-line')\n"
+        "logging.getLogger('vllm_tiercache.kvcache.connector').info('tiercache-visible-line')\n"
+        "logging.getLogger('vllm_tiercache.kvcache.connector').debug('tiercache-debug-line')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_our_info_lines_reach_vllms_log_handlers_in_a_fresh_process() -> None:
 def test_loggers_the_user_configured_are_left_alone() -> None:
     import logging
 
-    ours = logging.getLogger("eccache")
+    ours = logging.getLogger("vllm_tiercache")
     mine = logging.NullHandler()
     saved = list(ours.handlers)
     saved_level = ours.level

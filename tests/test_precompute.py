@@ -32,7 +32,7 @@ def _engine_main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from eccache.precompute import ec_transfer, load_image
+    from vllm_tiercache.tools.precompute.ec import ec_transfer, load_image
 
     kwargs = dict(spec["engine"])
     if spec.get("kv"):
@@ -51,7 +51,7 @@ def _engine_main(spec: dict) -> None:
         cached.append(out.num_cached_tokens)
     result: dict = {"tokens": tokens, "num_cached_tokens": cached}
     if spec.get("ec"):
-        from eccache.connector import process_stats
+        from vllm_tiercache.eccache.connector import process_stats
 
         result["ec_stats"] = process_stats()
     Path(spec["out"]).write_text(json.dumps(result))
@@ -69,8 +69,8 @@ def _run_engine(work: Path, name: str, env_extra: dict | None = None, **spec) ->
 def _run_job(*args: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
     """`tiercache precompute ...` in its own process; returns (exit code, JSON summary, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "precompute", *args, "--json", "--no-progress"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", *args, "--json",
+                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     start = proc.stdout.find("{\n")
     assert start >= 0, f"job printed no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.returncode, json.loads(proc.stdout[start:]), proc.stderr
@@ -93,10 +93,10 @@ def _make_docs(root: Path) -> list[Path]:
 def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_path: Path) -> None:
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
-    from kvcache.precompute import KVNaming, rag_prompt
-    from shared.config import StoreConfig
-    from shared.jobs import engine_config, offline_input_processor, process_offline
-    from shared.stats_dump import read_stats
+    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.shared.stats_dump import read_stats
+    from vllm_tiercache.tools.jobs import engine_config, offline_input_processor, process_offline
+    from vllm_tiercache.tools.precompute.kv import KVNaming, rag_prompt
 
     docs = _make_docs(tmp_path / "docs")
     template_path = tmp_path / "template.txt"
@@ -166,7 +166,7 @@ def _make_images(root: Path) -> list[Path]:
 def test_precompute_images_then_consumer_hits_every_image(tiny_blip2: Path, tmp_path: Path) -> None:
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
-    from kvcache.precompute import rag_prompt
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
 
     images = _make_images(tmp_path / "images")
     store = {"namespace": "img", "tiers": [{"kind": "memory", "capacity": "64MiB"},

@@ -1,4 +1,4 @@
-"""`shared.stats_dump`: a throttled write is delayed, never dropped."""
+"""`vllm_tiercache.shared.stats_dump`: a throttled write is delayed, never dropped."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import stats_dump
+from vllm_tiercache.shared import stats_dump
 
 
 def test_a_throttled_write_lands_when_the_interval_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

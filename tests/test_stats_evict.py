@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.cli import main as cli_main
-from shared.evict_cmd import evict
-from shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
-from shared.stats_cmd import collect
-from shared.store import build_store
-from shared.store.api import StoreKey
+from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.tools.cli import main as cli_main
+from vllm_tiercache.tools.evict_cmd import evict
+from vllm_tiercache.tools.stats_cmd import collect
 
 
 def _identity(model: str) -> KVModelIdentity:

@@ -11,8 +11,8 @@ import stat
 import pytest
 import torch
 
-from shared.config import DiskTierConfig, GdsTierConfig
-from shared.store import DiskTier, GdsTier, StoreKey
+from vllm_tiercache.shared.config import DiskTierConfig, GdsTierConfig
+from vllm_tiercache.shared.store import DiskTier, GdsTier, StoreKey
 
 
 def _k(i: int | str) -> StoreKey:
@@ -68,7 +68,7 @@ def test_lru_capacity_and_oversized(tmp_path):
     try:
         for i in range(3):
             t.put_many([(_k(i), _t(2048, i), None)])
-        import shared.store.disk as disk_mod
+        import vllm_tiercache.shared.store.disk as disk_mod
 
         old = disk_mod.ATIME_REFRESH_NS
         disk_mod.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
@@ -178,7 +178,7 @@ def test_two_processes_share_one_directory(tmp_path):
 
 
 def test_gds_falls_back_to_posix_with_one_warning(tmp_path, caplog):
-    import shared.store.gds as gds
+    import vllm_tiercache.shared.store.gds as gds
 
     gds._warned_unavailable = False
     with caplog.at_level(logging.WARNING):

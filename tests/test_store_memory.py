@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import MemoryTierConfig
-from shared.store import MemoryTier, StoreKey
+from vllm_tiercache.shared.config import MemoryTierConfig
+from vllm_tiercache.shared.store import MemoryTier, StoreKey
 
 
 def _k(i: int) -> StoreKey:

@@ -9,8 +9,8 @@ import pytest
 import redis
 import torch
 
-from shared.config import RedisTierConfig, StoreConfig
-from shared.store import RedisTier, StoreKey
+from vllm_tiercache.shared.config import RedisTierConfig, StoreConfig
+from vllm_tiercache.shared.store import RedisTier, StoreKey
 
 pytestmark = pytest.mark.redis
 
@@ -118,7 +118,7 @@ def test_server_killed_and_restarted(redis_url, redis_server, caplog):
 
 def test_redis_py_accepts_our_client_options(redis_url):
     # guards against redis-py renaming the options make_client passes
-    from shared.store.redis_tier import make_client
+    from vllm_tiercache.shared.store.redis_tier import make_client
 
     client = make_client(RedisTierConfig(url=redis_url))
     assert isinstance(client, redis.Redis) and client.ping()

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from shared.config import StoreConfig
-from shared.store import TieredStore, build_store, get_store
-from shared.store.api import StoreKey
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import TieredStore, build_store, get_store
+from vllm_tiercache.shared.store.api import StoreKey
 
 
 def _k(i: int | str) -> StoreKey:

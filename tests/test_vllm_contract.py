@@ -4,7 +4,7 @@ configuration rules enforced where vLLM's own scheduler builds the connector.
 Why: the connectors subclass vLLM interfaces that are not stable API. A release that adds an abstract
 method or renames a parameter would otherwise surface as a crash deep in a running engine; here it fails
 as a named test against whichever vLLM is installed (run it in a venv with the next release before
-widening `shared.vllm_compat.SUPPORTED_RANGE`).
+widening `vllm_tiercache.shared.vllm_compat.SUPPORTED_RANGE`).
 
 The scheduler-level tests build vLLM's real `Scheduler` (as vLLM's own tests/v1/kv_connector/unit do) on
 the project's tiny Llama, with `TieredKVConnector` named in the `KVTransferConfig`.
@@ -34,17 +34,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from eccache.connector import TieredECConnector
-from eccache.managers import (
+from tests.real_scheduler import real_scheduler
+from vllm_tiercache.eccache.connector import TieredECConnector
+from vllm_tiercache.eccache.managers import (
     LFUEncoderCacheManager,
     LRUEncoderCacheManager,
     PolicyEncoderCacheManager,
     WTinyLFUEncoderCacheManager,
 )
-from kvcache.connector import TieredKVConnector, resolve_load_failure_policy
-from shared import vllm_compat
-from shared.config import ConfigError
-from tests.real_scheduler import real_scheduler
+from vllm_tiercache.kvcache.connector import TieredKVConnector, resolve_load_failure_policy
+from vllm_tiercache.shared import vllm_compat
+from vllm_tiercache.shared.config import ConfigError
 
 PAIRS: list[tuple[type, type]] = [
     (TieredKVConnector, KVConnectorBase_V1),
@@ -239,7 +239,7 @@ def _kv_transfer(tmp_path: Path, *, option: str | None = None, **vllm_fields: An
         extra["load_failure_policy"] = option
     return KVTransferConfig(
         kv_connector="TieredKVConnector",
-        kv_connector_module_path="kvcache.connector",
+        kv_connector_module_path="vllm_tiercache.kvcache.connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
         **vllm_fields,
@@ -290,7 +290,7 @@ def test_scheduler_explicit_vllm_fail_survives_construction(tiny_llama: Path, tm
     """The user's explicit `kv_load_failure_policy="fail"` is what vLLM's scheduler ends up using."""
     kv = _kv_transfer(tmp_path, kv_load_failure_policy="fail")
     if vllm_compat.explicit_fields(kv) is None:
-        # vLLM 0.32/0.33 cannot record it (see shared.vllm_compat.explicit_fields); a vLLM that does is
+        # vLLM 0.32/0.33 cannot record it (see vllm_tiercache.shared.vllm_compat.explicit_fields); a vLLM that does is
         # simulated by what pydantic would record.
         object.__setattr__(kv, "__pydantic_fields_set__", {"kv_connector", "kv_connector_module_path", "kv_role",
                                                            "kv_connector_extra_config", "kv_load_failure_policy"})
@@ -347,7 +347,7 @@ def test_scheduler_refuses_a_policy_conflict_with_both_settings_named(tiny_llama
 def _ec_transfer(tmp_path: Path, role: str) -> ECTransferConfig:
     return ECTransferConfig(
         ec_connector="TieredECConnector",
-        ec_connector_module_path="eccache.connector",
+        ec_connector_module_path="vllm_tiercache.eccache.connector",
         ec_role=role,
         ec_connector_extra_config={"tiers": [{"kind": "disk", "path": str(tmp_path / "ec"), "capacity": "16MiB"}]},
     )

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.eviction.base import EvictionPolicy
-from shared.eviction.lfu import LFUPolicy
-from shared.eviction.lru import LRUPolicy
-from shared.eviction.sketch import FrequencySketch
-from shared.eviction.wtinylfu import WTinyLFUPolicy
+from vllm_tiercache.shared.eviction.base import EvictionPolicy
+from vllm_tiercache.shared.eviction.lfu import LFUPolicy
+from vllm_tiercache.shared.eviction.lru import LRUPolicy
+from vllm_tiercache.shared.eviction.sketch import FrequencySketch
+from vllm_tiercache.shared.eviction.wtinylfu import WTinyLFUPolicy
 
 __all__ = [
     "DEFAULT_POLICY",

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from shared.eviction.base import EvictionPolicy
+from vllm_tiercache.shared.eviction.base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):

@@ -6,8 +6,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from shared.eviction.base import EvictionPolicy
-from shared.eviction.sketch import FrequencySketch
+from vllm_tiercache.shared.eviction.base import EvictionPolicy
+from vllm_tiercache.shared.eviction.sketch import FrequencySketch
 
 
 class WTinyLFUPolicy(EvictionPolicy):

@@ -12,14 +12,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from shared.config import StoreConfig
-from shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
-from shared.store.counters import TierCounters
-from shared.store.disk import DiskTier
-from shared.store.gds import GdsTier
-from shared.store.memory import MemoryTier
-from shared.store.redis_tier import RedisTier
-from shared.store.tiered import TieredStore, make_tier
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
+from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.disk import DiskTier
+from vllm_tiercache.shared.store.gds import GdsTier
+from vllm_tiercache.shared.store.memory import MemoryTier
+from vllm_tiercache.shared.store.redis_tier import RedisTier
+from vllm_tiercache.shared.store.tiered import TieredStore, make_tier
 
 __all__ = [
     "KEY_DIGEST_SIZE",

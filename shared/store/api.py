@@ -1,7 +1,7 @@
 """The contract every part of vllm-tiercache codes against: what a store key is and what a store does.
 
-Connectors never touch a tier directly. They build keys with `shared.keys`, turn them into `StoreKey`s,
-and talk to one `TieredStore` per process (see `shared.store.get_store`). Keeping this file tiny and
+Connectors never touch a tier directly. They build keys with `vllm_tiercache.shared.keys`, turn them into `StoreKey`s,
+and talk to one `TieredStore` per process (see `vllm_tiercache.shared.store.get_store`). Keeping this file tiny and
 dependency-free lets the scheduler side, the worker side and the offline jobs agree on one interface.
 """
 
@@ -29,7 +29,7 @@ def key_text_bytes(text: str) -> bytes:
 
 @dataclass(frozen=True)
 class StoreKey:
-    """A record's identity: the canonical text of a `shared.keys` key and its digest.
+    """A record's identity: the canonical text of a `vllm_tiercache.shared.keys` key and its digest.
 
     The text is for humans (stats, logs); tiers only ever use `digest`, so no key can become a path.
     Any str hashes (see `key_text_bytes`).
@@ -49,7 +49,7 @@ class StoreKey:
 
     @property
     def namespace(self) -> str:
-        """First field of the canonical text (every `shared.keys` key starts with its namespace)."""
+        """First field of the canonical text (every `vllm_tiercache.shared.keys` key starts with its namespace)."""
         return self.text.split("|", 1)[0]
 
 
@@ -90,7 +90,7 @@ class Tier(Protocol):
     kind: str
     #: True when another process (a scheduler beside its worker, a precompute job) sees what this tier holds.
     shared_across_processes: bool
-    counters: Any  # shared.store.counters.TierCounters
+    counters: Any  # vllm_tiercache.shared.store.counters.TierCounters
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...

@@ -32,10 +32,10 @@ import lmdb
 import torch
 import xxhash
 
-from shared import records
-from shared.config import DiskTierConfig
-from shared.store.api import Record, StoreKey, key_text_bytes
-from shared.store.counters import TierCounters
+from vllm_tiercache.shared import records
+from vllm_tiercache.shared.config import DiskTierConfig
+from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store.counters import TierCounters
 
 log = logging.getLogger(__name__)
 

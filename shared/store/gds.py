@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from shared import records
-from shared.config import GdsTierConfig
-from shared.store.api import Record, StoreKey
-from shared.store.disk import DiskTier
+from vllm_tiercache.shared import records
+from vllm_tiercache.shared.config import GdsTierConfig
+from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.disk import DiskTier
 
 log = logging.getLogger(__name__)
 _warned_unavailable = False

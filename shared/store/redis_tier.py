@@ -3,7 +3,7 @@
 Layout per record (``H`` is the key digest in hex, in braces so Redis Cluster puts all pieces of one
 record in one slot)::
 
-    {prefix}{H}       head: u32 part count + the record header (`shared.records` prefix)
+    {prefix}{H}       head: u32 part count + the record header (`vllm_tiercache.shared.records` prefix)
     {prefix}{H}:0..n  payload parts of at most ``part_size`` bytes
     {prefix}{H}#text  the key text (for `tiercache stats` / `tiercache evict`; readers never need it)
 
@@ -31,10 +31,10 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared import records
-from shared.config import RedisTierConfig
-from shared.store.api import Record, StoreKey, key_text_bytes
-from shared.store.counters import TierCounters
+from vllm_tiercache.shared import records
+from vllm_tiercache.shared.config import RedisTierConfig
+from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store.counters import TierCounters
 
 log = logging.getLogger(__name__)
 _NPARTS = struct.Struct("<I")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shared.config import (
+from vllm_tiercache.shared.config import (
     DiskTierConfig,
     GdsTierConfig,
     MemoryTierConfig,
@@ -36,8 +36,8 @@ from shared.config import (
     StoreConfig,
     TierConfig,
 )
-from shared.store.api import Record, StoreKey, Tier
-from shared.store.writer import BackgroundWriter, Item
+from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
+from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +46,19 @@ def make_tier(config: TierConfig, name: str | None = None) -> Tier:
     """Instantiate one tier from its config (imports the backend lazily)."""
     name = name or config.kind
     if isinstance(config, MemoryTierConfig):
-        from shared.store.memory import MemoryTier
+        from vllm_tiercache.shared.store.memory import MemoryTier
 
         return MemoryTier(config, name)
     if isinstance(config, GdsTierConfig):
-        from shared.store.gds import GdsTier
+        from vllm_tiercache.shared.store.gds import GdsTier
 
         return GdsTier(config, name)
     if isinstance(config, DiskTierConfig):
-        from shared.store.disk import DiskTier
+        from vllm_tiercache.shared.store.disk import DiskTier
 
         return DiskTier(config, name)
     if isinstance(config, RedisTierConfig):
-        from shared.store.redis_tier import RedisTier
+        from vllm_tiercache.shared.store.redis_tier import RedisTier
 
         return RedisTier(config, name)
     raise TypeError(f"not a tier config: {config!r}")

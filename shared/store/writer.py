@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shared.store.api import StoreKey, Tier
+from vllm_tiercache.shared.store.api import StoreKey, Tier
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.eviction import DEFAULT_POLICY, EvictionPolicy
+from vllm_tiercache.shared.eviction import DEFAULT_POLICY, EvictionPolicy
 
 EMBEDS_PER_IMAGE = 32  # BLIP-2's query tokens
 VARIABLE_SIZES = (16, 64, 144, 256, 576)  # image token counts of common vision towers (576 = LLaVA 336 px)
@@ -217,7 +217,7 @@ def managers(capacity: int, trace: list[int], size_aware: bool) -> dict[str, Any
     """A fresh manager per column: vLLM's, ours, and the Belady oracle in our manager shell."""
     from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-    from eccache import managers as ours
+    from vllm_tiercache.eccache import managers as ours
 
     out: dict[str, Any] = {"vLLM": EncoderCacheManager(cache_size=capacity)}
     for label, cls_name in POLICY_CLASSES.items():
@@ -332,9 +332,9 @@ def memory_tier_rows(args: argparse.Namespace) -> list[list[str]]:
     """
     import torch
 
-    from shared.config import MemoryTierConfig
-    from shared.store.api import StoreKey
-    from shared.store.memory import MemoryTier
+    from vllm_tiercache.shared.config import MemoryTierConfig
+    from vllm_tiercache.shared.store.api import StoreKey
+    from vllm_tiercache.shared.store.memory import MemoryTier
 
     n, imgs = args.requests, args.images
     sizes = [s * 1024 for s in image_sizes(imgs, seed=5)]

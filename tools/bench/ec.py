@@ -1,6 +1,6 @@
 """`tiercache bench ec`: encoder-cache policy hit rates and per-image load latency per tier.
 
-Part 1 is `tiercache bench policy` (`eccache.policy_bench`): Zipf, shifting, scan and variable-size
+Part 1 is `tiercache bench policy` (`vllm_tiercache.tools.bench.policy`): Zipf, shifting, scan and variable-size
 traces replayed through the REAL manager classes, vLLM's `EncoderCacheManager` and ours, beside
 Belady's optimum, with the fraction of the gap each policy closes.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from eccache import policy_bench
+from vllm_tiercache.tools.bench import policy as policy_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,10 +102,10 @@ def _cell(seconds: float, recompute: float) -> str:
 def latency_table(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     import safetensors.torch
 
-    from shared.config import StoreConfig
-    from shared.store import build_store
-    from shared.store.api import StoreKey
-    from shared.tiny_models import make_large_vision_tower, make_tiny_blip2
+    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.shared.store import build_store
+    from vllm_tiercache.shared.store.api import StoreKey
+    from vllm_tiercache.tools.tiny_models import make_large_vision_tower, make_tiny_blip2
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     redis_url, redis_proc = (args.redis_url, None) if args.redis_url else _start_redis(work)

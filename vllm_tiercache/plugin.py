@@ -15,8 +15,8 @@ logger = logging.getLogger(__name__)
 
 KV_CONNECTOR_NAME = "TieredKVConnector"
 EC_CONNECTOR_NAME = "TieredECConnector"
-_KV_TARGET = ("kvcache.connector", "TieredKVConnector")
-_EC_TARGET = ("eccache.connector", "TieredECConnector")
+_KV_TARGET = ("vllm_tiercache.kvcache.connector", "TieredKVConnector")
+_EC_TARGET = ("vllm_tiercache.eccache.connector", "TieredECConnector")
 
 
 def _register(factory: type, name: str, module_path: str, class_name: str) -> None:
@@ -30,7 +30,7 @@ def _register(factory: type, name: str, module_path: str, class_name: str) -> No
 
 
 #: Top-level loggers of this project; their records go wherever vLLM's own go (`route_logs_through_vllm`).
-_OUR_LOGGERS = ("kvcache", "eccache", "shared")
+_OUR_LOGGERS = ("vllm_tiercache",)
 
 
 class _ForwardToVllm(logging.Handler):

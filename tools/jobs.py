@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.config import ConfigError, StoreConfig, load_file
-from shared.store.api import StoreKey
-from shared.store.tiered import TieredStore
+from vllm_tiercache.shared.config import ConfigError, StoreConfig, load_file
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 

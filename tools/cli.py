@@ -12,17 +12,17 @@ import importlib
 import io
 import sys
 
-#: command words -> (module, one-line help)
+#: command words -> (module under `vllm_tiercache.tools`, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("bench", "tiers"): ("shared.bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
-    ("bench", "kv"): ("kvcache.bench", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
-    ("bench", "ec"): ("eccache.bench", "encoder-cache policy hit rates and per-image load latency"),
-    ("bench", "policy"): ("eccache.policy_bench", "eviction policies vs vLLM's encoder cache manager and Belady"),
-    ("demo",): ("shared.demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
-    ("precompute", "images"): ("eccache.precompute", "store encoder outputs of an image corpus (ec_producer)"),
-    ("precompute", "docs"): ("kvcache.precompute", "store KV prefix chunks of a document corpus (kv_producer)"),
-    ("stats",): ("shared.stats_cmd", "entries, bytes and hit counters per tier and namespace"),
-    ("evict",): ("shared.evict_cmd", "remove records by namespace, model or age (after a model update)"),
+    ("bench", "tiers"): ("bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
+    ("bench", "kv"): ("bench.kv", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
+    ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
+    ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
+    ("demo",): ("demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
+    ("precompute", "images"): ("precompute.ec", "store encoder outputs of an image corpus (ec_producer)"),
+    ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),
+    ("stats",): ("stats_cmd", "entries, bytes and hit counters per tier and namespace"),
+    ("evict",): ("evict_cmd", "remove records by namespace, model or age (after a model update)"),
 }
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints the usage or the error for an unknown/incomplete command
         return 2
     depth = _command_depth(known)
-    module = importlib.import_module(known._module)
+    module = importlib.import_module(f"vllm_tiercache.tools.{known._module}")
     full = argparse.ArgumentParser(prog="tiercache " + " ".join(words[:depth]))
     module.add_arguments(full)
     args = full.parse_args(argv[depth:])

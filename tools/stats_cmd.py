@@ -24,8 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from shared.config import ConfigError, StoreConfig
-from shared.jobs import load_store_arg
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.tools.jobs import load_store_arg
 
 #: Tier counters shown per stats file (all are in the JSON output).
 _SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes")
@@ -85,7 +85,7 @@ def read_stats_files(directory: str) -> list[dict[str, Any]]:
 
 
 def collect(store_config: dict[str, Any] | None, stats_dir: str | None) -> dict[str, Any]:
-    from shared.store import build_store
+    from vllm_tiercache.shared.store import build_store
 
     config = StoreConfig.load(store_config)
     with build_store(config) as store:

@@ -1,6 +1,6 @@
 """Random-weight models generated locally (no downloads): tiny Llama for KV work, tiny BLIP-2 for EC work."""
 
-from shared.tiny_models.blip2 import (
+from vllm_tiercache.tools.tiny_models.blip2 import (
     LARGE_VISION_SPEC,
     TinyBlip2Spec,
     make_large_vision_tower,

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.demo.corpus import QUESTIONS, Document
-from shared.demo.prompts import build_prompt
+from vllm_tiercache.tools.demo.corpus import QUESTIONS, Document
+from vllm_tiercache.tools.demo.prompts import build_prompt
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from shared.tiny_models.llama import TinyLlamaSpec
+from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
 #: The projections the adapter changes; `v_proj` changes the cached V values themselves.
 TARGET_MODULES = ("q_proj", "v_proj")

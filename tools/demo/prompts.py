@@ -1,6 +1,6 @@
 """The serving prompt of a RAG query, and the chat template that passes it through unchanged.
 
-Why `kvcache.precompute.rag_prompt`: a precomputed KV prefix is found only when the served prompt starts
+Why `vllm_tiercache.tools.precompute.kv.rag_prompt`: a precomputed KV prefix is found only when the served prompt starts
 with exactly the tokens the producer ran, and that function is the project's one builder of both.
 
 The chat template prints each message's content and nothing else, so a chat request whose content is
@@ -15,7 +15,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 
 
 def build_prompt(document_text: str, question: str | None = None) -> str:
-    """The RAG prompt text the producer also used (`kvcache.precompute.rag_prompt`, no template)."""
-    from kvcache.precompute import rag_prompt
+    """The RAG prompt text the producer also used (`vllm_tiercache.tools.precompute.kv.rag_prompt`, no template)."""
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
 
     return rag_prompt(document_text, question)

@@ -8,7 +8,7 @@ connector is held to. vLLM's `ExampleConnector` (safetensors files) and `SimpleC
 show what the connectors shipped with vLLM achieve on the same machine.
 
 Why subprocesses: every engine configuration runs in its own fresh Python process
-(``python -m kvcache.bench --job SPEC.json``), as it would after a restart or on another machine. The
+(``python -m vllm_tiercache.tools.bench.kv --job SPEC.json``), as it would after a restart or on another machine. The
 disk and Redis cases need it to mean anything: a producer process writes, it exits, and a new
 consumer process, whose memory holds nothing, measures the hit.
 
@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32
 #: Tokens ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
 TOKEN_RANGE = (3, 259)
@@ -253,7 +252,6 @@ class Bench:
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.kv_space_gib)
-        env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         # vLLM's CPU backend reserves one more core for the scheduler whenever a kv_transfer_config is set;
         # on a 2-core machine that silently gives connector engines twice the compute threads of the
@@ -263,8 +261,8 @@ class Bench:
         self.progress(f"[{n}] {label}: starting engine process (log: {log_path})")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvcache.bench", "--job", str(spec_path), "--job-out", str(out_path)],
-                cwd=REPO,
+                [sys.executable, "-m", "vllm_tiercache.tools.bench.kv", "--job", str(spec_path),
+                 "--job-out", str(out_path)],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -377,7 +375,7 @@ class Bench:
         self._produce_then_consume("tiered-disk", self.tiered("kv_both", tiers), self.tiered("kv_consumer", tiers))
 
     def case_tiered_redis(self) -> None:
-        from shared.testing.redis_server import RedisServer
+        from vllm_tiercache.tools.redis_server import RedisServer
 
         with RedisServer() as server:
             tiers = [{"kind": "redis", "url": server.url}]
@@ -417,7 +415,7 @@ class Bench:
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
-        from shared.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
+        from vllm_tiercache.tools.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
 
         spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
         self.progress(
@@ -544,6 +542,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m kvcache.bench")
+    _parser = argparse.ArgumentParser(prog="python -m vllm_tiercache.tools.bench.kv")
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))

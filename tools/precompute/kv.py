@@ -8,7 +8,7 @@ share. Serving must build its prompts with the same `rag_prompt` and run with th
 block size, chunk size and namespace.
 
 Resume: before starting an engine, every document's chunk keys are computed offline with vLLM's own
-input processor (tokenizer, multimodal processor and mm_hash) and `shared.hashing`, exactly as the
+input processor (tokenizer, multimodal processor and mm_hash) and `vllm_tiercache.shared.hashing`, exactly as the
 engine's scheduler names them; documents whose chunks are all stored are skipped.
 
 What a serving prompt can reuse: every full block of the prefix. The connector names a chunk by the
@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache.layout import layout_tag
-from shared.config import ConfigError, StoreConfig
-from shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
-from shared.jobs import (
+from vllm_tiercache.kvcache.layout import layout_tag
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.tools.jobs import (
     DEFAULT_BATCH,
     JobError,
     PrecomputeSummary,
@@ -48,9 +51,6 @@ from shared.jobs import (
     start_llm,
     wait_for_records,
 )
-from shared.keys import KVModelIdentity, kv_chunk_key
-from shared.store import build_store
-from shared.store.api import StoreKey
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def doc_image(doc: Path) -> Path | None:
 
 def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: str | None = None) -> dict[str, Any]:
     """The vLLM prompt dict for a document (with its image when the model takes images)."""
-    from eccache.precompute import load_image
+    from vllm_tiercache.tools.precompute.ec import load_image
 
     prompt: dict[str, Any] = {"prompt": rag_prompt(doc.read_text(), question, template)}
     image = doc_image(doc) if multimodal else None

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.demo.load import Result
-from shared.stats_dump import read_stats
+from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.tools.demo.load import Result
 
 
 @dataclass

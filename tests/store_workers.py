@@ -3,7 +3,7 @@
 Why separate processes: the faults that matter (SIGKILL mid-write, a full filesystem, a precompute job,
 a serving engine and `tiercache evict` on one directory at once) only happen between real processes
 with their own LMDB handles and background writer threads. Each mode is started as
-``python -m shared.testing.store_workers MODE 'JSON options'`` and prints one JSON line (the last line
+``python -m tests.store_workers MODE 'JSON options'`` and prints one JSON line (the last line
 of its stdout) with what it did, so the test can check it.
 
 Every record's content is a pure function of its id (`expected_tensor`, `expected_meta`), so any
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.api import Record, StoreKey
 
 #: Namespace of every key the workers write (the evictor filters on the model field).
 NAMESPACE = "faults"
@@ -76,7 +76,7 @@ def _emit(result: dict[str, Any]) -> None:
 
 
 def _disk_store(path: str, capacity: int, *, memory: bool, fsync: bool = True) -> Any:
-    from shared.store import build_store
+    from vllm_tiercache.shared.store import build_store
 
     tiers: list[dict[str, Any]] = [{"kind": "memory", "capacity": "256MiB"}] if memory else []
     tiers.append({"kind": "disk", "path": path, "capacity": capacity, "fsync": fsync})
@@ -94,8 +94,8 @@ def audit_disk_dir(path: str, capacity: int, known: dict[bytes, tuple[int, str]]
     """
     from pathlib import Path
 
-    from shared.config import DiskTierConfig
-    from shared.store.disk import DiskTier
+    from vllm_tiercache.shared.config import DiskTierConfig
+    from vllm_tiercache.shared.store.disk import DiskTier
 
     root = Path(path)
     tier = DiskTier(DiskTierConfig(path=path, capacity=capacity))
@@ -186,7 +186,7 @@ def reader(opts: dict[str, Any]) -> None:
 
 def evictor(opts: dict[str, Any]) -> None:
     """`tiercache evict --model evict` (its function, the one the CLI runs) in a loop until the deadline."""
-    from shared.evict_cmd import evict
+    from vllm_tiercache.tools.evict_cmd import evict
 
     config = {"namespace": NAMESPACE, "tiers": [{"kind": "disk", "path": opts["path"],
                                                   "capacity": int(opts["capacity"])}]}
@@ -256,7 +256,7 @@ def zygote(_opts: dict[str, Any]) -> None:
     its own store, LMDB handle and writer thread, all made after the fork (this process opens none).
     """
     torch.set_num_threads(1)
-    import shared.store  # noqa: F401  (import once here, not in every child)
+    import vllm_tiercache.shared.store  # noqa: F401  (import once here, not in every child)
 
     print("zygote ready", flush=True)
     for line in sys.stdin:

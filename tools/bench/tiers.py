@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from shared.config import StoreConfig, parse_size
-from shared.store import StoreKey, TieredStore
+from vllm_tiercache.shared.config import StoreConfig, parse_size
+from vllm_tiercache.shared.store import StoreKey, TieredStore
 
 GIB = float(1 << 30)
 TARGETS = {"memory": 0.7, "disk": 0.7, "redis": 0.8}
@@ -145,7 +145,7 @@ def _redis(url: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
     if url:
         yield url, {}
         return
-    from shared.testing import RedisServer
+    from vllm_tiercache.tools.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server.url, server.ssl_kwargs

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.config import ConfigError, StoreConfig
-from shared.jobs import load_store_arg
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.tools.jobs import load_store_arg
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -59,7 +59,7 @@ def make_predicate(namespace: str | None, model: str | None,
 def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, model: str | None = None,
           older_than_s: float | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove matching records from every shared tier; returns per-tier counts and bytes."""
-    from shared.store import build_store
+    from vllm_tiercache.shared.store import build_store
 
     if namespace is None and model is None and older_than_s is None:
         raise ValueError("give at least one of --namespace, --model, --older-than "

@@ -17,8 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.config import ConfigError
-from shared.jobs import (
+from vllm_tiercache.shared.config import ConfigError
+from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.tools.jobs import (
     DEFAULT_BATCH,
     JobError,
     PrecomputeSummary,
@@ -38,9 +41,6 @@ from shared.jobs import (
     start_llm,
     wait_for_records,
 )
-from shared.keys import EncoderIdentity, encoder_key
-from shared.store import build_store
-from shared.store.api import StoreKey
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def ec_transfer(store_config: Mapping[str, Any], role: str = "ec_producer") -> d
     from vllm.config import ECTransferConfig
 
     return {"ec_transfer_config": ECTransferConfig(
-        ec_connector="TieredECConnector", ec_connector_module_path="eccache.connector", ec_role=role,
+        ec_connector="TieredECConnector", ec_connector_module_path="vllm_tiercache.eccache.connector", ec_role=role,
         ec_connector_extra_config=dict(store_config),
     )}
 

@@ -5,9 +5,9 @@ What it shows, with real parts only (a real `api_server`, the real `openai` clie
 1. models: a BLIP-2-style model generated locally with random weights (no download). Its vision tower is
    ViT-B/16-sized, so encoding a page costs real CPU time, and its language model is big enough that a
    ~900-token prefill costs clearly more than loading the prefix's KV.
-2. corpus: N synthetic document pages, each a PNG and a text (`shared.demo.corpus`).
-3. precompute: the page images into the encoder cache (`eccache.precompute.precompute_images`) and the
-   document prompts into the KV cache (`kvcache.precompute.precompute_docs`), in fresh processes, into
+2. corpus: N synthetic document pages, each a PNG and a text (`vllm_tiercache.tools.demo.corpus`).
+3. precompute: the page images into the encoder cache (`vllm_tiercache.tools.precompute.ec.precompute_images`) and the
+   document prompts into the KV cache (`vllm_tiercache.tools.precompute.kv.precompute_docs`), in fresh processes, into
    the demo's store (disk tier under the work dir; no Redis).
 4. serve and measure: a Zipf trace of RAG queries (page image + its text + a question) goes through the
    OpenAI API to a server without our connectors ("no cache"), then to a consumer server with
@@ -17,7 +17,7 @@ What it shows, with real parts only (a real `api_server`, the real `openai` clie
 
 The baseline server starts while the precompute jobs run (its start-up is mostly imports); nothing is
 measured until both are done. Servers run in their own process groups, which are killed on every exit
-path (`shared.demo.server`).
+path (`vllm_tiercache.tools.demo.server`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from shared.demo.corpus import Document, make_corpus
-from shared.demo.load import Query, Result, run_queries, zipf_trace
-from shared.demo.prompts import CHAT_TEMPLATE
-from shared.demo.report import build_rows, connector_stats, format_table, subtract_stats, write_plot
-from shared.demo.server import Server, ServerError
+from vllm_tiercache.tools.demo.corpus import Document, make_corpus
+from vllm_tiercache.tools.demo.load import Query, Result, run_queries, zipf_trace
+from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
+from vllm_tiercache.tools.demo.report import build_rows, connector_stats, format_table, subtract_stats, write_plot
+from vllm_tiercache.tools.demo.server import Server, ServerError
 
 MAX_MODEL_LEN = 1024  # the generated OPT language model has 1024 positions
 SERVED_NAME = "tiercache-demo-blip2"
@@ -137,12 +137,11 @@ def _spawn_job(spec: dict[str, Any], work: Path, name: str) -> tuple[subprocess.
     log_path = work / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("TIERCACHE_STATS_DIR", None)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "shared.demo.producer", str(spec_path)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_tiercache.tools.demo.producer", str(spec_path)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
     return proc, log_path
 
@@ -198,7 +197,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 def _warmup(server: Server, docs: list[Document], work: Path) -> None:
     """One request on a page outside the corpus: pays first-request costs without touching the trace's entries."""
-    from shared.demo.corpus import make_corpus as _make
+    from vllm_tiercache.tools.demo.corpus import make_corpus as _make
 
     extra = _make(work / "warmup", 1, seed=10_000)
     extra = [Document(-1, extra[0].text_path, extra[0].image_path)]
@@ -256,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tiercache demo: {n_docs} documents, {n_queries} queries per run, work dir {work}", flush=True)
         # ---- 1. models and corpus
         progress.phase("generating the model (random weights, ViT-B/16 vision tower + 4-layer OPT) and corpus")
-        from shared.tiny_models.blip2 import LARGE_VISION_SPEC, make_tiny_blip2
+        from vllm_tiercache.tools.tiny_models.blip2 import LARGE_VISION_SPEC, make_tiny_blip2
 
         with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bars
             model = make_tiny_blip2(work / "models" / "rag-blip2",
@@ -276,8 +275,7 @@ def _run(args: argparse.Namespace) -> int:
                                        "images": [str(d.image_path) for d in docs]}),
                 ("precompute-docs", {"job": "docs", "model": str(model), "store": producer_store,
                                      "docs": [str(d.text_path) for d in docs]})]
-        progress.phase(f"precomputing {n_docs} page images (eccache.precompute.precompute_images) and {n_docs} "
-                       f"documents (kvcache.precompute.precompute_docs) into {store_dir}; "
+        progress.phase(f"precomputing {n_docs} page images and {n_docs} documents into {store_dir}; "
                        "the no-cache server starts meanwhile")
         baseline = Server(model, work / "logs" / "server-nocache.log", served_name=SERVED_NAME,
                           chat_template=template, max_model_len=MAX_MODEL_LEN)
@@ -304,7 +302,7 @@ def _run(args: argparse.Namespace) -> int:
                          "kv_connector_extra_config": consumer_store},
             ec_transfer={"ec_connector": "TieredECConnector", "ec_role": "ec_consumer",
                          "ec_connector_extra_config": consumer_store},
-            ec_manager={"encoder_cache_manager_cls": "eccache.managers.LFUEncoderCacheManager"},
+            ec_manager={"encoder_cache_manager_cls": "vllm_tiercache.eccache.managers.LFUEncoderCacheManager"},
         )
         servers.append(cached)
         progress.phase("tiercache run: consumer server with TieredKVConnector + TieredECConnector, "
