@@ -46,10 +46,6 @@ class PagedLayout:
     dtype: torch.dtype
     device: torch.device
 
-    @property
-    def block_nbytes(self) -> int:
-        return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
-
     def describe(self) -> str:
         """What a record's metadata says about its bytes; a loader with another answer refuses it."""
         return f"blocks{list(self.block_shape)}:{str(self.dtype).removeprefix('torch.')}"

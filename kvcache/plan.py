@@ -82,10 +82,6 @@ class TieredKVMetadata(KVConnectorMetadata):
     requests: list[RequestPlan] = field(default_factory=list)
 
     @property
-    def has_loads(self) -> bool:
-        return any(plan.loads for plan in self.requests)
-
-    @property
     def has_saves(self) -> bool:
         return any(plan.saves for plan in self.requests)
 

@@ -122,9 +122,6 @@ class KVSchedulerSide:
                 "hash blocks of another size and are not supported"
             )
 
-    def lookup(self, request: Request) -> list[bool]:
-        return self._lookup(request)[0]
-
     def _lookup(self, request: Request) -> tuple[list[bool], list[bool]]:
         """Per chunk of the prompt's full blocks: can a worker load it now? One batched store call."""
         if not self._checked_engine_hashing:

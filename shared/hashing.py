@@ -51,7 +51,6 @@ __all__ = [
     "block_hashes",
     "check_seed_is_stable",
     "chunk_boundaries",
-    "chunk_hashes",
     "extra_keys_for_block",
     "hash_block",
     "hash_fn",
@@ -323,23 +322,6 @@ class BlockExtraKeys:
         """True when no block gets extra keys (plain text, no LoRA, no salt)."""
         return not self.mm_inputs and self.lora_name is None and not self.cache_salt
 
-    @classmethod
-    def from_request(cls, request: Any) -> BlockExtraKeys:
-        """Build from a ``vllm.v1.request.Request`` (duck-typed: mm_features, lora_request, cache_salt)."""
-        if getattr(request, "prompt_embeds", None) is not None:
-            raise ValueError("prompt-embeds requests hash their embeddings per block; not supported here")
-        lora = getattr(request, "lora_request", None)
-        mm = tuple(
-            MMInput(f.mm_position.offset, f.mm_position.length, f.identifier)
-            for f in (getattr(request, "mm_features", None) or ())
-        )
-        return cls(
-            mm_inputs=mm,
-            lora_name=None if lora is None else lora.lora_name,
-            lora_path=None if lora is None else lora.lora_path,
-            cache_salt=getattr(request, "cache_salt", None),
-        )
-
 
 # --------------------------------------------------------------------------------------------------------
 # Chaining (hash_block_tokens / get_request_block_hasher)
@@ -421,12 +403,3 @@ def chunk_boundaries(num_full_blocks: int, blocks_per_chunk: int) -> list[int]:
     if num_full_blocks % blocks_per_chunk:
         ends.append(num_full_blocks)
     return ends
-
-
-def chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
-    """The chain hash at the last block of each chunk, reusing given hashes (e.g. ``request.block_hashes``).
-
-    No rehashing happens, so the connector and offline jobs name chunks identically as long as they agree
-    on the block hashes.
-    """
-    return [block_hashes[end - 1] for end in chunk_boundaries(len(block_hashes), blocks_per_chunk)]

@@ -25,6 +25,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.request import Request
 
+from tests.hashing_helpers import chunk_hashes, extra_keys_of
 from vllm_tiercache.shared import hashing as th
 from vllm_tiercache.shared.hashing import (
     HASH_ALGOS,
@@ -35,7 +36,6 @@ from vllm_tiercache.shared.hashing import (
     block_hashes,
     check_seed_is_stable,
     chunk_boundaries,
-    chunk_hashes,
     extra_keys_for_block,
     hash_fn,
     none_hash,
@@ -353,7 +353,7 @@ def test_request_block_hashes_equal_engine(
             cache_salt=salt,
         )
         assert block_hashes(tokens, BLOCK, algo, extra_keys_per_block=extras) == req.block_hashes
-        assert block_hashes(tokens, BLOCK, algo, extra_keys_per_block=BlockExtraKeys.from_request(req)) == (
+        assert block_hashes(tokens, BLOCK, algo, extra_keys_per_block=extra_keys_of(req)) == (
             req.block_hashes
         )
         # The extra keys themselves are vLLM's tuples, block by block.
@@ -378,7 +378,7 @@ def test_request_with_late_image_incremental(algo: str) -> None:
         for i in range(50, 140, 9):
             req.append_output_token_ids(tokens[i : i + 9])
         assert len(req.block_hashes) == 140 // BLOCK
-        extras = BlockExtraKeys.from_request(req)
+        extras = extra_keys_of(req)
         assert block_hashes(tokens, BLOCK, algo, extra_keys_per_block=extras) == req.block_hashes
 
 

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 
-from vllm_tiercache.shared.hashing import BlockExtraKeys, block_hashes, chunk_hashes
+from tests.hashing_helpers import chunk_hashes
+from vllm_tiercache.shared.hashing import BlockExtraKeys, block_hashes
 from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key, validate_field
 from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, StoreKey
 
@@ -221,7 +222,8 @@ def test_encoder_key_carries_the_full_identifier() -> None:
 
 _CHILD = """
 import json
-from vllm_tiercache.shared.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes, chunk_hashes
+from tests.hashing_helpers import chunk_hashes
+from vllm_tiercache.shared.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 ident = KVModelIdentity("m", "bfloat16", 2, 2, 64, 16, "nhd", 1, 0)
 extras = BlockExtraKeys(mm_inputs=((3, 30, "img"),), lora_name="l", lora_path="/l", cache_salt="s")

@@ -10,19 +10,11 @@ per-tier store counters printed under the table check that attribution.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.tools.demo.load import Result
-
-
-@dataclass
-class Row:
-    label: str
-    indices: list[int]  # positions in the trace
-    run: str  # "baseline" or "tiercache"
 
 
 def _pct(values: list[float], q: float) -> float:
