@@ -25,7 +25,8 @@ Top-level keys and defaults:
 - ``trust_multi_modal_uuids`` (bool, false): the operator vouches that user-supplied ``multi_modal_uuids``
   name their items' content, so records may be stored and served under them (see
   ``vllm_tiercache.shared.mm_identifiers``); without it, items named by a uuid are never cached.
-- ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis) and ``policy``
+- ``tiers`` (list): fastest first. Each item has ``kind`` (memory, disk, gds, redis: the kinds of
+  `vllm_tiercache.shared.store.registry`, whose config class validates the item) and ``policy``
   (memory: lru, wtinylfu; the shared tiers: lru only; default lru) plus:
 
   - memory: ``capacity`` (size, 2GiB)
@@ -54,237 +55,50 @@ Environment overrides (applied last, over every source above):
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.eviction import POLICIES
+from vllm_tiercache.shared.store import registry
+from vllm_tiercache.shared.store.disk_config import DEFAULT_DISK_CAPACITY, DiskTierConfig, GdsTierConfig
+from vllm_tiercache.shared.store.memory_config import DEFAULT_MEMORY_CAPACITY, MemoryTierConfig
+from vllm_tiercache.shared.store.redis_config import DEFAULT_PART_SIZE, REDIS_SCHEMES, RedisTierConfig
+from vllm_tiercache.shared.store.tier_config import ConfigError, default_cache_dir, parse_size
+from vllm_tiercache.shared.store.tier_config import as_bool as _bool
+from vllm_tiercache.shared.store.tier_config import as_int as _int
+from vllm_tiercache.shared.store.tier_config import as_str as _str
+from vllm_tiercache.shared.store.tier_config import invalid as _err
 
-TIER_KINDS = ("memory", "disk", "gds", "redis")
-#: eviction policies per tier kind (shared.eviction): the shared tiers keep LRU in their cross-process index
-#: (an in-process frequency sketch cannot see the other processes' accesses); "lfu" scans every entry per
-#: eviction, fine for the encoder cache, too slow for a memory tier of many thousand records
-TIER_POLICIES = {"memory": ("lru", "wtinylfu"), "disk": ("lru",), "gds": ("lru",), "redis": ("lru",)}
-REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+# The tier config classes live beside their tiers (see `vllm_tiercache.shared.store.registry`); these
+# names stay importable from here.
+__all__ = [
+    "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "POLICIES", "REDIS_SCHEMES",
+    "TIER_KINDS", "TIER_POLICIES", "ConfigError", "DiskTierConfig", "GdsTierConfig", "MemoryTierConfig",
+    "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers", "load_file",
+    "parse_size",
+]
 
-DEFAULT_MEMORY_CAPACITY = 2 << 30
-DEFAULT_DISK_CAPACITY = 20 << 30
-DEFAULT_PART_SIZE = 8 << 20
+#: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
+TIER_KINDS = registry.tier_kinds()
+#: eviction policies per built-in tier kind (each config class's ``POLICIES``)
+TIER_POLICIES = {kind: registry.config_class(kind).POLICIES for kind in TIER_KINDS}
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
-    "ti": 1 << 40, "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-class ConfigError(ValueError):
-    """A wrong store configuration. The message names the field path, the bad value and what is allowed."""
-
-
-def _err(path: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{path}: invalid value {value!r}; allowed: {allowed}")
-
-
-def parse_size(value: Any, path: str = "size") -> int:
-    """Bytes from an int or a string like "8GiB", "500MB", "1.5GiB" (binary and decimal units)."""
-    allowed = 'a non-negative int (bytes) or a string such as "8GiB", "500MB", "1.5GiB"'
-    if isinstance(value, bool):
-        raise _err(path, value, allowed)
-    if isinstance(value, int):
-        if value < 0:
-            raise _err(path, value, allowed)
-        return value
-    if isinstance(value, float) and value >= 0 and math.isfinite(value):
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            size = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if math.isfinite(size):  # "1" * 400 + "GiB" overflows a float: an error, not a crash
-                return int(size)
-    raise _err(path, value, allowed)
-
-
-def default_cache_dir() -> Path:
-    """The user's cache dir for the default disk tier ($TIERCACHE_CACHE_DIR, $XDG_CACHE_HOME, ~/.cache)."""
-    if os.environ.get("TIERCACHE_CACHE_DIR"):
-        return Path(os.environ["TIERCACHE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "vllm-tiercache"
-
-
-# ----------------------------------------------------------------------------------------------- tiers
-
-
-@dataclass(frozen=True)
-class MemoryTierConfig:
-    """A bounded in-process LRU of tensors."""
-
-    capacity: int = DEFAULT_MEMORY_CAPACITY
-    policy: str = "lru"
-    kind: str = "memory"
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    """A directory of record files with an LMDB index; shared by every process that opens it."""
-
-    path: str = ""
-    capacity: int = DEFAULT_DISK_CAPACITY
-    fsync: bool = True
-    policy: str = "lru"
-    kind: str = "disk"
-
-
-@dataclass(frozen=True)
-class GdsTierConfig(DiskTierConfig):
-    """Same layout as disk, read through cuFile (kvikio) into GPU memory where available."""
-
-    kind: str = "gds"
-
-
-@dataclass(frozen=True)
-class RedisTierConfig:
-    """A Redis server or cluster shared by every process and host that can reach it."""
-
-    url: str = ""
-    password: str | None = None
-    ttl_s: float | None = None
-    part_size: int = DEFAULT_PART_SIZE
-    timeout_s: float = 2.0
-    retry_after_s: float = 5.0
-    key_prefix: str = "tiercache:"
-    ssl: Mapping[str, Any] = field(default_factory=dict)
-    policy: str = "lru"
-    kind: str = "redis"
-
-    @property
-    def cluster(self) -> bool:
-        return "+cluster://" in self.url
-
-    @property
-    def address(self) -> str:
-        """The URL without credentials, for log lines."""
-        return re.sub(r"//[^@/]*@", "//", self.url)
-
-
+#: the built-in tier configs (a kind registered at runtime brings its own class)
 TierConfig = MemoryTierConfig | DiskTierConfig | GdsTierConfig | RedisTierConfig
-
-_TIER_FIELDS: dict[str, tuple[str, ...]] = {
-    "memory": ("kind", "capacity", "policy"),
-    "disk": ("kind", "path", "capacity", "fsync", "policy"),
-    "gds": ("kind", "path", "capacity", "fsync", "policy"),
-    "redis": ("kind", "url", "password", "ttl_s", "part_size", "timeout_s", "retry_after_s",
-              "key_prefix", "policy"),
-}
-
-
-def _bool(value: Any, path: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise _err(path, value, "true or false")
-
-
-def _number(value: Any, path: str, *, positive: bool = True, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        if value > 0 or (not positive and value >= 0):
-            return float(value)
-    allowed = "a positive number of seconds" + (" or null" if optional else "")
-    raise _err(path, value, allowed)
-
-
-def _int(value: Any, path: str, allowed: str, ok: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and ok(value):
-        return value
-    raise _err(path, value, allowed)
-
-
-def _str(value: Any, path: str, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, str) and value:
-        return value
-    raise _err(path, value, "a non-empty string" + (" or null" if optional else ""))
 
 
 def _parse_tier(raw: Any, path: str) -> TierConfig:
+    """One ``tiers[i]`` item: its ``kind`` picks the registered config class, which validates the rest."""
     if not isinstance(raw, Mapping):
         raise _err(path, raw, "a mapping with a 'kind' key")
     kind = raw.get("kind")
-    if kind not in TIER_KINDS:
-        raise _err(f"{path}.kind", kind, ", ".join(TIER_KINDS))
-    known = _TIER_FIELDS[kind]
-    for name in raw:
-        if name not in known and not (kind == "redis" and isinstance(name, str) and name.startswith("ssl_")):
-            extra = ", ssl_* (redis-py TLS options)" if kind == "redis" else ""
-            raise ConfigError(f"{path}.{name}: unknown key for a {kind} tier; known keys: "
-                              f"{', '.join(known)}{extra}")
-    policy = raw.get("policy", "lru")
-    if policy not in TIER_POLICIES[kind]:
-        raise _err(f"{path}.policy", policy, ", ".join(TIER_POLICIES[kind]))
-    if kind == "memory":
-        cap = parse_size(raw.get("capacity", _env_size("TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)),
-                         f"{path}.capacity")
-        return MemoryTierConfig(capacity=cap, policy=policy)
-    if kind in ("disk", "gds"):
-        raw_path = raw.get("path", str(default_cache_dir() / kind))
-        _str(raw_path, f"{path}.path")
-        norm = os.path.abspath(os.path.expanduser(raw_path))
-        cap = parse_size(raw.get("capacity", _env_size("TIERCACHE_DISK_CAPACITY", DEFAULT_DISK_CAPACITY)),
-                         f"{path}.capacity")
-        fsync = _bool(raw.get("fsync", True), f"{path}.fsync")
-        cls = GdsTierConfig if kind == "gds" else DiskTierConfig
-        return cls(path=norm, capacity=cap, fsync=fsync, policy=policy)
-    url = raw.get("url")
-    if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise _err(f"{path}.url", url, "a URL starting with " + ", ".join(REDIS_SCHEMES))
-    _check_redis_url(url, f"{path}.url")
-    part_size = parse_size(raw.get("part_size", DEFAULT_PART_SIZE), f"{path}.part_size")
-    if part_size < 1024:
-        raise _err(f"{path}.part_size", raw.get("part_size"), "a size of at least 1KiB")
-    ssl = {k: v for k, v in raw.items() if k.startswith("ssl_")}
-    if ssl and not url.startswith("rediss"):
-        first = sorted(ssl)[0]
-        raise _err(f"{path}.{first}", ssl[first], "ssl_* options only with a rediss:// URL")
-    return RedisTierConfig(
-        url=url,
-        password=_str(raw.get("password"), f"{path}.password", optional=True),
-        ttl_s=_number(raw.get("ttl_s"), f"{path}.ttl_s", optional=True),
-        part_size=part_size,
-        timeout_s=_number(raw.get("timeout_s", 2.0), f"{path}.timeout_s"),  # type: ignore[arg-type]
-        retry_after_s=_number(raw.get("retry_after_s", 5.0), f"{path}.retry_after_s",  # type: ignore[arg-type]
-                              positive=False),
-        key_prefix=_str(raw.get("key_prefix", "tiercache:"), f"{path}.key_prefix"),  # type: ignore[arg-type]
-        ssl=ssl,
-        policy=policy,
-    )
-
-
-def _check_redis_url(url: str, path: str) -> None:
-    """Parse the URL as redis-py will (port, query options), so a bad one is a ConfigError here and not
-    a ValueError out of the tier's constructor when the engine starts."""
-    from redis.connection import parse_url
-
-    try:
-        parse_url(url.replace("+cluster://", "://", 1))
-    except (ValueError, TypeError) as exc:
-        shown = re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password into a log
-        raise _err(path, shown, f"a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db] "
-                                f"({exc})") from exc
-
-
-def _env_size(name: str, default: int) -> int | str:
-    return os.environ.get(name) or default
+    kinds = registry.tier_kinds()
+    if kind not in kinds:
+        raise _err(f"{path}.kind", kind, ", ".join(kinds))
+    return registry.config_class(kind).from_raw(raw, path)
 
 
 def default_tiers() -> list[dict[str, Any]]:
@@ -371,7 +185,7 @@ class StoreConfig:
         tiers = tuple(_parse_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_raw))
         seen_paths: set[str] = set()
         for i, t in enumerate(tiers):
-            if isinstance(t, DiskTierConfig):
+            if isinstance(getattr(t, "path", None), str):  # a directory the tier owns (disk, gds)
                 if t.path in seen_paths:
                     raise _err(f"tiers[{i}].path", t.path, "a directory used by only one tier")
                 seen_paths.add(t.path)
@@ -392,8 +206,9 @@ class StoreConfig:
         d = asdict(self)
         d["tiers"] = [dict(asdict(t)) for t in self.tiers]
         for t in d["tiers"]:
-            if t["kind"] == "redis":
-                t["ssl"] = dict(t["ssl"])
+            for name, value in t.items():
+                if isinstance(value, Mapping):  # redis: ssl
+                    t[name] = dict(value)
         d["extra"] = dict(self.extra)
         return d
 

@@ -256,7 +256,9 @@ def zygote(_opts: dict[str, Any]) -> None:
     its own store, LMDB handle and writer thread, all made after the fork (this process opens none).
     """
     torch.set_num_threads(1)
-    import vllm_tiercache.shared.store  # noqa: F401  (import once here, not in every child)
+    # Import the tiers once here, not in every child (the store package imports them lazily).
+    import vllm_tiercache.shared.store.disk
+    import vllm_tiercache.shared.store.redis_tier  # noqa: F401
 
     print("zygote ready", flush=True)
     for line in sys.stdin:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -169,3 +171,143 @@ def test_eviction_policies_selected_per_tier_and_for_the_encoder_cache():
     assert cfg.encoder_cache_policy == "wtinylfu"
     assert [t.policy for t in cfg.tiers] == ["wtinylfu", "lru"]
     assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).tiers[0].policy == "lru"
+
+
+# ------------------------------------------------------------------------------------ the tier registry
+
+
+def test_the_registry_lists_the_four_built_in_kinds():
+    from vllm_tiercache.shared.config import TIER_KINDS, GdsTierConfig
+    from vllm_tiercache.shared.store import DiskTier, GdsTier, MemoryTier, RedisTier, registry
+
+    assert registry.tier_kinds() == TIER_KINDS == ("memory", "disk", "gds", "redis")
+    assert [registry.config_class(k) for k in TIER_KINDS] == [MemoryTierConfig, DiskTierConfig, GdsTierConfig,
+                                                              RedisTierConfig]
+    assert [registry.tier_class(k) for k in TIER_KINDS] == [MemoryTier, DiskTier, GdsTier, RedisTier]
+    assert all(registry.config_class(k)().kind == k for k in TIER_KINDS)
+    with pytest.raises(KeyError, match="unknown tier kind 'nvme'; registered: memory, disk, gds, redis"):
+        registry.tier_class("nvme")
+
+
+def test_an_unknown_kind_lists_the_registered_kinds():
+    with pytest.raises(ConfigError) as exc:
+        StoreConfig.from_dict({"tiers": [{"kind": "memory"}, {"kind": "nvme"}]})
+    assert str(exc.value) == "tiers[1].kind: invalid value 'nvme'; allowed: memory, disk, gds, redis"
+
+
+def test_reading_a_config_imports_no_backend():
+    """The registry names tier classes by path: parsing memory, disk and gds tiers imports neither torch nor
+    lmdb, kvikio or redis-py (only a redis tier's URL check imports redis.connection)."""
+    code = ("import sys\n"
+            "from vllm_tiercache.shared.config import StoreConfig\n"
+            "StoreConfig.from_dict({'tiers': [{'kind': 'memory'}, {'kind': 'disk', 'path': '/tmp/a'},"
+            " {'kind': 'gds', 'path': '/tmp/b'}]})\n"
+            "print(sorted(m for m in ('torch', 'lmdb', 'kvikio', 'redis') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_each_config_class_parses_its_own_fields(tmp_path):
+    from vllm_tiercache.shared.config import GdsTierConfig
+
+    mem = MemoryTierConfig.from_raw({"kind": "memory", "capacity": "1GiB", "policy": "wtinylfu"}, "tiers[0]")
+    assert mem == MemoryTierConfig(capacity=1 << 30, policy="wtinylfu")
+    gds = GdsTierConfig.from_raw({"kind": "gds", "path": str(tmp_path / "g"), "fsync": False}, "tiers[1]")
+    assert gds == GdsTierConfig(path=str(tmp_path / "g"), capacity=20 << 30, fsync=False)
+    red = RedisTierConfig.from_raw({"kind": "redis", "url": "rediss://h:1/0", "ssl_ca_certs": "/ca"}, "tiers[2]")
+    assert red.ssl == {"ssl_ca_certs": "/ca"} and red.timeout_s == 2.0
+    with pytest.raises(ConfigError, match=r"tiers\[3\]\.fsync: unknown key for a memory tier; known keys: "
+                                          r"kind, capacity, policy$"):
+        MemoryTierConfig.from_raw({"kind": "memory", "fsync": True}, "tiers[3]")
+    with pytest.raises(ConfigError, match=r"tiers\[4\]\.policy: invalid value 'wtinylfu'; allowed: lru$"):
+        DiskTierConfig.from_raw({"kind": "disk", "policy": "wtinylfu"}, "tiers[4]")
+
+
+#: the whole of a fifth tier kind: one module (config class + tier class) ...
+SCRATCH_TIER = '''
+from dataclasses import dataclass
+
+from vllm_tiercache.shared.store.api import Record
+from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.tier_config import as_str, check_keys, check_policy
+
+
+@dataclass(frozen=True)
+class ScratchTierConfig:
+    label: str = "scratch"
+    policy: str = "lru"
+    kind: str = "scratch"
+    FIELDS = ("kind", "label", "policy")
+
+    @classmethod
+    def from_raw(cls, raw, path):
+        check_keys(raw, path, cls.kind, cls.FIELDS)
+        policy = check_policy(raw, path, ("lru",))
+        return cls(label=as_str(raw.get("label", "scratch"), f"{path}.label"), policy=policy)
+
+
+class ScratchTier:
+    """An unbounded dict: the least a tier does."""
+
+    kind = "scratch"
+    shared_across_processes = False
+
+    def __init__(self, config, name="scratch"):
+        self.config, self.name, self.counters, self.items = config, name, TierCounters(), {}
+
+    def contains_many(self, keys):
+        return [k.digest in self.items for k in keys]
+
+    def get_many(self, keys):
+        return [self.items.get(k.digest) for k in keys]
+
+    def put_many(self, items):
+        for key, tensor, meta in items:
+            self.items[key.digest] = Record(tensor, dict(meta or {}))
+
+    def usage(self):
+        return {"entries": len(self.items), "bytes_used": None}
+
+    def close(self):
+        self.items.clear()
+'''
+
+
+def test_a_fifth_tier_kind_is_one_module_and_one_registry_line(tmp_path, monkeypatch):
+    import torch
+
+    from vllm_tiercache.shared.store import StoreKey, TieredStore, registry
+
+    (tmp_path / "tiercache_scratch_tier.py").write_text(SCRATCH_TIER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # ... and one registry line:
+    registry.register_tier("scratch", "tiercache_scratch_tier.ScratchTierConfig", "tiercache_scratch_tier.ScratchTier")
+    try:
+        assert registry.tier_kinds()[-1] == "scratch"
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_tier("scratch", "a.B", "a.C")
+        with pytest.raises(ConfigError, match=r"tiers\[0\]\.size: unknown key for a scratch tier; known keys: "
+                                              r"kind, label, policy$"):
+            StoreConfig.from_dict({"tiers": [{"kind": "scratch", "size": 1}]})
+        cfg = StoreConfig.from_dict({"tiers": [{"kind": "scratch", "label": "mine"}, {"kind": "memory"}]})
+        assert cfg.tiers[0].label == "mine"
+        assert json.loads(cfg.cache_key())["tiers"][0] == {"kind": "scratch", "label": "mine", "policy": "lru"}
+        store = TieredStore(cfg)
+        try:
+            assert [(t.kind, t.name) for t in store.tiers] == [("scratch", "scratch"), ("memory", "memory")]
+            key = StoreKey("ns|scratch|0")
+            store.put(key, torch.arange(8, dtype=torch.int32), {"n": 8})
+            assert store.flush(10.0)
+            assert store.tiers[0].usage()["entries"] == 1
+            got = store.get(key)
+            assert got is not None and torch.equal(got.tensor, torch.arange(8, dtype=torch.int32))
+            assert got.meta == {"n": 8}
+        finally:
+            store.close()
+    finally:
+        registry.unregister_tier("scratch")
+        sys.modules.pop("tiercache_scratch_tier", None)
+    assert "scratch" not in registry.tier_kinds()
+    with pytest.raises(ConfigError, match=r"allowed: memory, disk, gds, redis$"):
+        StoreConfig.from_dict({"tiers": [{"kind": "scratch"}]})

@@ -8,18 +8,20 @@ handle per disk index (LMDB forbids opening an environment twice in a process).
 from __future__ import annotations
 
 import atexit
+import importlib
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_tiercache.shared.config import StoreConfig
-from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
-from vllm_tiercache.shared.store.counters import TierCounters
-from vllm_tiercache.shared.store.disk import DiskTier
-from vllm_tiercache.shared.store.gds import GdsTier
-from vllm_tiercache.shared.store.memory import MemoryTier
-from vllm_tiercache.shared.store.redis_tier import RedisTier
-from vllm_tiercache.shared.store.tiered import TieredStore, make_tier
+if TYPE_CHECKING:
+    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
+    from vllm_tiercache.shared.store.counters import TierCounters
+    from vllm_tiercache.shared.store.disk import DiskTier
+    from vllm_tiercache.shared.store.gds import GdsTier
+    from vllm_tiercache.shared.store.memory import MemoryTier
+    from vllm_tiercache.shared.store.redis_tier import RedisTier
+    from vllm_tiercache.shared.store.tiered import TieredStore, make_tier
 
 __all__ = [
     "KEY_DIGEST_SIZE",
@@ -38,11 +40,37 @@ __all__ = [
     "make_tier",
 ]
 
+#: name -> module it comes from, imported on first access (PEP 562). Why lazy: `shared.config` imports the
+#: tier config modules of this package, and importing any module of a package runs its __init__ first;
+#: eager imports here would make reading a config import torch, lmdb and redis-py (and `shared.config`
+#: itself, half-initialized: an import cycle).
+_LAZY = {
+    "KEY_DIGEST_SIZE": "api", "Record": "api", "Store": "api", "StoreKey": "api", "Tier": "api",
+    "TierCounters": "counters", "DiskTier": "disk", "GdsTier": "gds", "MemoryTier": "memory",
+    "RedisTier": "redis_tier", "TieredStore": "tiered", "make_tier": "tiered",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 _LOCK = threading.Lock()
 _STORES: dict[str, TieredStore] = {}
 
 
 def _as_config(config: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
+    from vllm_tiercache.shared.config import StoreConfig
+
     if isinstance(config, StoreConfig):
         return config
     return StoreConfig.load(config)
@@ -50,11 +78,15 @@ def _as_config(config: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
 
 def build_store(config: StoreConfig | Mapping[str, Any] | None = None) -> TieredStore:
     """A fresh store the caller owns and must `close()` (tests, offline tools)."""
+    from vllm_tiercache.shared.store.tiered import TieredStore
+
     return TieredStore(_as_config(config))
 
 
 def get_store(config: StoreConfig | Mapping[str, Any] | None = None) -> TieredStore:
     """The process-wide store for this config (one per normalized store config; closed at exit)."""
+    from vllm_tiercache.shared.store.tiered import TieredStore
+
     cfg = _as_config(config)
     key = cfg.cache_key()
     with _LOCK:

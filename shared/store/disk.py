@@ -33,9 +33,9 @@ import torch
 import xxhash
 
 from vllm_tiercache.shared import records
-from vllm_tiercache.shared.config import DiskTierConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.disk_config import DiskTierConfig
 
 log = logging.getLogger(__name__)
 

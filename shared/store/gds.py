@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared import records
-from vllm_tiercache.shared.config import GdsTierConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey
 from vllm_tiercache.shared.store.disk import DiskTier
+from vllm_tiercache.shared.store.disk_config import GdsTierConfig
 
 log = logging.getLogger(__name__)
 _warned_unavailable = False

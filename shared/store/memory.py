@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.shared.config import MemoryTierConfig
 from vllm_tiercache.shared.eviction import make_policy
 from vllm_tiercache.shared.store.api import Record, StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.memory_config import MemoryTierConfig
 
 
 class MemoryTier:

@@ -32,9 +32,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from vllm_tiercache.shared import records
-from vllm_tiercache.shared.config import RedisTierConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.redis_config import RedisTierConfig
 
 log = logging.getLogger(__name__)
 _NPARTS = struct.Struct("<I")

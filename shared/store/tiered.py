@@ -28,40 +28,12 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.shared.config import (
-    DiskTierConfig,
-    GdsTierConfig,
-    MemoryTierConfig,
-    RedisTierConfig,
-    StoreConfig,
-    TierConfig,
-)
+from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
+from vllm_tiercache.shared.store.registry import make_tier
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
 
 log = logging.getLogger(__name__)
-
-
-def make_tier(config: TierConfig, name: str | None = None) -> Tier:
-    """Instantiate one tier from its config (imports the backend lazily)."""
-    name = name or config.kind
-    if isinstance(config, MemoryTierConfig):
-        from vllm_tiercache.shared.store.memory import MemoryTier
-
-        return MemoryTier(config, name)
-    if isinstance(config, GdsTierConfig):
-        from vllm_tiercache.shared.store.gds import GdsTier
-
-        return GdsTier(config, name)
-    if isinstance(config, DiskTierConfig):
-        from vllm_tiercache.shared.store.disk import DiskTier
-
-        return DiskTier(config, name)
-    if isinstance(config, RedisTierConfig):
-        from vllm_tiercache.shared.store.redis_tier import RedisTier
-
-        return RedisTier(config, name)
-    raise TypeError(f"not a tier config: {config!r}")
 
 
 def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -286,8 +258,13 @@ class TieredStore:
 
     # ------------------------------------------------------------------------------------------- misc
     @property
+    def memory_tier(self) -> Tier | None:
+        """The in-process memory tier, if any: the one tier other processes can't see (residency reports)."""
+        return next((tier for tier in self.tiers if tier.kind == "memory"), None)
+
+    @property
     def has_memory_tier(self) -> bool:
-        return any(tier.kind == "memory" for tier in self.tiers)
+        return self.memory_tier is not None
 
     def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
         """Call `listener(tier_kind, digest)` whenever a tier that reports evictions drops a record.
