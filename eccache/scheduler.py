@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
 from vllm_tiercache.eccache.metrics import PendingCounts
-from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.residency import ResidencyChanges, ResidentSet
+from vllm_tiercache.shared.store.api import Store, StoreKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -75,7 +76,7 @@ class TieredECMetadata(ECConnectorMetadata):
 
 
 @dataclass
-class TieredECWorkerMetadata(ECConnectorWorkerMetadata):
+class TieredECWorkerMetadata(ResidencyChanges[str], ECConnectorWorkerMetadata):
     """Worker -> scheduler: mm_hashes whose encoder output entered or left the worker's memory tier,
     and the worker's counter increments since its last report (`stats`).
 
@@ -88,8 +89,6 @@ class TieredECWorkerMetadata(ECConnectorWorkerMetadata):
     `build_connector_worker_meta` every step.
     """
 
-    added: set[str] = field(default_factory=set)
-    evicted: set[str] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
@@ -97,9 +96,8 @@ class TieredECWorkerMetadata(ECConnectorWorkerMetadata):
         stats = dict(self.stats)
         for name, value in other.stats.items():
             stats[name] = stats.get(name, 0) + value
-        return TieredECWorkerMetadata(
-            added=self.added & other.added, evicted=self.evicted | other.evicted, stats=stats
-        )
+        merged = self.merge(other)
+        return TieredECWorkerMetadata(added=merged.added, evicted=merged.evicted, stats=stats)
 
 
 #: An answer known only from the worker's residency reports (re-checked before it becomes a promise).
@@ -119,7 +117,7 @@ class ECSchedulerSide:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         key_of: Callable[[str], StoreKey],
         *,
         load_enabled: bool,
@@ -134,7 +132,7 @@ class ECSchedulerSide:
         self._counters = counters
         self._cacheable = cacheable
         #: mm_hashes the worker(s) reported in their memory tier (and not evicted since).
-        self.resident: set[str] = set()
+        self.resident: ResidentSet[str] = ResidentSet()
         #: mm_hash -> stored? (True, False or RESIDENT), prefetched this step; cleared by build_connector_meta.
         self._step_answers: dict[str, bool | str] = {}
         self._promised: set[str] = set()
@@ -238,8 +236,7 @@ class ECSchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         """Apply the workers' residency report of the last step and take over their counters."""
         if isinstance(worker_meta, TieredECWorkerMetadata):
-            self.resident -= worker_meta.evicted
-            self.resident |= worker_meta.added
+            self.resident.apply(worker_meta.added, worker_meta.evicted)
             self._unreported.add(worker_meta.stats)
 
     def request_finished(self, request: Request) -> None:

@@ -29,7 +29,6 @@ worker's counter increments for vLLM's stats (`/metrics`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -39,7 +38,8 @@ import torch
 
 from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
-from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.residency import ResidencyReporter
+from vllm_tiercache.shared.store.api import Store, StoreKey
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _WORKER_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def worker_in_process(store: Any) -> bool:
+def worker_in_process(store: Store) -> bool:
     """True when a worker-side EC connector of this process uses `store` (vLLM's uniproc executor)."""
     return store in _WORKER_STORES
 
@@ -57,7 +57,7 @@ class ECWorkerSide:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         key_of: Callable[[str], StoreKey],
         *,
         device: torch.device,
@@ -78,13 +78,7 @@ class ECWorkerSide:
         #: Counter increments not yet sent to the scheduler side (with the next residency report).
         self._unsent = PendingCounts()
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
-        self._memory = next((t for t in getattr(store, "tiers", []) if t.kind == "memory"), None)
-        self._resident_lock = threading.Lock()
-        self._hash_of_digest: dict[bytes, str] = {}
-        self._added: set[str] = set()
-        self._evicted: set[str] = set()
-        if self._memory is not None:
-            store.add_eviction_listener(self._on_evicted)
+        self._residency: ResidencyReporter[str] = ResidencyReporter(store)
         _WORKER_STORES.add(store)
 
     def _count(self, **deltas: float) -> None:
@@ -182,40 +176,15 @@ class ECWorkerSide:
     # ------------------------------------------------------------------------------ residency reports
 
     def _track(self, mm_hash: str) -> None:
-        """Report `mm_hash` as resident if the memory tier holds it now (a put can be refused or evicted).
-
-        The check and the update happen under the lock the eviction listener takes, so an eviction racing
-        with this (the KV connector's saver thread shares the memory tier) is never lost.
-        """
-        if self._memory is None:
-            return
-        key = self._key_of(mm_hash)
-        with self._resident_lock:
-            if not self._memory.contains_many([key])[0]:
-                return
-            self._hash_of_digest[key.digest] = mm_hash
-            self._added.add(mm_hash)
-            self._evicted.discard(mm_hash)
-
-    def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
-        if tier_kind != "memory":
-            return
-        with self._resident_lock:
-            mm_hash = self._hash_of_digest.pop(digest, None)
-            if mm_hash is not None:
-                self._evicted.add(mm_hash)
-                self._added.discard(mm_hash)
+        """Report `mm_hash` as resident if the memory tier holds it now (a put can be refused or evicted)."""
+        self._residency.stored(mm_hash, [self._key_of(mm_hash)])
 
     def worker_meta(self) -> TieredECWorkerMetadata | None:
         """This step's residency changes and counter increments, or None when there are none (vLLM then
         sends nothing)."""
         stats = self._unsent.take()
-        added: set[str] = set()
-        evicted: set[str] = set()
-        if self._memory is not None:
-            with self._resident_lock:
-                added, evicted = self._added, self._evicted
-                self._added, self._evicted = set(), set()
-        if not added and not evicted and not stats:
+        changes = self._residency.take()
+        if changes is None and not stats:
             return None
-        return TieredECWorkerMetadata(added=added, evicted=evicted, stats=stats)
+        return TieredECWorkerMetadata(added=changes.added if changes else set(),
+                                      evicted=changes.evicted if changes else set(), stats=stats)

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.shared.hashing import chunk_boundaries
+from vllm_tiercache.shared.residency import ResidencyChanges
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,11 @@ class TieredKVMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: chunks that entered or left the worker's in-process memory tier.
-
-    vLLM runs the scheduler and the workers in different processes, so the scheduler cannot look into
-    a worker's memory tier; this is how its lookup stays true. With several tensor-parallel workers a
-    chunk is resident only when every rank holds its shard (added: intersection, evicted: union).
-    """
-
-    added: set[bytes] = field(default_factory=set)
-    evicted: set[bytes] = field(default_factory=set)
+class TieredKVWorkerMetadata(ResidencyChanges[bytes], KVConnectorWorkerMetadata):
+    """Worker -> scheduler: chunk hashes that entered or left the worker's in-process memory tier
+    (`vllm_tiercache.shared.residency` says why, and how ranks merge)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
-        return TieredKVWorkerMetadata(added=self.added & other.added, evicted=self.evicted | other.evicted)
+        merged = self.merge(other)
+        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted)

@@ -24,6 +24,7 @@ from vllm_tiercache.kvcache.plan import (
 )
 from vllm_tiercache.shared.hashing import assert_engine_seed_matches
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count
 
@@ -40,7 +41,7 @@ class _RequestState:
     request: Request
     #: chunk index -> present in the store at lookup time (those are never written again)
     stored: list[bool] = field(default_factory=list)
-    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from vllm_tiercache.shared tiers)
+    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
     resident: list[bool] = field(default_factory=list)
     #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
     load_first: int = 0
@@ -87,14 +88,14 @@ class KVSchedulerSide:
         self.hash_algo = hash_algo
         self.request_cacheable = request_cacheable
         self.volatile_decode_tail = volatile_decode_tail
-        shared_kinds = {t.kind for t in getattr(store, "tiers", []) if t.shared_across_processes}
+        shared_kinds = {t.kind for t in store.tiers if t.shared_across_processes}
         self.shared_source = (
             CacheHitSource.DISK
             if shared_kinds and shared_kinds <= {"disk", "gds"}
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
         self._checked_engine_hashing = False
-        self.resident: set[bytes] = set()
+        self.resident: ResidentSet[bytes] = ResidentSet()
         self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
 
@@ -329,8 +330,7 @@ class KVSchedulerSide:
     # -------------------------------------------------------------------------------- worker reports
     def update_connector_output(self, worker_meta: Any) -> None:
         if isinstance(worker_meta, TieredKVWorkerMetadata):
-            self.resident -= worker_meta.evicted
-            self.resident |= worker_meta.added
+            self.resident.apply(worker_meta.added, worker_meta.evicted)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may

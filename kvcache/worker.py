@@ -27,9 +27,9 @@ from vllm_tiercache.kvcache.layout import PagedLayout
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.transfer import BlockMover, make_mover
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import dump_stats
-from vllm_tiercache.shared.store.api import Record, StoreKey
-from vllm_tiercache.shared.store.tiered import TieredStore
+from vllm_tiercache.shared.store.api import Record, Store, StoreKey
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class KVWorkerSide:
     def __init__(
         self,
         *,
-        store: TieredStore,
+        store: Store,
         namespace: str,
         identity: KVModelIdentity,
         block_size: int,
@@ -97,10 +97,7 @@ class KVWorkerSide:
         self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool]] | None] = queue.Queue()
         self._queued_saves = 0
         self._queued_lock = threading.Lock()
-        self._resident_added: set[bytes] = set()
-        self._resident_evicted: set[bytes] = set()
-        self._resident_lock = threading.Lock()
-        self._chunk_of_key: dict[bytes, bytes] = {}
+        self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="tiercache-kv-loader", daemon=True),
@@ -108,7 +105,6 @@ class KVWorkerSide:
         ]
         for thread in self._threads:
             thread.start()
-        store.add_eviction_listener(self._on_evicted)
 
     # ------------------------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> PagedLayout:
@@ -259,12 +255,7 @@ class KVWorkerSide:
             started = time.perf_counter()
             try:
                 meta = {"layout": self.layout.describe() if self.layout else "", "blocks": 0}
-                items = []
-                track = self.store.has_memory_tier
-                for key, blocks, chunk_hash, _ in batch:
-                    if track:
-                        self._chunk_of_key[key.digest] = chunk_hash
-                    items.append((key, blocks, {**meta, "blocks": int(blocks.shape[0])}))
+                items = [(key, blocks, {**meta, "blocks": int(blocks.shape[0])}) for key, blocks, _, _ in batch]
                 self.store.put_many(items, owned=True)
                 done = {chunk_hash for _, _, chunk_hash, last in batch if last}
                 self._report_resident(batch, done)
@@ -287,42 +278,19 @@ class KVWorkerSide:
 
     # ------------------------------------------------------------------------------ residency reports
     def _report_resident(self, batch: list[tuple[StoreKey, torch.Tensor, bytes, bool]], done: set[bytes]) -> None:
-        """Report chunks whose every layer the memory tier holds now (a put can be refused or evicted).
-
-        Checked under the lock the eviction listener takes, so an eviction racing with the report (the
-        EC connector's saves share the memory tier) is never lost.
-        """
-        memory = next((tier for tier in self.store.tiers if tier.kind == "memory"), None)
-        if memory is None or not done:
+        """Report the chunks saved whole in this batch whose every layer the memory tier holds now."""
+        if not self.residency.enabled or not done:
             return
         keys_of: dict[bytes, list[StoreKey]] = {}
         for key, _, chunk_hash, _ in batch:
             if chunk_hash in done:
                 keys_of.setdefault(chunk_hash, []).append(key)
-        with self._resident_lock:
-            for chunk_hash, keys in keys_of.items():
-                if all(memory.contains_many(keys)):
-                    self._resident_added.add(chunk_hash)
-                    self._resident_evicted.discard(chunk_hash)
-
-    def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
-        if tier_kind != "memory":
-            return
-        with self._resident_lock:
-            chunk_hash = self._chunk_of_key.pop(digest, None)
-            if chunk_hash is not None:
-                self._resident_evicted.add(chunk_hash)
-                self._resident_added.discard(chunk_hash)
+        for chunk_hash, keys in keys_of.items():
+            self.residency.stored(chunk_hash, keys)
 
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
-        if not self.store.has_memory_tier:
-            return None
-        with self._resident_lock:
-            if not self._resident_added and not self._resident_evicted:
-                return None
-            meta = TieredKVWorkerMetadata(added=self._resident_added, evicted=self._resident_evicted)
-            self._resident_added, self._resident_evicted = set(), set()
-        return meta
+        changes = self.residency.take()
+        return None if changes is None else TieredKVWorkerMetadata(added=changes.added, evicted=changes.evicted)
 
     def take_counters(self) -> dict[str, Any]:
         with self._counters_lock:

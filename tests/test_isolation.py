@@ -173,7 +173,7 @@ def test_other_namespace_sees_no_entry(world: dict[str, Any]) -> None:
 
 
 def test_other_model_sees_no_entry(world: dict[str, Any]) -> None:
-    """The same weights under another model path: the model is part of every key, so nothing is vllm_tiercache.shared.
+    """The same weights under another model path: the model is part of every key, so nothing is shared.
 
     Same weights on purpose: the KV bytes would even be right, so only the key can keep the models apart.
     """
