@@ -76,15 +76,13 @@ from vllm_tiercache.shared.store.tier_config import invalid as _err
 # names stay importable from here.
 __all__ = [
     "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "POLICIES", "REDIS_SCHEMES",
-    "TIER_KINDS", "TIER_POLICIES", "ConfigError", "DiskTierConfig", "GdsTierConfig", "MemoryTierConfig",
+    "TIER_KINDS", "ConfigError", "DiskTierConfig", "GdsTierConfig", "MemoryTierConfig",
     "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers", "load_file",
     "parse_size",
 ]
 
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
-#: eviction policies per built-in tier kind (each config class's ``POLICIES``)
-TIER_POLICIES = {kind: registry.config_class(kind).POLICIES for kind in TIER_KINDS}
 
 #: the built-in tier configs (a kind registered at runtime brings its own class)
 TierConfig = MemoryTierConfig | DiskTierConfig | GdsTierConfig | RedisTierConfig

@@ -26,7 +26,8 @@ ALLOWED = {
     "eccache": {"shared"},
     "tools": {"shared", "kvcache", "eccache"},
 }
-OLD_TOP_LEVEL = {"shared", "kvcache", "eccache", "tools"}
+#: the folders of the layers: packages only under `vllm_tiercache`, so `import shared` etc. is always wrong
+FOLDER_NAMES = set(ALLOWED)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -51,7 +52,7 @@ def test_each_layer_imports_only_the_layers_below() -> None:
         for path in sorted((REPO / folder).rglob("*.py")):
             for line, name in _imports(path):
                 parts = name.split(".")
-                if parts[0] in OLD_TOP_LEVEL:
+                if parts[0] in FOLDER_NAMES:
                     wrong.append(f"{path.relative_to(REPO)}:{line}: `{name}` is not a module once installed")
                 elif parts[0] == PACKAGE and len(parts) > 1 and parts[1] != folder:
                     layer = parts[1]
@@ -63,7 +64,7 @@ def test_each_layer_imports_only_the_layers_below() -> None:
 def test_tests_and_the_plugin_use_the_namespace_only() -> None:
     paths = [*sorted((REPO / "tests").rglob("*.py")), *sorted((REPO / PACKAGE).rglob("*.py"))]
     wrong = [f"{p.relative_to(REPO)}:{line}: {name}" for p in paths for line, name in _imports(p)
-             if name.split(".")[0] in OLD_TOP_LEVEL]
+             if name.split(".")[0] in FOLDER_NAMES]
     assert not wrong, wrong
 
 
@@ -102,7 +103,7 @@ def test_a_working_directory_with_its_own_shared_folder_does_not_shadow_the_plug
     """What `python -m vllm.entrypoints.openai.api_server` does from a user's project directory: load the
     plugins, resolve both connector names and our encoder cache manager, with `shared/`, `kvcache/` and
     `eccache/` folders of the user's own in the current directory (first on `sys.path`)."""
-    for name in OLD_TOP_LEVEL:
+    for name in FOLDER_NAMES:
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user project {name} was imported')\n")
     code = (

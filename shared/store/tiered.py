@@ -262,10 +262,6 @@ class TieredStore:
         """The in-process memory tier, if any: the one tier other processes can't see (residency reports)."""
         return next((tier for tier in self.tiers if tier.kind == "memory"), None)
 
-    @property
-    def has_memory_tier(self) -> bool:
-        return self.memory_tier is not None
-
     def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
         """Call `listener(tier_kind, digest)` whenever a tier that reports evictions drops a record.
 
