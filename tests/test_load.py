@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,14 @@ POPULAR = 10
 NEW_PER_ROUND = 30
 MAX_TOKENS = 4
 #: How much more the group's anonymous RSS may grow from round 2 to the last round with the connectors than
-#: without. Both servers run with MALLOC_ARENA_MAX=1: with glibc's default of one arena per thread, the
-#: connectors' loader, saver and writer threads each keep an arena of freed tensor memory, and the worker
-#: grew about 10 MiB a round more than vLLM's (rounds 3-10: 20, 10, 11, 11, 8, 4 MiB) while the same run
-#: with one arena grew the connector-less worker as much (rounds 2-10: +106 MiB with connectors, +105 MiB
-#: without): allocator retention, not a leak, and it measured the allocator. With one arena the two compare
-#: like with like. Why relative: vLLM's own worker grows under this load with one arena. A leak of one
-#: 64-token chunk copy per request (128 KiB x 100 requests = 12.5 MiB a round) gives 100 MiB over the 8
-#: rounds measured, twice this bound.
+#: without, measured once the connector server's disk writes are done (`wait_for_disk_writes`). Two things
+#: grew the connectors' worker that are not leaks: records still queued for the disk when a round ended
+#: (up to ~40 MiB here, varying from run to run), and glibc's per-thread malloc arenas, which keep the freed
+#: tensor memory of the loader, saver and writer threads (about 10 MiB a round more than vLLM's worker with
+#: the default arenas). Both servers therefore run with MALLOC_ARENA_MAX=1. Why relative: vLLM's own worker
+#: grows under this load (+27 to +105 MiB over rounds 2-10 here). A leak of one 64-token chunk copy per
+#: request (128 KiB x 100 requests = 12.5 MiB a round) gives 100 MiB over the 8 rounds measured, twice
+#: this bound.
 RSS_GROWTH_BOUND = 48 << 20
 MEMORY_TIER = "16MiB"
 
@@ -81,6 +82,28 @@ def group_rss(pgid: int, field: str = "RssAnon") -> int:
         except (OSError, IndexError, ValueError):
             continue  # the process ended meanwhile
     return total
+
+
+def wait_for_disk_writes(disk: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
+    """Return once the disk tier's files stopped changing for `quiet_s` (the store's writer is idle).
+
+    Why: the write-behind queue holds the tensors of records not yet on disk (the worker was seen with
+    ~1,250 queued 32 KiB records, ~40 MiB, when a round's last answer came back). Measured then, RSS says
+    how far the disk lags behind, which varies from run to run, not what the connectors keep.
+    """
+    def snapshot() -> tuple[int, int]:
+        files = [p for p in disk.rglob("*") if p.is_file()]
+        return len(files), sum(p.stat().st_size for p in files if p.exists())
+
+    deadline = time.monotonic() + limit_s
+    last = snapshot()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = snapshot()
+        if now == last:
+            return
+        last = now
+    raise AssertionError(f"the disk tier at {disk} was still being written {limit_s:.0f} s after the round")
 
 
 def _data_url(doc: Document) -> str:
@@ -117,8 +140,9 @@ def _plans(docs: list[Document]) -> list[list[tuple[str, Document, str]]]:
     return plans
 
 
-def _serve(server: Server, plans: list[list[tuple[str, Document, str]]]) -> dict[str, Any]:
-    """Start the server, send each round's requests all at once, measure the group's RSS after each round.
+def _serve(server: Server, plans: list[list[tuple[str, Document, str]]], disk: Path | None) -> dict[str, Any]:
+    """Start the server, send each round's requests all at once, measure the group's RSS after each round
+    (once the disk tier, if any, is idle: see `wait_for_disk_writes`).
 
     The client keeps no idle connection: uvicorn closes idle keep-alive connections after 5 s, and a pooled
     connection reused at that moment fails in the HTTP layer (seen once here as `APIConnectionError`), which
@@ -140,6 +164,8 @@ def _serve(server: Server, plans: list[list[tuple[str, Document, str]]]) -> dict
                 answers = list(pool.map(lambda p: _ask(client, p[1], p[2]), plan))
                 rounds.append([{"kind": kind, "doc": doc.index, "question": q, **a}
                                for (kind, doc, q), a in zip(plan, answers, strict=True)])
+                if disk is not None:
+                    wait_for_disk_writes(disk)
                 rss.append(group_rss(server.proc.pid))
         http.close()
         log_tail = server.log_tail()
@@ -174,7 +200,8 @@ def load_run(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     # Both servers at once, under the same load pattern: CI waits for one server start, not two, and the
     # two RSS series are measured side by side on the same machine.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        baseline, tiered = pool.map(lambda server: _serve(server, plans), servers)
+        baseline, tiered = pool.map(lambda server_disk: _serve(server_disk[0], plans, server_disk[1]),
+                                    [(servers[0], None), (servers[1], work / "disk")])
     return {**tiered, "baseline": baseline, "stats_dir": work / "stats"}
 
 
