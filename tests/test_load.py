@@ -41,14 +41,19 @@ POPULAR = 10
 NEW_PER_ROUND = 30
 MAX_TOKENS = 4
 #: How much more the group's anonymous RSS may grow from round 2 to the last round with the connectors than
-#: without, measured once the connector server's disk writes are done (`wait_for_disk_writes`). Two things
-#: grew the connectors' worker that are not leaks: records still queued for the disk when a round ended
-#: (up to ~40 MiB here, varying from run to run), and glibc's per-thread malloc arenas, which keep the freed
-#: tensor memory of the loader, saver and writer threads (about 10 MiB a round more than vLLM's worker with
-#: the default arenas). Both servers therefore run with MALLOC_ARENA_MAX=1. Why relative: vLLM's own worker
-#: grows under this load (+27 to +105 MiB over rounds 2-10 here). A leak of one 64-token chunk copy per
-#: request (128 KiB x 100 requests = 12.5 MiB a round) gives 100 MiB over the 8 rounds measured, twice
-#: this bound.
+#: without, measured once the connector server's disk writes are done (`wait_for_disk_writes`).
+#: What grew that is not a leak, and how the test takes it out (measured in the worker with mallinfo2 and a
+#: gc walk of live tensors, 2026-11-23):
+#: - oneDNN's primitive cache: vLLM's own worker grew 27-113 MiB over rounds 2-10, differently in every run,
+#:   because every new batch shape compiles and caches kernels (up to 1,024 of them). With
+#:   ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 on both servers, vLLM alone grew 3 MiB and malloc's in-use bytes in
+#:   the connectors' worker stayed flat (266-267 MiB from round 2 to 10), so any growth left is ours.
+#: - glibc's per-thread arenas keep the freed tensor memory of the loader, saver and writer threads, so both
+#:   servers run with MALLOC_ARENA_MAX=1. What remains is freed memory glibc keeps in its one arena
+#:   (+20 MiB over rounds 2-10 in that run, with flat in-use bytes).
+#: - records still queued for the disk when a round ended (~40 MiB): the measurement waits for the disk.
+#: A leak of one 64-token chunk copy per request (128 KiB x 100 requests = 12.5 MiB a round) gives
+#: 100 MiB over the 8 rounds measured, twice this bound.
 RSS_GROWTH_BOUND = 48 << 20
 MEMORY_TIER = "16MiB"
 
@@ -195,8 +200,9 @@ def load_run(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             stats_dir=work / "stats",
         ),
     ]
-    for server in servers:
-        server.env["MALLOC_ARENA_MAX"] = "1"  # see RSS_GROWTH_BOUND
+    for server in servers:  # see RSS_GROWTH_BOUND for both
+        server.env["MALLOC_ARENA_MAX"] = "1"
+        server.env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "0"
     # Both servers at once, under the same load pattern: CI waits for one server start, not two, and the
     # two RSS series are measured side by side on the same machine.
     with ThreadPoolExecutor(max_workers=2) as pool:
