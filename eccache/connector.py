@@ -9,7 +9,8 @@ Configure it like any vLLM 0.32 EC connector::
         ec_connector_extra_config={"namespace": "demo", "tiers": [...], "x_ec_stats_path": "/tmp/ec.json"},
     )
 
-`ec_connector_extra_config` is a `vllm_tiercache.shared.config.StoreConfig` dict (validated there). Roles: `ec_producer`
+`ec_connector_extra_config` is the store config (`vllm_tiercache.shared.config.StoreConfig`) plus this
+connector's own options (`vllm_tiercache.eccache.options.ECConnectorOptions`), in one dict. Roles: `ec_producer`
 saves what it encodes and never loads (vLLM then runs the encoder only: an encode instance; an item
 the store already holds is not encoded again),
 `ec_consumer` loads and never saves, `ec_both` loads what is stored and saves what it computed.
@@ -30,7 +31,6 @@ more such file; `{pid}` in it is replaced by the process id, so that processes d
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -50,12 +50,12 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from vllm_tiercache.eccache.metrics import TieredECPromMetrics
+from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
-from vllm_tiercache.shared.config import StoreConfig
-from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key
+from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
-from vllm_tiercache.shared.stats_dump import dump_stats
+from vllm_tiercache.shared.stats_dump import dump_stats, write_stats_file
 from vllm_tiercache.shared.store import get_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.vllm_compat import check_vllm_version
@@ -139,23 +139,25 @@ class TieredECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         ec = vllm_config.ec_transfer_config
         assert ec is not None
-        self._config = StoreConfig.load(dict(ec.ec_connector_extra_config or {}))
+        options, self._config = ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))
         # Refuses, before a store is opened, a mode where identifiers do not name content.
         self._identifiers = MultiModalIdentifierPolicy.for_engine(
             vllm_config, trust_user_uuids=self._config.trust_multi_modal_uuids, connector="TieredECConnector"
         )
         # One store per process and config: the KV connector in this process shares it (and its budget).
         self._store = get_store(self._config)
-        self._identity = EncoderIdentity.from_vllm_config(vllm_config)
-        path = self._config.extra.get("x_ec_stats_path")
-        self._stats_path: str | None = str(path).replace("{pid}", str(os.getpid())) if path else None
+        weights = weights_of(vllm_config, self._config.model_version)
+        self._identity = EncoderIdentity.from_vllm_config(vllm_config, weights=weights)
+        self._stats_path = options.stats_file(os.getpid())
         self._stats_version = -1
         self._executor = str(vllm_config.parallel_config.distributed_executor_backend)
         _ROLES.add(role.name.lower())
         logger.info(
-            "TieredECConnector: role=%s ec_role=%s pid=%d executor=%s world_size=%d",
+            "TieredECConnector: role=%s ec_role=%s pid=%d executor=%s world_size=%d model=%s weights=%s "
+            "fingerprint=%s namespace=%s",
             role.name, ec.ec_role, os.getpid(), vllm_config.parallel_config.distributed_executor_backend,
-            vllm_config.parallel_config.world_size,
+            vllm_config.parallel_config.world_size, self._identity.model, weights.digest,
+            self._identity.encoder_fingerprint, self._config.namespace,
         )
         if role == ECConnectorRole.SCHEDULER:
             # Whether the worker shares this process (and so its memory tier) is checked at lookup time:
@@ -197,13 +199,7 @@ class TieredECConnector(ECConnectorBase):
         payload = self.stats()
         dump_stats("ec", payload, min_interval_s=0.0)
         if self._stats_path:
-            try:
-                tmp = f"{self._stats_path}.tmp{os.getpid()}"
-                with open(tmp, "w") as f:
-                    json.dump({"pid": os.getpid(), **payload}, f, default=str)
-                os.replace(tmp, self._stats_path)
-            except OSError as exc:
-                logger.warning("tiercache EC: cannot write stats to %s: %s", self._stats_path, exc)
+            write_stats_file(self._stats_path, {"pid": os.getpid(), **payload})
 
     # ------------------------------------------------------------------------------------ worker side
 

@@ -115,14 +115,15 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
 
 
 def _connector_policy(vllm_config: Any) -> str | None:
-    """`encoder_cache_policy` of the EC connector's store config (read as the connector reads it, so a
+    """`encoder_cache_policy` of the EC connector's options (read as the connector reads them, so a
     `config_file` or `$TIERCACHE_CONFIG` works too), or None without an EC connector."""
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is None:
         return None
-    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.eccache.options import ECConnectorOptions
 
-    return StoreConfig.load(dict(getattr(ec, "ec_connector_extra_config", None) or {})).encoder_cache_policy
+    options, _ = ECConnectorOptions.load(dict(getattr(ec, "ec_connector_extra_config", None) or {}))
+    return options.encoder_cache_policy
 
 
 class LRUEncoderCacheManager(PolicyEncoderCacheManager):

@@ -5,13 +5,14 @@ WORKER). The shell reads the configuration, then forwards every call to `KVSched
 `KVWorkerSide`, which hold all the logic. Configure it with
 
     --kv-transfer-config '{"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {...store config, see vllm_tiercache.shared.config...}}'
+                           "kv_connector_extra_config": {...store config and KV options...}}'
 
-Connector-only keys in the extra config (removed before the store sees it): `load_failure_policy`
-("recompute": a chunk that fails to load is recomputed by vLLM; "fail": vLLM fails the request) and
-`warmup_cpu_attention` (default true; see `vllm_tiercache.kvcache.cpu_warmup`). `load_failure_policy` only fills a
-default: vLLM's own `KVTransferConfig.kv_load_failure_policy`, when the user set it, wins, and the two set
-to different values is a `ConfigError` (`resolve_load_failure_policy`).
+The extra config is one dict: the store config (`vllm_tiercache.shared.config`) and this connector's own
+options (`vllm_tiercache.kvcache.options`: chunk size, save flags, `load_failure_policy`,
+`warmup_cpu_attention`), split by `KVConnectorOptions.load`. `load_failure_policy` ("recompute": a chunk
+that fails to load is recomputed by vLLM; "fail": vLLM fails the request) only fills a default: vLLM's own
+`KVTransferConfig.kv_load_failure_policy`, when the user set it, wins, and the two set to different values
+is a `ConfigError` (`resolve_load_failure_policy`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
-from vllm_tiercache.kvcache.layout import layout_tag
-from vllm_tiercache.kvcache.plan import ChunkGeometry, TieredKVMetadata
+from vllm_tiercache.kvcache.naming import KVNaming
+from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
+from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats
 from vllm_tiercache.kvcache.worker import KVWorkerSide
-from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.hashing import check_seed_is_stable
-from vllm_tiercache.shared.keys import KVModelIdentity
+from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.store import get_store
 from vllm_tiercache.shared.store.counters import COUNTER_NAMES
@@ -57,31 +57,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-_CONNECTOR_KEYS = ("load_failure_policy", "warmup_cpu_attention")
-_FAILURE_POLICIES = ("recompute", "fail")
-#: What a chunk that fails to load costs when neither vLLM's setting nor our option says: a recompute,
-#: never a failed request (a bad or evicted record is a cache miss).
-DEFAULT_LOAD_FAILURE_POLICY = "recompute"
-
-
-def split_extra_config(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(connector-only options, store config) from `kv_connector_extra_config`.
-
-    `load_failure_policy` stays None when the user did not give it: whether it fills the default is
-    decided against vLLM's own setting (`resolve_load_failure_policy`).
-    """
-    own = {k: extra[k] for k in _CONNECTOR_KEYS if k in extra}
-    store = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
-    policy = own.setdefault("load_failure_policy", None)
-    if policy is not None and policy not in _FAILURE_POLICIES:
-        raise ConfigError(
-            f"kv_connector_extra_config.load_failure_policy={policy!r} is not allowed; "
-            f"allowed: {', '.join(_FAILURE_POLICIES)}"
-        )
-    own.setdefault("warmup_cpu_attention", True)
-    return own, store
-
 
 def resolve_load_failure_policy(vllm_policy: str, vllm_explicit: bool, option: str | None) -> str:
     """The `kv_load_failure_policy` vLLM runs with: the user's vLLM setting, else our option, else ours.
@@ -128,47 +103,42 @@ class TieredKVConnector(KVConnectorBase_V1):
         check_vllm_version("TieredKVConnector")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self._options, store_dict = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        self._options, config = KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))
         # The scheduler reads this right after building us (and before any request).
         vllm_explicit = is_explicitly_set(transfer, "kv_load_failure_policy", cli_flag="kv-transfer-config")
         transfer.kv_load_failure_policy = resolve_load_failure_policy(
-            transfer.kv_load_failure_policy, vllm_explicit, self._options["load_failure_policy"]
+            transfer.kv_load_failure_policy, vllm_explicit, self._options.load_failure_policy
         )
         if role == KVConnectorRole.SCHEDULER:  # the process whose value vLLM reads; one line per engine
             if vllm_explicit:
                 source = "vLLM's kv_load_failure_policy"
-            elif self._options["load_failure_policy"] is not None:
+            elif self._options.load_failure_policy is not None:
                 source = "kv_connector_extra_config"
             else:
                 source = "TieredKVConnector's default"
             log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
                      source)
-        config = StoreConfig.load(store_dict)
         # Refuses, before a store is opened, a mode where multimodal identifiers do not name content.
         identifiers = MultiModalIdentifierPolicy.for_engine(
             vllm_config, trust_user_uuids=config.trust_multi_modal_uuids, connector="TieredKVConnector"
         )
-        cache_config = vllm_config.cache_config
-        check_seed_is_stable(cache_config.prefix_caching_hash_algo)
-        self._block_size = cache_config.block_size
-        geometry = ChunkGeometry(block_size=cache_config.block_size, chunk_size=config.chunk_size)
+        naming = KVNaming.from_configs(vllm_config, config, self._options)
+        identity = naming.identities[0]
+        log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d",
+                 role.name, identity.model, identity.weights, identity.fingerprint, naming.namespace,
+                 self._options.chunk_size)
+        self._block_size = naming.geometry.block_size
         self._store = get_store(config)
-        layout = layout_tag(vllm_config)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: KVSchedulerSide | None = None
         self._worker: KVWorkerSide | None = None
         self._last_tier_stats: dict[str, dict[str, Any]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVSchedulerSide(
                 store=self._store,
-                namespace=config.namespace,
-                identities=[KVModelIdentity.from_vllm_config(vllm_config, layout, r) for r in range(tp_size)],
-                geometry=geometry,
+                naming=naming,
                 can_load=transfer.is_kv_consumer,
                 can_save=transfer.is_kv_producer,
-                save_partial_chunks=config.save_partial_chunks,
-                save_decode=config.save_decode,
-                hash_algo=cache_config.prefix_caching_hash_algo,
+                save_decode=self._options.save_decode,
                 volatile_decode_tail=uses_eagle(vllm_config),
                 request_cacheable=identifiers.request_cacheable,
             )
@@ -177,9 +147,8 @@ class TieredKVConnector(KVConnectorBase_V1):
 
             self._worker = KVWorkerSide(
                 store=self._store,
-                namespace=config.namespace,
-                identity=KVModelIdentity.from_vllm_config(vllm_config, layout, get_tensor_model_parallel_rank()),
-                block_size=cache_config.block_size,
+                naming=naming,
+                rank=get_tensor_model_parallel_rank(),
                 use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
             )
 
@@ -203,7 +172,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         if layout.device.type == "cpu":
             # Before any load: the first step may attend over loaded KV with vLLM's AMX kernel.
             self._worker.totals["amx_allowed"] = int(allow_amx_tiles())
-            if self._options["warmup_cpu_attention"]:
+            if self._options.warmup_cpu_attention:
                 warmed = warm_cpu_attention(self._vllm_config, layout.dtype, self._block_size)
                 self._worker.totals["cpu_attention_warmed"] = int(warmed)
 

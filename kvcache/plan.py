@@ -1,8 +1,8 @@
 """What the scheduler tells the workers each step: which chunks to load into which blocks, which to save.
 
 These plain dataclasses cross the scheduler -> worker process boundary inside vLLM's
-`KVConnectorMetadata`, so they hold only ints, bytes and lists. Chunk geometry lives here too, so the
-scheduler and the offline jobs cut prompts into the same chunks.
+`KVConnectorMetadata`, so they hold only ints, bytes and lists. How prompts are cut into chunks and how
+chunks are named: `vllm_tiercache.kvcache.naming`.
 """
 
 from __future__ import annotations
@@ -14,36 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_tiercache.shared.hashing import chunk_boundaries
 from vllm_tiercache.shared.residency import ResidencyChanges
-
-
-@dataclass(frozen=True)
-class ChunkGeometry:
-    """How a request's full blocks group into chunks: `chunk_size` tokens = `blocks_per_chunk` blocks."""
-
-    block_size: int
-    chunk_size: int
-
-    def __post_init__(self) -> None:
-        if self.chunk_size <= 0 or self.chunk_size % self.block_size:
-            raise ValueError(
-                f"chunk_size={self.chunk_size} must be a positive multiple of the engine's block_size="
-                f"{self.block_size}; set kv_connector_extra_config.chunk_size to e.g. "
-                f"{max(self.block_size, (self.chunk_size // self.block_size or 1) * self.block_size)}"
-            )
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.block_size
-
-    def chunk_start(self, end_block: int) -> int:
-        """First block of the chunk that ends at `end_block` (full or the partial last one)."""
-        return ((end_block - 1) // self.blocks_per_chunk) * self.blocks_per_chunk
-
-    def chunk_ends(self, num_full_blocks: int) -> list[int]:
-        """End block (exclusive) of every chunk over `num_full_blocks`; the last one may be partial."""
-        return chunk_boundaries(num_full_blocks, self.blocks_per_chunk)
 
 
 @dataclass

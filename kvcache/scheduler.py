@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import (
-    ChunkGeometry,
     ChunkLoad,
     ChunkSave,
     RequestPlan,
@@ -23,9 +23,8 @@ from vllm_tiercache.kvcache.plan import (
     TieredKVWorkerMetadata,
 )
 from vllm_tiercache.shared.hashing import assert_engine_seed_matches
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.residency import ResidentSet
-from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.store.api import Store
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count
 
 if TYPE_CHECKING:
@@ -61,31 +60,25 @@ class KVSchedulerSide:
         self,
         *,
         store: Store,
-        namespace: str,
-        identities: list[KVModelIdentity],
-        geometry: ChunkGeometry,
+        naming: KVNaming,
         can_load: bool,
         can_save: bool,
-        save_partial_chunks: bool,
         save_decode: bool,
-        hash_algo: str,
         request_cacheable: Callable[[Request], bool] | None = None,
         volatile_decode_tail: bool = False,
     ) -> None:
-        """`request_cacheable`: asked once per request; False keeps the request out of the store both ways
-        (no lookup, no save), e.g. when its multimodal items carry no trustworthy content identifier, so
-        its block hashes do not name its content. `volatile_decode_tail`: an EAGLE/MTP drafter runs, so
+        """`naming`: how prompts are cut into chunks, how chunks are named, and whether a partial last
+        chunk is saved: the rule `tiercache precompute docs` follows too. `request_cacheable`: asked once
+        per request; False keeps the request out of the store both ways (no lookup, no save), e.g. when
+        its multimodal items carry no trustworthy content identifier, so its block hashes do not name
+        its content. `volatile_decode_tail`: an EAGLE/MTP drafter runs, so
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
         be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`)."""
         self.store = store
-        self.namespace = namespace
-        self.identities = identities  # one per tensor-parallel rank: a chunk is there when all ranks are
-        self.geometry = geometry
+        self.naming = naming
         self.can_load = can_load
         self.can_save = can_save
-        self.save_partial_chunks = save_partial_chunks
         self.save_decode = save_decode
-        self.hash_algo = hash_algo
         self.request_cacheable = request_cacheable
         self.volatile_decode_tail = volatile_decode_tail
         shared_kinds = {t.kind for t in store.tiers if t.shared_across_processes}
@@ -99,21 +92,18 @@ class KVSchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
 
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return self.naming.geometry
+
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
 
     # ---------------------------------------------------------------------------------------- lookup
-    def _chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
-        return [
-            kv_chunk_key(self.namespace, identity, chunk_hash, layer)
-            for identity in self.identities
-            for layer in range(identity.num_layers)
-        ]
-
     def _check_engine_hashing(self, request: Request) -> None:
         """Once, at the first request (vLLM seeds NONE_HASH only after building the connector)."""
         self._checked_engine_hashing = True
-        assert_engine_seed_matches(self.hash_algo)
+        assert_engine_seed_matches(self.naming.hash_algo)
         expected = request.num_tokens // self.geometry.block_size
         if len(request.block_hashes) != expected:
             raise RuntimeError(
@@ -133,7 +123,7 @@ class KVSchedulerSide:
         present = list(resident)
         missing = [i for i, hit in enumerate(present) if not hit]
         if missing:
-            per_chunk = [self._chunk_keys(hashes[i]) for i in missing]
+            per_chunk = [self.naming.chunk_keys(hashes[i]) for i in missing]
             flat = [key for keys in per_chunk for key in keys]
             found = self.store.contains_many(flat, shared_only=True)
             offset = 0
@@ -157,9 +147,9 @@ class KVSchedulerSide:
         for e, h in zip(candidates, hashes, strict=True):
             if h in self.resident:
                 return e, True
-        probe = [kv_chunk_key(self.namespace, self.identities[0], h, 0) for h in hashes]
+        probe = [self.naming.probe_key(h) for h in hashes]
         for e, h, hit in zip(candidates, hashes, self.store.contains_many(probe, shared_only=True), strict=True):
-            if hit and all(self.store.contains_many(self._chunk_keys(h), shared_only=True)):
+            if hit and all(self.store.contains_many(self.naming.chunk_keys(h), shared_only=True)):
                 return e, False
         return None
 
@@ -311,15 +301,17 @@ class KVSchedulerSide:
             volatile_end = computed_blocks // per_chunk * per_chunk
             ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
         prefill_done = computed_after >= request.num_prompt_tokens
+        # The partial last chunk, if the naming stores one, once the whole prompt is computed.
+        stored = self.naming.stored_chunk_ends(prompt_blocks)
+        partial = stored[-1] if stored and stored[-1] % per_chunk else None
         if (
-            self.save_partial_chunks
+            partial is not None
             and prefill_done
-            and prompt_blocks % self.geometry.blocks_per_chunk
-            and prompt_blocks > state.saved_until
-            and prompt_blocks <= computed_blocks
-            and prompt_blocks not in ends
+            and partial > state.saved_until
+            and partial <= computed_blocks
+            and partial not in ends
         ):
-            ends.append(prompt_blocks)
+            ends.append(partial)
         chunk_of_end = {end: i for i, end in enumerate(self.geometry.chunk_ends(prompt_blocks))}
         return [
             end

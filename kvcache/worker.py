@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from vllm_tiercache.kvcache.layout import PagedLayout
+from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.transfer import BlockMover, make_mover
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import dump_stats
 from vllm_tiercache.shared.store.api import Record, Store, StoreKey
@@ -74,15 +74,17 @@ class KVWorkerSide:
         self,
         *,
         store: Store,
-        namespace: str,
-        identity: KVModelIdentity,
-        block_size: int,
+        naming: KVNaming,
+        rank: int,
         use_mla: bool,
     ) -> None:
+        """`naming` names the records (the scheduler side's naming); `rank`: this worker's tensor-parallel
+        rank, whose records it reads and writes."""
         self.store = store
-        self.namespace = namespace
-        self.identity = identity
-        self.block_size = block_size
+        self.naming = naming
+        self.rank = rank
+        self.identity = naming.identities[rank]
+        self.block_size = naming.geometry.block_size
         self.use_mla = use_mla
         self.layout: PagedLayout | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -130,7 +132,7 @@ class KVWorkerSide:
         return layout
 
     def key(self, chunk_hash: bytes, layer: int) -> StoreKey:
-        return kv_chunk_key(self.namespace, self.identity, chunk_hash, layer)
+        return self.naming.record_key(chunk_hash, layer, self.rank)
 
     # ------------------------------------------------------------------------------------------ loads
     def start_load(self, meta: TieredKVMetadata) -> None:

@@ -1,9 +1,15 @@
-"""One schema for the tiered store and the connector options that travel with it.
+"""One schema for the tiered store, and the one split of a connector's extra config into its parts.
 
 Why one schema: both connectors (KV cache and encoder cache) and the offline jobs build a store from the
 same user-facing dict; validating it in one place gives one error style (field path, bad value, what is
 allowed) and one normalized form, which `vllm_tiercache.shared.store.get_store` uses to hand every caller in a process
 the same store object.
+
+Who owns what: the dict holds the store's keys (below) beside each connector's own options. A
+connector's options are parsed, defaulted and checked by the connector (`vllm_tiercache.kvcache.options`,
+`vllm_tiercache.eccache.options`), which gets them from `split_connector_config`; this module only knows
+their names (`CONNECTOR_KEYS`), so that a key another reader owns is told apart from a typo: users write
+one dict for both connectors and the tools, and every reader skips what it does not own.
 
 Sources, first match wins:
 
@@ -13,15 +19,13 @@ Sources, first match wins:
 3. Nothing at all: a memory tier (2 GiB) and a disk tier under the user's cache dir
    (``$XDG_CACHE_HOME/vllm-tiercache`` or ``~/.cache/vllm-tiercache``).
 
-Top-level keys and defaults:
+The store's top-level keys and defaults:
 
 - ``namespace`` (str, "default"): first field of every key; separates models/deployments sharing tiers.
-- ``chunk_size`` (int, 256): tokens per KV record; a positive multiple of 16 (vLLM block sizes).
-- ``save_partial_chunks`` (bool, true): also store the trailing chunk shorter than ``chunk_size``.
-- ``save_decode`` (bool, false): also store KV produced while decoding.
 - ``write_queue_size`` (int, 256): bound of the background queue for slower-tier writes.
-- ``encoder_cache_policy`` (str or null, null): eviction policy of ``PolicyEncoderCacheManager``
-  (lru, lfu, wtinylfu; null = ``vllm_tiercache.shared.eviction.DEFAULT_POLICY``).
+- ``model_version`` (str or null, null): names the served weights in every key instead of a digest of the
+  model's files (see ``vllm_tiercache.shared.weights_identity``); the operator vouches that new weights get
+  a new value. Without it the files are digested once per file and the digests remembered.
 - ``trust_multi_modal_uuids`` (bool, false): the operator vouches that user-supplied ``multi_modal_uuids``
   name their items' content, so records may be stored and served under them (see
   ``vllm_tiercache.shared.mm_identifiers``); without it, items named by a uuid are never cached.
@@ -37,8 +41,12 @@ Top-level keys and defaults:
     ``retry_after_s`` (number, 5.0: how long a down server is left alone), ``key_prefix``
     (str, "tiercache:"), and any ``ssl_*`` option of redis-py (``ssl_ca_certs``, ``ssl_cert_reqs``,
     ``ssl_certfile``, ``ssl_keyfile``, ...), passed through for TLS.
-- ``x_*``: anything prefixed ``x_`` is kept in ``StoreConfig.extra`` for experiments; every other
-  unknown key is an error (typos must not be silently ignored).
+- ``x_*``: anything prefixed ``x_`` (and not a connector's own key) is kept in ``StoreConfig.extra`` for
+  experiments; every other unknown key is an error (typos must not be silently ignored).
+
+The connectors' keys (`CONNECTOR_KEYS`): ``chunk_size``, ``save_partial_chunks``, ``save_decode``,
+``load_failure_policy`` and ``warmup_cpu_attention`` (KV connector), ``encoder_cache_policy`` and
+``x_ec_stats_path`` (EC connector).
 
 Sizes are ints (bytes) or strings: "8GiB", "500MB", "1.5GiB", "64KiB", "1024".
 
@@ -46,19 +54,20 @@ Environment overrides (applied last, over every source above):
 
 - ``TIERCACHE_CONFIG``: config file used when ``extra`` is empty (no default).
 - ``TIERCACHE_NAMESPACE``: overrides ``namespace``.
-- ``TIERCACHE_CHUNK_SIZE``: overrides ``chunk_size``.
 - ``TIERCACHE_CACHE_DIR``: directory of the default disk tier (default: the user cache dir above).
 - ``TIERCACHE_MEMORY_CAPACITY``: capacity of the default memory tier (default 2GiB).
 - ``TIERCACHE_DISK_CAPACITY``: capacity of the default disk tier (default 20GiB).
+- ``TIERCACHE_CHUNK_SIZE`` overrides ``chunk_size``; the KV connector's options read it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from vllm_tiercache.shared.eviction import POLICIES
@@ -75,10 +84,10 @@ from vllm_tiercache.shared.store.tier_config import invalid as _err
 # The tier config classes live beside their tiers (see `vllm_tiercache.shared.store.registry`); these
 # names stay importable from here.
 __all__ = [
-    "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "POLICIES", "REDIS_SCHEMES",
-    "TIER_KINDS", "ConfigError", "DiskTierConfig", "GdsTierConfig", "MemoryTierConfig",
-    "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers", "load_file",
-    "parse_size",
+    "CONNECTOR_KEYS", "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "POLICIES",
+    "REDIS_SCHEMES", "STORE_KEYS", "TIER_KINDS", "ConfigError", "DiskTierConfig", "GdsTierConfig",
+    "MemoryTierConfig", "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers",
+    "load_file", "parse_size", "read_sources", "split_connector_config",
 ]
 
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
@@ -106,20 +115,69 @@ def default_tiers() -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------------------- store
 
-_TOP_KEYS = ("namespace", "chunk_size", "save_partial_chunks", "save_decode", "write_queue_size",
-             "encoder_cache_policy", "trust_multi_modal_uuids", "tiers", "config_file")
+#: The store's own top-level keys (``config_file`` is read by `read_sources`, before the store sees the dict).
+STORE_KEYS = ("namespace", "write_queue_size", "model_version", "trust_multi_modal_uuids", "tiers", "config_file")
+
+#: Top-level keys of the user-facing dict that a connector owns, by connector. Only the names live here:
+#: every reader of the one dict (either connector, the tools) skips another owner's keys instead of calling
+#: them typos. Types, defaults and checks are the owner's (`vllm_tiercache.kvcache.options`,
+#: `vllm_tiercache.eccache.options`, whose ``KEYS`` are these tuples).
+CONNECTOR_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "TieredKVConnector": ("chunk_size", "save_partial_chunks", "save_decode", "load_failure_policy",
+                          "warmup_cpu_attention"),
+    "TieredECConnector": ("encoder_cache_policy", "x_ec_stats_path"),
+})
+
+
+def _connector_owned(key: Any) -> bool:
+    return any(key in keys for keys in CONNECTOR_KEYS.values())
+
+
+def _unknown_key(key: Any) -> ConfigError:
+    """One message for a key nobody owns: every known key of the dict, by owner (a typo may be of any)."""
+    owners = "; ".join(f"{', '.join(keys)} ({name})" for name, keys in CONNECTOR_KEYS.items())
+    return ConfigError(f"{key}: unknown key; known keys: {', '.join(STORE_KEYS)}, extra, x_* (anything prefixed "
+                       f"x_ is kept in StoreConfig.extra); connector options: {owners}")
+
+
+def read_sources(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The user-facing dict from a connector's extra config, its ``config_file``, ``$TIERCACHE_CONFIG``
+    (when ``extra`` is empty) and ``$TIERCACHE_NAMESPACE``: every key, for every owner, not validated."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise _err("<config>", extra, "a mapping (dict) of store options")
+    raw: dict[str, Any] = {}
+    if extra:
+        raw = dict(extra)
+        if "config_file" in raw:
+            file_cfg = load_file(_str(raw.pop("config_file"), "config_file"))  # type: ignore[arg-type]
+            raw = {**file_cfg, **raw}
+    elif os.environ.get("TIERCACHE_CONFIG"):
+        raw = load_file(os.environ["TIERCACHE_CONFIG"], origin="TIERCACHE_CONFIG")
+    if os.environ.get("TIERCACHE_NAMESPACE"):
+        raw["namespace"] = os.environ["TIERCACHE_NAMESPACE"]
+    return raw
+
+
+def split_connector_config(extra: Mapping[str, Any] | None, own_keys: Sequence[str]
+                           ) -> tuple[dict[str, Any], StoreConfig]:
+    """(the connector's own options, raw; the validated store config) from one connector's extra config.
+
+    ``own_keys`` are the connector's names in `CONNECTOR_KEYS`; the connector's options class parses the
+    first part. Keys of the other connector are skipped (users give both connectors one dict); any other
+    unknown key is a `ConfigError` that names the known keys of every part.
+    """
+    raw = read_sources(extra)
+    own = {key: raw[key] for key in own_keys if key in raw}
+    return own, StoreConfig.from_dict(raw)
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """The validated, normalized configuration of one tiered store plus connector options."""
+    """The validated, normalized configuration of one tiered store (no connector options: see above)."""
 
     namespace: str = "default"
-    chunk_size: int = 256
-    save_partial_chunks: bool = True
-    save_decode: bool = False
     write_queue_size: int = 256
-    encoder_cache_policy: str | None = None
+    model_version: str | None = None
     trust_multi_modal_uuids: bool = False
     tiers: tuple[TierConfig, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -127,26 +185,12 @@ class StoreConfig:
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None) -> StoreConfig:
         """Build from a connector's extra config, its ``config_file``, ``$TIERCACHE_CONFIG`` or defaults."""
-        if extra is not None and not isinstance(extra, Mapping):
-            raise _err("<config>", extra, "a mapping (dict) of store options")
-        raw: dict[str, Any] = {}
-        if extra:
-            raw = dict(extra)
-            if "config_file" in raw:
-                file_cfg = load_file(_str(raw.pop("config_file"), "config_file"))  # type: ignore[arg-type]
-                raw = {**file_cfg, **raw}
-        elif os.environ.get("TIERCACHE_CONFIG"):
-            raw = load_file(os.environ["TIERCACHE_CONFIG"], origin="TIERCACHE_CONFIG")
-        if os.environ.get("TIERCACHE_NAMESPACE"):
-            raw["namespace"] = os.environ["TIERCACHE_NAMESPACE"]
-        if os.environ.get("TIERCACHE_CHUNK_SIZE"):
-            env = os.environ["TIERCACHE_CHUNK_SIZE"]
-            raw["chunk_size"] = int(env) if env.strip().isdigit() else env
-        return cls.from_dict(raw)
+        return cls.from_dict(read_sources(extra))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> StoreConfig:
-        """Validate one dict (no file/env lookup). Unknown keys are errors unless prefixed ``x_``."""
+        """Validate one dict (no file/env lookup). A connector's keys (`CONNECTOR_KEYS`) are skipped, left
+        to their owner; any other unknown key is an error unless prefixed ``x_``."""
         if not isinstance(raw, Mapping):
             raise _err("<config>", raw, "a mapping (dict) of store options")
         extra: dict[str, Any] = dict(raw.get("extra") or {}) if isinstance(raw.get("extra"), Mapping) else {}
@@ -156,25 +200,24 @@ class StoreConfig:
                 if bad:
                     raise _err(f"extra.{bad[0]}", raw[key][bad[0]], "only keys prefixed 'x_' in extra")
                 continue
-            if key in _TOP_KEYS:
+            if key in STORE_KEYS or _connector_owned(key):
                 continue
             if isinstance(key, str) and key.startswith("x_"):
                 extra[key] = raw[key]
                 continue
-            raise ConfigError(f"{key}: unknown key; known keys: {', '.join(_TOP_KEYS)}, extra, x_* "
-                              "(anything prefixed x_ is kept in StoreConfig.extra)")
+            raise _unknown_key(key)
         if "config_file" in raw:
             raise _err("config_file", raw["config_file"],
                        "only in the connector's extra config (or $TIERCACHE_CONFIG), not inside a config file")
         namespace = raw.get("namespace", "default")
         if not isinstance(namespace, str) or not namespace or "|" in namespace:
             raise _err("namespace", namespace, "a non-empty string without '|'")
-        chunk_size = _int(raw.get("chunk_size", 256), "chunk_size", "a positive multiple of 16",
-                          lambda v: v > 0 and v % 16 == 0)
         wqs = _int(raw.get("write_queue_size", 256), "write_queue_size", "a positive int", lambda v: v > 0)
-        ecp = raw.get("encoder_cache_policy")
-        if ecp is not None and ecp not in POLICIES:
-            raise _err("encoder_cache_policy", ecp, ", ".join(POLICIES) + " or null")
+        model_version = raw.get("model_version")
+        if model_version is not None and (not isinstance(model_version, str) or not model_version.strip()
+                                          or any(c in model_version for c in "|\n\r\t")):
+            raise _err("model_version", model_version,
+                       "null, or a non-empty string without '|' or line breaks naming the weights' version")
         tiers_raw = raw.get("tiers")
         if tiers_raw is None:
             tiers_raw = default_tiers()
@@ -189,11 +232,8 @@ class StoreConfig:
                 seen_paths.add(t.path)
         return cls(
             namespace=namespace,
-            chunk_size=chunk_size,
-            save_partial_chunks=_bool(raw.get("save_partial_chunks", True), "save_partial_chunks"),
-            save_decode=_bool(raw.get("save_decode", False), "save_decode"),
             write_queue_size=wqs,
-            encoder_cache_policy=ecp,
+            model_version=model_version,
             trust_multi_modal_uuids=_bool(raw.get("trust_multi_modal_uuids", False), "trust_multi_modal_uuids"),
             tiers=tiers,
             extra=extra,
@@ -211,7 +251,10 @@ class StoreConfig:
         return d
 
     def cache_key(self) -> str:
-        """Stable identity of the store part: two configs with equal keys share one store per process."""
+        """Stable identity of the store itself: two configs with equal keys share one store per process.
+
+        The namespace, the uuid trust and ``extra`` only shape the keys a reader builds, not the store.
+        """
         d = self.to_dict()
         store_part = {"tiers": d["tiers"], "write_queue_size": d["write_queue_size"]}
         return json.dumps(store_part, sort_keys=True, default=str)

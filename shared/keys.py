@@ -17,13 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.weights_identity import WeightsIdentity, resolve_weights
 
 __all__ = [
     "EncoderIdentity",
     "KVModelIdentity",
+    "KeyFields",
     "encoder_key",
     "kv_chunk_key",
+    "parse_key_text",
     "validate_field",
+    "weights_of",
 ]
 
 #: Control characters (C0, DEL, C1): they would corrupt logs and stats lines built from key texts.
@@ -58,6 +62,20 @@ def _fingerprint(tag: str, payload: dict[str, Any]) -> str:
     return hashlib.blake2b(text.encode(), digest_size=_FINGERPRINT_BYTES).hexdigest()
 
 
+def weights_of(vllm_config: Any, model_version: str | None = None) -> WeightsIdentity:
+    """The weights a ``VllmConfig`` loads, named by content (see `vllm_tiercache.shared.weights_identity`)."""
+    mc = vllm_config.model_config
+    load_config = getattr(vllm_config, "load_config", None)
+    commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
+    return resolve_weights(
+        str(mc.model),
+        revision=getattr(mc, "revision", None),
+        hub_commit=commit if isinstance(commit, str) else None,
+        model_version=model_version,
+        download_dir=getattr(load_config, "download_dir", None),
+    )
+
+
 def _dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through (e.g. a kv cache dtype like ``"fp8"``)."""
     text = str(dtype)
@@ -70,8 +88,11 @@ class KVModelIdentity:
 
     ``dtype`` is the KV cache storage dtype (the model dtype when ``cache_dtype`` is ``"auto"``).
     ``layout`` names how the connector lays a chunk out in bytes (it is the connector's format, so it is
-    part of the identity). ``revision`` and ``quantization`` change the weights, hence the KV values, while
-    the model name stays the same; they enter the fingerprint only when set.
+    part of the identity). ``weights`` names the weights by content (`weights_of`): new weights under the
+    same path must never meet the old ones' KV, and ``model`` is the canonical name of the weights, not the
+    string the user typed, so every spelling of one model shares its records. ``revision`` and
+    ``quantization`` change the KV values while the name stays the same; like ``weights`` they enter the
+    fingerprint only when set.
     """
 
     model: str
@@ -85,6 +106,7 @@ class KVModelIdentity:
     tp_rank: int
     revision: str | None = None
     quantization: str | None = None
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         validate_field("model", self.model)
@@ -113,11 +135,18 @@ class KVModelIdentity:
             payload["revision"] = self.revision
         if self.quantization is not None:
             payload["quantization"] = self.quantization
+        if self.weights is not None:
+            payload["weights"] = self.weights
         return _fingerprint("kv-v1", payload)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any, layout: str, tp_rank: int) -> KVModelIdentity:
+    def from_vllm_config(
+        cls, vllm_config: Any, layout: str, tp_rank: int, *, weights: WeightsIdentity | None = None
+    ) -> KVModelIdentity:
         """Read the identity from a ``vllm.config.VllmConfig`` (vLLM 0.32 names).
+
+        ``weights`` defaults to `weights_of(vllm_config)`; pass it to resolve once for several ranks or
+        with the operator's ``model_version``.
 
         ``num_layers`` is ``model_config.get_num_layers(parallel_config)`` (this pipeline stage's layers)
         and ``num_kv_heads`` is ``get_num_kv_heads(parallel_config)`` (per TP rank, 1 for MLA).
@@ -129,8 +158,9 @@ class KVModelIdentity:
         dtype = _dtype_name(mc.dtype) if cache_dtype == "auto" else cache_dtype
         quantization = getattr(mc, "quantization", None)
         revision = getattr(mc, "revision", None)
+        weights = weights or weights_of(vllm_config)
         return cls(
-            model=str(mc.model),
+            model=weights.name,
             dtype=dtype,
             num_layers=int(mc.get_num_layers(pc)),
             num_kv_heads=int(mc.get_num_kv_heads(pc)),
@@ -141,6 +171,7 @@ class KVModelIdentity:
             tp_rank=int(tp_rank),
             revision=None if revision is None else str(revision),
             quantization=None if quantization is None else str(quantization),
+            weights=weights.digest,
         )
 
 
@@ -183,9 +214,9 @@ class EncoderIdentity:
         validate_field("encoder_fingerprint", self.encoder_fingerprint)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> EncoderIdentity:
-        """Fingerprint dtype, revision, quantization and the whole HF config (vision tower, projector and the
-        text hidden size the projector maps to), minus load-location noise.
+    def from_vllm_config(cls, vllm_config: Any, *, weights: WeightsIdentity | None = None) -> EncoderIdentity:
+        """Fingerprint the weights (`weights_of`), dtype, revision, quantization and the whole HF config
+        (vision tower, projector and the text hidden size the projector maps to), minus load-location noise.
 
         The whole config rather than a hand-picked ``vision_config`` because tower/projector settings live
         under model-specific names (``vision_config``, ``mm_projector_type``, ``vision_feature_layer``...);
@@ -195,14 +226,16 @@ class EncoderIdentity:
         hf_config = mc.hf_config
         hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
         mm_config = getattr(mc, "multimodal_config", None)
+        weights = weights or weights_of(vllm_config)
         payload = {
+            "weights": weights.digest,
             "dtype": _dtype_name(mc.dtype),
             "revision": getattr(mc, "revision", None),
             "quantization": getattr(mc, "quantization", None),
             "hf_config": _clean_hf_config(hf_dict),
             "mm_processor_kwargs": getattr(mm_config, "mm_processor_kwargs", None),
         }
-        return cls(model=str(mc.model), encoder_fingerprint=_fingerprint("enc-v1", payload))
+        return cls(model=weights.name, encoder_fingerprint=_fingerprint("enc-v1", payload))
 
 
 def encoder_key(namespace: str, identity: EncoderIdentity, mm_hash: str) -> StoreKey:
@@ -214,3 +247,68 @@ def encoder_key(namespace: str, identity: EncoderIdentity, mm_hash: str) -> Stor
     if not isinstance(mm_hash, str) or not mm_hash:
         raise ValueError(f"mm_hash must be the full, non-empty multimodal identifier, got {mm_hash!r}")
     return StoreKey(f"{namespace}|enc|{identity.model}|{identity.encoder_fingerprint}|{mm_hash}")
+
+
+#: ``tp{size}r{rank}`` and ``L{layer}`` / ``Lall`` fields of a KV key text (see `kv_chunk_key`).
+_TP_FIELD = re.compile(r"tp(\d+)r(\d+)")
+_LAYER_FIELD = re.compile(r"L(\d+|all)")
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+@dataclass(frozen=True)
+class KeyFields:
+    """The parts of a stored key text, as `parse_key_text` reads them back.
+
+    ``namespace``, ``kind`` and ``model`` are the first three fields of every key this module builds.
+    The rest is filled only for a well-formed ``kv`` or ``enc`` text: ``fingerprint``; for ``kv`` also
+    ``tp_size``, ``tp_rank``, ``chunk_hash`` and ``layer`` (``None``: all layers, as `kv_chunk_key`
+    takes it); for ``enc`` the full ``mm_identifier``.
+    """
+
+    namespace: str
+    kind: str
+    model: str
+    fingerprint: str | None = None
+    tp_size: int | None = None
+    tp_rank: int | None = None
+    chunk_hash: bytes | None = None
+    layer: int | None = None
+    mm_identifier: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True when every field of its kind was read (a text `kv_chunk_key` or `encoder_key` builds)."""
+        return self.fingerprint is not None
+
+
+def parse_key_text(text: str) -> KeyFields | None:
+    """The fields of a key text written by `kv_chunk_key` or `encoder_key`; None when it names nothing.
+
+    Why here: the builders above own the layout, so the one reader of it sits beside them
+    (`tiercache stats` groups records by namespace, kind and model; `tiercache evict` filters on them).
+    Why lenient: a store also holds texts this version did not build (older layouts, the benchmarks'
+    ``bench|...`` keys); any text of at least three fields with a namespace keeps its first three, so
+    such records are still grouped and filtered by them. ``""`` (a record whose text was not kept), or
+    fewer fields, gives None.
+    """
+    fields = text.split("|", 4) if text else []
+    if len(fields) < 3 or not fields[0]:
+        return None
+    namespace, kind, model = fields[0], fields[1], fields[2]
+    if kind == "kv":
+        return _parse_kv(namespace, model, text.split("|")[3:]) or KeyFields(namespace, kind, model)
+    if kind == "enc" and len(fields) == 5 and fields[3] and fields[4]:
+        return KeyFields(namespace, kind, model, fingerprint=fields[3], mm_identifier=fields[4])
+    return KeyFields(namespace, kind, model)
+
+
+def _parse_kv(namespace: str, model: str, rest: list[str]) -> KeyFields | None:
+    """The KV-only fields ``fingerprint|tp{size}r{rank}|{chunk hash hex}|L{layer}``; None if malformed."""
+    if len(rest) != 4 or not rest[0]:
+        return None
+    tp, chunk_hex, layer = _TP_FIELD.fullmatch(rest[1]), rest[2], _LAYER_FIELD.fullmatch(rest[3])
+    if tp is None or layer is None or not _HEX.fullmatch(chunk_hex):
+        return None
+    return KeyFields(namespace, "kv", model, fingerprint=rest[0], tp_size=int(tp.group(1)),
+                     tp_rank=int(tp.group(2)), chunk_hash=bytes.fromhex(chunk_hex),
+                     layer=None if layer.group(1) == "all" else int(layer.group(1)))

@@ -1,7 +1,8 @@
 """Write a process's connector and store counters to `$TIERCACHE_STATS_DIR/<name>-<pid>.json`.
 
 vLLM's workers live in their own processes; operators (and the test suite) read what each one did
-from these files. Writes are throttled, atomic (temp file + rename) and never raise.
+from these files. Writes are throttled, atomic (temp file + rename) and never raise. `write_stats_file`
+is the one atomic writer of stats files; the EC connector's legacy ``x_ec_stats_path`` file uses it too.
 
 The throttle is trailing: a call inside the interval is not dropped but written by a timer when the
 interval ends, so the file holds a process's last counters within `min_interval_s` of its last step.
@@ -75,9 +76,23 @@ def _write(directory: str, name: str, payload: dict[str, Any]) -> None:
     path = os.path.join(directory, f"{name}-{os.getpid()}.json")
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp"
+    except OSError as exc:
+        log.warning("tiercache: cannot write stats to %s: %s", path, exc)
+        return
+    write_stats_file(path, {"pid": os.getpid(), "time": time.time(), **payload})
+
+
+def write_stats_file(path: str, payload: dict[str, Any]) -> None:
+    """Replace ``path`` with ``payload`` as JSON, atomically (temp file + rename); never raises.
+
+    The one writer of stats files: readers (operators, `tiercache stats`, the tests) see a whole file or
+    the previous one, never a half-written one. The temp name carries the pid, so processes that share a
+    path do not write into each other's temp file.
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
         with open(tmp, "w") as fh:
-            json.dump({"pid": os.getpid(), "time": time.time(), **payload}, fh, default=str)
+            json.dump(payload, fh, default=str)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("tiercache: cannot write stats to %s: %s", path, exc)

@@ -1,14 +1,19 @@
-"""StoreConfig: defaults, sources (dict, config_file, TIERCACHE_CONFIG), normalization and error messages."""
+"""StoreConfig and the connectors' options: defaults, sources (dict, config_file, TIERCACHE_CONFIG),
+normalization, the split of one user-facing dict by owner, and error messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 
+from vllm_tiercache.eccache.options import ECConnectorOptions
+from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import (
+    CONNECTOR_KEYS,
     ConfigError,
     DiskTierConfig,
     MemoryTierConfig,
@@ -36,11 +41,18 @@ def _clean_env(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
 
 
+def load_every_part(raw):
+    """The one user-facing dict as its readers parse it: the store config and each connector's options."""
+    kv, store = KVConnectorOptions.load(raw)
+    ec, _ = ECConnectorOptions.load(raw)
+    return store, kv, ec
+
+
 def test_defaults_memory_then_disk_in_user_cache_dir(tmp_path):
-    cfg = StoreConfig.load(None)
-    assert cfg.namespace == "default" and cfg.chunk_size == 256
-    assert cfg.save_partial_chunks is True and cfg.save_decode is False and cfg.write_queue_size == 256
-    assert cfg.encoder_cache_policy is None and cfg.extra == {}
+    cfg, kv, ec = load_every_part(None)
+    assert cfg.namespace == "default" and kv.chunk_size == 256
+    assert kv.save_partial_chunks is True and kv.save_decode is False and cfg.write_queue_size == 256
+    assert ec.encoder_cache_policy is None and cfg.extra == {}
     mem, disk = cfg.tiers
     assert isinstance(mem, MemoryTierConfig) and mem.capacity == 2 << 30
     assert isinstance(disk, DiskTierConfig) and disk.fsync is True
@@ -86,7 +98,7 @@ def test_sizes(text, value):
 ])
 def test_errors_name_field_value_and_allowed(raw, field, allowed):
     with pytest.raises(ConfigError) as info:
-        StoreConfig.load(raw)
+        load_every_part(raw)
     msg = str(info.value)
     assert msg.startswith(field), msg
     assert allowed in msg, msg
@@ -99,8 +111,11 @@ def test_bad_value_is_in_message():
 
 
 def test_unknown_keys_listed():
-    with pytest.raises(ConfigError, match=r"chunksize: unknown key; known keys: namespace, chunk_size"):
+    known = r"chunksize: unknown key; known keys: namespace, .*; connector options: chunk_size, "
+    with pytest.raises(ConfigError, match=known):
         StoreConfig.load({"chunksize": 16})
+    with pytest.raises(ConfigError, match=known):  # a connector's split names the keys of every part too
+        KVConnectorOptions.load({"chunksize": 16})
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.size: unknown key.*known keys: kind, capacity"):
         StoreConfig.load({"tiers": [{"kind": "memory", "size": 1}]})
 
@@ -126,8 +141,8 @@ def test_redis_fields_and_ssl_passthrough():
 def test_config_file_yaml_and_json_and_env(tmp_path, monkeypatch):
     yml = tmp_path / "c.yaml"
     yml.write_text("namespace: fromfile\nchunk_size: 32\ntiers:\n  - kind: memory\n    capacity: 1MiB\n")
-    cfg = StoreConfig.load({"config_file": str(yml), "chunk_size": 64})
-    assert cfg.namespace == "fromfile" and cfg.chunk_size == 64  # extra keys override the file
+    kv, cfg = KVConnectorOptions.load({"config_file": str(yml), "chunk_size": 64})
+    assert cfg.namespace == "fromfile" and kv.chunk_size == 64  # extra keys override the file
     js = tmp_path / "c.json"
     js.write_text(json.dumps(EXAMPLE))
     monkeypatch.setenv("TIERCACHE_CONFIG", str(js))
@@ -135,8 +150,8 @@ def test_config_file_yaml_and_json_and_env(tmp_path, monkeypatch):
     assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).namespace == "default"  # extra wins
     monkeypatch.setenv("TIERCACHE_NAMESPACE", "envns")
     monkeypatch.setenv("TIERCACHE_CHUNK_SIZE", "512")
-    cfg = StoreConfig.load(None)
-    assert cfg.namespace == "envns" and cfg.chunk_size == 512
+    kv, cfg = KVConnectorOptions.load(None)
+    assert cfg.namespace == "envns" and kv.chunk_size == 512
     with pytest.raises(ConfigError, match="config_file: cannot read"):
         StoreConfig.load({"config_file": str(tmp_path / "missing.yaml")})
     bad = tmp_path / "bad.yaml"
@@ -166,11 +181,43 @@ def test_duplicate_disk_path_rejected(tmp_path):
 
 
 def test_eviction_policies_selected_per_tier_and_for_the_encoder_cache():
-    cfg = StoreConfig.load({"encoder_cache_policy": "wtinylfu",
-                            "tiers": [{"kind": "memory", "policy": "wtinylfu"}, {"kind": "disk", "policy": "lru"}]})
-    assert cfg.encoder_cache_policy == "wtinylfu"
+    tiers = [{"kind": "memory", "policy": "wtinylfu"}, {"kind": "disk", "policy": "lru"}]
+    ec, cfg = ECConnectorOptions.load({"encoder_cache_policy": "wtinylfu", "tiers": tiers})
+    assert ec.encoder_cache_policy == "wtinylfu"
     assert [t.policy for t in cfg.tiers] == ["wtinylfu", "lru"]
     assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).tiers[0].policy == "lru"
+
+
+# ------------------------------------------------------------------------------- config by owner
+
+
+def test_one_dict_serves_both_connectors_and_the_store():
+    """Users give both connectors (and the tools) one dict: each reader takes its part, skips the others'."""
+    raw = {"namespace": "one", "chunk_size": 64, "save_decode": True, "load_failure_policy": "fail",
+           "warmup_cpu_attention": False, "encoder_cache_policy": "lru", "x_ec_stats_path": "/tmp/ec-{pid}.json",
+           "x_note": 1, "tiers": [{"kind": "memory"}]}
+    kv, kv_store = KVConnectorOptions.load(raw)
+    ec, ec_store = ECConnectorOptions.load(raw)
+    assert kv == KVConnectorOptions(chunk_size=64, save_decode=True, load_failure_policy="fail",
+                                    warmup_cpu_attention=False)
+    assert ec == ECConnectorOptions(encoder_cache_policy="lru", stats_path="/tmp/ec-{pid}.json")
+    assert ec.stats_file(42) == "/tmp/ec-42.json"
+    assert kv_store == ec_store == StoreConfig.load(raw)
+    assert kv_store.namespace == "one" and kv_store.extra == {"x_note": 1}  # a connector's x_ key is its own
+
+
+def test_each_options_class_parses_the_keys_the_split_routes_to_it():
+    assert KVConnectorOptions.KEYS == CONNECTOR_KEYS["TieredKVConnector"]
+    assert ECConnectorOptions.KEYS == CONNECTOR_KEYS["TieredECConnector"]
+    assert {f.name for f in dataclasses.fields(KVConnectorOptions)} == set(KVConnectorOptions.KEYS)
+    assert set(CONNECTOR_KEYS) == {"TieredKVConnector", "TieredECConnector"}
+
+
+def test_a_bad_load_failure_policy_names_the_setting():
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.load_failure_policy='never' is not allowed; "
+                                          r"allowed: recompute, fail"):
+        KVConnectorOptions.load({"load_failure_policy": "never"})
+    assert KVConnectorOptions.load({"tiers": [{"kind": "memory"}]})[0].load_failure_policy is None
 
 
 # ------------------------------------------------------------------------------------ the tier registry
@@ -311,3 +358,11 @@ def test_a_fifth_tier_kind_is_one_module_and_one_registry_line(tmp_path, monkeyp
     assert "scratch" not in registry.tier_kinds()
     with pytest.raises(ConfigError, match=r"allowed: memory, disk, gds, redis$"):
         StoreConfig.from_dict({"tiers": [{"kind": "scratch"}]})
+
+
+def test_model_version_names_the_weights_or_is_refused() -> None:
+    assert StoreConfig.from_dict({}).model_version is None
+    assert StoreConfig.from_dict({"model_version": "2026-11-23"}).model_version == "2026-11-23"
+    for bad in ("", "  ", "a|b", "v1\nv2", 3):
+        with pytest.raises(ConfigError, match="model_version"):
+            StoreConfig.from_dict({"model_version": bad})

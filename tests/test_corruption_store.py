@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.store_workers import expected_meta, expected_tensor, fault_key, matches
-from vllm_tiercache.shared import records
-from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store import build_store, records
 from vllm_tiercache.shared.store.redis_tier import RedisTier
 from vllm_tiercache.tools.redis_server import RedisServer
 

@@ -21,9 +21,18 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_tiercache.shared import records
+from vllm_tiercache.eccache.options import ECConnectorOptions
+from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import POLICIES, REDIS_SCHEMES, TIER_KINDS, ConfigError, StoreConfig
+from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import StoreKey
+
+
+def _parse_every_part(raw: dict[str, Any]) -> None:
+    """Each owner of the one config dict validates its keys: the store, the KV and the EC connector."""
+    StoreConfig.from_dict(raw)
+    KVConnectorOptions.from_dict(raw)
+    ECConnectorOptions.from_dict(raw)
 
 FUZZ = settings(derandomize=True, max_examples=300, deadline=datetime.timedelta(seconds=5),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -188,7 +197,7 @@ _top = st.dictionaries(st.sampled_from(_TOP) | st.text(max_size=6),
 @given(_top)
 def test_arbitrary_configs_are_valid_or_a_clear_error(raw: dict[str, Any]) -> None:
     try:
-        StoreConfig.from_dict(raw)
+        _parse_every_part(raw)
     except ConfigError as exc:
         _assert_clear(exc)
 
@@ -219,7 +228,7 @@ def test_one_bad_field_names_its_path_and_value(field: tuple[int | None, str], v
         raw["tiers"][tier][name] = value
         path = f"tiers[{tier}].{name}"
     try:
-        StoreConfig.from_dict(raw)
+        _parse_every_part(raw)
     except ConfigError as exc:
         msg = _assert_clear(exc)
         if name == "kind":  # another kind: the first key it does not know is the error
@@ -281,7 +290,7 @@ BAD_CONFIGS = [
 def test_every_config_error_names_field_value_and_allowed(raw: dict[str, Any], path: str, shown: str,
                                                           allowed: str) -> None:
     with pytest.raises(ConfigError) as info:
-        StoreConfig.from_dict(raw)
+        _parse_every_part(raw)
     msg = str(info.value)
     assert msg.startswith(f"{path}:") or msg.startswith(f"{path}."), msg
     assert shown in msg, msg

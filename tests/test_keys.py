@@ -20,6 +20,7 @@ from tests.hashing_helpers import chunk_hashes
 from vllm_tiercache.shared.hashing import BlockExtraKeys, block_hashes
 from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key, validate_field
 from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, StoreKey
+from vllm_tiercache.shared.weights_identity import digest_directory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,10 @@ def make_vllm_config(model_dir: Path, cache_dtype: str = "auto", dtype: str = "b
 
 def test_identity_from_real_vllm_config(tiny_model_dir: Path) -> None:
     ident = KVModelIdentity.from_vllm_config(make_vllm_config(tiny_model_dir), layout="nhd", tp_rank=0)
-    assert ident == KVModelIdentity(str(tiny_model_dir), "bfloat16", 2, 2, 64, 32, "nhd", 1, 0)
+    weights = digest_directory(tiny_model_dir.resolve())[0]
+    # The model is named by its directory and its weights by their content (issue "Operators' day two").
+    assert ident == KVModelIdentity(tiny_model_dir.name, "bfloat16", 2, 2, 64, 32, "nhd", 1, 0,
+                                    weights=f"files:{weights}")
     fp8 = KVModelIdentity.from_vllm_config(make_vllm_config(tiny_model_dir, "fp8"), layout="nhd", tp_rank=0)
     assert fp8.dtype == "fp8" and fp8.fingerprint != ident.fingerprint
     fp16 = KVModelIdentity.from_vllm_config(
@@ -200,7 +204,7 @@ def test_salt_lora_and_image_give_different_kv_keys(monkeypatch: pytest.MonkeyPa
 def test_encoder_identity_from_real_vllm_config(tiny_model_dir: Path) -> None:
     a = EncoderIdentity.from_vllm_config(make_vllm_config(tiny_model_dir))
     b = EncoderIdentity.from_vllm_config(make_vllm_config(tiny_model_dir))
-    assert a == b and a.model == str(tiny_model_dir) and len(a.encoder_fingerprint) == 16
+    assert a == b and a.model == tiny_model_dir.name and len(a.encoder_fingerprint) == 16
     fp16 = EncoderIdentity.from_vllm_config(make_vllm_config(tiny_model_dir, dtype="float16"))
     assert fp16.encoder_fingerprint != a.encoder_fingerprint
 

@@ -16,7 +16,8 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from vllm_tiercache.kvcache.plan import ChunkGeometry, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
+from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
@@ -73,14 +74,9 @@ def make_side(tmp_path, **options: bool) -> KVSchedulerSide:
     """A scheduler side over a real disk store; `options` override the kv_both defaults."""
     store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
     settings = {"can_load": True, "can_save": True, "save_partial_chunks": True, "save_decode": False, **options}
-    scheduler = KVSchedulerSide(
-        store=store,
-        namespace="t",
-        identities=[IDENTITY],
-        geometry=ChunkGeometry(BLOCK, CHUNK),
-        hash_algo="sha256",
-        **settings,
-    )
+    naming = KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, CHUNK), hash_algo="sha256",
+                      save_partial_chunks=settings.pop("save_partial_chunks"))
+    scheduler = KVSchedulerSide(store=store, naming=naming, **settings)
     scheduler.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
     return scheduler
 

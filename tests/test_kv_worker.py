@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_tiercache.kvcache.layout import PagedLayout, UnsupportedLayoutError
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
@@ -52,7 +53,9 @@ def store(tmp_path):
 
 
 def worker(store) -> KVWorkerSide:
-    return KVWorkerSide(store=store, namespace="t", identity=IDENTITY, block_size=BLOCK, use_mla=False)
+    naming = KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, 4 * BLOCK),
+                      hash_algo="sha256")
+    return KVWorkerSide(store=store, naming=naming, rank=0, use_mla=False)
 
 
 def save(side: KVWorkerSide, caches: dict[str, torch.Tensor], chunk: bytes, block_ids: list[int]) -> None:

@@ -46,7 +46,7 @@ MAX_TOKENS = 4
 #: gc walk of live tensors, 2026-11-23):
 #: - oneDNN's primitive cache: vLLM's own worker grew 27-113 MiB over rounds 2-10, differently in every run,
 #:   because every new batch shape compiles and caches kernels (up to 1,024 of them). With
-#:   ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 on both servers, vLLM alone grew 3 MiB and malloc's in-use bytes in
+#:   ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 on both servers, vLLM alone grew 3-22 MiB and malloc's in-use bytes in
 #:   the connectors' worker stayed flat (266-267 MiB from round 2 to 10), so any growth left is ours.
 #: - glibc's per-thread arenas keep the freed tensor memory of the loader, saver and writer threads, so both
 #:   servers run with MALLOC_ARENA_MAX=1. What remains is freed memory glibc keeps in its one arena

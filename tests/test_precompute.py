@@ -93,10 +93,11 @@ def _make_docs(root: Path) -> list[Path]:
 def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_path: Path) -> None:
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
-    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.kvcache.naming import KVNaming
+    from vllm_tiercache.kvcache.options import KVConnectorOptions
     from vllm_tiercache.shared.stats_dump import read_stats
     from vllm_tiercache.tools.jobs import engine_config, offline_input_processor, process_offline
-    from vllm_tiercache.tools.precompute.kv import KVNaming, rag_prompt
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
 
     docs = _make_docs(tmp_path / "docs")
     template_path = tmp_path / "template.txt"
@@ -110,13 +111,14 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     # Expected hits, from vLLM's own processor: every stored chunk of each prefix, the partial last one too.
     cfg = engine_config(model, LLAMA_ENGINE)
     processor = offline_input_processor(cfg)
-    naming = KVNaming.from_configs(cfg, StoreConfig.load(store))
+    options, store_config = KVConnectorOptions.load(store)
+    naming = KVNaming.from_configs(cfg, store_config, options)
     expected = []
     for doc, item in zip(docs, prompts, strict=True):
         prefix = process_offline(processor, {"prompt": rag_prompt(doc.read_text(), None, template)})
         full = process_offline(processor, item)
         assert list(full.prompt_token_ids[: len(prefix.prompt_token_ids)]) == list(prefix.prompt_token_ids)
-        _, reusable = naming.chunk_keys(prefix)
+        _, reusable = naming.prompt_keys(prefix)
         expected.append(min(reusable, (len(full.prompt_token_ids) - 1) // BLOCK * BLOCK))
     assert all(e >= 256 for e in expected[1:]) and expected[0] > 0
 

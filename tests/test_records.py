@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_tiercache.shared import records
-from vllm_tiercache.shared.records import RecordError, decode, decode_split, encode
+from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.records import RecordError, decode, decode_split, encode
 
 KEY = StoreKey("ns|test|a")
 OTHER = StoreKey("ns|test|b")

@@ -15,7 +15,7 @@ import torch
 
 from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
-from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.api import StoreKey, TierAdminUnsupported
 from vllm_tiercache.tools.cli import main as cli_main
 from vllm_tiercache.tools.evict_cmd import evict
 from vllm_tiercache.tools.stats_cmd import collect
@@ -139,3 +139,71 @@ def test_evict_cli_output_and_errors(filled: dict, capsys) -> None:
     assert "invalid duration '5x'; use e.g. 30m, 12h, 7d" in capsys.readouterr().err
     assert cli_main(["evict", "--config", cfg]) == 2
     assert "give at least one of --namespace, --model, --older-than" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the tier admin contract
+def test_every_tier_lists_and_deletes_through_the_contract(filled: dict) -> None:
+    """`iter_stored` / `delete_stored` / `sizes_many` on the real disk and Redis tiers agree."""
+    groups = filled["groups"]
+    with build_store(filled["config"]) as store:
+        for tier in store.tiers:
+            listed = list(tier.iter_stored())
+            assert sorted(r.text for r in listed) == sorted(k.text for keys in groups.values() for k in keys)
+            assert all(r.nbytes and r.nbytes > 1024 and r.idle_s is not None and r.idle_s >= 0 for r in listed)
+            keys = groups[("b", "m1")]
+            sizes = tier.sizes_many(keys)
+            assert sizes == [r.nbytes for k in keys for r in listed if r.text == k.text], tier.name
+            wanted = {k.text for k in keys}
+            dry = tier.delete_stored(lambda r, wanted=wanted: r.text in wanted, dry_run=True)
+            assert dry == (len(keys), sum(sizes)), tier.name
+            assert tier.contains_many(keys) == [True] * len(keys)
+            assert tier.delete_stored(lambda r, wanted=wanted: r.text in wanted) == dry, tier.name
+            assert tier.contains_many(keys) == [False] * len(keys)
+            assert tier.sizes_many(keys) == [None] * len(keys)
+
+
+def test_a_memory_tier_says_it_cannot_be_listed_and_the_commands_note_it(tmp_path: Path, capsys) -> None:
+    config = {"tiers": [{"kind": "memory", "capacity": "1MiB"},
+                        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}]}
+    keys = _keys("a", "m1", 1)
+    with build_store(config) as store:
+        store.put_many([(k, torch.ones(16), None) for k in keys])
+        assert store.flush(30.0)
+        memory = store.tiers[0]
+        with pytest.raises(TierAdminUnsupported, match="inside each serving process"):
+            memory.iter_stored()
+        with pytest.raises(TierAdminUnsupported):
+            memory.delete_stored(lambda r: True)
+        assert memory.sizes_many([*keys, StoreKey("a|kv|other")]) == [64] * len(keys) + [None]
+    stats = collect(config, None)["tiers"]
+    assert stats[0] == {"name": "memory", "kind": "memory", "entries": 0, "bytes": 0,
+                        "note": "per process: empty in this process; see the stats files"}
+    assert stats[1]["entries"] == len(keys)
+    assert cli_main(["evict", "--config", json.dumps(config), "--namespace", "a"]) == 0
+    out = capsys.readouterr().out
+    assert "tier memory (memory): skipped (per process: not reachable from here (see docs/jobs.md))" in out
+    assert f"tier disk (disk): removed {len(keys)} records" in out
+
+
+def test_an_unreachable_tier_is_an_error_for_the_commands(tmp_path: Path, capsys) -> None:
+    config = {"tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"},
+                        {"kind": "redis", "url": "redis://127.0.0.1:1", "timeout_s": 0.2}]}
+    redis_stats = collect(config, None)["tiers"][1]
+    assert redis_stats["entries"] is None and redis_stats["error"]
+    assert cli_main(["evict", "--config", json.dumps(config), "--model", "m1"]) == 1
+    assert "tier redis (redis): FAILED: " in capsys.readouterr().out
+
+
+def test_the_commands_never_ask_a_tier_for_its_kind() -> None:
+    """The admin commands work through the tier contract only: a new tier kind needs no line in them."""
+    import ast
+    import inspect
+
+    from vllm_tiercache.tools import evict_cmd, jobs, stats_cmd
+
+    for module in (stats_cmd, evict_cmd, jobs):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                assert not any(isinstance(o, ast.Attribute) and o.attr == "kind" for o in operands), \
+                    f"{module.__name__}:{node.lineno} compares a tier's kind"

@@ -1,14 +1,17 @@
 """`tiercache evict`: remove records after a model or adapter update, or by age.
 
 Keys carry the namespace and the model name as their first and third fields
-(``{ns}|kv|{model}|...``, ``{ns}|enc|{model}|...``), so invalidation is a filter over key texts:
+(``{ns}|kv|{model}|...``, ``{ns}|enc|{model}|...``, read by `vllm_tiercache.shared.keys.parse_key_text`),
+so invalidation is a filter over key texts, handed to each tier's `Tier.delete_stored` (this command
+never asks which kind a tier is):
 
-- disk / gds: the index is scanned and matches are removed with `DiskTier.delete_where`, batch by batch
-  under the index's write transaction, safely beside serving processes (a reader mid-read keeps its
-  open file; a later reader gets a miss and recomputes).
+- disk / gds: the index is scanned and matches are removed batch by batch under the index's write
+  transaction, safely beside serving processes (a reader mid-read keeps its open file; a later reader
+  gets a miss and recomputes).
 - redis: SCAN over ``key_prefix``, then head, parts and key text of each match are deleted.
-- memory: per process; serving processes drop their memory copies by LRU or on restart. A new model
-  or adapter changes the key fingerprint anyway, so stale memory copies are never served for it.
+- memory: per process (the tier raises `TierAdminUnsupported`); serving processes drop their memory
+  copies by LRU or on restart. A new model or adapter changes the key fingerprint anyway, so stale
+  memory copies are never served for it.
 
 ``--older-than`` compares with the last access (disk: index access time, refreshed at most once a
 minute on reads; redis: OBJECT IDLETIME of the record head). Records without a key text (disk index
@@ -22,15 +25,19 @@ import argparse
 import json
 import re
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.keys import parse_key_text
+from vllm_tiercache.shared.store.api import StoredRecord, TierAdminUnsupported
+from vllm_tiercache.shared.weights_identity import model_names
 from vllm_tiercache.tools.jobs import load_store_arg
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+#: What a tier that only its own process can change (`TierAdminUnsupported`) reports instead of counts.
+_PER_PROCESS_NOTE = "per process: not reachable from here (see docs/jobs.md)"
 
 
 def parse_duration(text: str) -> float:
@@ -42,16 +49,21 @@ def parse_duration(text: str) -> float:
 
 
 def make_predicate(namespace: str | None, model: str | None,
-                   older_than_s: float | None) -> Callable[[str, float | None], bool]:
-    """``predicate(key_text, age_s)``: True for a record every given filter matches."""
+                   older_than_s: float | None) -> Callable[[StoredRecord], bool]:
+    """``predicate(record)``: True for a record every given filter matches.
 
-    def predicate(text: str, age_s: float | None) -> bool:
-        fields = text.split("|") if text else []
-        if namespace is not None and (len(fields) < 3 or fields[0] != namespace):
+    ``model`` matches every name keys may carry for it (`model_names`): keys name a model by its canonical
+    name (a directory's name, or ``org/name`` for a hub snapshot), older builds by the string as given.
+    """
+    models = model_names(model) if model is not None else set()
+
+    def predicate(record: StoredRecord) -> bool:
+        fields = parse_key_text(record.text)
+        if namespace is not None and (fields is None or fields.namespace != namespace):
             return False
-        if model is not None and (len(fields) < 3 or fields[2] != model):
+        if model is not None and (fields is None or fields.model not in models):
             return False
-        return not (older_than_s is not None and (age_s is None or age_s < older_than_s))
+        return not (older_than_s is not None and (record.idle_s is None or record.idle_s < older_than_s))
 
     return predicate
 
@@ -69,32 +81,30 @@ def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, 
     result: dict[str, Any] = {"dry_run": dry_run, "tiers": []}
     with build_store(config) as store:
         for tier in store.tiers:
-            entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind, "records": 0, "bytes": 0}
-            try:
-                if tier.kind in ("disk", "gds"):
-                    now = time.time()
-                    entry["records"], entry["bytes"] = tier.delete_where(
-                        lambda text, size, atime, now=now: predicate(text, now - atime), dry_run=dry_run)
-                elif tier.kind == "redis":
-                    matches = [(h, size or 0) for h, size, idle, text in tier.iter_records()
-                               if predicate(text, idle)]
-                    entry["bytes"] = sum(size for _, size in matches)
-                    entry["records"] = len(matches) if dry_run else tier.delete_digests([h for h, _ in matches])
-                else:
-                    entry["note"] = "per process: not reachable from here (see docs/jobs.md)"
-            except Exception as exc:  # report the tier, go on with the others
-                entry["error"] = str(exc)
-            result["tiers"].append(entry)
+            result["tiers"].append(_evict_tier(tier, predicate, dry_run))
     result["records"] = sum(t["records"] for t in result["tiers"])
     result["bytes"] = sum(t["bytes"] for t in result["tiers"])
     return result
+
+
+def _evict_tier(tier: Any, predicate: Callable[[StoredRecord], bool], dry_run: bool) -> dict[str, Any]:
+    """One tier's line of the result: counts, a note (a per-process tier) or the error (report, go on)."""
+    entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind, "records": 0, "bytes": 0}
+    try:
+        entry["records"], entry["bytes"] = tier.delete_stored(predicate, dry_run=dry_run)
+    except TierAdminUnsupported:
+        entry["note"] = _PER_PROCESS_NOTE
+    except Exception as exc:  # report the tier, go on with the others
+        entry["error"] = str(exc)
+    return entry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Remove records by namespace, model or age from the disk/gds and Redis tiers."
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
     parser.add_argument("--namespace", default=None, help="only records of this namespace")
-    parser.add_argument("--model", default=None, help="only records of this model (the name as the engine got it)")
+    parser.add_argument("--model", default=None,
+                        help="only records of this model (a path, its directory name or a hub id)")
     parser.add_argument("--older-than", type=parse_duration, default=None, metavar="D",
                         help="only records not used for D (e.g. 30m, 12h, 7d)")
     parser.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing")

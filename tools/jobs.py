@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig, load_file
+from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
 
@@ -89,9 +90,13 @@ def load_store_arg(value: str) -> dict[str, Any]:
 
 
 def checked_store_config(store_config: Mapping[str, Any] | None) -> StoreConfig:
-    """Validate a producer job's store config: it must have a tier that outlives the job's processes."""
+    """Validate a producer job's store config: it must have a tier that outlives the job's processes.
+
+    Whether a tier does is its class's `shared_across_processes` (the tier contract), so a new tier kind
+    needs no line here; the class is imported, not built (no directory is made, no server is dialled).
+    """
     config = StoreConfig.load(dict(store_config) if store_config else None)
-    if not any(t.kind in ("disk", "gds", "redis") for t in config.tiers):
+    if not any(registry.tier_class(t.kind).shared_across_processes for t in config.tiers):
         raise ConfigError(
             "tiers: a precompute job needs a disk, gds or redis tier; a memory tier alone dies with the job. "
             "Add e.g. {\"kind\": \"disk\", \"path\": \"/var/cache/tiercache\"} to the store config"
@@ -100,14 +105,17 @@ def checked_store_config(store_config: Mapping[str, Any] | None) -> StoreConfig:
 
 
 def record_sizes(store: TieredStore, keys: Sequence[StoreKey]) -> list[int | None]:
-    """Stored size of each record, from the first shared tier that knows it (index/heads; no payload read)."""
+    """Stored size of each record, from the first shared tier that knows it (index/heads; no payload read).
+
+    Only shared tiers: the job's own memory tier holds what this process wrote, not what the engine's
+    workers stored.
+    """
     sizes: list[int | None] = [None] * len(keys)
     for tier in store.tiers:
-        fn = getattr(tier, "sizes_many", None)
         missing = [i for i, s in enumerate(sizes) if s is None]
-        if fn is None or not missing:
+        if not tier.shared_across_processes or not missing:
             continue
-        for i, size in zip(missing, fn([keys[i] for i in missing]), strict=True):
+        for i, size in zip(missing, tier.sizes_many([keys[i] for i in missing]), strict=True):
             sizes[i] = size
     return sizes
 

@@ -1,14 +1,16 @@
 """`tiercache stats`: what a store holds (entries and bytes per tier and per namespace) and hit counters.
 
-Where each number comes from, and why:
+Every number comes from the tier contract (`Tier.iter_stored`, `Tier.usage`), so this command never
+asks which kind a tier is; key texts are read with `vllm_tiercache.shared.keys.parse_key_text`. Where
+each tier gets them, and why:
 
 - disk / gds: the LMDB index (no record file is read). Each entry keeps its key text, so records are
   grouped by namespace, kind (``kv`` / ``enc``) and model; entries restored by an index rebuild have no
   key text and are listed under ``?``.
 - redis: SCAN over ``key_prefix`` (never KEYS), with the head of each record for its size and the
   ``#text`` key for its key text (records written before key texts were stored are listed under ``?``).
-- memory: a memory tier lives inside one process; this command's own is always empty. Serving
-  processes report theirs through their stats files.
+- memory: a memory tier lives inside one process (it raises `TierAdminUnsupported`); this command's
+  own is always empty. Serving processes report theirs through their stats files.
 - hit counters are per process too: connectors write theirs, with their store's per-tier counters, to
   ``$TIERCACHE_STATS_DIR/<name>-<pid>.json`` (``kv-worker-*``, ``ec-*``...). ``--stats-dir`` (default:
   ``$TIERCACHE_STATS_DIR``) prints those files.
@@ -25,38 +27,36 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.keys import parse_key_text
+from vllm_tiercache.shared.store.api import TierAdminUnsupported
 from vllm_tiercache.tools.jobs import load_store_arg
 
 #: Tier counters shown per stats file (all are in the JSON output).
 _SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes")
+#: What a tier that only its own process can list (`TierAdminUnsupported`) shows instead of contents.
+_PER_PROCESS_NOTE = "per process: empty in this process; see the stats files"
 
 
 def group_of(key_text: str) -> tuple[str, str, str]:
     """(namespace, kind, model) of a key text; ``("?", "?", "?")`` when the text is unknown."""
-    fields = key_text.split("|")
-    if len(fields) < 3 or not fields[0]:
+    fields = parse_key_text(key_text)
+    if fields is None:
         return "?", "?", "?"
-    return fields[0], fields[1], fields[2]
+    return fields.namespace, fields.kind, fields.model
 
 
 def tier_contents(tier: Any) -> dict[str, Any]:
     """Entries and bytes of one tier, in total and per (namespace, kind, model)."""
     groups: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     out: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
-    if tier.kind == "memory":
-        out.update(entries=0, bytes=0, note="per process: empty in this process; see the stats files")
-        return out
     try:
-        if tier.kind in ("disk", "gds"):
-            rows = ((text, size) for _, size, _, text in tier.iter_index())
-        elif tier.kind == "redis":
-            rows = ((text, size or 0) for _, size, _, text in tier.iter_records())
-        else:  # pragma: no cover - every tier kind is handled above
-            rows = iter(())
-        for text, size in rows:
-            g = groups[group_of(text)]
+        for record in tier.iter_stored():
+            g = groups[group_of(record.text)]
             g[0] += 1
-            g[1] += size
+            g[1] += record.nbytes or 0
+    except TierAdminUnsupported:
+        out.update(entries=0, bytes=0, note=_PER_PROCESS_NOTE)
+        return out
     except Exception as exc:  # an unreachable Redis must not hide the other tiers
         out.update(entries=None, bytes=None, error=str(exc))
         return out

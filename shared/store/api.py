@@ -8,7 +8,7 @@ dependency-free lets the scheduler side, the worker side and the offline jobs ag
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +16,11 @@ import torch
 
 #: Bytes of the blake2b digest that names a record in every tier (file names, Redis keys, headers).
 KEY_DIGEST_SIZE = 16
+
+#: blake2b personalization of key digests, one per record format (`records.VERSION`): format 1 uses none,
+#: a later format must set its own (e.g. ``b"tiercache-f2"``) so that builds writing different formats
+#: into one shared tier name their records apart and never overwrite or read each other's.
+KEY_SPACE = b""
 
 
 def key_text_bytes(text: str) -> bytes:
@@ -41,7 +46,8 @@ class StoreKey:
     def __post_init__(self) -> None:
         if not self.digest:
             raw = key_text_bytes(self.text)
-            object.__setattr__(self, "digest", hashlib.blake2b(raw, digest_size=KEY_DIGEST_SIZE).digest())
+            digest = hashlib.blake2b(raw, digest_size=KEY_DIGEST_SIZE, person=KEY_SPACE).digest()
+            object.__setattr__(self, "digest", digest)
 
     @property
     def hex(self) -> str:
@@ -63,6 +69,32 @@ class Record:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """One stored record as the admin commands (`tiercache stats`, `tiercache evict`) see it.
+
+    Why not a `StoreKey`: tiers name records by digest only and keep the key text beside them just for
+    these commands. ``text`` is ``""`` for a record stored without it (a disk index rebuilt from record
+    headers, Redis records written before texts were kept); parse it with
+    `vllm_tiercache.shared.keys.parse_key_text`.
+    """
+
+    text: str
+    #: Bytes as stored (header + payload); None when the tier cannot tell (an unreadable Redis head).
+    nbytes: int | None
+    #: Seconds since the record was last read or written; None when the tier cannot tell.
+    idle_s: float | None
+
+
+class TierAdminUnsupported(Exception):
+    """The tier cannot list or delete its records from this process; the message says why.
+
+    Raised by `Tier.iter_stored` and `Tier.delete_stored` of a tier whose records live inside each
+    serving process (memory): an admin command in another process would see only its own, empty copy.
+    Callers report a note for that tier, not a failure.
+    """
 
 
 class Store(Protocol):
@@ -92,8 +124,9 @@ class Store(Protocol):
 class Tier(Protocol):
     """One level of a `TieredStore` (memory, disk, gds, redis). Connectors never use tiers directly.
 
-    Tiers must be thread-safe and must never raise into the caller for a data or backend problem:
-    corrupt or foreign data is a miss, an unreachable backend is a miss or a skipped write (counted).
+    Tiers must be thread-safe. The serving operations never raise into the caller for a data or backend
+    problem: corrupt or foreign data is a miss, an unreachable backend is a miss or a skipped write
+    (counted). The admin operations (`iter_stored`, `delete_stored`) do raise, so an operator is told.
     """
 
     name: str
@@ -105,5 +138,28 @@ class Tier(Protocol):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None: ...
-    def usage(self) -> dict[str, Any]: ...  # {"entries": int | None, "bytes_used": int | None, ...}
+    def usage(self) -> dict[str, Any]:
+        """``{"entries": int | None, "bytes_used": int | None, ...}``; ``"capacity"`` (bytes) when bounded.
+
+        None: unknown (the backend is down). Tiers add their own fields (``path``, ``address``, ``down``).
+        """
+        ...
+
     def close(self) -> None: ...
+
+    # Admin operations: the offline commands (`tiercache stats`, `tiercache evict`, precompute jobs) use
+    # only these, so no command needs to know which kind of tier it talks to.
+    def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """Bytes each key's record takes in this tier, without reading payloads; None: not stored here."""
+        ...
+
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Every record this tier holds. Raises `TierAdminUnsupported` when this process cannot see them,
+        `ConnectionError` when the backend is unreachable (an admin command must not report it empty)."""
+        ...
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """Delete every record ``predicate`` accepts; returns (records, bytes), or what would be, with
+        ``dry_run``. Safe beside serving processes (a later read is a miss). Raises as `iter_stored`."""
+        ...

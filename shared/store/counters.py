@@ -12,7 +12,8 @@ from typing import Any
 
 #: Every tier reports these keys (tiers that cannot have an event report 0).
 COUNTER_NAMES = (
-    "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes",
+    "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
+    "dropped_writes",
     "refused", "errors", "read_seconds", "write_seconds",
 )
 

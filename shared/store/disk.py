@@ -6,9 +6,9 @@ Why this shape:
   key can turn into a path and directories stay small;
 - writes go to a temp file in the same directory, are fsynced and then ``os.replace``d, so a reader in
   any process sees either nothing or a complete record (and `records.decode` catches the rest);
-- LMDB is a crash-safe, multi-process index: its write transaction is also the cross-process lock under
-  which files are renamed into place and evicted, so a precompute job and a serving engine can share a
-  directory while keeping one byte budget;
+- LMDB is a crash-safe, multi-process index (`vllm_tiercache.shared.store.disk_index`): its write
+  transaction is also the cross-process lock under which files are renamed into place and evicted, so a
+  precompute job and a serving engine can share a directory while keeping one byte budget;
 - reads do not open a write transaction unless the stored access time is older than a few seconds,
   so hot reads stay lock-free.
 """
@@ -19,9 +19,6 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
-import struct
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -32,58 +29,23 @@ import lmdb
 import torch
 import xxhash
 
-from vllm_tiercache.shared import records
-from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store import records
+from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, StoredRecord, StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.disk_config import DiskTierConfig
+from vllm_tiercache.shared.store.disk_index import DiskIndex
 
 log = logging.getLogger(__name__)
 
-#: Refresh a record's stored access time on read only when older than this: LRU order at one-minute
 #: Bytes read per call; the payload checksum follows each piece while it is hot in cache.
 READ_PIECE = 1 << 20
+#: Refresh a record's stored access time on read only when older than this: LRU order at one-minute
 #: granularity is plenty for a disk cache, and it keeps write transactions (an fsync each) off hot reads.
 ATIME_REFRESH_NS = 60_000_000_000
 #: Leftover temp files (from a killed writer) older than this are removed when a tier opens.
 STALE_TMP_S = 600
-_ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-8)
-_TOTAL = b"total_bytes"
-_U64 = struct.Struct("<Q")
 #: "No room for this write": a full filesystem, a quota, a file-size limit (RLIMIT_FSIZE).
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-_ENV_LOCK = threading.Lock()
-_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount]; LMDB forbids opening one env twice
-
-
-def _open_env(index_dir: str) -> lmdb.Environment:
-    real = os.path.realpath(index_dir)
-    with _ENV_LOCK:
-        if real in _ENVS:
-            _ENVS[real][1] += 1
-            return _ENVS[real][0]
-        # No fsync per index commit: record files are fsynced themselves, LMDB stays consistent across
-        # process crashes without it, and an index damaged by an OS crash is rebuilt from the record
-        # headers (see DiskTier._open_index). Two fsyncs per put would halve put throughput.
-        # The directory is made here, owner-only: LMDB would mkdir it with the file mode (0600, no
-        # search bit), which only root can then create files in.
-        os.makedirs(real, mode=0o700, exist_ok=True)
-        env = lmdb.open(real, map_size=4 << 30, max_dbs=4, subdir=True, sync=False, metasync=False,
-                        readahead=False, max_readers=1024, mode=0o600)
-        _ENVS[real] = [env, 1]
-        return env
-
-
-def _release_env(index_dir: str) -> None:
-    real = os.path.realpath(index_dir)
-    with _ENV_LOCK:
-        slot = _ENVS.get(real)
-        if slot is None:
-            return
-        slot[1] -= 1
-        if slot[1] <= 0:
-            del _ENVS[real]
-            slot[0].close()
 
 
 class DiskTierError(OSError):
@@ -129,27 +91,10 @@ class DiskTier:
 
     def _open_index(self) -> None:
         """Open the LMDB index; if it is unreadable (an OS crash without fsync), rebuild it from the files."""
-        try:
-            self._env = _open_env(self._index_dir)
-            self._entries = self._env.open_db(b"entries")
-            self._by_atime = self._env.open_db(b"atime")
-            self._meta = self._env.open_db(b"meta")
-            with self._env.begin() as txn:
-                self._total(txn)
-            return
-        except lmdb.Error as exc:
-            log.warning("tiercache disk tier: index %s is damaged (%s); rebuilding it from the record files",
-                        self._index_dir, exc)
-            _release_env(self._index_dir)
-        damaged = f"{self._index_dir}.damaged-{os.getpid()}-{time.time_ns()}"
-        with contextlib.suppress(OSError):
-            os.replace(self._index_dir, damaged)
-            shutil.rmtree(damaged, ignore_errors=True)
-        self._env = _open_env(self._index_dir)
-        self._entries = self._env.open_db(b"entries")
-        self._by_atime = self._env.open_db(b"atime")
-        self._meta = self._env.open_db(b"meta")
-        self.rebuild_index()
+        self._index, rebuilt = DiskIndex.open(self._index_dir)
+        self._env = self._index.env  # transactions of the index are the tier's cross-process lock
+        if rebuilt:
+            self.rebuild_index()
 
     def rebuild_index(self) -> int:
         """Index every record file whose header is valid (payload checked when it is read); returns the count."""
@@ -161,14 +106,18 @@ class DiskTier:
                     with open(path, "rb") as f:
                         head = f.read(records.MAX_HEADER + records.FIXED_SIZE)
                         size = os.fstat(f.fileno()).st_size
-                    header = records.decode_header(head)
+                    key = records.decode_header(head).key
+                except records.OtherFormatError:  # another build's record: kept, and indexed by its
+                    key = _key_named_by(path)  # file name so that LRU ages it out
+                    if key is None:
+                        continue
                 except (OSError, records.RecordError):
                     with contextlib.suppress(OSError):
                         path.unlink()
                     continue
-                if path.stem != header.key.hex():
+                if path.stem != key.hex():
                     continue
-                self._index_put(txn, header.key, size, "", now)
+                self._index.put(txn, key, size, "", now)
                 count += 1
         return count
 
@@ -192,8 +141,8 @@ class DiskTier:
     # ------------------------------------------------------------------------------------------ reads
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         try:
-            with self._env.begin(db=self._entries) as txn:
-                return [txn.get(k.digest) is not None for k in keys]
+            with self._env.begin() as txn:
+                return [self._index.get(txn, k.digest) is not None for k in keys]
         except lmdb.Error as exc:
             self._error("index read failed", exc)
             return [False] * len(keys)
@@ -240,6 +189,10 @@ class DiskTier:
                 out.append(None)
                 gone.append((key.digest, None))
                 continue
+            except records.OtherFormatError:  # another build's record: a miss, left for that build
+                self.counters.add(other_format=1)
+                out.append(None)
+                continue
             except records.RecordError as exc:
                 corrupt += 1
                 log.warning("tiercache disk tier: dropping corrupt record %s (%s)", path, exc)
@@ -276,29 +229,25 @@ class DiskTier:
             with self._env.begin() as txn:
                 stale = []
                 for digest, size in hits:
-                    raw = txn.get(digest, db=self._entries)
-                    if raw is None or now - _ENTRY.unpack_from(raw)[1] > ATIME_REFRESH_NS:
+                    entry = self._index.get(txn, digest)
+                    if entry is None or now - entry.atime_ns > ATIME_REFRESH_NS:
                         stale.append((digest, size))
-                dead = [(d, ino) for d, ino in gone if ino is not None or txn.get(d, db=self._entries)]
+                dead = [(d, ino) for d, ino in gone if ino is not None or self._index.get(txn, d)]
             if not stale and not dead:
                 return
             with self._env.begin(write=True) as txn:
                 for digest, size in stale:
-                    raw = txn.get(digest, db=self._entries)
-                    if raw is None:  # a file whose index entry was lost (writer killed): adopt it,
-                        # unless it was evicted since we read it: files are only unlinked under this
-                        # write lock, so a file that is still there now stays until we commit.
-                        try:
-                            if os.stat(self._path(digest)).st_size != size:
-                                continue  # replaced meanwhile; its writer indexed it
-                        except FileNotFoundError:
-                            continue  # evicted after our read: adopting it would index a missing file
-                        self._index_put(txn, digest, size, "", now)
-                    else:
-                        old_size, old_atime = _ENTRY.unpack_from(raw)
-                        txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
-                        txn.put(digest, _ENTRY.pack(old_size, now) + raw[_ENTRY.size:], db=self._entries)
-                        txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
+                    if self._index.touch(txn, digest, now):
+                        continue
+                    # A file whose index entry was lost (writer killed): adopt it, unless it was evicted
+                    # since we read it: files are only unlinked under this write lock, so a file that is
+                    # still there now stays until we commit.
+                    try:
+                        if os.stat(self._path(digest)).st_size != size:
+                            continue  # replaced meanwhile; its writer indexed it
+                    except FileNotFoundError:
+                        continue  # evicted after our read: adopting it would index a missing file
+                    self._index.put(txn, digest, size, "", now)
                 for digest, ino in dead:
                     path = self._path(digest)
                     if ino is not None:
@@ -310,7 +259,7 @@ class DiskTier:
                             pass
                     elif path.exists():
                         continue
-                    self._index_delete(txn, digest)
+                    self._index.delete(txn, digest)
         except lmdb.Error as exc:
             self._error("index update after read failed", exc)
 
@@ -371,29 +320,10 @@ class DiskTier:
                 now = time.time_ns()
                 for p in pending:
                     os.replace(p.tmp, p.final)
-                    self._index_put(txn, p.digest, p.size, p.text, now)
+                    self._index.put(txn, p.digest, p.size, p.text, now)
                     puts += 1
                     written += p.size
-                total = self._total(txn)
-                if total > self.capacity:
-                    cursor = txn.cursor(db=self._by_atime)
-                    victims = []
-                    for akey, _ in cursor.iternext(keys=True, values=True):
-                        if total <= self.capacity:
-                            break
-                        digest = bytes(akey[8:])
-                        raw = txn.get(digest, db=self._entries)
-                        victims.append(digest)
-                        if raw is not None:
-                            total -= _ENTRY.unpack_from(raw)[0]
-                    for digest in victims:
-                        self._index_delete(txn, digest)
-                        path = self._path(digest)
-                        try:
-                            os.unlink(path)
-                        except FileNotFoundError:
-                            pass
-                        evicted += 1
+                evicted = self._evict_over_capacity(txn)
         except (lmdb.Error, OSError) as exc:
             self._error("commit of written records failed", exc)
             for p in pending:
@@ -406,37 +336,33 @@ class DiskTier:
             return
         self.counters.add(puts=puts, bytes_written=written, evictions=evicted)
 
+    def _evict_over_capacity(self, txn: lmdb.Transaction) -> int:
+        """Unlink least recently used records until the total fits the capacity; returns how many."""
+        total = self._index.total(txn)
+        victims = []
+        for digest in self._index.oldest(txn):
+            if total <= self.capacity:
+                break
+            entry = self._index.get(txn, digest)
+            victims.append(digest)
+            if entry is not None:
+                total -= entry.size
+        for digest in victims:
+            self._index.delete(txn, digest)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(digest))
+        return len(victims)
+
     # ------------------------------------------------------------------------------------------ index
-    def _total(self, txn: lmdb.Transaction) -> int:
-        raw = txn.get(_TOTAL, db=self._meta)
-        return _U64.unpack(raw)[0] if raw else 0
-
-    def _index_put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now: int) -> None:
-        total = self._total(txn)
-        raw = txn.get(digest, db=self._entries)
-        if raw is not None:
-            old_size, old_atime = _ENTRY.unpack_from(raw)
-            total -= old_size
-            txn.delete(struct.pack(">Q", old_atime) + digest, db=self._by_atime)
-        txn.put(digest, _ENTRY.pack(size, now) + key_text_bytes(text), db=self._entries)
-        txn.put(struct.pack(">Q", now) + digest, b"", db=self._by_atime)
-        txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self._meta)
-
     def _index_delete(self, txn: lmdb.Transaction, digest: bytes) -> None:
-        raw = txn.get(digest, db=self._entries)
-        if raw is None:
-            return
-        size, atime = _ENTRY.unpack_from(raw)
-        txn.delete(digest, db=self._entries)
-        txn.delete(struct.pack(">Q", atime) + digest, db=self._by_atime)
-        txn.put(_TOTAL, _U64.pack(max(0, self._total(txn) - size)), db=self._meta)
+        """Forget one record inside the caller's write transaction (its file is the caller's business)."""
+        self._index.delete(txn, digest)
 
     def iter_index(self) -> Iterator[tuple[bytes, int, float, str]]:
         """(digest, size, last access unix time, key text) of every indexed record (for `tiercache stats`)."""
-        with self._env.begin(db=self._entries) as txn:
-            for digest, raw in txn.cursor():
-                size, atime = _ENTRY.unpack_from(raw)
-                yield bytes(digest), size, atime / 1e9, bytes(raw[_ENTRY.size:]).decode(errors="replace")
+        with self._env.begin() as txn:
+            for digest, entry in self._index.scan(txn):
+                yield digest, entry.size, entry.atime_ns / 1e9, entry.text
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         """Stored size of each key's record from the index (None: not indexed). No file is read.
@@ -444,12 +370,9 @@ class DiskTier:
         Why: offline jobs report how many bytes they stored without reading the records back.
         """
         try:
-            with self._env.begin(db=self._entries) as txn:
-                out: list[int | None] = []
-                for key in keys:
-                    raw = txn.get(key.digest)
-                    out.append(None if raw is None else _ENTRY.unpack_from(raw)[0])
-                return out
+            with self._env.begin() as txn:
+                entries = [self._index.get(txn, key.digest) for key in keys]
+            return [None if entry is None else entry.size for entry in entries]
         except lmdb.Error as exc:
             self._error("index read failed", exc)
             return [None] * len(keys)
@@ -468,37 +391,46 @@ class DiskTier:
         """
         matches: list[bytes] = []
         matched_bytes = 0
-        with self._env.begin(db=self._entries) as txn:
-            for digest, raw in txn.cursor():
-                size, atime = _ENTRY.unpack_from(raw)
-                text = bytes(raw[_ENTRY.size:]).decode(errors="replace")
-                if predicate(text, size, atime / 1e9):
-                    matches.append(bytes(digest))
-                    matched_bytes += size
+        with self._env.begin() as txn:
+            for digest, entry in self._index.scan(txn):
+                if predicate(entry.text, entry.size, entry.atime_ns / 1e9):
+                    matches.append(digest)
+                    matched_bytes += entry.size
         if dry_run:  # no write transaction: a dry run never blocks writers
             return len(matches), matched_bytes
         removed = removed_bytes = 0
         for lo in range(0, len(matches), batch):
             with self._env.begin(write=True) as txn:
                 for digest in matches[lo:lo + batch]:
-                    raw = txn.get(digest, db=self._entries)
-                    if raw is None:
+                    entry = self._index.get(txn, digest)
+                    if entry is None:
                         continue  # evicted or removed by another process meanwhile
-                    size, atime = _ENTRY.unpack_from(raw)
-                    text = bytes(raw[_ENTRY.size:]).decode(errors="replace")
-                    if not predicate(text, size, atime / 1e9):
+                    if not predicate(entry.text, entry.size, entry.atime_ns / 1e9):
                         continue  # rewritten or read since the scan (e.g. atime refreshed)
                     removed += 1
-                    removed_bytes += size
+                    removed_bytes += entry.size
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._path(digest))
-                    self._index_delete(txn, digest)
+                    self._index.delete(txn, digest)
         return removed, removed_bytes
+
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Every indexed record (the `Tier` admin contract): key text, size, seconds since last access."""
+        now = time.time()
+        for _, size, atime, text in self.iter_index():
+            yield StoredRecord(text, size, now - atime)
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """`delete_where` over `StoredRecord`s (the `Tier` admin contract); idle time counted from now."""
+        now = time.time()
+        return self.delete_where(lambda text, size, atime: predicate(StoredRecord(text, size, now - atime)),
+                                 dry_run=dry_run)
 
     def usage(self) -> dict[str, Any]:
         try:
             with self._env.begin() as txn:
-                return {"entries": txn.stat(self._entries)["entries"], "bytes_used": self._total(txn),
+                return {"entries": self._index.count(txn), "bytes_used": self._index.total(txn),
                         "capacity": self.capacity, "path": str(self.root)}
         except lmdb.Error:
             return {"entries": None, "bytes_used": None, "capacity": self.capacity, "path": str(self.root)}
@@ -516,4 +448,13 @@ class DiskTier:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            _release_env(self._index_dir)
+            self._index.close()
+
+
+def _key_named_by(path: Path) -> bytes | None:
+    """The key digest a record file is named by, or None for a file name that is not one."""
+    try:
+        digest = bytes.fromhex(path.stem)
+    except ValueError:
+        return None
+    return digest if len(digest) == KEY_DIGEST_SIZE else None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.shared import records
+from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import Record, StoreKey
 from vllm_tiercache.shared.store.disk import DiskTier
 from vllm_tiercache.shared.store.disk_config import GdsTierConfig

@@ -13,15 +13,18 @@ simply stays in the slower tiers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from vllm_tiercache.shared.eviction import make_policy
-from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, TierAdminUnsupported
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.memory_config import MemoryTierConfig
+
+#: Why the admin operations cannot serve a memory tier: another process would see only its own copy.
+_PER_PROCESS = "a memory tier lives inside each serving process; another process cannot list or delete its records"
 
 
 class MemoryTier:
@@ -101,6 +104,20 @@ class MemoryTier:
     def usage(self) -> dict[str, Any]:
         with self._lock:
             return {"entries": len(self._items), "bytes_used": self._bytes, "capacity": self.capacity}
+
+    def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """Bytes each record counts against this tier's capacity (tensor bytes); None when not held."""
+        with self._lock:
+            return [entry[1] if (entry := self._items.get(k.digest)) is not None else None for k in keys]
+
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Never: records live in each serving process (and keep no key text), so raises (admin contract)."""
+        raise TierAdminUnsupported(_PER_PROCESS)
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """Never, for the reason `iter_stored` gives: serving processes drop their copies by eviction."""
+        raise TierAdminUnsupported(_PER_PROCESS)
 
     def clear(self) -> None:
         with self._lock:

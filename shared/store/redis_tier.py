@@ -3,7 +3,7 @@
 Layout per record (``H`` is the key digest in hex, in braces so Redis Cluster puts all pieces of one
 record in one slot)::
 
-    {prefix}{H}       head: u32 part count + the record header (`vllm_tiercache.shared.records` prefix)
+    {prefix}{H}       head: u32 part count + the record header (`vllm_tiercache.shared.store.records` prefix)
     {prefix}{H}:0..n  payload parts of at most ``part_size`` bytes
     {prefix}{H}#text  the key text (for `tiercache stats` / `tiercache evict`; readers never need it)
 
@@ -23,7 +23,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -31,8 +31,8 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from vllm_tiercache.shared import records
-from vllm_tiercache.shared.store.api import Record, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store import records
+from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_config import RedisTierConfig
 
@@ -223,6 +223,8 @@ class RedisTier:
                     if nparts < 1 or nparts > header.nbytes // 1024 + 2:  # part_size is at least 1KiB
                         raise records.RecordError(f"bad part count {nparts}")
                     more.append((i, header, nparts, part0))
+            except records.OtherFormatError:  # another build's record: a miss, left for that build
+                self.counters.add(other_format=1)
             except records.RecordError as exc:
                 corrupt.append(key)
                 self._other_error(f"decode ({exc})", exc)
@@ -310,6 +312,26 @@ class RedisTier:
         self.counters.add(puts=len(items), bytes_written=sum(enc.nbytes for _, enc in encoded))
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Every record under ``key_prefix`` (the `Tier` admin contract); ConnectionError when unreachable."""
+        for _, size, idle_s, text in self._scan_records():
+            yield StoredRecord(text, size, idle_s)
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """Delete the records ``predicate`` accepts (the `Tier` admin contract).
+
+        Returns (records deleted, bytes matched): a record whose head vanished between the SCAN and the
+        delete is not counted as deleted; its bytes, read at SCAN time, still are. With ``dry_run`` the
+        count is what matched.
+        """
+        matches = [(hex_digest, size or 0) for hex_digest, size, idle_s, text in self._scan_records()
+                   if predicate(StoredRecord(text, size, idle_s))]
+        matched_bytes = sum(size for _, size in matches)
+        if dry_run:
+            return len(matches), matched_bytes
+        return self._delete_records([hex_digest for hex_digest, _ in matches]), matched_bytes
+
     def _client_or_raise(self) -> Any:
         """Admin commands must say when Redis is unreachable, not silently report an empty store."""
         if self._client is None:
@@ -318,7 +340,7 @@ class RedisTier:
             raise ConnectionError(f"redis tier {self.address} is unreachable")
         return self._client
 
-    def iter_records(self, batch: int = 500) -> Iterator[tuple[str, int | None, float | None, str]]:
+    def _scan_records(self, batch: int = 500) -> Iterator[tuple[str, int | None, float | None, str]]:
         """(digest hex, record bytes, idle seconds, key text) of every record under ``key_prefix``.
 
         SCANs the heads (never KEYS, so a big server is not blocked), then one pipelined round trip per
@@ -363,7 +385,7 @@ class RedisTier:
         if heads:
             yield from flush()
 
-    def delete_digests(self, hex_digests: Sequence[str]) -> int:
+    def _delete_records(self, hex_digests: Sequence[str]) -> int:
         """Delete whole records (head first, so readers see a miss, then parts and key text); returns count.
 
         The part count comes from each head; a head that vanished meanwhile counts as not deleted.

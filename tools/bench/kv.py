@@ -8,9 +8,10 @@ connector is held to. vLLM's `ExampleConnector` (safetensors files) and `SimpleC
 show what the connectors shipped with vLLM achieve on the same machine.
 
 Why subprocesses: every engine configuration runs in its own fresh Python process
-(``python -m vllm_tiercache.tools.bench.kv --job SPEC.json``), as it would after a restart or on another machine. The
-disk and Redis cases need it to mean anything: a producer process writes, it exits, and a new
-consumer process, whose memory holds nothing, measures the hit.
+(``python -m vllm_tiercache.tools.bench.kv --job SPEC.json``; both sides of it live in
+`vllm_tiercache.tools.bench.kv_engine`), as it would after a restart or on another machine. The disk
+and Redis cases need it to mean anything: a producer process writes, it exits, and a new consumer
+process, whose memory holds nothing, measures the hit.
 
 How TTFT is measured: one request at a time, ``max_tokens=1``, wall time of ``LLM.generate`` (the
 prefill plus the one sampled token). Each process first sends warm-up prompts unrelated to the measured
@@ -31,25 +32,19 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BLOCK_SIZE = 32
+from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE, run_engine_process, run_job
+
 #: Tokens ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
 TOKEN_RANGE = (3, 259)
-#: Seconds one engine process may take, start-up included.
-JOB_TIMEOUT_S = 1800
-#: Lines an engine process writes with this prefix are echoed by the runner as progress.
-PROGRESS_MARK = "tiercache-bench: "
 
 #: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
 TARGETS: list[tuple[str, str, float]] = [
@@ -106,66 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
-
-
-# ------------------------------------------------------------------------------------- engine process
-def run_job(spec_path: str, out_path: str) -> int:
-    """Inside a fresh process: build one engine, send each step's prompts one at a time, write timings.
-
-    Each prompt is its own `generate` call with ``max_tokens=1`` so its wall time is that request's
-    TTFT and nothing else is in flight. Steps run in order; a step only warms up when `measure` is false.
-    """
-    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    kwargs: dict[str, Any] = dict(
-        model=spec["model"],
-        dtype="bfloat16",
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        max_model_len=spec["max_model_len"],
-        max_num_batched_tokens=spec["max_model_len"],
-        max_num_seqs=4,
-        enable_prefix_caching=spec["enable_prefix_caching"],
-        seed=0,
-    )
-    if spec.get("kv_transfer_config"):
-        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
-    started = time.perf_counter()
-    llm = LLM(**kwargs)
-    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": []}
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for step in spec["steps"]:
-        ttft, cached = [], []
-        for prompt in step["prompts"]:
-            t0 = time.perf_counter()
-            (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            ttft.append(time.perf_counter() - t0)
-            cached.append(int(output.num_cached_tokens or 0))
-        result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached})
-        per_prompt = ", ".join(f"{t:.3f}s/{c}" for t, c in zip(ttft, cached, strict=True))
-        print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
-    # Let a producer's background writes reach disk/Redis before the process ends (the connector's
-    # shutdown flushes too; this makes it explicit and timed).
-    flush_started = time.perf_counter()
-    del llm
-    result["shutdown_s"] = time.perf_counter() - flush_started
-    Path(out_path).write_text(json.dumps(result))
-    return 0
-
-
-# ----------------------------------------------------------------------------------------- the runner
-def root_cause(log_path: Path) -> str:
-    """The first exception line of a failed engine's log (vLLM re-raises it several times, wrapped)."""
-    lines = log_path.read_text(errors="replace").splitlines()
-    for line in lines:
-        match = re.search(r"\b(\w+(?:Error|Exception): .*)", line)
-        if match:
-            return match.group(1)[:300]
-    return " | ".join(lines[-5:])[-300:]
-
 
 
 @dataclass
@@ -238,7 +173,6 @@ class Bench:
     ) -> dict[str, list[dict[str, Any]]]:
         """Run one engine process; return its steps by name (raises RuntimeError with the log tail)."""
         self.job_count += 1
-        n = self.job_count
         spec = {
             "label": label,
             "model": self.model,
@@ -247,9 +181,6 @@ class Bench:
             "kv_transfer_config": kv_transfer_config,
             "steps": [{"name": name, "prompts": prompts} for name, prompts in steps],
         }
-        spec_path, out_path = self.work / f"job-{n}.json", self.work / f"job-{n}.out.json"
-        log_path = self.work / f"job-{n}-{label}.log"
-        spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.kv_space_gib)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -257,47 +188,11 @@ class Bench:
         # on a 2-core machine that silently gives connector engines twice the compute threads of the
         # baseline (its reservation no longer fits, so none is made). Pin it for every engine.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
-        started = time.perf_counter()
-        self.progress(f"[{n}] {label}: starting engine process (log: {log_path})")
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_tiercache.tools.bench.kv", "--job", str(spec_path),
-                 "--job-out", str(out_path)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            self._follow(proc, log_path, started)
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"engine process exited with {proc.returncode}: {root_cause(log_path)}")
-        result = json.loads(out_path.read_text())
-        self.progress(
-            f"[{n}] {label}: done in {time.perf_counter() - started:.0f}s (engine start-up {result['startup_s']:.0f}s)"
-        )
+        result = run_engine_process(spec, self.work, self.job_count, env, self.progress)
         out: dict[str, list[dict[str, Any]]] = {}
         for step in result["steps"]:
             out.setdefault(step["name"], []).append(step)
         return out
-
-    def _follow(self, proc: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
-        """Wait for an engine process, echoing its progress lines (vLLM's own log stays in the file)."""
-        seen = 0
-        while True:
-            done = proc.poll() is not None
-            text = log_path.read_text(errors="replace")
-            for line in text[seen:].splitlines(keepends=True):
-                if not line.endswith("\n") and not done:
-                    break
-                seen += len(line)
-                if line.startswith(PROGRESS_MARK):
-                    self.progress("    " + line[len(PROGRESS_MARK) :].rstrip())
-            if done:
-                return
-            if time.perf_counter() - started > JOB_TIMEOUT_S:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"engine process ran past {JOB_TIMEOUT_S}s (log: {log_path})")
-            time.sleep(0.5)
 
     def record(self, name: str, step: dict[str, Any]) -> None:
         self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]))

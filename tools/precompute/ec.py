@@ -17,8 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.shared.config import ConfigError
-from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key
+from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.jobs import (
@@ -26,7 +27,6 @@ from vllm_tiercache.tools.jobs import (
     JobError,
     PrecomputeSummary,
     add_engine_arguments,
-    batches,
     checked_store_config,
     engine_config,
     engine_kwargs_from_args,
@@ -35,12 +35,9 @@ from vllm_tiercache.tools.jobs import (
     load_store_arg,
     offline_input_processor,
     process_offline,
-    record_sizes,
     report,
-    shutdown_llm,
-    start_llm,
-    wait_for_records,
 )
+from vllm_tiercache.tools.precompute.passes import count_stored, produce
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +94,18 @@ def precompute_images(
     started = time.perf_counter()
     summary = PrecomputeSummary(kind="images", total=len(images))
     config = checked_store_config(store_config)
+    ECConnectorOptions.load(store_config)  # a bad option fails here, not in the engine after its start-up
     kwargs = dict(engine_kwargs or {})
     transfer = ec_transfer(store_config)
     vllm_config = engine_config(model, kwargs, **transfer)
     if not vllm_config.model_config.is_multimodal_model:
         raise JobError(f"{model} is not a multimodal model: there is no encoder output to precompute")
     processor = offline_input_processor(vllm_config)
-    identity = EncoderIdentity.from_vllm_config(vllm_config)
+    identity = EncoderIdentity.from_vllm_config(vllm_config, weights=weights_of(vllm_config, config.model_version))
     text = image_prompt(vllm_config)
 
     # Pass 1: vLLM's mm_hash of every readable image, and which ones are stored already.
-    todo: list[tuple[Path, StoreKey]] = []
+    todo: list[tuple[Path, tuple[StoreKey]]] = []
     seen: set[bytes] = set()
     with build_store(config) as store:
         named: list[tuple[Path, StoreKey]] = []
@@ -126,39 +124,17 @@ def precompute_images(
                 summary.skipped += 1
             else:
                 seen.add(key.digest)
-                todo.append((path, key))
+                todo.append((path, (key,)))
 
-        # Pass 2: one producer engine over what is missing.
-        seen: set[StoreKey] = set()
-        if todo:
-            llm = start_llm(model, kwargs, **transfer)
-            from vllm import SamplingParams
-
-            params = SamplingParams(max_tokens=1)
-            bar = tqdm(total=len(todo), desc="encoding images", unit="img", disable=not progress)
-            try:
-                for batch in batches(todo, batch_size):
-                    prompts = [{"prompt": text, "multi_modal_data": {"image": load_image(p)}} for p, _ in batch]
-                    llm.generate(prompts, params, use_tqdm=False)
-                    bar.update(len(batch))
-                seen = wait_for_records(store, [key for _, key in todo])
-            finally:
-                bar.close()
-                shutdown_llm(llm)
-
-        # Pass 3: count what the store really holds now.
-        keys = [key for _, key in todo]
-        stored = store.contains_many(keys, shared_only=True)
-        sizes = record_sizes(store, keys)
-        for (path, key), ok, size in zip(todo, stored, sizes, strict=True):
-            # Seen stored while the engine ran counts too: a concurrent `tiercache evict` (or another
-            # writer's LRU) may have removed it since, which is no failed write.
-            if ok or key in seen:
-                summary.stored += 1
-                summary.bytes_stored += size or 0
-            else:
-                summary.failed.append((path.name, "encoded but not found in the store afterwards (see the "
-                                                  "engine log: dropped write, full disk or Redis down)"))
+        # Pass 2: one producer engine over what is missing. Pass 3: count what the store really holds now.
+        stored_keys = produce(
+            store, todo, lambda p: {"prompt": text, "multi_modal_data": {"image": load_image(p)}},
+            model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
+            desc="encoding images", unit="img",
+        )
+        count_stored(store, todo, stored_keys, summary,
+                     failure="encoded but not found in the store afterwards (see the engine log: dropped write, "
+                             "full disk or Redis down)")
     summary.seconds = time.perf_counter() - started
     return summary
 

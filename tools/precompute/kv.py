@@ -8,8 +8,9 @@ share. Serving must build its prompts with the same `rag_prompt` and run with th
 block size, chunk size and namespace.
 
 Resume: before starting an engine, every document's chunk keys are computed offline with vLLM's own
-input processor (tokenizer, multimodal processor and mm_hash) and `vllm_tiercache.shared.hashing`, exactly as the
-engine's scheduler names them; documents whose chunks are all stored are skipped.
+input processor (tokenizer, multimodal processor and mm_hash) and the connector's own naming
+(`vllm_tiercache.kvcache.naming.KVNaming`), exactly as the engine's scheduler names them; documents whose
+chunks are all stored are skipped.
 
 What a serving prompt can reuse: every full block of the prefix. The connector names a chunk by the
 hash of its last block; a serving prompt that extends the document finds its full chunks directly and
@@ -21,14 +22,12 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.kvcache.layout import layout_tag
-from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.kvcache.naming import KVNaming
+from vllm_tiercache.kvcache.options import KVConnectorOptions
+from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.jobs import (
@@ -36,7 +35,6 @@ from vllm_tiercache.tools.jobs import (
     JobError,
     PrecomputeSummary,
     add_engine_arguments,
-    batches,
     checked_store_config,
     engine_config,
     engine_kwargs_from_args,
@@ -45,12 +43,9 @@ from vllm_tiercache.tools.jobs import (
     load_store_arg,
     offline_input_processor,
     process_offline,
-    record_sizes,
     report,
-    shutdown_llm,
-    start_llm,
-    wait_for_records,
 )
+from vllm_tiercache.tools.precompute.passes import count_stored, produce
 
 log = logging.getLogger(__name__)
 
@@ -99,63 +94,6 @@ def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: 
     return prompt
 
 
-@dataclass(frozen=True)
-class KVNaming:
-    """Everything that names a prompt's chunks in the store, read from the engine's own config."""
-
-    namespace: str
-    identities: tuple[KVModelIdentity, ...]
-    block_size: int
-    blocks_per_chunk: int
-    hash_algo: str
-    save_partial_chunks: bool
-
-    @classmethod
-    def from_configs(cls, vllm_config: Any, config: StoreConfig) -> KVNaming:
-        block_size = int(vllm_config.cache_config.block_size)
-        if config.chunk_size % block_size:
-            raise ConfigError(f"chunk_size: {config.chunk_size} is not a multiple of the engine's block size "
-                              f"{block_size}; set chunk_size to a multiple of {block_size}")
-        algo = vllm_config.cache_config.prefix_caching_hash_algo
-        check_seed_is_stable(algo)
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        layout = layout_tag(vllm_config)
-        return cls(
-            namespace=config.namespace,
-            identities=tuple(KVModelIdentity.from_vllm_config(vllm_config, layout, r) for r in range(tp)),
-            block_size=block_size,
-            blocks_per_chunk=config.chunk_size // block_size,
-            hash_algo=algo,
-            save_partial_chunks=config.save_partial_chunks,
-        )
-
-    def chunk_keys(self, request: Any) -> tuple[list[StoreKey], int]:
-        """(store keys of every chunk a kv_producer saves for this request, prefix tokens a longer prompt reuses).
-
-        Mirrors `KVSchedulerSide`: full blocks of the prompt, grouped in chunks; the partial last chunk
-        only with ``save_partial_chunks``; one record per layer and tensor-parallel rank.
-        """
-        features = getattr(request, "mm_features", None) or ()
-        extra = BlockExtraKeys(
-            mm_inputs=tuple(MMInput(f.mm_position.offset, f.mm_position.length, f.identifier) for f in features),
-            cache_salt=getattr(request, "cache_salt", None),
-        )
-        hashes = block_hashes(list(request.prompt_token_ids), self.block_size, self.hash_algo,
-                              extra_keys_per_block=None if extra.is_empty else extra)
-        ends = chunk_boundaries(len(hashes), self.blocks_per_chunk)
-        if ends and ends[-1] % self.blocks_per_chunk and not self.save_partial_chunks:
-            ends = ends[:-1]
-        keys = [
-            kv_chunk_key(self.namespace, identity, hashes[end - 1], layer)
-            for end in ends
-            for identity in self.identities
-            for layer in range(identity.num_layers)
-        ]
-        # A longer serving prompt finds every stored chunk, the partial last one included (the scheduler
-        # probes the shorter chunk endings after its last full-chunk hit).
-        return keys, (ends[-1] * self.block_size if ends else 0)
-
-
 def precompute_docs(
     model: str,
     docs: list[Path],
@@ -180,11 +118,12 @@ def precompute_docs(
         raise JobError(f"--template: the template has no {DOCUMENT_PLACEHOLDER} placeholder; add it where "
                        "the document text goes")
     config = checked_store_config(store_config)
+    options, _ = KVConnectorOptions.load(store_config)
     kwargs = dict(engine_kwargs or {})
     transfer = {"kv_transfer_config": KVTransferConfig(
         kv_connector="TieredKVConnector", kv_role="kv_producer", kv_connector_extra_config=dict(store_config))}
     vllm_config = engine_config(model, kwargs, **transfer)
-    naming = KVNaming.from_configs(vllm_config, config)
+    naming = KVNaming.from_configs(vllm_config, config, options)
     multimodal = bool(vllm_config.model_config.is_multimodal_model)
     processor = offline_input_processor(vllm_config)
     max_len = int(vllm_config.model_config.max_model_len)
@@ -211,10 +150,10 @@ def precompute_docs(
                 continue
             if list(probe.prompt_token_ids[: len(ids)]) != ids:
                 misaligned.append(doc.name)
-            keys, reusable = naming.chunk_keys(request)
+            keys, reusable = naming.prompt_keys(request)
             if not keys:
                 summary.failed.append((doc.name, f"{len(ids)} tokens: shorter than one block "
-                                                 f"({naming.block_size} tokens), nothing to cache"))
+                                                 f"({naming.geometry.block_size} tokens), nothing to cache"))
                 continue
             tokens_total += len(ids)
             reusable_total += reusable
@@ -223,35 +162,16 @@ def precompute_docs(
             else:
                 todo.append((doc, keys))
 
-        seen: set[StoreKey] = set()
-        if todo:
-            from vllm import SamplingParams
-
-            llm = start_llm(model, kwargs, **transfer)
-            params = SamplingParams(max_tokens=1)
-            bar = tqdm(total=len(todo), desc="prefilling docs", unit="doc", disable=not progress)
-            try:
-                for batch in batches(todo, batch_size):
-                    prompts = [doc_request(doc, template, multimodal=multimodal) for doc, _ in batch]
-                    llm.generate(prompts, params, use_tqdm=False)
-                    bar.update(len(batch))
-                seen = wait_for_records(store, [k for _, keys in todo for k in keys])
-            finally:
-                bar.close()
-                shutdown_llm(llm)
-
-        evicted_since = 0
-        for doc, keys in todo:
-            present = store.contains_many(keys, shared_only=True)
-            # Seen stored while the engine ran, or there now: stored. A chunk seen and gone since was
-            # evicted by someone else (`tiercache evict`, another writer's LRU), which is no failed write.
-            if all(hit or key in seen for key, hit in zip(keys, present, strict=True)):
-                summary.stored += 1
-                summary.bytes_stored += sum(size or 0 for size in record_sizes(store, keys))
-                evicted_since += not all(present)
-            else:
-                summary.failed.append((doc.name, "prefilled but some chunks are not in the store afterwards "
-                                                 "(see the engine log: dropped write, full disk or Redis down)"))
+        seen = produce(
+            store, todo, lambda doc: doc_request(doc, template, multimodal=multimodal),
+            model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
+            desc="prefilling docs", unit="doc",
+        )
+        evicted_since = count_stored(
+            store, todo, seen, summary,
+            failure="prefilled but some chunks are not in the store afterwards (see the engine log: dropped "
+                    "write, full disk or Redis down)",
+        )
     summary.details["tokens"] = f"{tokens_total} prefix tokens, {reusable_total} reusable by longer prompts"
     if evicted_since:
         summary.details["evicted"] = (f"{evicted_since} stored docs lost chunks to eviction before the job ended "

@@ -11,6 +11,8 @@ an aligned buffer are aligned for vectorized kernels.
 
 Why so strict: stores are shared between processes, hosts and versions; any mismatch (foreign data,
 truncation, bit flips, a swapped file) must become a cache miss, never wrong KV in a model.
+
+Why in `shared/store`: only the tiers encode and decode records; connectors see `Record`s.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ _silence_lock = threading.Lock()
 
 class RecordError(ValueError):
     """The bytes are not a valid record for the expected key (corrupt, truncated, foreign, swapped)."""
+
+
+class OtherFormatError(RecordError):
+    """A well-formed record head of another format version: another build of the product wrote it.
+
+    Why apart from corruption: during a rolling upgrade old and new replicas share one tier. Such a record
+    is a miss for this build and is left where it is (the other build still reads it); tiers count it as
+    ``other_format``, never ``corrupt``, and eviction ages it out. New formats also name their records in
+    a key space of their own (`vllm_tiercache.shared.store.api.KEY_SPACE`), so the builds rarely meet.
+    """
 
 
 class Encoded(NamedTuple):
@@ -124,7 +136,7 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
     if magic != MAGIC:
         raise RecordError(f"bad magic {bytes(magic)!r} (not a tiercache record)")
     if version != VERSION:
-        raise RecordError(f"format version {version}, this build reads version {VERSION}")
+        raise OtherFormatError(f"format version {version}, this build reads version {VERSION}")
     if hlen > MAX_HEADER or FIXED_SIZE + hlen > mv.nbytes:
         raise RecordError(f"truncated or corrupt header (length {hlen}, buffer {mv.nbytes})")
     hbytes = mv[FIXED_SIZE:FIXED_SIZE + hlen]

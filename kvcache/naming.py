@@ -1,0 +1,139 @@
+"""Which chunks a prompt gets, and the store key of every record of each: the one naming rule.
+
+Why one module: three places name KV chunks and must agree to the byte, or a precomputed document never
+hits and a saved chunk is never found. The connector's scheduler side looks chunks up and plans their
+saves, its worker side reads and writes the records, and `tiercache precompute docs` names a prompt's
+chunks offline, before any engine runs, to skip what is stored. All three use `KVNaming`.
+
+The rule: a prompt's full blocks are grouped into chunks of `ChunkGeometry.blocks_per_chunk` blocks; the
+last chunk may be partial, and is stored only with ``save_partial_chunks``. A chunk is named by vLLM's
+chain hash at its last block (the engine's ``request.block_hashes[end - 1]``; offline, the same hash from
+`vllm_tiercache.shared.hashing`), and stored as one record per layer and tensor-parallel rank
+(`vllm_tiercache.shared.keys.kv_chunk_key`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_tiercache.kvcache.layout import layout_tag
+from vllm_tiercache.kvcache.options import KVConnectorOptions
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
+from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key, weights_of
+from vllm_tiercache.shared.store.api import StoreKey
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """How a request's full blocks group into chunks: `chunk_size` tokens = `blocks_per_chunk` blocks."""
+
+    block_size: int
+    chunk_size: int
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0 or self.chunk_size % self.block_size:
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} must be a positive multiple of the engine's block_size="
+                f"{self.block_size}; set kv_connector_extra_config.chunk_size to e.g. "
+                f"{max(self.block_size, (self.chunk_size // self.block_size or 1) * self.block_size)}"
+            )
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+    def chunk_start(self, end_block: int) -> int:
+        """First block of the chunk that ends at `end_block` (full or the partial last one)."""
+        return ((end_block - 1) // self.blocks_per_chunk) * self.blocks_per_chunk
+
+    def chunk_ends(self, num_full_blocks: int) -> list[int]:
+        """End block (exclusive) of every chunk over `num_full_blocks`; the last one may be partial."""
+        return chunk_boundaries(num_full_blocks, self.blocks_per_chunk)
+
+
+@dataclass(frozen=True)
+class KVNaming:
+    """Everything that names a prompt's chunks in the store, read from the engine's own config."""
+
+    namespace: str
+    #: one per tensor-parallel rank (index = rank): a chunk is stored when every rank's records are
+    identities: tuple[KVModelIdentity, ...]
+    geometry: ChunkGeometry
+    #: vLLM's ``prefix_caching_hash_algo``: how block hashes, hence chunk names, are computed
+    hash_algo: str
+    save_partial_chunks: bool = True
+
+    @classmethod
+    def from_configs(cls, vllm_config: Any, store: StoreConfig, options: KVConnectorOptions) -> KVNaming:
+        """The naming an engine built from ``vllm_config`` uses, with the connector's store and options.
+
+        Refuses (`check_seed_is_stable`) a hash seed that differs per process: no other process could
+        then find a chunk by name.
+        """
+        cache_config = vllm_config.cache_config
+        algo = cache_config.prefix_caching_hash_algo
+        check_seed_is_stable(algo)
+        geometry = ChunkGeometry(block_size=int(cache_config.block_size), chunk_size=options.chunk_size)
+        weights = weights_of(vllm_config, store.model_version)
+        first = KVModelIdentity.from_vllm_config(vllm_config, layout_tag(vllm_config), 0, weights=weights)
+        return cls(
+            namespace=store.namespace,
+            identities=tuple(dataclasses.replace(first, tp_rank=r) for r in range(first.tp_size)),
+            geometry=geometry,
+            hash_algo=algo,
+            save_partial_chunks=options.save_partial_chunks,
+        )
+
+    # ------------------------------------------------------------------------------------------- keys
+    def record_key(self, chunk_hash: bytes, layer: int, rank: int = 0) -> StoreKey:
+        """The record of one layer of one chunk, written and read by the worker of ``rank``."""
+        return kv_chunk_key(self.namespace, self.identities[rank], chunk_hash, layer)
+
+    def chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
+        """Every record of one chunk: each layer of each rank (the chunk is loadable when all are stored)."""
+        return [
+            kv_chunk_key(self.namespace, identity, chunk_hash, layer)
+            for identity in self.identities
+            for layer in range(identity.num_layers)
+        ]
+
+    def probe_key(self, chunk_hash: bytes) -> StoreKey:
+        """One record that stands for a chunk in a cheap first look (layer 0 of rank 0)."""
+        return self.record_key(chunk_hash, 0)
+
+    # ----------------------------------------------------------------------------------------- chunks
+    def stored_chunk_ends(self, num_full_blocks: int) -> list[int]:
+        """End block of every chunk a finished prefill of ``num_full_blocks`` blocks leaves stored: the
+        full chunks, and the partial last one only with ``save_partial_chunks``."""
+        ends = self.geometry.chunk_ends(num_full_blocks)
+        if ends and ends[-1] % self.geometry.blocks_per_chunk and not self.save_partial_chunks:
+            ends = ends[:-1]
+        return ends
+
+    def prompt_block_hashes(self, request: Any) -> list[bytes]:
+        """vLLM's block hashes of a request's prompt, computed offline as the engine's scheduler does.
+
+        ``request`` is what vLLM's input processor returns (`prompt_token_ids`, `mm_features`,
+        `cache_salt`): image identifiers and the salt enter the hashes as vLLM's extra keys.
+        """
+        features = getattr(request, "mm_features", None) or ()
+        extra = BlockExtraKeys(
+            mm_inputs=tuple(MMInput(f.mm_position.offset, f.mm_position.length, f.identifier) for f in features),
+            cache_salt=getattr(request, "cache_salt", None),
+        )
+        return block_hashes(list(request.prompt_token_ids), self.geometry.block_size, self.hash_algo,
+                            extra_keys_per_block=None if extra.is_empty else extra)
+
+    def prompt_keys(self, request: Any) -> tuple[list[StoreKey], int]:
+        """(store keys of every chunk a kv_producer saves for this request, prefix tokens a longer prompt reuses).
+
+        A longer serving prompt finds every stored chunk, the partial last one included (the scheduler
+        probes the shorter chunk endings after its last full-chunk hit).
+        """
+        hashes = self.prompt_block_hashes(request)
+        ends = self.stored_chunk_ends(len(hashes))
+        keys = [key for end in ends for key in self.chunk_keys(hashes[end - 1])]
+        return keys, (ends[-1] * self.geometry.block_size if ends else 0)

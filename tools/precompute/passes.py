@@ -1,0 +1,91 @@
+"""The passes both precompute jobs run once they know what is missing: produce it, then check the store.
+
+Why one module: `tiercache precompute images` and `tiercache precompute docs` differ only in how an item
+is named (pass 1: an image's encoder key, a document's chunk keys) and how it is prompted. Running the
+producer engine over the missing items (pass 2) and counting what the store really holds afterwards
+(pass 3) is the same for both, and was written twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.tiered import TieredStore
+from vllm_tiercache.tools.jobs import (
+    PrecomputeSummary,
+    batches,
+    record_sizes,
+    shutdown_llm,
+    start_llm,
+    wait_for_records,
+)
+
+#: One item of a job: its file and the store keys of every record it must leave stored.
+Item = tuple[Path, Sequence[StoreKey]]
+
+
+def produce(
+    store: TieredStore,
+    todo: Sequence[Item],
+    prompt: Callable[[Path], Any],
+    *,
+    model: str,
+    engine_kwargs: Mapping[str, Any],
+    transfer: Mapping[str, Any],
+    batch_size: int,
+    progress: bool,
+    desc: str,
+    unit: str,
+) -> set[StoreKey]:
+    """Pass 2: one producer engine over ``todo`` (``max_tokens=1``), then wait for its records.
+
+    Returns the keys seen stored while the engine ran (see `wait_for_records`); the engine is shut down
+    before returning, so its workers flush their background writes. Starts nothing when ``todo`` is empty.
+    """
+    if not todo:
+        return set()
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    llm = start_llm(model, engine_kwargs, **transfer)
+    params = SamplingParams(max_tokens=1)
+    bar = tqdm(total=len(todo), desc=desc, unit=unit, disable=not progress)
+    try:
+        for batch in batches(todo, batch_size):
+            llm.generate([prompt(path) for path, _ in batch], params, use_tqdm=False)
+            bar.update(len(batch))
+        return wait_for_records(store, [key for _, keys in todo for key in keys])
+    finally:
+        bar.close()
+        shutdown_llm(llm)
+
+
+def count_stored(store: TieredStore, todo: Sequence[Item], seen: set[StoreKey], summary: PrecomputeSummary,
+                 *, failure: str) -> int:
+    """Pass 3: count in ``summary`` the items whose records are all stored; the others fail with ``failure``.
+
+    A record seen stored while the engine ran counts as stored even when it is gone now: a concurrent
+    `tiercache evict` (or another writer's LRU) may have removed it since, which is no failed write.
+    Returns how many stored items lost records that way. One batched lookup for all items.
+    """
+    if not todo:
+        return 0
+    keys = [key for _, item_keys in todo for key in item_keys]
+    present = store.contains_many(keys, shared_only=True)
+    sizes = record_sizes(store, keys)
+    evicted_since = 0
+    offset = 0
+    for path, item_keys in todo:
+        span = slice(offset, offset + len(item_keys))
+        offset += len(item_keys)
+        hits = present[span]
+        if all(hit or key in seen for key, hit in zip(item_keys, hits, strict=True)):
+            summary.stored += 1
+            summary.bytes_stored += sum(size or 0 for size in sizes[span])
+            evicted_since += not all(hits)
+        else:
+            summary.failed.append((path.name, failure))
+    return evicted_since
