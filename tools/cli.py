@@ -21,6 +21,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
     ("precompute", "images"): ("precompute.ec", "store encoder outputs of an image corpus (ec_producer)"),
     ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),
+    ("identity",): ("identity_cmd", "the cache identity (weights digest, fingerprints) a server config uses"),
     ("stats",): ("stats_cmd", "entries, bytes and hit counters per tier and namespace"),
     ("evict",): ("evict_cmd", "remove records by namespace, model or age (after a model update)"),
 }
