@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +52,7 @@ from vllm_tiercache.eccache.metrics import TieredECPromMetrics
 from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
+from vllm_tiercache.shared.counters import Counters
 from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.stats_dump import dump_stats, write_stats_file
@@ -75,24 +75,11 @@ COUNTER_NAMES = (
 )
 
 
-class ECCounters:
-    """Process-wide, thread-safe totals for the stats files (vLLM's stats get per-side increments)."""
+class ECCounters(Counters):
+    """The EC connector's counters (`COUNTER_NAMES`), in the product's one counters shape."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
-        #: Bumped by every `add` (lets the stats file be rewritten only when something changed).
-        self.version = 0
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, value in deltas.items():
-                self._values[name] = self._values.get(name, 0) + value
-            self.version += 1
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._values)
+        super().__init__(COUNTER_NAMES)
 
 
 #: One per process: the scheduler-side and worker-side connector of a uniproc engine count together.

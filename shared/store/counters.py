@@ -7,8 +7,7 @@ single snapshot per tier with the same keys everywhere.
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from vllm_tiercache.shared.counters import Counters
 
 #: Every tier reports these keys (tiers that cannot have an event report 0).
 COUNTER_NAMES = (
@@ -18,22 +17,8 @@ COUNTER_NAMES = (
 )
 
 
-class TierCounters:
-    """Thread-safe monotonically increasing counters (ints, seconds as floats)."""
+class TierCounters(Counters):
+    """One tier's counters: every name of `COUNTER_NAMES` (tiers that cannot have an event report 0)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._values[name] = self._values.get(name, 0) + delta
-
-    def get(self, name: str) -> float:
-        with self._lock:
-            return self._values.get(name, 0)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self._values.items()}
+        super().__init__(COUNTER_NAMES)

@@ -116,15 +116,6 @@ class TieredStore:
                     held[i] = entry[0]
         return held, still
 
-    def longest_prefix(self, keys: Sequence[StoreKey], shared_only: bool = False) -> int:
-        """Number of leading keys present (in any tier): how many chunks of a prompt can be loaded."""
-        n = 0
-        for hit in self.contains_many(keys, shared_only=shared_only):
-            if not hit:
-                break
-            n += 1
-        return n
-
     def get(self, key: StoreKey) -> Record | None:
         return self.get_many([key])[0]
 
