@@ -123,3 +123,19 @@ def test_redis_py_accepts_our_client_options(redis_url):
     client = make_client(RedisTierConfig(url=redis_url))
     assert isinstance(client, redis.Redis) and client.ping()
     client.close()
+
+
+def test_one_failed_command_is_one_miss(redis_url, redis_server, caplog):
+    # a server error on one record's command (WRONGTYPE on a part) costs that record, not the batch
+    tier = _tier(redis_url, part_size="4KiB")
+    keys = [_k(f"wt{i}") for i in range(3)]
+    tier.put_many([(k, _t(3000, i), None) for i, k in enumerate(keys)])  # 12 kB: 3 parts each
+    with redis_server.client() as c:
+        c.delete(f"tiercache:{{{keys[1].hex}}}:2")
+        c.rpush(f"tiercache:{{{keys[1].hex}}}:2", b"x")
+    with caplog.at_level(logging.WARNING):
+        assert [r is not None for r in tier.get_many(keys)] == [True, False, True]
+        assert [r is not None for r in tier.get_many(keys)] == [True, False, True]
+    assert not tier.down and tier.counters.get("corrupt") == 0
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    tier.close()

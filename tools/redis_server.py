@@ -1,8 +1,11 @@
-"""`RedisServer`: a throwaway real redis-server on a free loopback port, for tests and benchmarks.
+"""`RedisServer`: a throwaway real redis-server on a free loopback port, for tests and benchmarks;
+`LocalRedisCluster`: six of them formed into a real Redis Cluster (3 masters, 3 replicas).
 
 Why a real server: the Redis tier's value is in pipelining, part splitting, TTLs, TLS, passwords and
 surviving a server that dies; only a real server exercises those. The server keeps nothing on disk,
-listens on 127.0.0.1 only and lives in its own temp dir.
+listens on 127.0.0.1 only and lives in its own temp dir. Likewise only a real cluster shows what
+redis-py's cluster client does (slot routing, pipelines split per node, what it raises when a node or the
+whole cluster is away).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +99,18 @@ class RedisServer:
     """Start with ``with RedisServer() as srv:`` (or `start()`); ``srv.url`` is ready for redis-py."""
 
     def __init__(self, password: str | None = None, tls: bool = False, port: int | None = None,
-                 startup_timeout: float = 10.0) -> None:
+                 startup_timeout: float = 10.0, extra_args: Sequence[str] = ()) -> None:
         self.binary = find_redis_server()
         self.password = password
         self.tls = tls
         self.port = port or _free_port()
         self.startup_timeout = startup_timeout
+        self.extra_args = list(extra_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="tiercache-redis-")
         self.dir = Path(self._tmp.name)
         self.tls_files = _make_tls_files(self.dir) if tls else {}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.paused = False
 
     # ------------------------------------------------------------------------------------------ info
     @property
@@ -135,7 +141,7 @@ class RedisServer:
                      "--tls-ca-cert-file", str(self.tls_files["ca"]), "--tls-auth-clients", "no"]
         else:
             args += ["--port", str(self.port)]
-        return args
+        return args + self.extra_args
 
     def start(self) -> RedisServer:
         if self.running:
@@ -165,10 +171,25 @@ class RedisServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung or partitioned server)."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if self.running and self.paused:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
     def stop(self) -> None:
         """Graceful stop (SIGTERM, then SIGKILL after 5 s)."""
         if self.proc is None:
             return
+        self.resume()  # a stopped process would not act on SIGTERM
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -191,6 +212,7 @@ class RedisServer:
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None
+        self.paused = False
 
     def restart(self) -> RedisServer:
         """Stop (if running) and start again on the same port, empty (nothing is persisted)."""
@@ -209,3 +231,220 @@ class RedisServer:
 
     def __repr__(self) -> str:
         return f"RedisServer(port={self.port}, tls={self.tls}, password={'set' if self.password else None})"
+
+
+# ------------------------------------------------------------------------------------------ cluster
+def find_redis_cli(server_binary: str) -> str:
+    """redis-cli beside the redis-server binary in use, else on PATH (it forms the cluster)."""
+    beside = Path(server_binary).with_name("redis-cli")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("redis-cli")
+    if not found:
+        raise RedisServerError(f"redis-cli was not found beside {server_binary} nor on PATH. {INSTALL_HINT}")
+    return found
+
+
+def _free_cluster_port(taken: set[int]) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = _free_port()
+        if port in taken or port + 10000 in taken or port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RedisServerError("found no free loopback port pair (port, port + 10000) for a cluster node")
+
+
+def _info_fields(text: str) -> dict[str, str]:
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+class LocalRedisCluster:
+    """A real Redis Cluster on loopback: ``masters`` masters with ``replicas`` replica each (3 + 3).
+
+    ``with LocalRedisCluster() as cluster:`` starts six ``redis-server --cluster-enabled yes``, forms
+    the cluster with ``redis-cli --cluster create`` and waits until every node says
+    ``cluster_state:ok`` and every replica is in sync. ``cluster.url`` is the tier URL
+    (``redis+cluster://127.0.0.1:PORT``, node 0 as the seed). Nodes are addressed by index into
+    ``nodes``; `kill` / `pause` / `resume` act on one, `stop` on all, and `start` brings back whatever
+    was stopped, killed or paused (each node keeps its ``nodes.conf``, so it rejoins as itself; data is
+    not persisted).
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 5000,
+                 startup_timeout: float = 30.0) -> None:
+        self.masters_count = masters
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.startup_timeout = startup_timeout
+        taken: set[int] = set()
+        self.nodes: list[RedisServer] = []
+        for _ in range(masters * (1 + replicas)):
+            port = _free_cluster_port(taken)
+            taken |= {port, port + 10000}
+            self.nodes.append(RedisServer(port=port, extra_args=[
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--repl-diskless-sync-delay", "0"]))  # replicas in sync at once, not after 5 s
+        self.cli = find_redis_cli(self.nodes[0].binary)
+        self._created = False
+
+    # ------------------------------------------------------------------------------------------ info
+    @property
+    def url(self) -> str:
+        return self.url_for(0)
+
+    def url_for(self, node: int) -> str:
+        """The tier URL with ``nodes[node]`` as the seed."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[node].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    def client(self, **kwargs: Any) -> Any:
+        """A redis-py `RedisCluster` on this cluster (for tests to inspect or damage records)."""
+        from redis.cluster import RedisCluster
+
+        live = next(n for n in self.nodes if n.running and not n.paused)
+        return RedisCluster(host="127.0.0.1", port=live.port, **kwargs)
+
+    def node_client(self, node: int, **kwargs: Any) -> redis.Redis:
+        """A plain client on one node (no redirects): CLUSTER, INFO, ROLE, FLUSHALL there."""
+        return self.nodes[node].client(socket_connect_timeout=1, socket_timeout=2, **kwargs)
+
+    def role(self, node: int) -> str:
+        """"master" or "slave", as the node itself says."""
+        with self.node_client(node) as c:
+            return c.execute_command("ROLE")[0].decode()
+
+    def master_nodes(self) -> list[int]:
+        """Indexes of the running, unpaused nodes that are masters now."""
+        return [i for i, n in enumerate(self.nodes) if n.running and not n.paused and self.role(i) == "master"]
+
+    def node_of(self, key: str | bytes) -> int:
+        """Index of the master serving ``key``'s slot now."""
+        live = next(i for i, n in enumerate(self.nodes) if n.running and not n.paused)
+        with self.node_client(live) as c:
+            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        for i in self.master_nodes():
+            with self.node_client(i) as c:
+                if self._serves(c, slot):
+                    return i
+        raise RedisServerError(f"no live master serves slot {slot}")
+
+    @staticmethod
+    def _serves(c: redis.Redis, slot: int) -> bool:
+        myself = next(line for line in c.execute_command("CLUSTER", "NODES").decode().splitlines()
+                      if "myself" in line)
+        for spec in myself.split()[8:]:
+            if spec.startswith("["):
+                continue  # a slot being imported or migrated
+            lo, _, hi = spec.partition("-")
+            if int(lo) <= slot <= int(hi or lo):
+                return True
+        return False
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> LocalRedisCluster:
+        """Start (and, the first time, form) the cluster; bring back stopped, killed or paused nodes."""
+        for node in self.nodes:
+            node.resume()
+            node.start()
+        if not self._created:
+            self._create()
+        self.wait_ok()
+        return self
+
+    def _create(self) -> None:
+        args = [self.cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+                "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=self.startup_timeout)
+        except subprocess.TimeoutExpired as exc:
+            self.stop()
+            raise RedisServerError(f"redis-cli --cluster create did not finish in {self.startup_timeout}s") from exc
+        if done.returncode != 0:
+            self.stop()
+            raise RedisServerError(f"redis-cli --cluster create failed ({done.returncode}): "
+                                   f"{(done.stdout + done.stderr)[-2000:]}")
+        self._created = True
+
+    def wait_ok(self, timeout: float | None = None) -> None:
+        """Until every running node says cluster_state:ok, all slots assigned, every node known, and
+        every replica's link to its master is up."""
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        last = ""
+        while True:
+            try:
+                last = self._not_ok()
+            except (redis.RedisError, OSError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if not last:
+                return
+            if time.monotonic() > deadline:
+                raise RedisServerError(f"cluster on ports {self.ports} not ok after "
+                                       f"{self.startup_timeout if timeout is None else timeout}s: {last}")
+            time.sleep(0.1)
+
+    def _not_ok(self) -> str:
+        """Why the cluster is not ready yet ('' when it is)."""
+        total = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            if not node.running or node.paused:
+                return f"node {i} (port {node.port}) is not running"
+            with self.node_client(i) as c:
+                info = _info_fields(c.execute_command("CLUSTER", "INFO").decode())
+                if info.get("cluster_state") != "ok" or info.get("cluster_slots_assigned") != "16384" \
+                        or info.get("cluster_known_nodes") != str(total):
+                    return f"node {i} (port {node.port}): " + ", ".join(
+                        f"{k}={info.get(k)}" for k in ("cluster_state", "cluster_slots_assigned",
+                                                       "cluster_known_nodes"))
+                repl = c.info("replication")
+                if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
+                    return f"node {i} (port {node.port}): replica link {repl.get('master_link_status')}"
+        return ""
+
+    def flushall(self) -> None:
+        """Empty every master (replicas follow)."""
+        for i in self.master_nodes():
+            with self.node_client(i) as c:
+                c.flushall()
+
+    def kill(self, node: int) -> None:
+        """SIGKILL one node, as a crash or the OOM killer would."""
+        self.nodes[node].kill()
+
+    def pause(self, node: int) -> None:
+        """SIGSTOP one node: connected, silent (a hung host or a partition)."""
+        self.nodes[node].pause()
+
+    def resume(self, node: int) -> None:
+        self.nodes[node].resume()
+
+    def stop(self) -> None:
+        """Stop every node (the whole cluster is down until `start`)."""
+        for node in self.nodes:
+            node.stop()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> LocalRedisCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalRedisCluster(ports={self.ports})"

@@ -13,7 +13,17 @@ the same connection, so a reader never sees a head before its parts. A batch of 
 pipelined round trip (plus one more only for records with more than one part).
 
 When the server is unreachable the tier is marked down for ``retry_after_s``: reads are misses, writes
-are skipped (counted), one warning names the address, and no exception reaches the caller.
+are skipped (counted), one warning names the address, and no exception reaches the caller. That holds
+for a cluster too: one that is unreachable when the tier is built gives a tier that is down (the engine
+starts without it, and it is retried later), and one that goes away while running marks the tier down
+with one warning, not a traceback per call.
+
+Errors are per record, not per batch: pipelines run with ``raise_on_error=False``, so a command that
+failed (one damaged record, one shard's OOM or READONLY reply) is a miss or a dropped write for the
+record it belongs to, and the rest of the batch is served. What each exception means is decided in one
+place, `classify`: ``down`` (server or cluster away), ``error`` (the server refused one command), or
+``bug`` (the client refused our call, e.g. a multi-key command a cluster pipeline does not route; logged
+once as an ERROR with its traceback). A batch fails as a whole only when the whole call raised.
 """
 
 from __future__ import annotations
@@ -41,14 +51,41 @@ _NPARTS = struct.Struct("<I")
 #: Parts deleted per command when a corrupt record is dropped, and the most parts it may have.
 DELETE_RUN = 256
 MAX_DELETE_PARTS = 1 << 20
-#: Errors that mean "the server is not there": the tier goes down and is retried later.
-_DOWN_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
-try:  # cluster-wide unavailability counts as down too
-    from redis.exceptions import ClusterDownError, MasterDownError
+#: Errors that mean "the server is not there": the tier goes down and is retried later. (ClusterDownError
+#: covers MasterDownError; BusyLoadingError, AuthenticationError are ConnectionErrors.)
+_DOWN_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError,
+                                                 redis.exceptions.ClusterDownError,
+                                                 redis.exceptions.SlotNotCoveredError)
+#: RedisClusterException texts (redis-py raises it without a subclass) that mean the cluster is away.
+_CLUSTER_DOWN_TEXTS = ("cannot be connected", "All slots are not covered")
+DOWN, ERROR, BUG = "down", "error", "bug"
 
-    _DOWN_ERRORS = (*_DOWN_ERRORS, ClusterDownError, MasterDownError)
-except ImportError:  # pragma: no cover - older redis-py
-    pass
+
+def classify(exc: BaseException) -> str:
+    """What an exception out of a redis-py call means: the one place that decides it.
+
+    - ``down``: the server or cluster is not there: connection refused or reset, a timeout, a server
+      still loading, a failed AUTH, CLUSTERDOWN / MASTERDOWN, a slot no reachable node serves, or the
+      cluster client found no reachable node (a `RedisClusterException` whose cause is one of those, or
+      whose text says so). The tier goes down and is retried after ``retry_after_s``.
+    - ``error``: the server refused one command (OOM, READONLY, WRONGTYPE, a redirect left over after
+      the client's own retries, ...): a miss or a dropped write for what it touched.
+    - ``bug``: anything else, a `RedisClusterException` that the client raises for a call it will not
+      route (a multi-key command in a cluster pipeline, keys of two slots), CROSSSLOT, or an exception
+      that is no Redis error at all: a miss, logged once as an ERROR with its traceback.
+    """
+    if isinstance(exc, _DOWN_ERRORS):
+        return DOWN
+    if isinstance(exc, redis.exceptions.RedisClusterException):
+        cause = exc.__cause__
+        if (cause is not None and classify(cause) == DOWN) or any(t in str(exc) for t in _CLUSTER_DOWN_TEXTS):
+            return DOWN
+        return BUG
+    if isinstance(exc, redis.exceptions.ClusterCrossSlotError):
+        return BUG
+    if isinstance(exc, redis.RedisError):
+        return ERROR
+    return BUG
 
 
 def make_client(config: RedisTierConfig) -> Any:
@@ -64,7 +101,9 @@ def make_client(config: RedisTierConfig) -> Any:
         from redis.cluster import RedisCluster
 
         url = config.url.replace("+cluster://", "://", 1)
-        return RedisCluster.from_url(url, **kwargs)
+        # The same one immediate retry (redis-py's default is 10 with backoff, seconds per call while a
+        # node is away); a retry re-reads the slot map, so a moved slot is still followed.
+        return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 1), **kwargs)
     # One retry with no backoff: reconnects a pooled connection that a server restart closed, without
     # stalling callers when the server is really gone.
     return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 1), **kwargs)
@@ -92,10 +131,8 @@ class RedisTier:
     def _connect(self) -> None:
         try:
             self._client = make_client(self.config)
-        except _DOWN_ERRORS as exc:  # RedisCluster discovers nodes eagerly
-            self._mark_down(exc)
-        except redis.RedisError as exc:
-            self._other_error("client setup", exc)
+        except Exception as exc:  # RedisCluster discovers nodes eagerly: whatever it raises, the tier is
+            self._mark_down(exc)  # down (one warning naming the cause) and is built again later
 
     # ------------------------------------------------------------------------------------ availability
     @property
@@ -149,20 +186,60 @@ class RedisTier:
             self._warned_errors.add(what)
             log.warning("tiercache redis tier %s: %s failed: %s", self.address, what, exc)
 
+    def _bug(self, what: str, exc: BaseException) -> None:
+        self.counters.add(errors=1)
+        seen = f"bug: {what}: {type(exc).__name__}"
+        if seen not in self._warned_errors:
+            self._warned_errors.add(seen)
+            log.error("tiercache redis tier %s: %s failed (%s: %s); served as a miss, logged once",
+                      self.address, what, type(exc).__name__, exc, exc_info=exc)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """Count and log one failure as `classify` says (the tier goes down only for ``down``)."""
+        kind = classify(exc)
+        if kind == DOWN:
+            self._mark_down(exc)
+        elif kind == ERROR:
+            self._other_error(what, exc)
+        else:
+            self._bug(what, exc)
+
     def _run(self, what: str, fn: Any) -> Any:
         """Run one client call; None when down or failed (never raises for a backend problem)."""
         if not self._available():
             return None
         try:
             result = fn()
-        except _DOWN_ERRORS as exc:
-            self._mark_down(exc)
-            return None
-        except redis.RedisError as exc:
-            self._other_error(what, exc)
+        except Exception as exc:  # classify() decides what it means; none reaches the caller
+            self._failed(what, exc)
             return None
         self._mark_up()
         return result
+
+    def _pipeline(self, what: str, queue: Callable[[Any], None]) -> list[Any] | None:
+        """One pipelined batch: one result per queued command, an exception object for a command that
+        failed (its record is a miss or a dropped write); None when the whole batch failed.
+
+        A batch whose every command failed the same ``down`` way (the server or every node went away
+        while it ran) marks the tier down like a batch that raised.
+        """
+
+        def call() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            queue(pipe)
+            res = pipe.execute(raise_on_error=False)
+            if res and all(isinstance(r, Exception) for r in res) and classify(res[0]) == DOWN:
+                raise res[0]
+            return res
+
+        res = self._run(what, call)
+        failed = next((r for r in res if isinstance(r, Exception)), None) if res is not None else None
+        if failed is not None:  # counted and logged once per call, whatever the number of records
+            if classify(failed) == DOWN:  # some nodes answered: not the whole tier
+                self._other_error(f"{what} (some nodes unreachable)", failed)
+            else:
+                self._failed(f"{what} (some records)", failed)
+        return res
 
     # ------------------------------------------------------------------------------------------- keys
     def _head(self, key: StoreKey) -> str:
@@ -179,29 +256,21 @@ class RedisTier:
         if not keys:
             return []
 
-        def call() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+        def queue(pipe: Any) -> None:
             for k in keys:
                 pipe.exists(self._head(k))
-            return pipe.execute()
 
-        res = self._run("contains", call)
-        return [bool(r) for r in res] if res is not None else [False] * len(keys)
+        res = self._pipeline("contains", queue)
+        if res is None:
+            return [False] * len(keys)
+        return [not isinstance(r, Exception) and bool(r) for r in res]
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
         if not keys:
             return []
 
-        def first() -> list[Any]:
-            names = [name for k in keys for name in (self._head(k), self._part(k, 0))]
-            if not self.config.cluster:  # one MGET: one command, one reply, least client overhead
-                return self._client.mget(names)
-            pipe = self._client.pipeline(transaction=False)  # keys of many slots: pipelined GETs
-            for name in names:
-                pipe.get(name)
-            return pipe.execute()
-
-        res = self._run("get", first)
+        names = [name for k in keys for name in (self._head(k), self._part(k, 0))]
+        res = self._mget(names, "get")
         out: list[Record | None] = [None] * len(keys)
         if res is None:
             return out
@@ -209,8 +278,8 @@ class RedisTier:
         corrupt: list[StoreKey] = []
         for i, key in enumerate(keys):
             head, part0 = res[2 * i], res[2 * i + 1]
-            if head is None:
-                continue
+            if head is None or isinstance(head, Exception) or isinstance(part0, Exception):
+                continue  # absent, or its node failed this command: a miss, not damage
             try:
                 if len(head) < _NPARTS.size or part0 is None:
                     raise records.RecordError("head without its first part (expired or partial write)")
@@ -232,7 +301,7 @@ class RedisTier:
             self._get_rest(keys, res, more, out, corrupt)
         if corrupt:
             self.counters.add(corrupt=len(corrupt))
-            self._run("delete corrupt", lambda: self._delete_pieces(corrupt))
+            self._delete_pieces(corrupt)
         return out
 
     def _delete_pieces(self, corrupt: Sequence[StoreKey]) -> None:
@@ -241,28 +310,45 @@ class RedisTier:
         The head's part count cannot be trusted (it may be the damage, or another record's head), so
         parts are deleted in runs of `DELETE_RUN` until a run deletes fewer than it names (parts are
         numbered 0..n-1): no orphan part outlives its record (`tiercache evict` finds records by heads).
+        One pipelined round trip per run, for all records at once. A cluster pipeline refuses a
+        multi-key ``delete()``; one DEL of keys that share a slot (a record's hash tag) it routes, so the
+        runs go as raw DEL commands and head and key text as two single-key deletes. A record whose
+        delete failed is left for the next reader that finds it damaged.
         """
-        pipe = self._client.pipeline(transaction=False)
-        for key in corrupt:
-            pipe.delete(self._head(key), self._text_name(key))
-        pipe.execute()
-        for key in corrupt:
-            for lo in range(0, MAX_DELETE_PARTS, DELETE_RUN):
-                if self._client.delete(*[self._part(key, p) for p in range(lo, lo + DELETE_RUN)]) < DELETE_RUN:
-                    break
+
+        def heads(pipe: Any) -> None:
+            for key in corrupt:
+                pipe.delete(self._head(key))
+                pipe.delete(self._text_name(key))
+
+        if self._pipeline("delete corrupt", heads) is None:
+            return
+        left = list(corrupt)
+        for lo in range(0, MAX_DELETE_PARTS, DELETE_RUN):
+            run = range(lo, lo + DELETE_RUN)
+            batch = left
+
+            def parts(pipe: Any, batch: list[StoreKey] = batch, run: range = run) -> None:
+                for key in batch:
+                    pipe.execute_command("DEL", *[self._part(key, p) for p in run])
+
+            res = self._pipeline("delete corrupt", parts)
+            if res is None:
+                return
+            left = [key for key, n in zip(batch, res, strict=True) if n == DELETE_RUN]
+            if not left:
+                return
 
     def _get_rest(self, keys: Sequence[StoreKey], res: list[Any], more: list[tuple[int, Any, int, bytes]],
                   out: list[Record | None], corrupt: list[StoreKey]) -> None:
         """Second round trip for multi-part records: fetch parts 1..n-1 and assemble into one buffer."""
 
-        def call() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+        def queue(pipe: Any) -> None:
             for i, _, nparts, _ in more:
                 for p in range(1, nparts):
                     pipe.get(self._part(keys[i], p))
-            return pipe.execute()
 
-        parts = self._run("get parts", call)
+        parts = self._pipeline("get parts", queue)
         if parts is None:
             return
         pos = 0
@@ -270,6 +356,8 @@ class RedisTier:
             pieces = [part0, *parts[pos:pos + nparts - 1]]
             pos += nparts - 1
             key = keys[i]
+            if any(isinstance(p, Exception) for p in pieces):
+                continue  # its node failed a command: a miss, not damage
             try:
                 if any(p is None for p in pieces):
                     raise records.RecordError("missing part (expired or partial write)")
@@ -295,8 +383,9 @@ class RedisTier:
         part_size = self.config.part_size
         encoded = [(key, records.encode(key, tensor, meta)) for key, tensor, meta in items]
 
-        def call() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+        counts = [max(1, -(-enc.payload.nbytes // part_size)) + 2 for _, enc in encoded]  # parts, text, head
+
+        def queue(pipe: Any) -> None:
             for key, enc in encoded:
                 payload = enc.payload
                 nparts = max(1, -(-payload.nbytes // part_size))
@@ -304,12 +393,22 @@ class RedisTier:
                     pipe.set(self._part(key, p), payload[p * part_size:(p + 1) * part_size], px=ttl_ms)
                 pipe.set(self._text_name(key), key_text_bytes(key.text), px=ttl_ms)
                 pipe.set(self._head(key), _NPARTS.pack(nparts) + enc.prefix, px=ttl_ms)
-            return pipe.execute()
 
-        if self._run("put", call) is None:
+        res = self._pipeline("put", queue)
+        if res is None:
             self.counters.add(dropped_writes=len(items))
             return
-        self.counters.add(puts=len(items), bytes_written=sum(enc.nbytes for _, enc in encoded))
+        pos, done, nbytes = 0, 0, 0
+        for (_, enc), n in zip(encoded, counts, strict=True):
+            # a record with a failed command is dropped; a head written without all its parts reads as
+            # damaged and is deleted by the first reader
+            if not any(isinstance(r, Exception) for r in res[pos:pos + n]):
+                done += 1
+                nbytes += enc.nbytes
+            pos += n
+        self.counters.add(puts=done, bytes_written=nbytes)
+        if done < len(items):
+            self.counters.add(dropped_writes=len(items) - done)
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def iter_stored(self) -> Iterator[StoredRecord]:
@@ -395,7 +494,7 @@ class RedisTier:
         deleted = 0
         for lo in range(0, len(hex_digests), 500):
             names = [f"{prefix}{{{h}}}" for h in hex_digests[lo:lo + 500]]
-            heads = self._mget(client, names)
+            heads = self._admin_mget(client, names)
             pipe = client.pipeline(transaction=False)
             for name, head in zip(names, heads, strict=True):
                 if head is None:
@@ -409,7 +508,8 @@ class RedisTier:
             pipe.execute()
         return deleted
 
-    def _mget(self, client: Any, names: list[str]) -> list[Any]:
+    def _admin_mget(self, client: Any, names: list[str]) -> list[Any]:
+        """Values of ``names`` for the admin commands: raises when unreachable (they must say so)."""
         if not self.config.cluster:
             return client.mget(names)
         pipe = client.pipeline(transaction=False)  # names of many slots: pipelined GETs
@@ -417,16 +517,29 @@ class RedisTier:
             pipe.get(name)
         return pipe.execute()
 
+    def _mget(self, names: list[str], what: str) -> list[Any] | None:
+        """Values of ``names`` in one round trip (None when the call failed as a whole): one MGET on one
+        server (one command, one reply, least client overhead); pipelined GETs on a cluster, where
+        names of many slots cannot share one command, and a failed GET is an exception in its place."""
+        if not self.config.cluster:
+            return self._run(what, lambda: self._client.mget(names))
+
+        def queue(pipe: Any) -> None:
+            for name in names:
+                pipe.get(name)
+
+        return self._pipeline(what, queue)
+
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         """Record size (header + payload) per key from the heads; None when absent or unreadable."""
         if not keys:
             return []
-        names = [self._head(k) for k in keys]
-        res = self._run("sizes", lambda: self._mget(self._client, names))
+        res = self._mget([self._head(k) for k in keys], "sizes")
         out: list[int | None] = []
         for head in res or [None] * len(keys):
             try:
-                header = records.decode_header(memoryview(head)[_NPARTS.size:]) if head else None
+                header = records.decode_header(memoryview(head)[_NPARTS.size:]) \
+                    if isinstance(head, bytes) and head else None
             except records.RecordError:
                 header = None
             out.append(None if header is None else header.payload_offset + header.nbytes)
@@ -434,9 +547,20 @@ class RedisTier:
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:
-        info = self._run("info", lambda: self._client.info("memory")) if not self._down else None
-        used = info.get("used_memory") if isinstance(info, dict) else None
+        """``bytes_used``: the server's ``used_memory``; on a cluster the sum over its masters (the
+        replicas hold copies of the same records). None when down or unknown."""
+        used = self._run("info", self._used_memory) if not self._down else None
         return {"entries": None, "bytes_used": used, "down": self._down, "address": self.address}
+
+    def _used_memory(self) -> int | None:
+        if not self.config.cluster:
+            return self._client.info("memory").get("used_memory")
+        from redis.cluster import RedisCluster
+
+        per_node = self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        if per_node and "used_memory" in per_node:  # a cluster of one master answers flat
+            return per_node["used_memory"]
+        return sum(int(info["used_memory"]) for info in per_node.values())
 
     def close(self) -> None:
         self._closed = True

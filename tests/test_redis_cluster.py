@@ -1,0 +1,259 @@
+"""Redis tier on a real Redis Cluster (3 masters + 3 replicas, `redis_cluster` fixture).
+
+What only a cluster shows: records spread over masters by hash slot, pipelines split per node, a damaged
+record that must cost one miss and not the batch (redis-py's cluster pipeline refuses commands a
+standalone pipeline takes), a cluster away at start or while running (the cluster client raises its
+own exception types), and memory spread over masters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis
+import torch
+
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import RedisTier, StoreKey
+from vllm_tiercache.shared.store.redis_tier import BUG, DOWN, ERROR, classify
+from vllm_tiercache.shared.store.tiered import TieredStore
+from vllm_tiercache.tools.redis_server import LocalRedisCluster
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _config(url: str, **kw) -> StoreConfig:
+    return StoreConfig.load({"tiers": [{"kind": "redis", "url": url, **kw}]})
+
+
+def _tier(url: str, **kw) -> RedisTier:
+    return RedisTier(_config(url, **kw).tiers[0])
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _spread(cluster: LocalRedisCluster, tier: RedisTier, n: int) -> tuple[list[StoreKey], list[int]]:
+    """``n`` keys whose records land on the masters in turn (key i on master i % masters), and their
+    masters' node indexes."""
+    masters = cluster.master_nodes()
+    by_port = {cluster.nodes[i].port: i for i in masters}
+    client = cluster.client()
+    keys: list[StoreKey] = []
+    owners: list[int] = []
+    i = 0
+    while len(keys) < n:
+        key = StoreKey(f"ns|cluster|{i}")
+        i += 1
+        owner = by_port[client.get_node_from_key(tier._head(key)).port]
+        if owner == masters[len(keys) % len(masters)]:
+            keys.append(key)
+            owners.append(owner)
+    client.close()
+    return keys, owners
+
+
+def _pieces(cluster: LocalRedisCluster, key: StoreKey) -> list[str]:
+    """Every stored name (head, parts, key text) of ``key``'s record, on any master."""
+    found: list[str] = []
+    for i in cluster.master_nodes():
+        with cluster.node_client(i) as c:
+            found += [k.decode() for k in c.keys(f"*{{{key.hex}}}*")]
+    return found
+
+
+def _loud(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# -------------------------------------------------------------------------------------- classify
+@pytest.mark.parametrize(("exc", "kind"), [
+    (redis.ConnectionError("refused"), DOWN),
+    (redis.TimeoutError("timed out"), DOWN),
+    (redis.exceptions.BusyLoadingError("loading"), DOWN),
+    (redis.exceptions.ClusterDownError("CLUSTERDOWN"), DOWN),
+    (redis.exceptions.MasterDownError("MASTERDOWN"), DOWN),
+    (redis.exceptions.SlotNotCoveredError("slot 7 not covered"), DOWN),
+    (OSError("network unreachable"), DOWN),
+    (redis.exceptions.RedisClusterException(
+        "Redis Cluster cannot be connected. Please provide at least one reachable node: Timeout"), DOWN),
+    (redis.exceptions.RedisClusterException("All slots are not covered after query all startup_nodes."), DOWN),
+    (redis.exceptions.OutOfMemoryError("OOM command not allowed"), ERROR),
+    (redis.exceptions.ReadOnlyError("READONLY"), ERROR),
+    (redis.ResponseError("WRONGTYPE"), ERROR),
+    (redis.exceptions.RedisClusterException("deleting multiple keys is not implemented in pipeline command"), BUG),
+    (redis.exceptions.ClusterCrossSlotError("CROSSSLOT"), BUG),
+    (TypeError("not a redis error"), BUG),
+])
+def test_classify(exc: BaseException, kind: str) -> None:
+    assert classify(exc) == kind
+
+
+def test_classify_cluster_exception_by_cause() -> None:
+    try:
+        try:
+            raise redis.ConnectionError("Error 111 connecting")
+        except redis.ConnectionError as cause:
+            raise redis.exceptions.RedisClusterException("no node answered") from cause
+    except redis.exceptions.RedisClusterException as exc:
+        assert classify(exc) == DOWN
+
+
+# ----------------------------------------------------------------------------------- real cluster
+@pytest.mark.redis
+def test_round_trip_sizes_over_all_masters(redis_cluster):
+    tier = _tier(redis_cluster.url)
+    sizes = [1 * KiB, 64 * KiB, 1 * MiB, 8 * MiB + 1, 20 * MiB, 3 * KiB]  # 8 MiB parts: 1, 2 and 3 parts
+    keys, owners = _spread(redis_cluster, tier, len(sizes))
+    assert set(owners) == set(redis_cluster.master_nodes()) and len(set(owners)) == 3
+    tensors = [_bytes(n, seed) for seed, n in enumerate(sizes)]
+    tier.put_many([(k, t, {"n": t.numel()}) for k, t in zip(keys, tensors, strict=True)])
+    assert tier.counters.get("puts") == len(sizes) and tier.counters.get("dropped_writes") == 0
+    got = tier.get_many(keys)
+    for key, tensor, rec, owner in zip(keys, tensors, got, owners, strict=True):
+        assert rec is not None and rec.meta == {"n": tensor.numel()}
+        assert rec.tensor.dtype == torch.uint8 and torch.equal(rec.tensor, tensor)  # byte-exact
+        assert all(redis_cluster.node_of(name) == owner for name in _pieces(redis_cluster, key))
+    assert len([n for n in _pieces(redis_cluster, keys[4]) if ":" in n.rsplit("}", 1)[1]]) == 3
+    assert tier.contains_many(keys) == [True] * len(keys)
+    assert tier.sizes_many(keys[:1])[0] >= sizes[0]
+    assert not tier.down
+    tier.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("lost_part", [0, 2])  # first round trip (part 0) or the second (parts 1..n-1)
+def test_one_damaged_record_is_one_miss(redis_cluster, lost_part, caplog):
+    """allkeys-lru may evict one part of a record: that record misses and is removed, the batch is served."""
+    store = TieredStore(_config(redis_cluster.url, part_size="4KiB"))
+    tier = store.tiers[0]
+    keys, owners = _spread(redis_cluster, tier, 4)
+    assert len(set(owners)) == 3
+    tensors = [_bytes(20 * KiB, seed) for seed in range(4)]  # 5 parts each
+    tier.put_many([(k, t, None) for k, t in zip(keys, tensors, strict=True)])
+    damaged = 1
+    client = redis_cluster.client()
+    assert client.delete(tier._part(keys[damaged], lost_part)) == 1
+    client.close()
+    expected = [i != damaged for i in range(4)]
+
+    with caplog.at_level(logging.WARNING):
+        got = store.get_many(keys)
+    assert [r is not None for r in got] == expected
+    for i in range(4):
+        if expected[i]:
+            assert torch.equal(got[i].tensor, tensors[i])
+    assert _pieces(redis_cluster, keys[damaged]) == []  # head, key text and every part gone
+    assert all(len(_pieces(redis_cluster, keys[i])) == 5 + 2 for i in range(4) if expected[i])
+    assert store.contains_many(keys, shared_only=True) == expected  # no longer promised
+    assert tier.counters.get("corrupt") == 1
+    assert not tier.down
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # the next batch is a plain miss: nothing left to find damaged
+    assert [r is not None for r in store.get_many(keys)] == expected
+    assert tier.counters.get("corrupt") == 1
+    store.close()
+
+
+@pytest.mark.redis
+def test_one_failed_command_is_one_miss(redis_cluster, caplog):
+    """A server error on one record's command (here WRONGTYPE on a part) costs that record, not the batch."""
+    tier = _tier(redis_cluster.url, part_size="4KiB")
+    keys, _ = _spread(redis_cluster, tier, 3)
+    tier.put_many([(k, _bytes(10 * KiB, i), None) for i, k in enumerate(keys)])
+    client = redis_cluster.client()
+    client.delete(tier._part(keys[2], 1))
+    client.rpush(tier._part(keys[2], 1), b"x")  # GET of a list: WRONGTYPE for that command only
+    client.close()
+    with caplog.at_level(logging.WARNING):
+        assert [r is not None for r in tier.get_many(keys)] == [True, True, False]
+        assert [r is not None for r in tier.get_many(keys)] == [True, True, False]
+    assert not tier.down and tier.counters.get("corrupt") == 0
+    loud = _loud(caplog)
+    assert len(loud) == 1 and "WRONGTYPE" in loud[0].message
+    tier.close()
+
+
+@pytest.mark.redis
+def test_cluster_down_at_start(redis_cluster, caplog):
+    """A cluster that is away when the store is built gives a store whose Redis tier is down and retried."""
+    redis_cluster.stop()
+    with caplog.at_level(logging.WARNING):
+        store = TieredStore(_config(redis_cluster.url, retry_after_s=0.2, timeout_s=0.5))
+        tier = store.tiers[0]
+        keys = [StoreKey(f"ns|down|{i}") for i in range(4)]
+        assert tier.down and tier.usage()["down"] is True
+        for _ in range(20):
+            assert store.get_many(keys) == [None] * 4
+            assert store.contains_many(keys, shared_only=True) == [False] * 4
+            store.put(keys[0], _bytes(KiB, 0))
+    loud = _loud(caplog)
+    assert len(loud) == 1 and loud[0].levelno == logging.WARNING and "unreachable" in loud[0].message
+    assert f"127.0.0.1:{redis_cluster.nodes[0].port}" in loud[0].message
+
+    redis_cluster.start()  # back: the tier connects on its next try
+    time.sleep(0.25)
+    tensor = _bytes(3 * KiB, 1)
+    tier.put_many([(keys[1], tensor, None)])
+    assert not tier.down
+    assert torch.equal(tier.get_many([keys[1]])[0].tensor, tensor)
+    store.close()
+
+
+@pytest.mark.redis
+def test_cluster_stopped_while_running(redis_cluster, caplog):
+    """Down while running: misses, skipped writes, a few log lines (not one per call), then back."""
+    store = TieredStore(_config(redis_cluster.url, retry_after_s=0.05, timeout_s=0.5))
+    tier = store.tiers[0]
+    keys, _ = _spread(redis_cluster, tier, 3)
+    tier.put_many([(k, _bytes(KiB, i), None) for i, k in enumerate(keys)])
+    assert all(r is not None for r in store.get_many(keys))
+    redis_cluster.stop()
+    with caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        for i in range(200):  # long enough for many retries (every 0.05 s)
+            if i % 3 == 0:
+                assert store.get_many(keys) == [None] * 3
+            elif i % 3 == 1:
+                assert store.contains_many(keys, shared_only=True) == [False] * 3
+            else:
+                tier.put_many([(keys[0], _bytes(KiB, 9), None)])
+            time.sleep(0.003)
+        elapsed = time.monotonic() - start
+    assert tier.down and tier.usage()["down"] is True
+    assert tier.counters.get("dropped_writes") >= 60
+    loud = _loud(caplog)
+    assert len(loud) <= 3, [r.message for r in loud]
+    assert not [r for r in loud if r.levelno >= logging.ERROR]
+    assert elapsed < 10
+
+    redis_cluster.start()
+    time.sleep(0.1)
+    tier.put_many([(keys[1], _bytes(KiB, 5), None)])
+    assert not tier.down and tier.get_many(keys[1:2])[0] is not None
+    store.close()
+
+
+@pytest.mark.redis
+def test_usage_sums_masters(redis_cluster):
+    tier = _tier(redis_cluster.url)
+    keys, _ = _spread(redis_cluster, tier, 3)
+    tier.put_many([(k, _bytes(2 * MiB, i), None) for i, k in enumerate(keys)])  # 2 MiB on each master
+    masters = redis_cluster.master_nodes()
+
+    def per_master() -> list[int]:
+        out = []
+        for i in masters:
+            with redis_cluster.node_client(i) as c:
+                out.append(c.info("memory")["used_memory"])
+        return out
+
+    before = per_master()
+    used = tier.usage()["bytes_used"]
+    after = per_master()
+    assert sum(before) - 256 * KiB <= used <= sum(after) + 256 * KiB
+    assert used > max(after) + 4 * MiB - 256 * KiB  # not one node's figure: the other two masters' records
+    tier.close()
