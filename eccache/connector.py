@@ -31,6 +31,7 @@ more such file; `{pid}` in it is replaced by the process id, so that processes d
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -55,9 +56,11 @@ from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
 from vllm_tiercache.shared.counters import Counters
 from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
+from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats, write_stats_file
 from vllm_tiercache.shared.store import get_store
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.counters import add_nested
 from vllm_tiercache.shared.vllm_compat import check_vllm_version
 
 if TYPE_CHECKING:
@@ -96,22 +99,35 @@ def process_stats() -> dict[str, float]:
 
 
 class TieredECStats(ECConnectorStats):
-    """vLLM's EC stats hook (0.32 has one): counter increments since the last step, summed; vLLM logs
-    `reduce()` and exports `data` on `/metrics` (`vllm_tiercache.eccache.metrics.TieredECPromMetrics`)."""
+    """vLLM's EC stats hook (0.32 has one): increments since the last step, summed; vLLM logs `reduce()`
+    and exports `data` on `/metrics` (`vllm_tiercache.eccache.metrics.TieredECPromMetrics`).
+
+    `data`: the connector's counters by name (`COUNTER_NAMES`), ``write_queue_hits``, ``tiers`` ({tier:
+    {counter: increment}}, summed per tier) and ``gauges`` ({source: report}: levels, a later report of a
+    source replaces the earlier one)."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if k == "tiers":
+                self.data["tiers"] = add_nested(copy.deepcopy(self.data.get("tiers", {})), v)
+            elif k == "gauges":
+                self.data["gauges"] = {**self.data.get("gauges", {}), **v}
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(self.data)
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if k not in ("tiers", "gauges")}
         lookups = out.get("hits", 0) + out.get("misses", 0)
         if lookups:
             out["hit_rate"] = out.get("hits", 0) / lookups
+        for tier, numbers in sorted(self.data.get("tiers", {}).items()):
+            for name in ("hits", "bytes_written", "dropped_writes", "errors"):
+                if numbers.get(name):
+                    out[f"{tier}_{name}"] = numbers[name]
         return out
 
     def is_empty(self) -> bool:
@@ -168,22 +184,28 @@ class TieredECConnector(ECConnectorBase):
     def _key(self, mm_hash: str) -> StoreKey:
         return encoder_key(self._config.namespace, self._identity, mm_hash)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters of this process plus the store's own stats."""
+    def stats(self, cached_usage: bool = False) -> dict[str, Any]:
+        """Counters of this process plus the store's own stats (usage from its background refresh with
+        ``cached_usage``, else asked now)."""
         out: dict[str, Any] = {"connector": process_stats(), "roles": sorted(_ROLES), "executor": self._executor}
         try:
-            out["store"] = self._store.stats()
+            out["store"] = self._store.stats(cached_usage=cached_usage)
         except Exception as exc:  # stats must never break serving
             out["store"] = {"error": repr(exc)}
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:
-        """Write this process's counters when they changed since the last write (at most once a step)."""
+        """Write this process's counters when they changed since the last write (at most once a step).
+
+        Only with a stats file to write (`$TIERCACHE_STATS_DIR`, `x_ec_stats_path`); per step the store's
+        usage is the cached one, so no step waits on a Redis round trip."""
+        if not self._stats_path and not os.environ.get(STATS_DIR_ENV):
+            return
         version = COUNTERS.version
         if not force and version == self._stats_version:
             return
         self._stats_version = version
-        payload = self.stats()
+        payload = self.stats(cached_usage=not force)
         dump_stats("ec", payload, min_interval_s=0.0)
         if self._stats_path:
             write_stats_file(self._stats_path, {"pid": os.getpid(), **payload})
@@ -221,7 +243,7 @@ class TieredECConnector(ECConnectorBase):
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats | None:
-        return TieredECStats(data=dict(data or {}))
+        return TieredECStats(data=copy.deepcopy(dict(data or {})))
 
     @classmethod
     def build_prom_metrics(

@@ -5,15 +5,24 @@ step's counter increments (its own hits/misses and the ones the workers sent bac
 reports, see `eccache.scheduler`), the scheduler puts their `data` into `SchedulerStats.ec_connector_stats`,
 and the front end's Prometheus logger hands it to the `ECConnectorPromMetrics` that
 `TieredECConnector.build_prom_metrics` built, whose `observe` increments these counters.
+
+The same data carries the workers' store numbers (``tiers``, ``write_queue_hits``, ``gauges``), exported as
+the `vllm:tiercache_store_*` series that the KV connector's metrics share
+(`vllm_tiercache.shared.store.counters.StoreSeries`). Every series exists from registration on.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
+
+from vllm_tiercache.shared.store.counters import store_series
+
+log = logging.getLogger(__name__)
 
 #: Counter -> help text. Names match `vllm_tiercache.eccache.connector.COUNTER_NAMES` (the keys of the stats data).
 EC_METRICS: dict[str, str] = {
@@ -55,6 +64,14 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
             idx: {name: counter.labels(*labels) for name, counter in self._counters.items()}
             for idx, labels in per_engine_labelvalues.items()
         }
+        self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
+        try:
+            tiers, config_key, workers = _configured_tiers(vllm_config)
+        except Exception as exc:  # metrics must never stop a server; the series then appear when they move
+            log.warning("TieredECConnector: cannot read the store config for /metrics: %s", exc)
+            tiers, config_key, workers = [], "", 1
+        if tiers:
+            self.store.add_tiers(tiers, config_key=config_key, workers=workers)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         bound = self._bound.get(engine_idx)
@@ -64,6 +81,24 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
             value = transfer_stats_data.get(name, 0)
             if value:
                 counter.inc(value)
+        self.store.observe_counters(transfer_stats_data.get("tiers") or {}, engine_idx,
+                                    transfer_stats_data.get("write_queue_hits", 0))
+        if transfer_stats_data.get("gauges"):
+            self.store.observe_gauges(transfer_stats_data["gauges"], engine_idx)
+
+
+def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
+    """(tier specs, store config key, workers per engine) of the EC connector's config; no tiers if unknown."""
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None:
+        return [], "", 1
+    from vllm_tiercache.eccache.options import ECConnectorOptions
+    from vllm_tiercache.shared.store.tiered import tier_specs
+
+    _, config = ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    workers = int(getattr(parallel, "world_size", 1) or 1)
+    return tier_specs(config), config.cache_key(), workers
 
 
 class PendingCounts:

@@ -29,7 +29,10 @@ channel). When the worker lives in this very process (uniproc executor), the who
 
 Counters for vLLM's stats (`/metrics`): this side's (hits, misses, lookup errors) plus the worker's, which
 ride on the same residency reports (the one worker -> scheduler channel both of vLLM's model runners
-serve), are handed out by `take_stats()` from `get_ec_connector_stats`.
+serve), are handed out by `take_stats()` from `get_ec_connector_stats`. So are the store's numbers that
+the workers send on the same reports: what the worker's store counted per tier (``tiers``) and its gauge
+report (``gauges``). This process's own store only answers existence lookups, which count no hits or
+misses; the KV connector's scheduler side, when there is one, reports its counters.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, 
 from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.shared.residency import ResidencyChanges, ResidentSet
 from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.store.counters import add_nested
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -86,18 +90,24 @@ class TieredECWorkerMetadata(ResidencyChanges[str], ECConnectorWorkerMetadata):
 
     Counters travel here rather than through the worker's `get_ec_connector_stats`: vLLM 0.32's V1 model
     runner never calls that on a worker (only Model Runner V2 does), while both call
-    `build_connector_worker_meta` every step.
+    `build_connector_worker_meta` every step. `tiers` ({tier: {counter: increment}}) is what the worker's
+    store counted, summed like `stats`; `gauges` ({source: report}, `TieredStore.gauge_report`) are levels,
+    one report per store, merged by source.
     """
 
     stats: dict[str, float] = field(default_factory=dict)
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    gauges: dict[str, Any] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, TieredECWorkerMetadata)
         stats = dict(self.stats)
         for name, value in other.stats.items():
             stats[name] = stats.get(name, 0) + value
+        tiers = add_nested(add_nested({}, self.tiers), other.tiers)
         merged = self.merge(other)
-        return TieredECWorkerMetadata(added=merged.added, evicted=merged.evicted, stats=stats)
+        return TieredECWorkerMetadata(added=merged.added, evicted=merged.evicted, stats=stats, tiers=tiers,
+                                      gauges={**self.gauges, **other.gauges})
 
 
 #: An answer known only from the worker's residency reports (re-checked before it becomes a promise).
@@ -139,15 +149,29 @@ class ECSchedulerSide:
         self._pending: dict[str, LoadItem] = {}
         #: Counter increments not yet handed to vLLM's stats (this side's and the workers' reports).
         self._unreported = PendingCounts()
+        #: The stores' per-tier increments and the workers' gauge reports not yet handed to vLLM's stats.
+        self._unreported_tiers: dict[str, dict[str, float]] = {}
+        self._unreported_write_queue_hits = 0.0
+        self._unreported_gauges: dict[str, Any] = {}
 
     def _count(self, **deltas: float) -> None:
         """Count in the process-wide counters (stats files) and in what `take_stats` hands to vLLM."""
         self._counters.add(**deltas)
         self._unreported.add(deltas)
 
-    def take_stats(self) -> dict[str, float]:
-        """Counter increments since the last call (this side's and the workers'); vLLM calls it every step."""
-        return self._unreported.take()
+    def take_stats(self) -> dict[str, Any]:
+        """Increments since the last call (this side's and the workers'), vLLM calls it every step: the
+        connector's counters by name, ``tiers`` and ``write_queue_hits`` (the stores'), ``gauges`` (the
+        workers' latest reports). Only what moved; {} when nothing did."""
+        out: dict[str, Any] = dict(self._unreported.take())
+        hits = self._unreported_write_queue_hits
+        if self._unreported_tiers:
+            out["tiers"], self._unreported_tiers = self._unreported_tiers, {}
+        if hits:
+            out["write_queue_hits"], self._unreported_write_queue_hits = hits, 0.0
+        if self._unreported_gauges:
+            out["gauges"], self._unreported_gauges = self._unreported_gauges, {}
+        return out
 
     def _is_cacheable(self, identifier: str) -> bool:
         return self._cacheable is None or self._cacheable(identifier)
@@ -237,7 +261,11 @@ class ECSchedulerSide:
         """Apply the workers' residency report of the last step and take over their counters."""
         if isinstance(worker_meta, TieredECWorkerMetadata):
             self.resident.apply(worker_meta.added, worker_meta.evicted)
-            self._unreported.add(worker_meta.stats)
+            stats = dict(worker_meta.stats)
+            self._unreported_write_queue_hits += stats.pop("write_queue_hits", 0)
+            self._unreported.add(stats)
+            add_nested(self._unreported_tiers, worker_meta.tiers)
+            self._unreported_gauges.update(worker_meta.gauges)
 
     def request_finished(self, request: Request) -> None:
         """Nothing is kept per request (answers live for one step)."""

@@ -21,7 +21,9 @@ Residency reports: vLLM usually runs the scheduler in another process, which can
 memory tier. Every item saved into (or promoted into, by a load) the memory tier is reported back as
 added, every one the memory tier evicts (`store.add_eviction_listener`) as evicted, through
 `worker_meta()` (vLLM's `build_connector_worker_meta`, called at the end of every model step), with this
-worker's counter increments for vLLM's stats (`/metrics`).
+worker's counter increments for vLLM's stats (`/metrics`), what its store counted per tier since the last
+report (`TieredStore.take_counter_deltas`: nothing twice when the KV connector shares the store) and the
+store's gauge report when it changed (in-process reads; usage comes from the store's background refresh).
 
 `cacheable(identifier)` False (optional) keeps an item out of the store: never loaded, never saved.
 """
@@ -29,6 +31,7 @@ worker's counter increments for vLLM's stats (`/metrics`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -40,6 +43,7 @@ from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.store.counters import gauges_as_registered
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,8 @@ class ECWorkerSide:
         self._unsent = PendingCounts()
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
         self._residency: ResidencyReporter[str] = ResidencyReporter(store)
+        #: The store's gauge report last sent (only changes are sent).
+        self._sent_gauges: dict[str, Any] | None = None
         _WORKER_STORES.add(store)
 
     def _count(self, **deltas: float) -> None:
@@ -180,11 +186,24 @@ class ECWorkerSide:
         self._residency.stored(mm_hash, [self._key_of(mm_hash)])
 
     def worker_meta(self) -> TieredECWorkerMetadata | None:
-        """This step's residency changes and counter increments, or None when there are none (vLLM then
-        sends nothing)."""
-        stats = self._unsent.take()
+        """This step's residency changes, counter increments and store numbers, or None when there are
+        none (vLLM then sends nothing)."""
+        stats: dict[str, float] = dict(self._unsent.take())
+        take = getattr(self._store, "take_counter_deltas", None)
+        moved = take() if take is not None else {}
+        if moved.get("write_queue_hits"):
+            stats["write_queue_hits"] = moved["write_queue_hits"]
+        tiers = moved.get("tiers", {})
+        gauges: dict[str, Any] = {}
+        report = getattr(self._store, "gauge_report", None)
+        if report is not None:
+            current = report()
+            if current != self._sent_gauges and not (self._sent_gauges is None and gauges_as_registered(current)):
+                self._sent_gauges = current
+                gauges = {getattr(self._store, "source", str(os.getpid())): current}
         changes = self._residency.take()
-        if changes is None and not stats:
+        if changes is None and not stats and not tiers and not gauges:
             return None
         return TieredECWorkerMetadata(added=changes.added if changes else set(),
-                                      evicted=changes.evicted if changes else set(), stats=stats)
+                                      evicted=changes.evicted if changes else set(), stats=stats,
+                                      tiers=tiers, gauges=gauges)

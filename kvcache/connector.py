@@ -32,12 +32,12 @@ from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
-from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats
+from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.store import get_store
-from vllm_tiercache.shared.store.counters import COUNTER_NAMES
+from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
     check_vllm_version,
@@ -131,7 +131,6 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._store = get_store(config)
         self._scheduler: KVSchedulerSide | None = None
         self._worker: KVWorkerSide | None = None
-        self._last_tier_stats: dict[str, dict[str, Any]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVSchedulerSide(
                 store=self._store,
@@ -208,18 +207,24 @@ class TieredKVConnector(KVConnectorBase_V1):
         return self._worker.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> TieredKVStats | None:
-        if self._worker is None:
-            return None
-        data = self._worker.take_counters()
-        data["tiers"] = self._tier_deltas()
-        stats = TieredKVStats(data=data)
-        return None if stats.is_empty() else stats
+        """This step's numbers for vLLM's stats (`/metrics`, the "KV Transfer metrics" log line).
 
-    def _tier_deltas(self) -> dict[str, dict[str, Any]]:
-        now = self._store.stats().get("tiers", {})
-        deltas = tier_counter_deltas(now, self._last_tier_stats)
-        self._last_tier_stats = {t: dict(n) for t, n in now.items()}
-        return deltas
+        Worker: the connector's counters, what the process's store counted since the last step (the
+        background writes that finished meanwhile too: they make the step non-empty), and the gauge
+        reports when they changed. Scheduler: its store's increments (lookups in the shared tiers, Redis
+        errors). Every step's increments are handed out once and never dropped: a step with nothing to
+        report returns None without having taken anything.
+        """
+        if self._worker is None:
+            moved = self._store.take_counter_deltas()
+            return TieredKVStats(data=dict(moved)) if moved else None
+        data = self._worker.take_counters()
+        data.update(self._store.take_counter_deltas())
+        data.update(self._worker.gauge_reports())
+        stats = TieredKVStats(data=data)
+        if stats.is_empty() and not any(data.get(name) for name in ("gauges", "save_queue")):
+            return None
+        return stats
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -268,7 +273,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------------------------------- metrics
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TieredKVStats:
-        return TieredKVStats(data=dict(data) if data else {})
+        return TieredKVStats(data=copy_stats_data(data))
 
     @classmethod
     def build_prom_metrics(
@@ -283,22 +288,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
 def tier_counter_deltas(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
                         ) -> dict[str, dict[str, float]]:
-    """Per tier, how much each monotonic counter (`COUNTER_NAMES`) grew since the last snapshot.
-
-    Only the counters: a tier's snapshot also carries usage gauges (`entries`, `bytes_used`) that are
-    `None` while a Redis server is down and may shrink, so a difference of them once crashed the worker
-    (`int - None` when Redis came back) and would feed negative increments to Prometheus counters.
-    """
-    deltas: dict[str, dict[str, float]] = {}
-    for tier, numbers in now.items():
-        previous = before.get(tier, {})
-        out: dict[str, float] = {}
-        for name in COUNTER_NAMES:
-            value = numbers.get(name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            last = previous.get(name)
-            base = last if isinstance(last, int | float) and not isinstance(last, bool) else 0
-            out[name] = value - base
-        deltas[tier] = out
-    return deltas
+    """Per tier, how much each monotonic counter grew between two `stats()["tiers"]` snapshots (see
+    `vllm_tiercache.shared.store.counters.counter_deltas`; gauges such as `bytes_used` are never
+    differenced)."""
+    return counter_deltas(now, before)

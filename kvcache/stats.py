@@ -2,10 +2,22 @@
 
 Workers return a plain dict each step (`get_kv_connector_stats`); vLLM aggregates it across workers and
 steps with `TieredKVStats.aggregate`, logs `reduce()`, and hands it to `TieredKVPromMetrics.observe`.
+
+What a step's data holds:
+
+- the connector's counters (`_COUNTERS`) and latency series (`_SERIES`), and `block_size`;
+- ``tiers``: {tier: {counter: increment}}, what the process's store counted this step (loads, saves,
+  promotions and the background writes that finished meanwhile; `TieredStore.take_counter_deltas`), and
+  ``write_queue_hits``; these make a step non-empty like the connector's own counters;
+- ``gauges``: {source: report} (`TieredStore.gauge_report`: bytes used, reachability, write queue), only
+  when a report changed; ``save_queue``: {source: records waiting for the worker's saver thread}. Gauges
+  are levels, not increments: a later report of a source replaces the earlier one.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +28,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from vllm_tiercache.shared.store.counters import add_nested, store_series
+
+log = logging.getLogger(__name__)
+
 _COUNTERS = (
     "loaded_blocks",
     "loaded_bytes",
@@ -25,11 +41,14 @@ _COUNTERS = (
     "dropped_saves",
 )
 _SERIES = ("load_seconds", "save_seconds")
+#: Keys whose value is {source: latest level}, merged by replacement.
+_LEVELS = ("gauges", "save_queue")
 
 
 @dataclass
 class TieredKVStats(KVConnectorStats):
-    """Counters (summed) and latency series (concatenated) for one logging interval."""
+    """Counters (summed), latency series (concatenated), store increments (summed per tier) and gauge
+    reports (latest per source) for one step or logging interval."""
 
     def __post_init__(self) -> None:
         for name in _COUNTERS:
@@ -38,6 +57,7 @@ class TieredKVStats(KVConnectorStats):
             self.data.setdefault(name, [])
         self.data.setdefault("block_size", 0)
         self.data.setdefault("tiers", {})
+        self.data.setdefault("write_queue_hits", 0)
 
     def reset(self) -> None:
         self.data = {}
@@ -49,16 +69,21 @@ class TieredKVStats(KVConnectorStats):
         for name in _SERIES:
             self.data[name] = list(self.data[name]) + list(other.data.get(name, []))
         self.data["block_size"] = self.data["block_size"] or other.data.get("block_size", 0)
-        tiers = self.data["tiers"]
-        for tier, numbers in other.data.get("tiers", {}).items():
-            mine = tiers.setdefault(tier, {})
-            for key, value in numbers.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    mine[key] = mine.get(key, 0) + value
+        add_nested(self.data["tiers"], other.data.get("tiers", {}))
+        self.data["write_queue_hits"] += other.data.get("write_queue_hits", 0)
+        for name in _LEVELS:
+            if other.data.get(name):
+                self.data[name] = {**self.data.get(name, {}), **other.data[name]}
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in _COUNTERS) and not any(self.data[n] for n in _SERIES)
+        """No counter moved (gauge reports alone do not make a step worth logging)."""
+        return (
+            not any(self.data[name] for name in _COUNTERS)
+            and not any(self.data[n] for n in _SERIES)
+            and not self.data.get("write_queue_hits")
+            and not any(v for numbers in self.data.get("tiers", {}).values() for v in numbers.values())
+        )
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {name: self.data[name] for name in _COUNTERS}
@@ -66,11 +91,31 @@ class TieredKVStats(KVConnectorStats):
         for name in _SERIES:
             series = self.data[name]
             out[f"avg_{name}"] = round(sum(series) / len(series), 6) if series else 0.0
+        for tier, numbers in sorted(self.data.get("tiers", {}).items()):
+            for name in ("hits", "bytes_written", "dropped_writes", "errors"):
+                if numbers.get(name):
+                    out[f"{tier}_{name}"] = numbers[name]
         return out
 
 
+def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
+    """(tier specs, store config key, workers per engine) of the KV connector's config; no tiers if unknown."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return [], "", 1
+    from vllm_tiercache.kvcache.options import KVConnectorOptions
+    from vllm_tiercache.shared.store.tiered import tier_specs
+
+    _, config = KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    workers = int(getattr(parallel, "world_size", 1) or 1)
+    return tier_specs(config), config.cache_key(), workers
+
+
 class TieredKVPromMetrics(KVConnectorPromMetrics):
-    """`vllm:tiercache_kv_*` series, labelled per engine (and per tier for store counters)."""
+    """`vllm:tiercache_kv_*` series, labelled per engine, and the store's `vllm:tiercache_store_*` series
+    (per tier; shared with the EC connector's metrics, see `vllm_tiercache.shared.store.counters`).
+    Every series is created here, so a scrape before the first request lists them all at zero."""
 
     def __init__(
         self,
@@ -103,18 +148,40 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             )
             for name in _SERIES
         }
-        tier_labels = [*labelnames, "tier"]
-        self._tier_counters = {
-            name: self._counter_cls(
-                name=f"vllm:tiercache_store_{name}_total",
-                documentation=f"Tiered store {name.replace('_', ' ')} per tier.",
-                labelnames=tier_labels,
+        try:
+            save_queue = self._gauge_cls(
+                name="vllm:tiercache_kv_save_queue_records",
+                documentation="TieredKVConnector: gathered KV records waiting for the workers' saver threads.",
+                labelnames=labelnames, multiprocess_mode="mostrecent",
             )
-            for name in ("hits", "misses", "bytes_read", "bytes_written", "corrupt", "read_seconds", "write_seconds")
-        }
+        except TypeError:
+            save_queue = self._gauge_cls(
+                name="vllm:tiercache_kv_save_queue_records",
+                documentation="TieredKVConnector: gathered KV records waiting for the workers' saver threads.",
+                labelnames=labelnames,
+            )
+        self._save_queue = save_queue
+        self._save_queue_by_source: dict[int, dict[str, float]] = {idx: {} for idx in per_engine_labelvalues}
+        for labels in per_engine_labelvalues.values():
+            self._hit_tokens.labels(*labels)
+            for counter in self._counters.values():
+                counter.labels(*labels)
+            for histogram in self._latency.values():
+                histogram.labels(*labels)
+            self._save_queue.labels(*labels).set(0)
+        self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
+        try:
+            tiers, config_key, workers = _configured_tiers(vllm_config)
+        except Exception as exc:  # metrics must never stop a server; the series then appear when they move
+            log.warning("TieredKVConnector: cannot read the store config for /metrics: %s", exc)
+            tiers, config_key, workers = [], "", 1
+        if tiers:
+            self.store.add_tiers(tiers, config_key=config_key, workers=workers)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues[engine_idx]
+        labels = self.per_engine_labelvalues.get(engine_idx)
+        if labels is None:
+            return
         data = transfer_stats_data
         self._hit_tokens.labels(*labels).inc(data.get("loaded_blocks", 0) * data.get("block_size", 0))
         for name, counter in self._counters.items():
@@ -122,8 +189,16 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
         for name, histogram in self._latency.items():
             for value in data.get(name, []):
                 histogram.labels(*labels).observe(value)
-        for tier, numbers in data.get("tiers", {}).items():
-            for name, counter in self._tier_counters.items():
-                value = numbers.get(name, 0)
-                if value:
-                    counter.labels(*labels, tier).inc(value)
+        self.store.observe_counters(data.get("tiers", {}), engine_idx, data.get("write_queue_hits", 0))
+        if data.get("gauges"):
+            self.store.observe_gauges(data["gauges"], engine_idx)
+        if data.get("save_queue"):
+            mine = self._save_queue_by_source.setdefault(engine_idx, {})
+            mine.update(data["save_queue"])
+            self._save_queue.labels(*labels).set(sum(mine.values()))
+
+
+def copy_stats_data(data: dict[str, Any] | None) -> dict[str, Any]:
+    """A deep copy: vLLM's logger aggregates into the first step's object, whose nested dicts must not be
+    the ones its Prometheus logger reads."""
+    return copy.deepcopy(data) if data else {}

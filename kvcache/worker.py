@@ -15,6 +15,7 @@ that puts them in the store. Nothing in the forward pass waits for a disk, GDS o
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,8 +29,10 @@ from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.transfer import BlockMover, make_mover
 from vllm_tiercache.shared.residency import ResidencyReporter
+from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
 from vllm_tiercache.shared.store.api import Record, Store, StoreKey
+from vllm_tiercache.shared.store.counters import gauges_as_registered
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,9 @@ class KVWorkerSide:
         self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool]] | None] = queue.Queue()
         self._queued_saves = 0
         self._queued_lock = threading.Lock()
+        #: The gauge reports last sent with the stats (`gauge_reports` sends only changes).
+        self._sent_gauges: dict[str, Any] | None = None
+        self._sent_save_queue = 0
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
         self._threads = [
@@ -304,9 +310,32 @@ class KVWorkerSide:
         self.dump_totals()
         return data
 
+    def gauge_reports(self) -> dict[str, Any]:
+        """The store's gauge report and this worker's save-queue depth, each only when it changed since
+        the last call (a first report that shows only what `/metrics` shows from the start is not sent);
+        in-process reads only (the store's usage comes from its background refresh)."""
+        out: dict[str, Any] = {}
+        report = getattr(self.store, "gauge_report", None)
+        if report is not None:
+            gauges = report()
+            if gauges != self._sent_gauges and not (self._sent_gauges is None and gauges_as_registered(gauges)):
+                self._sent_gauges = gauges
+                out["gauges"] = {getattr(self.store, "source", str(os.getpid())): gauges}
+        depth = self._queued_saves
+        if depth != self._sent_save_queue:
+            self._sent_save_queue = depth
+            out["save_queue"] = {str(os.getpid()): depth}
+        return out
+
     def dump_totals(self, force: bool = False) -> None:
-        """Cumulative counters and store stats for `$TIERCACHE_STATS_DIR` (tests, operators)."""
-        dump_stats("kv-worker", {"counters": dict(self.totals), "store": self.store.stats()}, force=force)
+        """Cumulative counters and store stats for `$TIERCACHE_STATS_DIR` (tests, operators).
+
+        Nothing is built without that directory; per step the store's usage is the cached one (no Redis
+        round trip on the step), at shutdown (``force``) a fresh one."""
+        if not os.environ.get(STATS_DIR_ENV):
+            return
+        stats = self.store.stats(cached_usage=not force) if hasattr(self.store, "gauge_report") else self.store.stats()
+        dump_stats("kv-worker", {"counters": dict(self.totals), "store": stats}, force=force)
 
     def shutdown(self) -> None:
         self.flush_saves()

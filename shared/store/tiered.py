@@ -16,11 +16,18 @@ the writer's queue holds the same tensors until then.
 Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache that is reused right
 after; the store must own what it keeps (pass ``owned=True`` to skip the copy when the caller
 guarantees the tensor is never mutated).
+
+Numbers for `/metrics`: counters are in-process and cheap; `take_counter_deltas` hands out what moved
+since the last call (one baseline per store, so the two connectors sharing a store never report an
+increment twice). Usage (bytes held, Redis reachability) may cost a backend round trip (Redis `INFO`),
+so it never runs on a connector's step: `gauge_report` returns the latest snapshot of a background
+thread that refreshes it every `USAGE_REFRESH_S` seconds (started on the first call).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,10 +37,37 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
-from vllm_tiercache.shared.store.registry import make_tier
+from vllm_tiercache.shared.store.counters import counter_deltas
+from vllm_tiercache.shared.store.registry import make_tier, tier_class
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two background refreshes of the tiers' usage (`gauge_report`).
+USAGE_REFRESH_S = 5.0
+
+
+def tier_names(tier_configs: Sequence[Any]) -> list[str]:
+    """The name each configured tier gets in a store: its kind, then kind1, kind2... for repeats."""
+    names, seen = [], {}
+    for tc in tier_configs:
+        n = seen.get(tc.kind, 0)
+        seen[tc.kind] = n + 1
+        names.append(tc.kind if n == 0 else f"{tc.kind}{n}")
+    return names
+
+
+def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
+    """(name, capacity or None, shared across processes) of each configured tier, without opening any."""
+    out = []
+    for name, tc in zip(tier_names(config.tiers), config.tiers, strict=True):
+        try:
+            shared = bool(tier_class(tc.kind).shared_across_processes)
+        except Exception:  # a tier module that does not import here: only memory is per process
+            shared = tc.kind != "memory"
+        capacity = getattr(tc, "capacity", None)
+        out.append((name, capacity if isinstance(capacity, int) else None, shared))
+    return out
 
 
 def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,12 +83,7 @@ class TieredStore:
     def __init__(self, config: StoreConfig, tiers: Sequence[Tier] | None = None) -> None:
         self.config = config
         if tiers is None:
-            tiers = []
-            seen: dict[str, int] = {}
-            for tc in config.tiers:
-                n = seen.get(tc.kind, 0)
-                seen[tc.kind] = n + 1
-                tiers.append(make_tier(tc, tc.kind if n == 0 else f"{tc.kind}{n}"))
+            tiers = [make_tier(tc, name) for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
         self.tiers: list[Tier] = list(tiers)
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -67,6 +96,16 @@ class TieredStore:
         self._write_behind_hits = 0
         self._closed = False
         self._close_lock = threading.Lock()
+        #: What `take_counter_deltas` handed out so far, per tier (and the write-behind hits).
+        self._reported_lock = threading.Lock()
+        self._reported: dict[str, dict[str, Any]] = {}
+        self._reported_write_behind = 0
+        #: The background usage refresh (`gauge_report`): its latest snapshot and its thread.
+        self._usage_lock = threading.Lock()
+        self._usage: dict[str, dict[str, Any]] = {}
+        self._usage_thread: threading.Thread | None = None
+        self._usage_stop = threading.Event()
+        self.source = f"{os.getpid()}:{id(self):x}"
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
@@ -264,17 +303,23 @@ class TieredStore:
             if add is not None:
                 add(lambda digest, t=tier: self._on_tier_eviction(t, digest, lambda: listener(t.kind, digest)))
 
-    def stats(self) -> dict[str, Any]:
-        """JSON-able snapshot: {"tiers": {name: counters + usage}, "write_queue": {...}}."""
+    def stats(self, cached_usage: bool = False) -> dict[str, Any]:
+        """JSON-able snapshot: {"tiers": {name: counters + usage}, "write_queue": {...}}.
+
+        ``cached_usage``: the usage fields come from the background refresh (`gauge_report`) instead of
+        asking every tier now (a Redis `INFO` round trip); use it on any path that runs per step.
+        """
+        cached = self._cached_usage() if cached_usage else {}
         tiers: dict[str, Any] = {}
         for tier in self.tiers:
             entry: dict[str, Any] = {"kind": tier.kind,
                                      "shared_across_processes": tier.shared_across_processes}
             entry.update(tier.counters.snapshot())
-            try:
-                entry.update(tier.usage())
-            except Exception as exc:
-                entry.update({"entries": None, "bytes_used": None, "usage_error": str(exc)})
+            if cached_usage:
+                usage = cached.get(tier.name)
+                entry.update(usage["raw"] if usage else {"entries": None, "bytes_used": None})
+            else:
+                entry.update(self._tier_usage(tier))
             tiers[tier.name] = entry
         return {
             "namespace": self.config.namespace,
@@ -282,6 +327,81 @@ class TieredStore:
             "write_queue": {"pending": self._writer.pending, "capacity": self.config.write_queue_size,
                             "hits": self._write_behind_hits},
         }
+
+    @staticmethod
+    def _tier_usage(tier: Tier) -> dict[str, Any]:
+        try:
+            return dict(tier.usage())
+        except Exception as exc:
+            return {"entries": None, "bytes_used": None, "usage_error": str(exc)}
+
+    # ------------------------------------------------------------------------------------ /metrics
+    def take_counter_deltas(self) -> dict[str, Any]:
+        """What the tiers' counters grew by since the last call: {"tiers": {tier: {name: increment}},
+        "write_queue_hits": n}, only what moved. In-process and cheap (no backend call).
+
+        One baseline per store: a store two connectors share hands each increment to one of them.
+        """
+        with self._reported_lock:  # the snapshot too: two callers must not swap baselines
+            now = {tier.name: tier.counters.snapshot() for tier in self.tiers}
+            with self._in_flight_lock:
+                write_behind = self._write_behind_hits
+            names = {name for numbers in now.values() for name in numbers}
+            deltas = counter_deltas(now, self._reported, sorted(names))
+            self._reported = now
+            hits, self._reported_write_behind = write_behind - self._reported_write_behind, write_behind
+        out: dict[str, Any] = {}
+        moved = {tier: {k: v for k, v in numbers.items() if v > 0} for tier, numbers in deltas.items()}
+        moved = {tier: numbers for tier, numbers in moved.items() if numbers}
+        if moved:
+            out["tiers"] = moved
+        if hits > 0:
+            out["write_queue_hits"] = hits
+        return out
+
+    def gauge_report(self) -> dict[str, Any]:
+        """This store's gauges for `/metrics`, never blocking on a backend: {"tiers": {tier: {"bytes_used",
+        "up", "shared"}}, "write_queue": pending}. Usage is the background refresh's latest snapshot (None
+        before its first pass); reachability and the queue are read now (in-process). Capacity is not
+        here: `/metrics` has it from the configuration."""
+        cached = self._cached_usage()
+        tiers: dict[str, Any] = {}
+        for tier in self.tiers:
+            usage = cached.get(tier.name, {})
+            down = bool(getattr(tier, "down", False))
+            tiers[tier.name] = {"bytes_used": usage.get("bytes_used"), "up": 0 if down else 1,
+                                "shared": int(bool(tier.shared_across_processes))}
+        return {"tiers": tiers, "write_queue": self._writer.pending}
+
+    def _cached_usage(self) -> dict[str, dict[str, Any]]:
+        """The latest usage snapshot; starts the refresh thread on the first call."""
+        if self._usage_thread is None and not self._closed:
+            with self._usage_lock:
+                if self._usage_thread is None:
+                    self._usage_thread = threading.Thread(target=self._refresh_usage_loop,
+                                                          name="tiercache-usage", daemon=True)
+                    self._usage_thread.start()
+        with self._usage_lock:
+            return self._usage
+
+    def refresh_usage(self) -> None:
+        """Ask every tier for its usage now (the refresh thread's one pass; tests call it directly)."""
+        snapshot: dict[str, dict[str, Any]] = {}
+        for tier in self.tiers:
+            raw = self._tier_usage(tier)
+            used, capacity = raw.get("bytes_used"), raw.get("capacity")
+            snapshot[tier.name] = {"raw": raw, "bytes_used": used if isinstance(used, int) else None,
+                                   "capacity": capacity if isinstance(capacity, int) else None}
+        with self._usage_lock:
+            self._usage = snapshot
+
+    def _refresh_usage_loop(self) -> None:
+        while not self._usage_stop.is_set() and not self._closed:
+            try:
+                self.refresh_usage()
+            except Exception as exc:  # a refresh must never end the thread
+                log.warning("tiercache: usage refresh failed: %s", exc)
+            self._usage_stop.wait(USAGE_REFRESH_S)
 
     @property
     def closed(self) -> bool:
@@ -293,6 +413,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
+        self._usage_stop.set()
         if not self._writer.close(timeout):
             log.warning("tiercache: closing with %d slower-tier writes not flushed", self._writer.pending)
         for tier in self.tiers:

@@ -1,0 +1,208 @@
+"""The store's numbers on `/metrics`, unit level: nothing lost, everything listed from the start, no
+backend round trip per engine step. (The real server: tests/test_metrics_server.py.)
+
+- background writes that finish in a step where the connector itself counted nothing still reach the
+  stats (they were dropped: the tier baseline moved on and the "empty" step was thrown away);
+- the KV and the EC connector's metrics share one set of `vllm:tiercache_store_*` families in a registry,
+  with a child for every configured tier at zero before anything happened;
+- gauges from several processes: per-process tiers summed, shared tiers not, `tier_up` the lowest;
+- a Redis tier gets no `INFO` per step (usage comes from the store's background refresh).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tests.test_kv_worker import worker
+from vllm_tiercache.eccache.connector import TieredECConnector, TieredECStats
+from vllm_tiercache.kvcache.connector import TieredKVConnector
+from vllm_tiercache.kvcache.stats import TieredKVStats
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.counters import STORE_COUNTER_HELP
+
+LABELS = ["model_name", "engine"]
+ENGINE = {"model_name": "m", "engine": "0"}
+MiB = 1 << 20
+
+
+def _metric_types(registry: CollectorRegistry) -> dict[Any, Any]:
+    return {Gauge: partial(Gauge, registry=registry), Counter: partial(Counter, registry=registry),
+            Histogram: partial(Histogram, registry=registry)}
+
+
+def _tiers(tmp_path: Path, redis_url: str = "redis://127.0.0.1:1/0") -> list[dict[str, Any]]:
+    return [{"kind": "memory", "capacity": "64MiB"},
+            {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"},
+            {"kind": "redis", "url": redis_url}]
+
+
+def _vllm_config(tmp_path: Path, world_size: int = 1) -> SimpleNamespace:
+    extra = {"namespace": "m", "tiers": _tiers(tmp_path)}
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={**extra, "chunk_size": 64}),
+        ec_transfer_config=SimpleNamespace(ec_connector_extra_config=dict(extra)),
+        parallel_config=SimpleNamespace(world_size=world_size),
+    )
+
+
+def _kv_connector(side: Any, store: Any) -> TieredKVConnector:
+    """The worker-role shell around `side` (only what `get_kv_connector_stats` uses)."""
+    conn = TieredKVConnector.__new__(TieredKVConnector)
+    conn._worker, conn._store, conn._scheduler = side, store, None
+    return conn
+
+
+def _record(i: int) -> tuple[StoreKey, torch.Tensor, dict[str, Any]]:
+    return StoreKey(f"m|kv|x|f|tp1r0|{i:04d}|L0"), torch.full((256,), float(i)), {}
+
+
+def test_background_writes_in_an_otherwise_empty_step_are_reported(tmp_path: Path) -> None:
+    store = build_store({"tiers": _tiers(tmp_path)[:2]})
+    try:
+        conn = _kv_connector(worker(store), store)
+        first = conn.get_kv_connector_stats()  # nothing happened: nothing, or a gauge report only
+        assert first is None or first.is_empty()
+        # What the saver thread does: the memory tier is written now, the disk tier in the background.
+        store.put_many([_record(i) for i in range(4)], owned=True)
+        assert store.flush(10.0)
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and not stats.is_empty(), "the step's store counts were dropped"
+        assert stats.data["loaded_blocks"] == 0 and stats.data["saved_chunks"] == 0  # the connector: nothing
+        assert stats.data["tiers"]["memory"]["puts"] == 4
+        assert stats.data["tiers"]["disk"]["puts"] == 4 and stats.data["tiers"]["disk"]["bytes_written"] > 0
+        # Reported once: the next step has nothing new, and nothing is repeated.
+        again = conn.get_kv_connector_stats()
+        assert again is None or (again.is_empty() and not again.data["tiers"])
+        # A disk write that lands only after the step that queued it is reported by a later step.
+        store.put_many([_record(10)], owned=True)
+        early = conn.get_kv_connector_stats()
+        assert store.flush(10.0)
+        late = conn.get_kv_connector_stats()
+        total = sum(s.data["tiers"].get("disk", {}).get("puts", 0) for s in (early, late) if s is not None)
+        assert total == 1
+    finally:
+        store.close()
+
+
+def test_aggregate_keeps_tier_counts_and_the_latest_gauges() -> None:
+    a = TieredKVStats(data={"tiers": {"disk": {"bytes_written": 10}},
+                            "gauges": {"p1": {"tiers": {"disk": {"bytes_used": 1}}}}})
+    b = TieredKVStats(data={"tiers": {"disk": {"bytes_written": 5}, "redis": {"hits": 2}},
+                            "gauges": {"p1": {"tiers": {"disk": {"bytes_used": 7}}}}, "write_queue_hits": 3})
+    merged = a.aggregate(b)
+    assert merged.data["tiers"] == {"disk": {"bytes_written": 15}, "redis": {"hits": 2}}
+    assert merged.data["gauges"]["p1"]["tiers"]["disk"]["bytes_used"] == 7
+    assert merged.data["write_queue_hits"] == 3 and not merged.is_empty()
+    assert TieredKVStats(data={"gauges": {"p": {}}}).is_empty()  # levels alone are nothing to log
+    assert not TieredKVStats(data={"tiers": {"disk": {"dropped_writes": 1}}}).is_empty()
+    # vLLM's logger aggregates into the object it built first: the data it was built from stays as it was.
+    data = {"tiers": {"disk": {"hits": 1}}}
+    TieredKVConnector.build_kv_connector_stats(data).aggregate(TieredKVStats(data={"tiers": {"disk": {"hits": 1}}}))
+    assert data == {"tiers": {"disk": {"hits": 1}}}
+    ec = TieredECStats(data={"hits": 1, "tiers": {"disk": {"hits": 1}}}).aggregate(
+        TieredECStats(data={"hits": 2, "tiers": {"disk": {"hits": 2}}, "gauges": {"p": {"write_queue": 1}}}))
+    assert ec.data == {"hits": 3, "tiers": {"disk": {"hits": 3}}, "gauges": {"p": {"write_queue": 1}}}
+    assert ec.reduce()["disk_hits"] == 3
+
+
+def test_every_series_is_listed_at_zero_before_anything_happens(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    config = _vllm_config(tmp_path, world_size=2)
+    kv = TieredKVConnector.build_prom_metrics(config, _metric_types(registry), LABELS, {0: ["m", "0"]})  # type: ignore[arg-type]
+    ec = TieredECConnector.build_prom_metrics(config, _metric_types(registry), LABELS, {0: ["m", "0"]})  # type: ignore[arg-type]
+    assert ec is not None and ec.store is kv.store  # one set of store families for both connectors
+    value = registry.get_sample_value
+    for tier in ("memory", "disk", "redis"):
+        labels = {**ENGINE, "tier": tier}
+        for name in STORE_COUNTER_HELP:
+            assert value(f"vllm:tiercache_store_{name}_total", labels) == 0, (name, tier)
+        assert value("vllm:tiercache_store_bytes_used", labels) == 0
+        assert value("vllm:tiercache_store_tier_up", labels) == 1
+    # Capacity from the config: the memory tier once per worker, the shared disk once; Redis has none.
+    assert value("vllm:tiercache_store_capacity_bytes", {**ENGINE, "tier": "memory"}) == 2 * 64 * MiB
+    assert value("vllm:tiercache_store_capacity_bytes", {**ENGINE, "tier": "disk"}) == 1 << 30
+    assert value("vllm:tiercache_store_capacity_bytes", {**ENGINE, "tier": "redis"}) is None
+    assert value("vllm:tiercache_store_write_queue_pending", ENGINE) == 0
+    assert value("vllm:tiercache_store_write_queue_hits_total", ENGINE) == 0
+    assert value("vllm:tiercache_kv_save_queue_records", ENGINE) == 0
+    for name in ("hit_tokens", "loaded_blocks", "saved_bytes", "dropped_saves", "load_errors"):
+        assert value(f"vllm:tiercache_kv_{name}_total", ENGINE) == 0, name
+    assert value("vllm:tiercache_kv_load_seconds_count", ENGINE) == 0
+    for name in ("hits", "misses", "loads", "saves", "bytes_saved", "load_failures"):
+        assert value(f"vllm:tiercache_ec_{name}_total", ENGINE) == 0, name
+
+    # Both connectors' data land in the same families.
+    kv.observe({"tiers": {"redis": {"hits": 2, "bytes_read": 100}}, "write_queue_hits": 1}, 0)
+    ec.observe({"hits": 1, "tiers": {"redis": {"hits": 1}, "disk": {"bytes_written": 50}}}, 0)
+    assert value("vllm:tiercache_store_hits_total", {**ENGINE, "tier": "redis"}) == 3
+    assert value("vllm:tiercache_store_bytes_written_total", {**ENGINE, "tier": "disk"}) == 50
+    assert value("vllm:tiercache_store_write_queue_hits_total", ENGINE) == 1
+    assert value("vllm:tiercache_ec_hits_total", ENGINE) == 1
+
+    # Gauges: the latest report per process; memory summed over workers, disk not, tier_up the lowest.
+    def report(memory: int, disk: int, redis_up: int, queue: int) -> dict[str, Any]:
+        return {"tiers": {"memory": {"bytes_used": memory, "up": 1, "shared": 0},
+                          "disk": {"bytes_used": disk, "up": 1, "shared": 1},
+                          "redis": {"bytes_used": None, "up": redis_up, "shared": 1}}, "write_queue": queue}
+
+    kv.observe({"gauges": {"w1": report(10, 500, 1, 2)}, "save_queue": {"w1": 4}}, 0)
+    ec.observe({"gauges": {"w2": report(20, 400, 0, 3)}}, 0)
+    kv.observe({"gauges": {"w1": report(15, 600, 1, 0)}}, 0)
+    assert value("vllm:tiercache_store_bytes_used", {**ENGINE, "tier": "memory"}) == 35
+    assert value("vllm:tiercache_store_bytes_used", {**ENGINE, "tier": "disk"}) == 600
+    assert value("vllm:tiercache_store_tier_up", {**ENGINE, "tier": "redis"}) == 0
+    assert value("vllm:tiercache_store_write_queue_pending", ENGINE) == 3
+    assert value("vllm:tiercache_kv_save_queue_records", ENGINE) == 4
+
+    # vLLM unregisters every `vllm:` family when it builds a new stat logger: the next build starts over.
+    for collector in list(registry._collector_to_names):
+        if getattr(collector, "_name", "").startswith("vllm:"):
+            registry.unregister(collector)
+    again = TieredKVConnector.build_prom_metrics(config, _metric_types(registry), LABELS, {0: ["m", "0"]})  # type: ignore[arg-type]
+    assert again.store is not kv.store
+    assert registry.get_sample_value("vllm:tiercache_store_hits_total", {**ENGINE, "tier": "redis"}) == 0
+
+
+@pytest.mark.redis
+def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, redis_server: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Usage (Redis `INFO`) comes from the store's background refresh, never from a step; with a stats
+    directory too. The gauges still carry Redis' used memory and reachability."""
+    from vllm_tiercache.shared.store import tiered
+
+    monkeypatch.setattr(tiered, "USAGE_REFRESH_S", 3600.0)  # one refresh pass in this test
+    monkeypatch.setenv("TIERCACHE_STATS_DIR", str(tmp_path / "stats"))
+    store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"}, {"kind": "redis", "url": redis_url}]})
+    try:
+        with redis_server.client() as client:
+            conn = _kv_connector(worker(store), store)
+            conn.get_kv_connector_stats()  # starts the refresh thread
+            for _ in range(50):
+                if store._cached_usage():
+                    break
+                time.sleep(0.05)
+            client.config_resetstat()
+            reports = []
+            for i in range(40):  # 40 engine steps, half of them with writes
+                if i % 2:
+                    store.put_many([_record(i)], owned=True)
+                stats = conn.get_kv_connector_stats()
+                if stats is not None and stats.data.get("gauges"):
+                    reports.append(stats.data["gauges"])
+            assert store.flush(10.0)
+            info_calls = client.info("commandstats").get("cmdstat_info", {}).get("calls", 0)
+        assert info_calls == 0, f"{info_calls} INFO round trips in 40 steps"
+        (source,) = reports[0]
+        redis = reports[0][source]["tiers"]["redis"]
+        assert redis["up"] == 1 and redis["bytes_used"] > 0 and redis["shared"] == 1
+    finally:
+        store.close()
