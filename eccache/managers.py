@@ -14,6 +14,10 @@ store's memory tier uses):
   eviction in a bounded history and are halved every `aging_period` accesses.
 - `WTinyLFUEncoderCacheManager`: W-TinyLFU (Caffeine's policy), size-aware in embeddings.
 
+Every `manager_config` key is checked when the manager is built (`check_manager_options`): a key the
+chosen policy does not take, a bad value, or a ``policy`` other than the one a fixed-policy class uses is
+a `ConfigError` that names the key and what is allowed, never silently ignored.
+
 Invariants kept from vLLM: capacity is never exceeded and referenced entries are never evicted (only
 entries in `freeable` are candidates). Enable with::
 
@@ -25,11 +29,23 @@ entries in `freeable` are candidates). Enable with::
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from vllm_tiercache.shared.eviction import DEFAULT_POLICY, make_policy
+from vllm_tiercache.shared.config import ConfigError
+from vllm_tiercache.shared.eviction import (
+    DEFAULT_POLICY,
+    POLICIES,
+    LFUPolicy,
+    LRUPolicy,
+    WTinyLFUPolicy,
+    make_policy,
+)
+from vllm_tiercache.shared.store.tier_config import did_you_mean, invalid
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,12 +72,14 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
     @classmethod
     def create_manager(cls, *, cache_size: int, vllm_config: VllmConfig) -> EncoderCacheManager:
         options = dict(vllm_config.ec_manager_config.manager_config or {})
-        policy = options.pop("policy", None) or cls.policy_name or _connector_policy(vllm_config)
+        policy = options.pop("policy", None)
+        if policy is None and cls.policy_name is None:
+            policy = _connector_policy(vllm_config)
         return cls(cache_size=cache_size, policy=policy, **options)
 
     def __init__(self, cache_size: int, policy: str | None = None, **policy_options: Any) -> None:
         super().__init__(cache_size)
-        self.policy_name = policy or self.policy_name or DEFAULT_POLICY
+        self.policy_name = check_manager_options(type(self), policy, policy_options)
         self._policy_options = policy_options
         self.policy = make_policy(self.policy_name, cache_size, "encoder_cache_policy", **policy_options)
         self.evictions = 0
@@ -127,21 +145,18 @@ def _connector_policy(vllm_config: Any) -> str | None:
 
 
 class LRUEncoderCacheManager(PolicyEncoderCacheManager):
-    """Evicts the unreferenced entry whose last hit or allocation is oldest."""
+    """Evicts the unreferenced entry whose last hit or allocation is oldest (takes no options)."""
 
     policy_name = "lru"
 
-    def __init__(self, cache_size: int, policy: str | None = None, **_: Any) -> None:
-        super().__init__(cache_size, policy="lru")
-
 
 class WTinyLFUEncoderCacheManager(PolicyEncoderCacheManager):
-    """W-TinyLFU (window LRU, frequency-sketch admission, segmented LRU), size-aware in embeddings."""
+    """W-TinyLFU (window LRU, frequency-sketch admission, segmented LRU), size-aware in embeddings.
+
+    Options: `window_fraction`, `protected_fraction`, `victim_sample`, `size_aware`.
+    """
 
     policy_name = "wtinylfu"
-
-    def __init__(self, cache_size: int, policy: str | None = None, **options: Any) -> None:
-        super().__init__(cache_size, policy="wtinylfu", **options)
 
 
 class LFUEncoderCacheManager(PolicyEncoderCacheManager):
@@ -150,9 +165,67 @@ class LFUEncoderCacheManager(PolicyEncoderCacheManager):
     Args:
         aging_period: accesses between two halvings of every count (0 disables aging).
         history_size: how many evicted hashes keep their count (a bounded "ghost" table).
+        size_aware: compare counts per embedding (true) or per entry.
     """
 
     policy_name = "lfu"
 
-    def __init__(self, cache_size: int, policy: str | None = None, **options: Any) -> None:
-        super().__init__(cache_size, policy="lfu", **options)
+
+# ------------------------------------------------------------------------------------ manager_config
+
+#: The policy class behind each name of `make_policy`: its constructor's keyword parameters (after
+#: ``capacity``) are the `manager_config` options that policy takes.
+_POLICY_CLASSES: Mapping[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "wtinylfu": WTinyLFUPolicy}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_fraction(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 1
+
+
+#: What each option's value may be: (allowed, as the message says it; the check).
+_OPTION_VALUES: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
+    "aging_period": ("an int >= 0 (accesses between two halvings; 0: no aging)", lambda v: _is_int(v) and v >= 0),
+    "history_size": ("an int >= 0 (evicted hashes that keep their count)", lambda v: _is_int(v) and v >= 0),
+    "size_aware": ("true or false", lambda v: isinstance(v, bool)),
+    "window_fraction": ("a number strictly between 0 and 1", _is_fraction),
+    "protected_fraction": ("a number strictly between 0 and 1", _is_fraction),
+    "victim_sample": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+}
+
+
+def policy_options(policy: str) -> tuple[str, ...]:
+    """The `manager_config` options policy ``policy`` takes (read off its class's constructor)."""
+    params = inspect.signature(_POLICY_CLASSES[policy].__init__).parameters
+    return tuple(name for name in params if name not in ("self", "capacity"))
+
+
+def check_manager_options(cls: type, policy: Any, options: Mapping[str, Any]) -> str:
+    """The policy name a manager of class ``cls`` uses, after checking ``policy`` and every option.
+
+    ``policy`` is `manager_config["policy"]` (or the EC connector's `encoder_cache_policy`, or None); a
+    class with a fixed `policy_name` refuses another. Each option must be one the policy takes, with a
+    value it accepts. Errors are `ConfigError`s naming ``manager_config.<key>`` and what is allowed.
+    """
+    fixed = getattr(cls, "policy_name", None)
+    if fixed is not None and policy is not None and policy != fixed:
+        raise invalid("manager_config.policy", policy,
+                      f"{fixed!r} or no policy: {cls.__name__} always uses {fixed!r}; to choose the policy, set "
+                      "encoder_cache_manager_cls to vllm_tiercache.eccache.managers.PolicyEncoderCacheManager")
+    name = fixed or policy or DEFAULT_POLICY
+    if not isinstance(name, str) or name not in _POLICY_CLASSES:  # the message make_policy gives too
+        raise invalid("encoder_cache_policy", name, ", ".join(POLICIES))
+    allowed = policy_options(name)
+    for key, value in options.items():
+        if key not in allowed:
+            takes = ", ".join(["policy", *allowed]) if allowed else f"policy only ({name} takes no other option)"
+            which = f"{cls.__name__}" + ("" if policy or fixed else ", the default policy")
+            raise ConfigError(f"manager_config.{key}: unknown option for policy {name!r} ({which}); "
+                              f"{did_you_mean(key, allowed)}allowed: {takes}")
+        rule = _OPTION_VALUES.get(key)
+        if rule is not None and not rule[1](value):
+            raise invalid(f"manager_config.{key}", value, rule[0])
+    return name

@@ -22,7 +22,7 @@ Sources, first match wins:
 The store's top-level keys and defaults:
 
 - ``namespace`` (str, "default"): first field of every key; separates models/deployments sharing tiers.
-- ``write_queue_size`` (int, 256): bound of the background queue for slower-tier writes.
+- ``write_queue_size`` (int, 256; 1 to 1048576): bound of the background queue for slower-tier writes.
 - ``model_version`` (str or null, null): names the served weights in every key instead of a digest of the
   model's files (see ``vllm_tiercache.shared.weights_identity``); the operator vouches that new weights get
   a new value. Without it the files are digested once per file and the digests remembered.
@@ -33,22 +33,24 @@ The store's top-level keys and defaults:
   `vllm_tiercache.shared.store.registry`, whose config class validates the item) and ``policy``
   (memory: lru, wtinylfu; the shared tiers: lru only; default lru) plus:
 
-  - memory: ``capacity`` (size, 2GiB)
-  - disk / gds: ``path`` (user cache dir), ``capacity`` (size, 20GiB), ``fsync`` (bool, true)
+  - memory: ``capacity`` (size, 2GiB; at least 256 bytes; more than the machine's memory: a warning)
+  - disk / gds: ``path`` (user cache dir), ``capacity`` (size, 20GiB; at least 256 bytes; more than the
+    filesystem's size or free space: a warning), ``fsync`` (bool, true)
   - redis: ``url`` (redis://, rediss://, redis+cluster://, rediss+cluster://; required),
-    ``password`` (str, null; or in the URL), ``ttl_s`` (number, null = no expiry),
-    ``part_size`` (size, 8MiB: larger values are split), ``timeout_s`` (number, 2.0),
-    ``retry_after_s`` (number, 5.0: how long a down server is left alone), ``key_prefix``
-    (str, "tiercache:"), and any ``ssl_*`` option of redis-py (``ssl_ca_certs``, ``ssl_cert_reqs``,
-    ``ssl_certfile``, ``ssl_keyfile``, ...), passed through for TLS.
+    ``password`` (str, null; or in the URL), ``ttl_s`` (seconds, 0.001 to 365 days; null = no expiry),
+    ``part_size`` (size, 8MiB, 1KiB to 512MiB: larger values are split), ``timeout_s`` (seconds, 2.0,
+    0.001 to 300), ``retry_after_s`` (seconds, 5.0, 0 to 3600: how long a down server is left alone),
+    ``key_prefix`` (str, "tiercache:"), and the ``ssl_*`` options of the installed redis-py
+    (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ...), passed through for TLS.
 - ``x_*``: anything prefixed ``x_`` (and not a connector's own key) is kept in ``StoreConfig.extra`` for
-  experiments; every other unknown key is an error (typos must not be silently ignored).
+  experiments; every other unknown key is an error (typos must not be silently ignored) that names the
+  nearest known key (``chunksize: unknown key; did you mean 'chunk_size'? known keys: ...``).
 
 The connectors' keys (`CONNECTOR_KEYS`): ``chunk_size``, ``save_partial_chunks``, ``save_decode``,
 ``load_failure_policy`` and ``warmup_cpu_attention`` (KV connector), ``encoder_cache_policy`` and
 ``x_ec_stats_path`` (EC connector).
 
-Sizes are ints (bytes) or strings: "8GiB", "500MB", "1.5GiB", "64KiB", "1024".
+Sizes are ints (bytes) or strings: "8GiB", "500MB", "1.5GiB", "64KiB", "1024"; at most 1EiB.
 
 Environment overrides (applied last, over every source above):
 
@@ -75,7 +77,7 @@ from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.disk_config import DEFAULT_DISK_CAPACITY, DiskTierConfig, GdsTierConfig
 from vllm_tiercache.shared.store.memory_config import DEFAULT_MEMORY_CAPACITY, MemoryTierConfig
 from vllm_tiercache.shared.store.redis_config import DEFAULT_PART_SIZE, REDIS_SCHEMES, RedisTierConfig
-from vllm_tiercache.shared.store.tier_config import ConfigError, default_cache_dir, parse_size
+from vllm_tiercache.shared.store.tier_config import ConfigError, default_cache_dir, did_you_mean, parse_size
 from vllm_tiercache.shared.store.tier_config import as_bool as _bool
 from vllm_tiercache.shared.store.tier_config import as_int as _int
 from vllm_tiercache.shared.store.tier_config import as_str as _str
@@ -89,6 +91,9 @@ __all__ = [
     "MemoryTierConfig", "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers",
     "load_file", "parse_size", "read_sources", "split_connector_config",
 ]
+
+#: the most writes the background queue may hold (each holds a record, often MiBs, until it is written)
+MAX_WRITE_QUEUE_SIZE = 1 << 20
 
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
@@ -134,10 +139,12 @@ def _connector_owned(key: Any) -> bool:
 
 
 def _unknown_key(key: Any) -> ConfigError:
-    """One message for a key nobody owns: every known key of the dict, by owner (a typo may be of any)."""
+    """One message for a key nobody owns: the nearest known key, then every known key of the dict, by owner
+    (a typo may be of any)."""
     owners = "; ".join(f"{', '.join(keys)} ({name})" for name, keys in CONNECTOR_KEYS.items())
-    return ConfigError(f"{key}: unknown key; known keys: {', '.join(STORE_KEYS)}, extra, x_* (anything prefixed "
-                       f"x_ is kept in StoreConfig.extra); connector options: {owners}")
+    candidates = [*STORE_KEYS, "extra", *(k for keys in CONNECTOR_KEYS.values() for k in keys)]
+    return ConfigError(f"{key}: unknown key; {did_you_mean(key, candidates)}known keys: {', '.join(STORE_KEYS)}, "
+                       f"extra, x_* (anything prefixed x_ is kept in StoreConfig.extra); connector options: {owners}")
 
 
 def read_sources(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -198,7 +205,8 @@ class StoreConfig:
             if key == "extra" and isinstance(raw[key], Mapping):
                 bad = [k for k in raw[key] if not str(k).startswith("x_")]
                 if bad:
-                    raise _err(f"extra.{bad[0]}", raw[key][bad[0]], "only keys prefixed 'x_' in extra")
+                    raise _err(f"extra.{bad[0]}", raw[key][bad[0]],
+                               f"only keys prefixed 'x_' in extra, e.g. {'x_' + str(bad[0])!r}")
                 continue
             if key in STORE_KEYS or _connector_owned(key):
                 continue
@@ -212,7 +220,8 @@ class StoreConfig:
         namespace = raw.get("namespace", "default")
         if not isinstance(namespace, str) or not namespace or "|" in namespace:
             raise _err("namespace", namespace, "a non-empty string without '|'")
-        wqs = _int(raw.get("write_queue_size", 256), "write_queue_size", "a positive int", lambda v: v > 0)
+        wqs = _int(raw.get("write_queue_size", 256), "write_queue_size",
+                   f"a positive int, at most {MAX_WRITE_QUEUE_SIZE}", lambda v: 0 < v <= MAX_WRITE_QUEUE_SIZE)
         model_version = raw.get("model_version")
         if model_version is not None and (not isinstance(model_version, str) or not model_version.strip()
                                           or any(c in model_version for c in "|\n\r\t")):

@@ -35,3 +35,16 @@ def test_bench_policy_prints_every_trace_and_the_target_checks() -> None:
     assert any("shifting" in line and line.startswith("[ok]") for line in checks), checks
     assert any("scan" in line and line.startswith("[ok]") for line in checks), checks
     assert "== memory tier" in out and "refused" in out
+
+
+def test_bench_policy_bounds_its_options() -> None:
+    """A trace too short for the 4-phase shifting trace was a ZeroDivisionError traceback; a capacity of 0 ran."""
+    for bad in (["--requests", "3"], ["--capacities", "0.05", "0"], ["--images", "1"], ["--exponents", "-1"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "policy", "--requests", "100",
+             "--images", "10", *bad],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.startswith("tiercache: error: argument ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"invalid value {bad[-1]!r}; allowed: " in proc.stderr, proc.stderr

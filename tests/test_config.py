@@ -111,7 +111,8 @@ def test_bad_value_is_in_message():
 
 
 def test_unknown_keys_listed():
-    known = r"chunksize: unknown key; known keys: namespace, .*; connector options: chunk_size, "
+    known = (r"chunksize: unknown key; did you mean 'chunk_size'\? known keys: namespace, .*; "
+             r"connector options: chunk_size, ")
     with pytest.raises(ConfigError, match=known):
         StoreConfig.load({"chunksize": 16})
     with pytest.raises(ConfigError, match=known):  # a connector's split names the keys of every part too
@@ -366,3 +367,135 @@ def test_model_version_names_the_weights_or_is_refused() -> None:
     for bad in ("", "  ", "a|b", "v1\nv2", 3):
         with pytest.raises(ConfigError, match="model_version"):
             StoreConfig.from_dict({"model_version": bad})
+
+
+# ------------------------------------------------------------------------- bounds, and the nearest key
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+@pytest.mark.parametrize("capacity", [0, "0B", "0.0001B", "0GiB", 255])
+def test_a_capacity_that_holds_no_record_is_refused(kind, capacity, tmp_path):
+    """Capacity 0 used to be accepted: every put refused, nothing logged."""
+    tier = {"kind": kind, "capacity": capacity, **({"path": str(tmp_path / "d")} if kind == "disk" else {})}
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_dict({"tiers": [tier]})
+    msg = str(info.value)
+    assert msg.startswith(f"tiers[0].capacity: invalid value {capacity!r}; allowed: a size of at least 256 bytes"), msg
+    tier["capacity"] = 256
+    assert StoreConfig.from_dict({"tiers": [tier]}).tiers[0].capacity == 256
+
+
+def test_a_capacity_from_the_environment_is_checked_and_named(monkeypatch):
+    monkeypatch.setenv("TIERCACHE_MEMORY_CAPACITY", "0")
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.capacity \(\$TIERCACHE_MEMORY_CAPACITY\): invalid value '0'"):
+        StoreConfig.from_dict({"tiers": [{"kind": "memory"}]})
+    monkeypatch.setenv("TIERCACHE_DISK_CAPACITY", "1XB")
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.capacity \(\$TIERCACHE_DISK_CAPACITY\): invalid value '1XB'"):
+        StoreConfig.from_dict({"tiers": [{"kind": "disk"}]})
+
+
+@pytest.mark.parametrize(("value", "ok"), [("1EiB", True), ("1025PiB", False), (2**61, False), (10**400, False),
+                                           (float("inf"), False), ("1" * 30 + "TiB", False)],
+                         ids=["1EiB", "1025PiB", "2**61", "10**400", "inf", "1e30TiB"])
+def test_sizes_have_an_upper_bound(value, ok):
+    if ok:
+        assert parse_size(value) == 1 << 60
+    else:
+        with pytest.raises(ConfigError, match="at most 1EiB"):
+            parse_size(value, "tiers[0].capacity")
+
+
+R = "redis://cache:6379/0"
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("ttl_s", 0.0001, "at least 0.001"),  # 0 ms after int(ttl_s * 1000): Redis would refuse every write
+    ("ttl_s", 400 * 86400, "at most 3.1536e+07, or null (no expiry)"),
+    ("ttl_s", float("inf"), "positive number of seconds"),
+    ("timeout_s", 1e-6, "at least 0.001"),
+    ("timeout_s", 301, "at most 300"),
+    ("timeout_s", 10**400, "positive number of seconds"),
+    ("retry_after_s", 7200, "at most 3600"),
+    ("retry_after_s", float("nan"), "a number of seconds, 0 or more"),
+    ("part_size", "1GiB", "at most 512MiB"),
+], ids=["ttl-0.1ms", "ttl-400d", "ttl-inf", "timeout-1us", "timeout-301", "timeout-10**400", "retry-2h",
+        "retry-nan", "part-1GiB"])
+def test_redis_durations_and_sizes_are_bounded(field, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": R, field: value}]})
+    msg = str(info.value)
+    assert msg.startswith(f"tiers[0].{field}: invalid value {value!r}; allowed: "), msg
+    assert allowed in msg, msg
+    ok = StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": R, "ttl_s": 0.001, "timeout_s": 300,
+                                           "retry_after_s": 0, "part_size": "512MiB"}]}).tiers[0]
+    assert (ok.ttl_s, ok.timeout_s, ok.retry_after_s, ok.part_size) == (0.001, 300.0, 0.0, 512 << 20)
+
+
+def test_write_queue_size_is_bounded():
+    with pytest.raises(ConfigError, match=r"^write_queue_size: invalid value 10000000; allowed: a positive int, "
+                                          r"at most 1048576"):
+        StoreConfig.from_dict({"write_queue_size": 10**7})
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"namespce": "a"}, "namespce: unknown key; did you mean 'namespace'? known keys: namespace, "),
+    ({"tiers": [{"kind": "memory", "capasity": "1GiB"}]},
+     "tiers[0].capasity: unknown key for a memory tier; did you mean 'capacity'? known keys: kind, capacity, policy"),
+    ({"tiers": [{"kind": "disk", "fsnyc": False}]},
+     "tiers[0].fsnyc: unknown key for a disk tier; did you mean 'fsync'? known keys: kind, path, capacity, fsync"),
+    ({"tiers": [{"kind": "redis", "url": "rediss://h:1", "ttl": 60}]},
+     "tiers[0].ttl: unknown key for a redis tier; did you mean 'ttl_s'? known keys: kind, url, "),
+    ({"tiers": [{"kind": "redis", "url": "rediss://h:1", "ssl_ca_cert": "/ca.pem"}]},
+     "tiers[0].ssl_ca_cert: unknown key for a redis tier; did you mean 'ssl_ca_certs'? known keys: kind, url, "),
+    ({"extra": {"note": 1}}, "extra.note: invalid value 1; allowed: only keys prefixed 'x_' in extra, e.g. 'x_note'"),
+])
+def test_unknown_keys_name_the_nearest_known_key(raw, message):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_dict(raw)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_ssl_options_are_the_ones_redis_py_takes():
+    """An ``ssl_*`` typo was passed to redis-py, which refused it at every connect (the tier stayed down)."""
+    with pytest.raises(ConfigError, match=r"ssl_\* \(redis-py TLS options: .*ssl_ca_certs"):
+        StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": "rediss://h:1", "ssl_verify": True}]})
+    cfg = StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": "rediss://h:1", "ssl_ca_certs": "/ca.pem",
+                                            "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem",
+                                            "ssl_check_hostname": True}]})
+    assert set(cfg.tiers[0].ssl) == {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+
+
+def test_a_disk_capacity_above_the_filesystem_is_a_warning(tmp_path, caplog, monkeypatch):
+    import os
+
+    from vllm_tiercache.shared.store import disk_config
+
+    monkeypatch.setattr(disk_config, "_WARNED", set())
+
+    st = os.statvfs(tmp_path)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    target = tmp_path / "not" / "yet" / "made"  # the tier makes it: the nearest existing parent is measured
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+        cfg = StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(target), "capacity": total + 4096}]})
+    assert cfg.tiers[0].capacity == total + 4096  # a warning, not an error
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(msgs) == 1 and msgs[0].startswith("tiers[0].capacity: ") and "whole filesystem" in msgs[0], msgs
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+        StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": free // 2}]})
+        StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(target), "capacity": total + 4096}]})
+    assert not caplog.records  # within the free space: quiet; the same warning again: once per process
+    if free + 8192 < total:
+        with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+            StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": free + 8192}]})
+        assert ["space free now" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_a_memory_capacity_above_the_machine_is_a_warning(caplog, monkeypatch):
+    from vllm_tiercache.shared.store import memory_config
+
+    monkeypatch.setattr(memory_config, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.memory_config"):
+        cfg = StoreConfig.from_dict({"tiers": [{"kind": "memory", "capacity": "1EiB"}]})
+    assert cfg.tiers[0].capacity == 1 << 60
+    assert any("more than this machine's memory" in r.getMessage() for r in caplog.records), caplog.records

@@ -253,3 +253,76 @@ def test_scan_does_not_flush_the_popular_set(policy: str) -> None:
     lru_hits = pb.replay(LRUEncoderCacheManager(cache_size=capacity_entries * pb.EMBEDS_PER_IMAGE), trace, None,
                          16, seed=7)
     assert right_after > pb._rate(lru_hits, end, end + capacity_entries)
+
+
+# ------------------------------------------------------------------------------------ manager_config checks
+
+
+def _create(cls_name: str, manager_config: dict, extra: dict | None = None) -> EncoderCacheManager:
+    """A manager built as vLLM's scheduler builds it, from `--ec-manager-config`."""
+    from types import SimpleNamespace
+
+    from vllm.config import EncoderCacheManagerConfig
+
+    cfg = EncoderCacheManagerConfig(encoder_cache_manager_cls=f"vllm_tiercache.eccache.managers.{cls_name}",
+                                    manager_config=manager_config)
+    ec = SimpleNamespace(ec_connector_extra_config=extra) if extra is not None else None
+    return cfg.get_encoder_cache_manager_obj().create_manager(
+        cache_size=64, vllm_config=SimpleNamespace(ec_manager_config=cfg, ec_transfer_config=ec))
+
+
+@pytest.mark.parametrize(("cls_name", "manager_config", "message"), [
+    # both used to be ignored without a word
+    ("LRUEncoderCacheManager", {"aging_period": 100},
+     "manager_config.aging_period: unknown option for policy 'lru' (LRUEncoderCacheManager); allowed: policy only"),
+    ("LRUEncoderCacheManager", {"policy": "wtinylfu"},
+     "manager_config.policy: invalid value 'wtinylfu'; allowed: 'lru' or no policy: LRUEncoderCacheManager always "
+     "uses 'lru'; to choose the policy, set encoder_cache_manager_cls to "
+     "vllm_tiercache.eccache.managers.PolicyEncoderCacheManager"),
+    ("LFUEncoderCacheManager", {"policy": "lru"}, "manager_config.policy: invalid value 'lru'; allowed: 'lfu'"),
+    ("PolicyEncoderCacheManager", {"policy": "wtinylfu", "window_fractoin": 0.05},
+     "manager_config.window_fractoin: unknown option for policy 'wtinylfu' (PolicyEncoderCacheManager); did you "
+     "mean 'window_fraction'? allowed: policy, window_fraction, protected_fraction, size_aware, victim_sample"),
+    ("PolicyEncoderCacheManager", {"window_fraction": 0.05},  # the default policy (lfu) has no window
+     "manager_config.window_fraction: unknown option for policy 'lfu' (PolicyEncoderCacheManager, the default "
+     "policy); allowed: policy, aging_period, history_size, size_aware"),
+    ("LFUEncoderCacheManager", {"aging_period": -1}, "manager_config.aging_period: invalid value -1; allowed: an int"),
+    ("LFUEncoderCacheManager", {"history_size": "big"}, "manager_config.history_size: invalid value 'big'"),
+    ("WTinyLFUEncoderCacheManager", {"window_fraction": 1.5},
+     "manager_config.window_fraction: invalid value 1.5; allowed: a number strictly between 0 and 1"),
+    ("WTinyLFUEncoderCacheManager", {"size_aware": "yes"}, "manager_config.size_aware: invalid value 'yes'"),
+    ("WTinyLFUEncoderCacheManager", {"victim_sample": 0}, "manager_config.victim_sample: invalid value 0"),
+])
+def test_a_wrong_manager_config_is_an_error_naming_the_option(cls_name, manager_config, message) -> None:
+    from vllm_tiercache.shared.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _create(cls_name, manager_config)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_options_a_policy_takes_are_accepted() -> None:
+    from vllm_tiercache.shared.eviction import LFUPolicy, LRUPolicy, WTinyLFUPolicy
+
+    assert isinstance(_create("LRUEncoderCacheManager", {"policy": "lru"}).policy, LRUPolicy)
+    lfu = _create("LFUEncoderCacheManager", {"aging_period": 0, "history_size": 10, "size_aware": False})
+    assert isinstance(lfu.policy, LFUPolicy) and lfu.policy.history_size == 10 and not lfu.policy.size_aware
+    w = _create("PolicyEncoderCacheManager", {"policy": "wtinylfu", "window_fraction": 0.5, "protected_fraction": 0.5,
+                                              "victim_sample": 4, "size_aware": True})
+    assert isinstance(w.policy, WTinyLFUPolicy) and w.policy.victim_sample == 4
+    # the EC connector's policy picks which options are allowed
+    assert isinstance(_create("PolicyEncoderCacheManager", {"victim_sample": 2},
+                              {"encoder_cache_policy": "wtinylfu"}).policy, WTinyLFUPolicy)
+
+
+def test_direct_construction_checks_options_too() -> None:
+    """vLLM's own tests build managers as `cls(cache_size=...)`; that still works, and options are checked."""
+    from vllm_tiercache.shared.config import ConfigError
+
+    for cls in (LRUEncoderCacheManager, LFUEncoderCacheManager, WTinyLFUEncoderCacheManager, PolicyEncoderCacheManager):
+        assert cls(cache_size=10).cache_size == 10
+        assert cls(10).cache_size == 10
+    with pytest.raises(ConfigError, match=r"manager_config\.aging_period: unknown option for policy 'lru'"):
+        LRUEncoderCacheManager(cache_size=10, aging_period=3)
+    with pytest.raises(ConfigError, match=r"manager_config\.policy: invalid value 'lfu'; allowed: 'wtinylfu'"):
+        WTinyLFUEncoderCacheManager(cache_size=10, policy="lfu")

@@ -194,6 +194,19 @@ def test_an_unreachable_tier_is_an_error_for_the_commands(tmp_path: Path, capsys
     assert "tier redis (redis): FAILED: " in capsys.readouterr().out
 
 
+def test_stats_exits_1_when_a_tier_is_unreachable_and_prints_the_others(tmp_path: Path, capsys) -> None:
+    """It used to exit 0 with an unreachable Redis: scripts could not tell a partial answer from a whole one."""
+    config = {"tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"},
+                        {"kind": "redis", "url": "redis://127.0.0.1:1", "timeout_s": 0.2}]}
+    _fill({"tiers": config["tiers"][:1]}, _keys("a", "m1", 1))
+    assert cli_main(["stats", "--config", json.dumps(config)]) == 1
+    out = capsys.readouterr().out
+    assert "tier disk (disk): 3 entries" in out and "tier redis (redis): unavailable: " in out
+    assert cli_main(["stats", "--config", json.dumps(config), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["tiers"][0]["entries"] == 3
+    assert cli_main(["stats", "--config", json.dumps({"tiers": config["tiers"][:1]})]) == 0
+
+
 def test_the_commands_never_ask_a_tier_for_its_kind() -> None:
     """The admin commands work through the tier contract only: a new tier kind needs no line in them."""
     import ast

@@ -17,6 +17,10 @@ never asks which kind a tier is):
 minute on reads; redis: OBJECT IDLETIME of the record head). Records without a key text (disk index
 rebuilt from headers, Redis records written before texts were stored) match only filters that do not
 need the text (``--older-than`` alone).
+
+Exit status: 0; 1 when a tier could not be changed (an unreachable Redis: the others still are); 2 when
+the command cannot start (no filter, a bad duration, a wrong config, a tier whose directory is unusable),
+with one line on stderr (`vllm_tiercache.tools.cli.main`).
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.keys import parse_key_text
 from vllm_tiercache.shared.store.api import StoredRecord, TierAdminUnsupported
 from vllm_tiercache.shared.weights_identity import model_names
+from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import load_store_arg
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -70,11 +74,14 @@ def make_predicate(namespace: str | None, model: str | None,
 
 def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, model: str | None = None,
           older_than_s: float | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """Remove matching records from every shared tier; returns per-tier counts and bytes."""
+    """Remove matching records from every shared tier; returns per-tier counts and bytes.
+
+    No filter at all is a `UsageError` (a `ValueError`): this command never empties a whole store.
+    """
     from vllm_tiercache.shared.store import build_store
 
     if namespace is None and model is None and older_than_s is None:
-        raise ValueError("give at least one of --namespace, --model, --older-than "
+        raise UsageError("give at least one of --namespace, --model, --older-than "
                          "(to drop a whole store, delete its directory or Redis database)")
     predicate = make_predicate(namespace, model, older_than_s)
     config = StoreConfig.load(store_config)
@@ -102,8 +109,8 @@ def _evict_tier(tier: Any, predicate: Callable[[StoredRecord], bool], dry_run: b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Remove records by namespace, model or age from the disk/gds and Redis tiers."
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
-    parser.add_argument("--namespace", default=None, help="only records of this namespace")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--namespace", default=None, type=_non_empty, help="only records of this namespace")
+    parser.add_argument("--model", default=None, type=_non_empty,
                         help="only records of this model (a path, its directory name or a hub id)")
     parser.add_argument("--older-than", type=parse_duration, default=None, metavar="D",
                         help="only records not used for D (e.g. 30m, 12h, 7d)")
@@ -111,13 +118,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a non-empty name")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = evict(load_store_arg(args.config), namespace=args.namespace, model=args.model,
-                       older_than_s=args.older_than, dry_run=args.dry_run)
-    except (ConfigError, ValueError) as exc:
-        print(f"tiercache evict: error: {exc}", file=sys.stderr)
-        return 2
+    """Remove (or count) the matching records; 1 when a tier failed. A usage or config error raises
+    (`UsageError`, `ConfigError`, `DiskTierError`): `cli.main` prints it in one line and exits 2."""
+    result = evict(load_store_arg(args.config), namespace=args.namespace, model=args.model,
+                   older_than_s=args.older_than, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

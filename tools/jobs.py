@@ -23,6 +23,7 @@ from vllm_tiercache.shared.config import ConfigError, StoreConfig, load_file
 from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
+from vllm_tiercache.tools.cli import int_at_least
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,10 @@ DEFAULT_BATCH = 16
 
 
 class JobError(RuntimeError):
-    """A precompute job cannot start: the message says what is wrong and how to fix it."""
+    """A precompute job cannot start: the message says what is wrong and how to fix it.
+
+    `vllm_tiercache.tools.cli.main` prints one raised out of any command as one line and exits 2.
+    """
 
 
 @dataclass
@@ -209,13 +213,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model name or path (as given to the serving engine)")
     parser.add_argument("--config", required=True, metavar="STORE",
                         help="store config: a YAML/JSON file or inline JSON (same as the connector's extra config)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="engine max_model_len")
-    parser.add_argument("--block-size", type=int, default=None, help="engine block_size (must match serving)")
+    parser.add_argument("--max-model-len", type=int_at_least(1), default=None, help="engine max_model_len")
+    parser.add_argument("--block-size", type=int_at_least(1), default=None,
+                        help="engine block_size (must match serving)")
     parser.add_argument("--dtype", default=None, help="engine dtype (must match serving)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine enforce_eager")
     parser.add_argument("--engine-args", default=None, metavar="JSON",
                         help='more vLLM engine arguments as a JSON object, e.g. \'{"gpu_memory_utilization": 0.5}\'')
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="requests per engine call (default 16)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=DEFAULT_BATCH,
+                        help="requests per engine call, 1 or more (default 16)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 

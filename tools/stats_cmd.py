@@ -14,6 +14,10 @@ each tier gets them, and why:
 - hit counters are per process too: connectors write theirs, with their store's per-tier counters, to
   ``$TIERCACHE_STATS_DIR/<name>-<pid>.json`` (``kv-worker-*``, ``ec-*``...). ``--stats-dir`` (default:
   ``$TIERCACHE_STATS_DIR``) prints those files.
+
+Exit status: 0; 1 when a tier could not be read (an unreachable Redis: the other tiers are still
+printed); 2 when the command cannot start (a wrong config, a tier whose directory is unusable, a
+``--stats-dir`` that is not a directory), with one line on stderr (`vllm_tiercache.tools.cli.main`).
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.keys import parse_key_text
 from vllm_tiercache.shared.store.api import TierAdminUnsupported
+from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import load_store_arg
 
 #: Tier counters shown per stats file (all are in the JSON output).
@@ -141,16 +145,22 @@ def format_text(result: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Entries, bytes and hit counters per tier and per namespace of a tiercache store."
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
-    parser.add_argument("--stats-dir", default=os.environ.get("TIERCACHE_STATS_DIR"),
+    parser.add_argument("--stats-dir", default=None,
                         help="directory of the engines' stats files (default: $TIERCACHE_STATS_DIR)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = collect(load_store_arg(args.config), args.stats_dir)
-    except ConfigError as exc:
-        print(f"tiercache: error: {exc}", file=sys.stderr)
-        return 2
+    """Print what the store holds; 1 when a tier could not be read (the others are printed all the same).
+
+    A wrong config or an unusable tier directory raises (`ConfigError`, `DiskTierError`): `cli.main`
+    prints it in one line and exits 2.
+    """
+    stats_dir = args.stats_dir
+    if stats_dir is not None and not os.path.isdir(stats_dir):
+        raise UsageError(f"--stats-dir: {stats_dir!r} is not a directory; allowed: the directory the engines "
+                         "write their stats files to (their TIERCACHE_STATS_DIR)")
+    # $TIERCACHE_STATS_DIR may name a directory no engine has created yet: no files, no error
+    result = collect(load_store_arg(args.config), stats_dir or os.environ.get("TIERCACHE_STATS_DIR") or None)
     print(json.dumps(result, indent=2, default=str) if args.json else format_text(result))
-    return 0
+    return 1 if any(tier.get("error") for tier in result["tiers"]) else 0

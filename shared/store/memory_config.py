@@ -6,13 +6,26 @@ side, the CLI) must not; the registry imports the tier module only when a tier i
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from vllm_tiercache.shared.store.tier_config import check_keys, check_policy, env_size, parse_size
+from vllm_tiercache.shared.store.tier_config import (
+    MIN_CAPACITY,
+    check_keys,
+    check_policy,
+    env_size,
+    format_bytes,
+    parse_capacity,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_CAPACITY = 2 << 30
+#: (capacity, machine memory) already warned about in this process: one line per process, not per parse
+_WARNED: set[tuple[int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -31,9 +44,29 @@ class MemoryTierConfig:
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str) -> MemoryTierConfig:
-        """Validate ``raw`` (``capacity`` defaults to $TIERCACHE_MEMORY_CAPACITY, else 2GiB)."""
+        """Validate ``raw`` (``capacity`` defaults to $TIERCACHE_MEMORY_CAPACITY, else 2GiB; at least
+        `MIN_CAPACITY` bytes; more than this machine's memory is a warning)."""
         check_keys(raw, path, cls.kind, cls.FIELDS)
         policy = check_policy(raw, path, cls.POLICIES)
-        cap = parse_size(raw.get("capacity", env_size("TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)),
-                         f"{path}.capacity")
+        field = f"{path}.capacity"
+        if "capacity" not in raw and os.environ.get("TIERCACHE_MEMORY_CAPACITY"):
+            field += " ($TIERCACHE_MEMORY_CAPACITY)"
+        cap = parse_capacity(raw.get("capacity", env_size("TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)),
+                             field, MIN_CAPACITY)
+        warn_if_above_machine_memory(cap, field)
         return cls(capacity=cap, policy=policy)
+
+
+def warn_if_above_machine_memory(capacity: int, field: str) -> None:
+    """One WARNING when ``capacity`` is more than this machine's physical memory (not an error: the config
+    may be read on another machine than the one that serves with it)."""
+    try:
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not a POSIX system that reports it
+        return
+    if machine <= 0 or capacity <= machine or (capacity, machine) in _WARNED:
+        return
+    _WARNED.add((capacity, machine))
+    log.warning("%s: %s is more than this machine's memory (%s); the process would swap or be killed "
+                "before the memory tier evicts anything. Give the tier a part of the memory the engine "
+                "leaves free", field, format_bytes(capacity), format_bytes(machine))

@@ -25,12 +25,16 @@ from typing import Any
 import torch
 
 from vllm_tiercache.tools.bench import policy as policy_bench
+from vllm_tiercache.tools.bench.tiers import redis_url as redis_url_arg
+from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy_bench.add_arguments(parser)  # --quick, --requests, --images, --exponents, --capacities, ...
-    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per latency point")
-    parser.add_argument("--redis-url", default=None, help="use this Redis; default: start a local one")
+    parser.add_argument("--repeats", type=int_at_least(1, 100_000), default=20,
+                        help="timed repeats per latency point, 1 or more")
+    parser.add_argument("--redis-url", type=redis_url_arg, default=None,
+                        help="use this Redis; default: start a local one")
     parser.add_argument("--skip-policies", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--work-dir", default=None, help="where models and tier files go (default: tmp)")
@@ -165,15 +169,27 @@ def _print_table(rows: list[dict[str, Any]], fmt: dict[str, str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
+def _work_dir(args: argparse.Namespace) -> Path:
+    """--work-dir (created if missing) or a fresh temp dir; a `UsageError` when it cannot be written."""
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tiercache-ec-bench-"))
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=work):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--work-dir: cannot use {str(work)!r} ({exc.strerror or exc}); allowed: a "
+                         "writable directory (created if missing)") from None
+    return work
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    work = None if args.skip_latency else _work_dir(args)  # checked before the long policy part
     if not args.skip_policies:
         policy_bench.run(args)  # --quick shrinks the traces
     if args.quick:
         args.repeats = 10
-    if not args.skip_latency:
+    if work is not None:
         print("\n== per-image latency, load vs recompute (ratio to recompute; <1 is faster) ==")
-        work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tiercache-ec-bench-"))
-        work.mkdir(parents=True, exist_ok=True)
         _print_table(latency_table(args, work), {"recompute_ms": "{:.2f}"})
     return 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_tiercache.shared.eviction import DEFAULT_POLICY, EvictionPolicy
+from vllm_tiercache.tools.cli import float_in, int_at_least
 
 EMBEDS_PER_IMAGE = 32  # BLIP-2's query tokens
 VARIABLE_SIZES = (16, 64, 144, 256, 576)  # image token counts of common vision towers (576 = LLaVA 336 px)
@@ -34,13 +35,19 @@ DEFAULT_LABEL = {"wtinylfu": "W-TinyLFU", "lru": "LRU", "lfu": "LFU"}[DEFAULT_PO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace options, bounded at parse time (a bad value is one line on stderr, exit status 2): the
+    shifting trace has 4 phases and the scan check a window of the trace, so traces need some length."""
     parser.add_argument("--quick", action="store_true", help="8,000 requests over 1,000 images")
-    parser.add_argument("--requests", type=int, default=20000)
-    parser.add_argument("--images", type=int, default=2000)
-    parser.add_argument("--exponents", type=float, nargs="+", default=[0.8, 1.0, 1.2])
-    parser.add_argument("--capacities", type=float, nargs="+", default=[0.02, 0.05, 0.10],
-                        help="cache capacity as a fraction of the corpus")
-    parser.add_argument("--max-overlap", type=int, default=16, help="longest request lifetime in steps")
+    parser.add_argument("--requests", type=int_at_least(100, 10_000_000), default=20000,
+                        help="requests per trace, 100 or more (default %(default)s)")
+    parser.add_argument("--images", type=int_at_least(10, 10_000_000), default=2000,
+                        help="images in the corpus, 10 or more (default %(default)s)")
+    parser.add_argument("--exponents", type=float_in(0.0, 5.0), nargs="+", default=[0.8, 1.0, 1.2],
+                        help="Zipf exponents, 0 (uniform) to 5")
+    parser.add_argument("--capacities", type=float_in(0.0, 1.0, low_open=True), nargs="+",
+                        default=[0.02, 0.05, 0.10], help="cache capacity as a fraction of the corpus, in (0, 1]")
+    parser.add_argument("--max-overlap", type=int_at_least(1, 10_000), default=16,
+                        help="longest request lifetime in steps, 1 or more")
 
 
 # ------------------------------------------------------------------------------------------ traces

@@ -8,6 +8,9 @@ Each tier is driven through a `TieredStore` holding only that tier, so the numbe
 connector gets. Memory puts include the store's ownership copy; disk and Redis puts pass
 ``owned=True`` so they measure the tier itself (the copy is the memory row). Reported numbers are
 medians over ``--repeat`` runs, ours and the reference interleaved so drift hits both alike.
+
+Arguments are checked before anything runs (argparse ``type=``: sizes, tier names, repeat count, Redis
+URL; then the directory and the Redis server): a bad one is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,22 +28,103 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.shared.config import StoreConfig, parse_size
+from vllm_tiercache.shared.config import ConfigError, StoreConfig, parse_size
 from vllm_tiercache.shared.store import StoreKey, TieredStore
+from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 GIB = float(1 << 30)
 TARGETS = {"memory": 0.7, "disk": 0.7, "redis": 0.8}
+#: the tiers this benchmark drives, in the order of the table
+TIERS = tuple(TARGETS)
+#: bounds of one record size: smaller times the call overhead only, larger than 1 GiB x --repeat records
+#: would not fit in memory
+MIN_SIZE, MAX_SIZE = 1 << 10, 1 << 30
+#: URL schemes of --redis-url (the reference is a plain redis-py client: no cluster)
+REDIS_URL_SCHEMES = ("redis://", "rediss://")
+
+
+def size_list(text: str) -> list[int]:
+    """argparse ``type=`` of --sizes: comma-separated sizes, each from 1KiB to 1GiB, at least one."""
+    allowed = 'comma-separated sizes from 1KiB to 1GiB, e.g. "1MiB,16MiB"'
+    sizes = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            size = parse_size(item, "--sizes")
+        except ConfigError:
+            raise argparse.ArgumentTypeError(f"invalid size {item!r}; allowed: {allowed}") from None
+        if not MIN_SIZE <= size <= MAX_SIZE:
+            raise argparse.ArgumentTypeError(f"invalid size {item!r}; allowed: {allowed}")
+        sizes.append(size)
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: {allowed}")
+    return sizes
+
+
+def tier_list(text: str) -> list[str]:
+    """argparse ``type=`` of --tiers: comma-separated names of `TIERS`, at least one (duplicates dropped)."""
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [name for name in names if name not in TIERS]
+    if bad or not names:
+        shown = repr(bad[0]) if bad else repr(text)
+        raise argparse.ArgumentTypeError(f"invalid tier {shown}; allowed: a comma-separated list of "
+                                         f"{', '.join(TIERS)}")
+    return names
+
+
+def redis_url(text: str) -> str:
+    """argparse ``type=`` of --redis-url: a redis:// or rediss:// URL redis-py can parse."""
+    from vllm_tiercache.shared.store.redis_config import check_redis_url
+
+    if not text.startswith(REDIS_URL_SCHEMES):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a URL starting with "
+                                         f"{' or '.join(REDIS_URL_SCHEMES)}")
+    try:
+        check_redis_url(text, "--redis-url")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--redis-url: ")) from None
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="directory for the disk tier and the reference files "
                         "(default: a temp dir, removed afterwards)")
-    parser.add_argument("--redis-url", help="Redis to use (default: start a private redis-server)")
-    parser.add_argument("--sizes", default="1MiB,16MiB",
-                        help="comma-separated record sizes (default %(default)s)")
-    parser.add_argument("--repeat", type=int, default=30, help="runs per measurement (default %(default)s)")
-    parser.add_argument("--tiers", default="memory,disk,redis", help="which tiers (default %(default)s)")
+    parser.add_argument("--redis-url", type=redis_url,
+                        help="Redis to use (default: start a private redis-server)")
+    parser.add_argument("--sizes", type=size_list, default="1MiB,16MiB",
+                        help="comma-separated record sizes, 1KiB to 1GiB each (default %(default)s)")
+    parser.add_argument("--repeat", type=int_at_least(1, 100_000), default=30,
+                        help="runs per measurement, 1 or more (default %(default)s)")
+    parser.add_argument("--tiers", type=tier_list, default=",".join(TIERS),
+                        help=f"comma-separated tiers out of {', '.join(TIERS)} (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _usable_dir(directory: str) -> str:
+    """``--dir``, created if missing; a `UsageError` naming it when it cannot be created or written."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--dir: cannot use {directory!r} ({exc.strerror or exc}); allowed: a writable "
+                         "directory (created if missing)") from None
+    return directory
+
+
+def _check_redis(url: str) -> None:
+    """A `UsageError` when --redis-url does not answer PING (checked before any measurement)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise UsageError(f"--redis-url: cannot reach {url} ({exc}); allowed: a reachable Redis server, or "
+                         "no --redis-url to start a private redis-server") from None
+    finally:
+        client.close()
 
 
 def _median_time(fn: Callable[[], Any]) -> float:
@@ -152,8 +236,14 @@ def _redis(url: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    sizes = [parse_size(s.strip(), "--sizes") for s in args.sizes.split(",") if s.strip()]
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    sizes = args.sizes if isinstance(args.sizes, list) else size_list(args.sizes)
+    tiers = args.tiers if isinstance(args.tiers, list) else tier_list(args.tiers)
+    if args.repeat < 1:
+        raise UsageError(f"--repeat: invalid value {args.repeat}; allowed: an integer of at least 1")
+    if args.dir and "disk" in tiers:
+        _usable_dir(args.dir)
+    if args.redis_url and "redis" in tiers:
+        _check_redis(args.redis_url)
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         directory = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="tiercache-bench-"))
