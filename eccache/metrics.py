@@ -13,7 +13,6 @@ the `vllm:tiercache_store_*` series that the KV connector's metrics share
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -21,8 +20,6 @@ from typing import Any
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
 
 from vllm_tiercache.shared.store.counters import store_series
-
-log = logging.getLogger(__name__)
 
 #: Counter -> help text. Names match `vllm_tiercache.eccache.connector.COUNTER_NAMES` (the keys of the stats data).
 EC_METRICS: dict[str, str] = {
@@ -65,13 +62,7 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
             for idx, labels in per_engine_labelvalues.items()
         }
         self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
-        try:
-            tiers, config_key, workers = _configured_tiers(vllm_config)
-        except Exception as exc:  # metrics must never stop a server; the series then appear when they move
-            log.warning("TieredECConnector: cannot read the store config for /metrics: %s", exc)
-            tiers, config_key, workers = [], "", 1
-        if tiers:
-            self.store.add_tiers(tiers, config_key=config_key, workers=workers)
+        self.store.add_configured_tiers(lambda: _configured_tiers(vllm_config), "TieredECConnector")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         bound = self._bound.get(engine_idx)
@@ -93,12 +84,9 @@ def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, boo
     if ec is None:
         return [], "", 1
     from vllm_tiercache.eccache.options import ECConnectorOptions
-    from vllm_tiercache.shared.store.tiered import tier_specs
+    from vllm_tiercache.shared.store.tiered import series_spec
 
-    _, config = ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))
-    parallel = getattr(vllm_config, "parallel_config", None)
-    workers = int(getattr(parallel, "world_size", 1) or 1)
-    return tier_specs(config), config.cache_key(), workers
+    return series_spec(ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))[1], vllm_config)
 
 
 class PendingCounts:

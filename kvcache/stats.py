@@ -17,7 +17,6 @@ What a step's data holds:
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from vllm_tiercache.shared.store.counters import add_nested, store_series
-
-log = logging.getLogger(__name__)
 
 _COUNTERS = (
     "loaded_blocks",
@@ -104,12 +101,9 @@ def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, boo
     if transfer is None:
         return [], "", 1
     from vllm_tiercache.kvcache.options import KVConnectorOptions
-    from vllm_tiercache.shared.store.tiered import tier_specs
+    from vllm_tiercache.shared.store.tiered import series_spec
 
-    _, config = KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))
-    parallel = getattr(vllm_config, "parallel_config", None)
-    workers = int(getattr(parallel, "world_size", 1) or 1)
-    return tier_specs(config), config.cache_key(), workers
+    return series_spec(KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))[1], vllm_config)
 
 
 class TieredKVPromMetrics(KVConnectorPromMetrics):
@@ -170,13 +164,7 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
                 histogram.labels(*labels)
             self._save_queue.labels(*labels).set(0)
         self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
-        try:
-            tiers, config_key, workers = _configured_tiers(vllm_config)
-        except Exception as exc:  # metrics must never stop a server; the series then appear when they move
-            log.warning("TieredKVConnector: cannot read the store config for /metrics: %s", exc)
-            tiers, config_key, workers = [], "", 1
-        if tiers:
-            self.store.add_tiers(tiers, config_key=config_key, workers=workers)
+        self.store.add_configured_tiers(lambda: _configured_tiers(vllm_config), "TieredKVConnector")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues.get(engine_idx)

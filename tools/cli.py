@@ -20,7 +20,9 @@ import io
 import math
 import re
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 #: The distribution whose version `tiercache --version` prints (pyproject.toml's ``[project] name``).
@@ -44,6 +46,19 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 class UsageError(ValueError):
     """A command cannot run as asked (a missing filter, an unusable directory): `main` prints the message as
     one line, ``tiercache: error: <message>``, and exits with status 2."""
+
+
+def writable_directory(directory: str | Path, option: str) -> Path:
+    """``directory`` created if missing and checked writable; a `UsageError` naming ``option`` otherwise."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot use {str(path)!r} ({exc.strerror or exc}); allowed: a writable "
+                         "directory (created if missing)") from None
+    return path
 
 
 class Parser(argparse.ArgumentParser):

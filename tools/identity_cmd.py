@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from vllm_tiercache.tools.jobs import JobError, engine_config, fail, load_store_arg
+from vllm_tiercache.tools.jobs import JobError, engine_args_json, engine_config, fail, load_store_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,14 +61,7 @@ def identity(model: str, store: dict[str, Any] | None, engine_kwargs: dict[str, 
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.engine_args:
-        try:
-            kwargs = json.loads(args.engine_args)
-        except json.JSONDecodeError as exc:
-            raise JobError(f"--engine-args: invalid JSON ({exc}); pass an object like '{{\"seed\": 0}}'") from exc
-        if not isinstance(kwargs, dict):
-            raise JobError("--engine-args: pass a JSON object of engine arguments")
+    kwargs = engine_args_json(args.engine_args)
     for name in ("block_size", "dtype"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

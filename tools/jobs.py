@@ -226,16 +226,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
+def engine_args_json(text: str | None) -> dict[str, Any]:
+    """The ``--engine-args`` JSON object (empty when not given); a `JobError` saying how to write it."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobError(f"--engine-args: invalid JSON ({exc}); pass an object like '{{\"seed\": 0}}'") from exc
+    if not isinstance(extra, dict):
+        raise JobError("--engine-args: pass a JSON object of engine arguments")
+    return extra
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.engine_args:
-        try:
-            extra = json.loads(args.engine_args)
-        except json.JSONDecodeError as exc:
-            raise JobError(f"--engine-args: invalid JSON ({exc}); pass an object like '{{\"seed\": 0}}'") from exc
-        if not isinstance(extra, dict):
-            raise JobError("--engine-args: pass a JSON object of engine arguments")
-        kwargs.update(extra)
+    kwargs = engine_args_json(args.engine_args)
     for name in ("max_model_len", "block_size", "dtype"):
         value = getattr(args, name)
         if value is not None:

@@ -13,11 +13,14 @@ vLLM builds the connector's metrics, so a scrape shows zeros, not nothing, befor
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_tiercache.shared.counters import Counters
+
+log = logging.getLogger(__name__)
 
 #: Every tier reports these keys (tiers that cannot have an event report 0).
 COUNTER_NAMES = (
@@ -142,6 +145,20 @@ class StoreSeries:
         for labels in self._engines.values():
             self.write_queue_hits.labels(*labels)
             self.write_queue.labels(*labels).set(0)
+
+    def add_configured_tiers(self, read_spec: Callable[[], tuple[list[TierSpec], str, int]], connector: str) -> None:
+        """`add_tiers` for a connector's configured store (``read_spec`` returns `series_spec`'s answer).
+
+        Metrics must never stop a server: a config that cannot be read here is one warning, and that
+        store's series then appear when they first move.
+        """
+        try:
+            tiers, config_key, workers = read_spec()
+        except Exception as exc:
+            log.warning("%s: cannot read the store config for /metrics: %s", connector, exc)
+            return
+        if tiers:
+            self.add_tiers(tiers, config_key=config_key, workers=workers)
 
     def add_tiers(self, tiers: Iterable[TierSpec], *, config_key: str, workers: int) -> None:
         """Create every series of ``tiers`` for every engine (zeros; capacity from the config).

@@ -57,6 +57,14 @@ def tier_names(tier_configs: Sequence[Any]) -> list[str]:
     return names
 
 
+def series_spec(config: StoreConfig, vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
+    """(tier specs, store key, workers per engine): what a connector's metrics need to create every
+    store series at start (`tier_specs`), to tell stores apart, and to sum per-worker gauges."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    workers = int(getattr(parallel, "world_size", 1) or 1)
+    return tier_specs(config), config.cache_key(), workers
+
+
 def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
     """(name, capacity or None, shared across processes) of each configured tier, without opening any."""
     out = []

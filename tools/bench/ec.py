@@ -26,7 +26,7 @@ import torch
 
 from vllm_tiercache.tools.bench import policy as policy_bench
 from vllm_tiercache.tools.bench.tiers import redis_url as redis_url_arg
-from vllm_tiercache.tools.cli import UsageError, int_at_least
+from vllm_tiercache.tools.cli import int_at_least, writable_directory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,14 +172,7 @@ def _print_table(rows: list[dict[str, Any]], fmt: dict[str, str]) -> None:
 def _work_dir(args: argparse.Namespace) -> Path:
     """--work-dir (created if missing) or a fresh temp dir; a `UsageError` when it cannot be written."""
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tiercache-ec-bench-"))
-    try:
-        work.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=work):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--work-dir: cannot use {str(work)!r} ({exc.strerror or exc}); allowed: a "
-                         "writable directory (created if missing)") from None
-    return work
+    return writable_directory(work, "--work-dir")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig, parse_size
 from vllm_tiercache.shared.store import StoreKey, TieredStore
-from vllm_tiercache.tools.cli import UsageError, int_at_least
+from vllm_tiercache.tools.cli import UsageError, int_at_least, writable_directory
 
 GIB = float(1 << 30)
 TARGETS = {"memory": 0.7, "disk": 0.7, "redis": 0.8}
@@ -103,13 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _usable_dir(directory: str) -> str:
     """``--dir``, created if missing; a `UsageError` naming it when it cannot be created or written."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--dir: cannot use {directory!r} ({exc.strerror or exc}); allowed: a writable "
-                         "directory (created if missing)") from None
+    writable_directory(directory, "--dir")
     return directory
 
 
