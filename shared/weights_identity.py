@@ -211,8 +211,10 @@ class _DigestCache:
         if not self._dirty or self._path is None:
             return
         tmp = self._path.with_suffix(f".tmp{os.getpid()}")
+        # Forget files that are gone (old checkpoints, test directories), or the cache only ever grows.
+        kept = {path: entry for path, entry in self._entries.items() if os.path.exists(path)}
         try:
-            tmp.write_text(json.dumps({"format": 1, "files": self._entries}))
+            tmp.write_text(json.dumps({"format": 1, "files": kept}))
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("tiercache: could not remember weight digests in %s (%s); they are recomputed at "

@@ -103,3 +103,13 @@ def test_evict_names_cover_every_spelling_and_old_keys(tmp_path: Path) -> None:
         assert "x" in model_names(spelling) and spelling in model_names(spelling)
     assert "gone" in model_names(str(tmp_path / "gone"))  # a path whose weights were removed
     assert model_names("org/name") == {"org/name"}
+
+
+def test_the_digest_cache_forgets_files_that_are_gone(tmp_path: Path) -> None:
+    old = _model(tmp_path / "old", seed=1)
+    digest_directory(old, cache_dir=tmp_path / "cache")
+    for f in old.iterdir():
+        f.unlink()
+    digest_directory(_model(tmp_path / "new", seed=2), cache_dir=tmp_path / "cache")
+    remembered = json.loads((tmp_path / "cache" / DIGEST_CACHE_NAME).read_text())["files"]
+    assert remembered and all(str(tmp_path / "new") in path for path in remembered)
