@@ -23,6 +23,9 @@ The store's top-level keys and defaults:
 
 - ``namespace`` (str, "default"): first field of every key; separates models/deployments sharing tiers.
 - ``write_queue_size`` (int, 256; 1 to 1048576): bound of the background queue for slower-tier writes.
+- ``lookup_budget_ms`` (number, 100; 1 to 60000): the longest a scheduler's lookup (``contains_many`` with
+  ``shared_only``) waits on a network tier (Redis); what that tier has not answered by then is a miss, so
+  a server that stops answering never stalls the engine (see `vllm_tiercache.shared.store.tiered`).
 - ``model_version`` (str or null, null): names the served weights in every key instead of a digest of the
   model's files (see ``vllm_tiercache.shared.weights_identity``); the operator vouches that new weights get
   a new value. Without it the files are digested once per file and the digests remembered.
@@ -39,9 +42,10 @@ The store's top-level keys and defaults:
   - redis: ``url`` (redis://, rediss://, redis+cluster://, rediss+cluster://; required),
     ``password`` (str, null; or in the URL), ``ttl_s`` (seconds, 0.001 to 365 days; null = no expiry),
     ``part_size`` (size, 8MiB, 1KiB to 512MiB: larger values are split), ``timeout_s`` (seconds, 2.0,
-    0.001 to 300), ``retry_after_s`` (seconds, 5.0, 0 to 3600: how long a down server is left alone),
-    ``key_prefix`` (str, "tiercache:"), and the ``ssl_*`` options of the installed redis-py
-    (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ...), passed through for TLS.
+    0.001 to 300), ``retry_after_s`` (seconds, 5.0, 0 to 3600: how often a background thread probes a
+    down server; requests never do), ``key_prefix`` (str, "tiercache:"), and the ``ssl_*`` options of the
+    installed redis-py (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ...), passed
+    through for TLS.
 - ``x_*``: anything prefixed ``x_`` (and not a connector's own key) is kept in ``StoreConfig.extra`` for
   experiments; every other unknown key is an error (typos must not be silently ignored) that names the
   nearest known key (``chunksize: unknown key; did you mean 'chunk_size'? known keys: ...``).
@@ -95,6 +99,11 @@ __all__ = [
 #: the most writes the background queue may hold (each holds a record, often MiBs, until it is written)
 MAX_WRITE_QUEUE_SIZE = 1 << 20
 
+#: default and bounds of ``lookup_budget_ms``: below 1 ms a healthy server's answer rarely arrives in time;
+#: above a minute it no longer protects the engine from a server that stopped answering
+DEFAULT_LOOKUP_BUDGET_MS = 100.0
+MIN_LOOKUP_BUDGET_MS, MAX_LOOKUP_BUDGET_MS = 1.0, 60000.0
+
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
 
@@ -121,7 +130,8 @@ def default_tiers() -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- store
 
 #: The store's own top-level keys (``config_file`` is read by `read_sources`, before the store sees the dict).
-STORE_KEYS = ("namespace", "write_queue_size", "model_version", "trust_multi_modal_uuids", "tiers", "config_file")
+STORE_KEYS = ("namespace", "write_queue_size", "lookup_budget_ms", "model_version", "trust_multi_modal_uuids", "tiers",
+              "config_file")
 
 #: Top-level keys of the user-facing dict that a connector owns, by connector. Only the names live here:
 #: every reader of the one dict (either connector, the tools) skips another owner's keys instead of calling
@@ -184,6 +194,7 @@ class StoreConfig:
 
     namespace: str = "default"
     write_queue_size: int = 256
+    lookup_budget_ms: float = DEFAULT_LOOKUP_BUDGET_MS
     model_version: str | None = None
     trust_multi_modal_uuids: bool = False
     tiers: tuple[TierConfig, ...] = ()
@@ -222,6 +233,11 @@ class StoreConfig:
             raise _err("namespace", namespace, "a non-empty string without '|'")
         wqs = _int(raw.get("write_queue_size", 256), "write_queue_size",
                    f"a positive int, at most {MAX_WRITE_QUEUE_SIZE}", lambda v: 0 < v <= MAX_WRITE_QUEUE_SIZE)
+        budget = raw.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS)
+        if not (isinstance(budget, int | float) and not isinstance(budget, bool)
+                and MIN_LOOKUP_BUDGET_MS <= budget <= MAX_LOOKUP_BUDGET_MS):  # NaN fails both comparisons
+            raise _err("lookup_budget_ms", budget, f"a number of milliseconds, at least {MIN_LOOKUP_BUDGET_MS:g}, "
+                       f"at most {MAX_LOOKUP_BUDGET_MS:g}")
         model_version = raw.get("model_version")
         if model_version is not None and (not isinstance(model_version, str) or not model_version.strip()
                                           or any(c in model_version for c in "|\n\r\t")):
@@ -242,6 +258,7 @@ class StoreConfig:
         return cls(
             namespace=namespace,
             write_queue_size=wqs,
+            lookup_budget_ms=float(budget),
             model_version=model_version,
             trust_multi_modal_uuids=_bool(raw.get("trust_multi_modal_uuids", False), "trust_multi_modal_uuids"),
             tiers=tiers,
@@ -265,7 +282,8 @@ class StoreConfig:
         The namespace, the uuid trust and ``extra`` only shape the keys a reader builds, not the store.
         """
         d = self.to_dict()
-        store_part = {"tiers": d["tiers"], "write_queue_size": d["write_queue_size"]}
+        store_part = {"tiers": d["tiers"], "write_queue_size": d["write_queue_size"],
+                      "lookup_budget_ms": d["lookup_budget_ms"]}
         return json.dumps(store_part, sort_keys=True, default=str)
 
 

@@ -139,3 +139,43 @@ def test_one_failed_command_is_one_miss(redis_url, redis_server, caplog):
     assert not tier.down and tier.counters.get("corrupt") == 0
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     tier.close()
+
+
+def test_down_tier_is_probed_off_the_callers_thread(redis_url, redis_server, caplog):
+    """While down every call returns at once and never probes; the prober alone brings the tier back."""
+    import threading
+
+    tier = _tier(redis_url, retry_after_s=0.1, timeout_s=0.5)
+    tier.put_many([(_k("p"), _t(10), None)])
+    probe_threads = []
+    real_probe = tier._probe
+
+    def probe():
+        probe_threads.append(threading.get_ident())
+        return real_probe()
+
+    tier._probe = probe
+    redis_server.kill()
+    with caplog.at_level(logging.INFO, logger="vllm_tiercache.shared.store.redis_tier"):
+        assert tier.contains_many([_k("p")]) == [False]
+        assert tier.down
+        start = time.monotonic()
+        for _ in range(200):
+            assert tier.contains_many([_k("p")]) == [False]
+            assert tier.get_many([_k("p")]) == [None]
+        assert time.monotonic() - start < 1.0
+        time.sleep(0.35)
+        assert tier.down and len(probe_threads) >= 1
+        redis_server.restart()
+        deadline = time.monotonic() + 5
+        while tier.down:  # no call on this thread: only the prober can bring it back
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert threading.get_ident() not in probe_threads
+    assert tier.contains_many([_k("p")]) == [False]  # the restarted server is empty
+    tier.put_many([(_k("q"), _t(10), None)])
+    assert tier.contains_many([_k("q")]) == [True]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "unreachable" in m]) == 1
+    assert len([m for m in messages if "reachable again" in m]) == 1
+    tier.close()

@@ -190,7 +190,7 @@ def wait_for_records(store: TieredStore, keys: Sequence[StoreKey], *, idle_timeo
     missing = list(keys)
     last_progress = time.monotonic()
     while missing:
-        present = store.contains_many(missing, shared_only=True)
+        present = store.contains_many(missing, shared_only=True, bounded=False)
         seen.update(k for k, hit in zip(missing, present, strict=True) if hit)
         still = [k for k, hit in zip(missing, present, strict=True) if not hit]
         if len(still) < len(missing):

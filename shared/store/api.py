@@ -101,10 +101,13 @@ class Store(Protocol):
     """What both connectors and the jobs use. `TieredStore` implements it.
 
     ``shared_only`` lookups consult only tiers other processes also see (a scheduler asking about what a
-    worker process could load); ``owned`` puts hand over tensors the caller will never mutate (no copy).
+    worker process could load); ``bounded`` ones (by default the ``shared_only`` ones) wait at most the
+    store's ``lookup_budget_ms`` for a remote tier, whose late answer is a miss; ``owned`` puts hand over
+    tensors the caller will never mutate (no copy).
     """
 
-    def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False) -> list[bool]: ...
+    def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
+                      bounded: bool | None = None) -> list[bool]: ...
     def get(self, key: StoreKey) -> Record | None: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,

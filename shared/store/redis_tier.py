@@ -12,11 +12,17 @@ bounded. Parts are sent as memoryview slices of the tensor (no copy) and the hea
 the same connection, so a reader never sees a head before its parts. A batch of lookups or gets is one
 pipelined round trip (plus one more only for records with more than one part).
 
-When the server is unreachable the tier is marked down for ``retry_after_s``: reads are misses, writes
-are skipped (counted), one warning names the address, and no exception reaches the caller. That holds
-for a cluster too: one that is unreachable when the tier is built gives a tier that is down (the engine
-starts without it, and it is retried later), and one that goes away while running marks the tier down
-with one warning, not a traceback per call.
+When the server is unreachable (or stops answering: a call that runs into ``timeout_s``) the tier is
+marked down: reads are misses, writes are skipped (counted), one warning names the address, and no
+exception reaches the caller. While down, every call returns at once, without touching the network.
+Health is learned off the hot path: marking the tier down starts one daemon thread (the prober) that
+sends a PING (on a cluster: to every primary) every ``retry_after_s``, with the tier's own timeout, and
+marks the tier up, with one line, when it answers; then the thread ends. No request ever pays for a
+probe, so a server that hangs stalls only the call that found it hanging (and `TieredStore` bounds even
+that one for the schedulers' lookups: ``lookup_budget_ms``). That holds for a cluster too: one that is
+unreachable when the tier is built gives a tier that is down (the engine starts without it, and the
+prober builds the client once the cluster answers), and one that goes away while running marks the tier
+down with one warning, not a traceback per call.
 
 Errors are per record, not per batch: pipelines run with ``raise_on_error=False``, so a command that
 failed (one damaged record, one shard's OOM or READONLY reply) is a miss or a dropped write for the
@@ -32,7 +38,6 @@ import logging
 import re
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -59,6 +64,8 @@ _DOWN_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.Ti
 #: RedisClusterException texts (redis-py raises it without a subclass) that mean the cluster is away.
 _CLUSTER_DOWN_TEXTS = ("cannot be connected", "All slots are not covered")
 DOWN, ERROR, BUG = "down", "error", "bug"
+#: The shortest pause between two probes of a down tier (``retry_after_s`` may be 0).
+MIN_PROBE_INTERVAL_S = 0.01
 
 
 def classify(exc: BaseException) -> str:
@@ -67,7 +74,7 @@ def classify(exc: BaseException) -> str:
     - ``down``: the server or cluster is not there: connection refused or reset, a timeout, a server
       still loading, a failed AUTH, CLUSTERDOWN / MASTERDOWN, a slot no reachable node serves, or the
       cluster client found no reachable node (a `RedisClusterException` whose cause is one of those, or
-      whose text says so). The tier goes down and is retried after ``retry_after_s``.
+      whose text says so). The tier goes down; its prober thread retries every ``retry_after_s``.
     - ``error``: the server refused one command (OOM, READONLY, WRONGTYPE, a redirect left over after
       the client's own retries, ...): a miss or a dropped write for what it touched.
     - ``bug``: anything else, a `RedisClusterException` that the client raises for a call it will not
@@ -114,6 +121,9 @@ class RedisTier:
 
     kind = "redis"
     shared_across_processes = True
+    #: Its calls cross the network and may hang up to ``timeout_s`` (twice, with the retry): `TieredStore`
+    #: runs the schedulers' lookups of such a tier on a thread of its own and waits at most its budget.
+    remote = True
 
     def __init__(self, config: RedisTierConfig, name: str = "redis") -> None:
         self.config = config
@@ -121,11 +131,15 @@ class RedisTier:
         self.address = config.address
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        self._down_until = 0.0
         self._down = False
         self._warned_errors: set[str] = set()
         self._client: Any = None
         self._closed = False
+        #: The prober (a daemon thread while the tier is down, see the module docstring), and its wake-up.
+        self._prober: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: Probes sent so far (tests check that none ran on a caller's thread).
+        self.probes = 0
         self._connect()
 
     def _connect(self) -> None:
@@ -140,24 +154,18 @@ class RedisTier:
         return self._down
 
     def _available(self) -> bool:
-        if not self._down:
-            return self._client is not None or self._retry_connect()
-        if time.monotonic() < self._down_until:
-            return False
-        return self._client is not None or self._retry_connect()
-
-    def _retry_connect(self) -> bool:
-        if self._closed:
-            return False
-        self._connect()
-        return self._client is not None
+        """Whether a call may use the network now: never while down (the prober decides when it is back)."""
+        return not self._down and self._client is not None
 
     def _mark_down(self, exc: BaseException) -> None:
         self.counters.add(errors=1)
         with self._lock:
             was_down = self._down
             self._down = True
-            self._down_until = time.monotonic() + self.config.retry_after_s
+            if self._prober is None and not self._closed:
+                self._prober = threading.Thread(target=self._probe_loop, name=f"tiercache-probe-{self.name}",
+                                                daemon=True)
+                self._prober.start()
         if not was_down:
             log.warning("tiercache redis tier: %s unreachable (%s: %s); tried: %s; serving misses and "
                         "skipping writes, retrying every %.1fs", self.address, type(exc).__name__, exc,
@@ -176,9 +184,56 @@ class RedisTier:
     def _mark_up(self) -> None:
         if self._down:
             with self._lock:
-                self._down = False
-                self._down_until = 0.0
-            log.warning("tiercache redis tier: %s reachable again", self.address)
+                was_down, self._down = self._down, False
+            if was_down:
+                log.warning("tiercache redis tier: %s reachable again", self.address)
+
+    def _probe_loop(self) -> None:
+        """The prober: while the tier is down, one `_probe` every ``retry_after_s``; marks it up and ends."""
+        interval = max(self.config.retry_after_s, MIN_PROBE_INTERVAL_S)
+        while True:
+            self._stop.wait(interval)
+            with self._lock:
+                if self._closed or not self._down:  # closed, or a late call's success marked it up
+                    self._prober = None
+                    return
+            ok = self._probe()
+            with self._lock:
+                if self._closed:
+                    self._prober = None
+                    return
+                if not ok:
+                    continue
+                self._prober = None  # with the tier up, under one lock: a failure right after starts a new one
+                was_down, self._down = self._down, False
+            if was_down:
+                log.warning("tiercache redis tier: %s reachable again", self.address)
+            return
+
+    def _probe(self) -> bool:
+        """One health check, on the prober's thread only: build the client if there is none (a cluster
+        away at start), then PING with the tier's timeout (a cluster: every primary, which also refreshes
+        the client's slot map when a node moved). True when it answered; a failure is not logged again."""
+        self.probes += 1
+        try:
+            client = self._client
+            if client is None:
+                client = make_client(self.config)
+                with self._lock:
+                    if self._closed:
+                        client.close()
+                        return False
+                    self._client = client
+            if self.config.cluster:
+                from redis.cluster import RedisCluster
+
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                client.ping()
+        except Exception as exc:
+            log.debug("tiercache redis tier: %s probe failed: %s", self.address, exc)
+            return False
+        return not self._closed
 
     def _other_error(self, what: str, exc: BaseException) -> None:
         self.counters.add(errors=1)
@@ -563,7 +618,9 @@ class RedisTier:
         return sum(int(info["used_memory"]) for info in per_node.values())
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
+        self._stop.set()
         client, self._client = self._client, None
         if client is not None:
             try:

@@ -17,6 +17,15 @@ Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache th
 after; the store must own what it keeps (pass ``owned=True`` to skip the copy when the caller
 guarantees the tensor is never mutated).
 
+The schedulers' lookups never wait on the network: ``contains_many(..., shared_only=True)`` (the lookup
+a scheduler makes for every new request, synchronously, on the engine's one scheduling thread) asks a
+remote tier (``tier.remote``: Redis) on that tier's own lookup thread (`BoundedLookup`) and waits at most
+``lookup_budget_ms`` in all; what the tier has not answered by then is a miss, never a hit it did not
+confirm. A call that hangs (a paused server, a partition that drops packets) keeps that thread until the
+tier's own timeout; meanwhile further lookups of that tier answer "miss" at once instead of queueing
+behind it. Local tiers (memory, disk, GDS) answer inline. Worker-side reads and writes are not bounded
+this way: they have the tier's own timeouts and fall back to recompute.
+
 Numbers for `/metrics`: counters are in-process and cheap; `take_counter_deltas` hands out what moved
 since the last call (one baseline per store, so the two connectors sharing a store never report an
 increment twice). Usage (bytes held, Redis reachability) may cost a backend round trip (Redis `INFO`),
@@ -85,6 +94,80 @@ def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class BoundedLookup:
+    """One remote tier's lookup thread: runs one ``contains_many`` at a time; the caller waits a bounded time.
+
+    Why one thread and one call at a time: a call that hangs holds the thread until the tier's own timeout,
+    and lookups queued behind it would only pile up (each answered late, as a miss anyway). So while a call
+    is outstanding, `ask` answers None (not asked) at once. The thread is a daemon started on first use; a
+    hung call never delays the process's exit.
+    """
+
+    def __init__(self, tier: Tier, on_error: Callable[[Tier, str, BaseException], None]) -> None:
+        self.tier = tier
+        self._on_error = on_error
+        self._cond = threading.Condition()
+        self._job: _LookupJob | None = None
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        #: Lookups answered "miss" because the budget ran out, and because a call was still outstanding.
+        self.past_budget = 0
+        self.busy = 0
+
+    def ask(self, keys: Sequence[StoreKey], timeout_s: float) -> list[bool] | None:
+        """The tier's answer if it comes within ``timeout_s``; None when it did not, or was not asked."""
+        with self._cond:
+            if self._closed:
+                return None
+            if self._busy:
+                self.busy += 1
+                return None
+            self._busy = True
+            job = self._job = _LookupJob(list(keys))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"tiercache-lookup-{self.tier.name}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        if job.done.wait(max(timeout_s, 0.0)):
+            return job.result
+        with self._cond:
+            self.past_budget += 1
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                job, self._job = self._job, None
+            try:
+                job.result = self.tier.contains_many(job.keys)
+            except Exception as exc:  # a tier bug: a miss plus a log line, as inline
+                self._on_error(self.tier, "contains_many", exc)
+            finally:
+                with self._cond:  # free before done: a caller that got its answer may ask again at once
+                    self._busy = False
+                job.done.set()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class _LookupJob:
+    __slots__ = ("done", "keys", "result")
+
+    def __init__(self, keys: list[StoreKey]) -> None:
+        self.keys = keys
+        self.result: list[bool] | None = None
+        self.done = threading.Event()
+
+
 class TieredStore:
     """The process's store: thread-safe, never raises for a backend problem, see module docstring."""
 
@@ -114,17 +197,30 @@ class TieredStore:
         self._usage_thread: threading.Thread | None = None
         self._usage_stop = threading.Event()
         self.source = f"{os.getpid()}:{id(self):x}"
+        #: The budget of the schedulers' lookups, and each remote tier's lookup thread (by tier index).
+        self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
+        self._bounded: dict[int, BoundedLookup] = {
+            i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if getattr(t, "remote", False)}
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
         return [(i, t) for i, t in enumerate(self.tiers) if t.shared_across_processes or not shared_only]
 
-    def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False) -> list[bool]:
+    def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
+                      bounded: bool | None = None) -> list[bool]:
         """Which keys some tier holds; ``shared_only`` consults only tiers other processes also see.
 
         A record still on its way to the slower tiers counts as held, except for ``shared_only``: other
         processes can't read this process's write-behind buffer.
+
+        ``bounded`` (default: ``shared_only``, the schedulers' lookup): remote tiers are asked on their
+        lookup thread and the call waits at most ``lookup_budget_ms`` for them in all; what they did not
+        answer by then is a miss (module docstring). ``bounded=False`` waits for every answer (offline
+        checks that must not mistake a slow answer for a missing record).
         """
+        if bounded is None:
+            bounded = shared_only
+        deadline = time.monotonic() + self.lookup_budget_s if bounded else 0.0
         found = [False] * len(keys)
         missing = list(range(len(keys)))
         for ti, tier in self._tiers(shared_only):
@@ -136,11 +232,17 @@ class TieredStore:
                     found[i] = True
                 if not missing:
                     break
-            try:
-                res = tier.contains_many([keys[i] for i in missing])
-            except Exception as exc:
-                self._tier_error(tier, "contains_many", exc)
-                continue
+            lookup = self._bounded.get(ti) if bounded else None
+            if lookup is not None and not getattr(tier, "down", False):  # a down tier answers at once inline
+                res = lookup.ask([keys[i] for i in missing], deadline - time.monotonic())
+                if res is None:  # past the budget, or a call still outstanding: misses
+                    continue
+            else:
+                try:
+                    res = tier.contains_many([keys[i] for i in missing])
+                except Exception as exc:
+                    self._tier_error(tier, "contains_many", exc)
+                    continue
             still = []
             for i, hit in zip(missing, res, strict=True):
                 if hit:
@@ -334,6 +436,9 @@ class TieredStore:
             "tiers": tiers,
             "write_queue": {"pending": self._writer.pending, "capacity": self.config.write_queue_size,
                             "hits": self._write_behind_hits},
+            "lookup": {"budget_ms": self.lookup_budget_s * 1000.0,
+                       "past_budget": sum(b.past_budget for b in self._bounded.values()),
+                       "busy": sum(b.busy for b in self._bounded.values())},
         }
 
     @staticmethod
@@ -422,6 +527,8 @@ class TieredStore:
                 return
             self._closed = True
         self._usage_stop.set()
+        for lookup in self._bounded.values():
+            lookup.close()
         if not self._writer.close(timeout):
             log.warning("tiercache: closing with %d slower-tier writes not flushed", self._writer.pending)
         for tier in self.tiers:

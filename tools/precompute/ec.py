@@ -118,7 +118,7 @@ def precompute_images(
                 summary.failed.append((path.name, str(exc).removeprefix(f"{path.name}: ")))
                 continue
             named.append((path, encoder_key(config.namespace, identity, feature.identifier)))
-        present = store.contains_many([key for _, key in named], shared_only=True)
+        present = store.contains_many([key for _, key in named], shared_only=True, bounded=False)
         for (path, key), hit in zip(named, present, strict=True):
             if hit or key.digest in seen:
                 summary.skipped += 1

@@ -157,7 +157,7 @@ def precompute_docs(
                 continue
             tokens_total += len(ids)
             reusable_total += reusable
-            if all(store.contains_many(keys, shared_only=True)):
+            if all(store.contains_many(keys, shared_only=True, bounded=False)):
                 summary.skipped += 1
             else:
                 todo.append((doc, keys))

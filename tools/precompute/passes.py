@@ -74,7 +74,7 @@ def count_stored(store: TieredStore, todo: Sequence[Item], seen: set[StoreKey], 
     if not todo:
         return 0
     keys = [key for _, item_keys in todo for key in item_keys]
-    present = store.contains_many(keys, shared_only=True)
+    present = store.contains_many(keys, shared_only=True, bounded=False)
     sizes = record_sizes(store, keys)
     evicted_since = 0
     offset = 0
