@@ -192,7 +192,7 @@ class ECSchedulerSide:
             return found
         keys = [self._key_of(mm_hashes[i]) for i in todo]
         try:
-            hits = self._store.contains_many(keys, shared_only=not same_process)
+            hits = self._store.contains_many(keys, shared_only=not same_process, bounded=True)
         except Exception:  # a store that cannot answer is a miss, never a scheduling failure
             self._count(lookup_errors=1)
             return found

@@ -132,7 +132,7 @@ class _CountingStore:
         self.store = store
         self.calls: list[int] = []
 
-    def contains_many(self, keys: list[StoreKey], shared_only: bool = False) -> list[bool]:
+    def contains_many(self, keys: list[StoreKey], shared_only: bool = False, bounded: bool | None = None) -> list[bool]:
         self.calls.append(len(keys))
         return self.store.contains_many(keys, shared_only=shared_only)
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 COUNTER_NAMES = (
     "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
     "dropped_writes",
-    "refused", "errors", "read_seconds", "write_seconds",
+    "refused", "errors", "read_seconds", "write_seconds", "lookups_past_budget", "lookups_skipped",
 )
 
 #: Counter -> help text of `vllm:tiercache_store_<name>_total{tier}` (`COUNTER_NAMES` plus the memory tier's
@@ -46,6 +46,8 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "errors": "Backend errors of this tier (I/O errors, Redis unreachable or failing); served as misses.",
     "read_seconds": "Seconds spent reading from this tier.",
     "write_seconds": "Seconds spent writing into this tier.",
+    "lookups_past_budget": "Scheduler lookups this network tier did not answer within lookup_budget_ms (misses).",
+    "lookups_skipped": "Scheduler lookups that skipped this network tier: its previous call was still outstanding.",
 }
 
 

@@ -122,6 +122,7 @@ class BoundedLookup:
                 return None
             if self._busy:
                 self.busy += 1
+                self.tier.counters.add(lookups_skipped=1)
                 return None
             self._busy = True
             job = self._job = _LookupJob(list(keys))
@@ -134,6 +135,7 @@ class BoundedLookup:
             return job.result
         with self._cond:
             self.past_budget += 1
+        self.tier.counters.add(lookups_past_budget=1)
         return None
 
     def _loop(self) -> None:
