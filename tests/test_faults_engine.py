@@ -250,6 +250,69 @@ def test_redis_killed_and_restarted_under_a_live_server(
           f"hits back after {rounds_to_recover} round(s); worker counters {worker['counters']}")
 
 
+#: How much longer than the slowest request before the pause a request may take while Redis hangs: the
+#: lookup budget (100 ms) plus generous noise for a loaded 2-core machine. Before the budget, the first
+#: lookup alone waited the socket timeout twice (2 x 2 s) on the engine's scheduling thread.
+HANG_NOISE_S = 1.5
+
+
+@pytest.mark.engine
+@pytest.mark.redis
+def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path) -> None:
+    """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests.
+
+    Seen before the lookup budget (issue "The shared tier at fleet scale", part 3): requests of 8 s and 4 s
+    against a 56 ms median, because every new request's lookup ran on the engine's scheduling thread and
+    waited the socket timeout. Now no request is slower than before the pause by more than the budget plus
+    noise, every answer is the baseline's, and after SIGCONT the tier comes back by itself (new records
+    reach Redis again) without a request paying for a probe.
+    """
+    template = tmp_path / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    served: list[tuple[int, dict[str, Any], float]] = []
+
+    def send(indices: list[int]) -> list[float]:
+        seconds = []
+        for i in indices:
+            t0 = time.perf_counter()
+            result = _complete(server.base_url, PROMPTS[i])
+            seconds.append(time.perf_counter() - t0)
+            served.append((i, result, seconds[-1]))
+        return seconds
+
+    with RedisServer() as redis_srv:
+        kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"namespace": "redis-hang", "chunk_size": 64, "tiers": [
+                  {"kind": "memory", "capacity": "64MiB"},
+                  {"kind": "redis", "url": redis_srv.url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
+        with Server(tiny_llama, tmp_path / "server.log", served_name="tiny", chat_template=template,
+                    max_model_len=2048, kv_transfer=kv, stats_dir=tmp_path / "stats") as server:
+            server.wait_healthy()
+            send(list(range(4)))  # first requests pay one-time costs (kernels, connections)
+            before = send(list(range(4, 10)))
+            redis_srv.pause()
+            try:
+                during = send(list(range(10, 20)))
+            finally:
+                redis_srv.resume()
+            client = redis_srv.client()
+            stored = client.dbsize()
+            deadline = time.monotonic() + 30
+            while client.dbsize() <= stored and time.monotonic() < deadline:
+                send([20, 21, 22, 23])  # new prompts: their saves reach Redis once the tier is back
+                time.sleep(0.5)
+            back = client.dbsize() > stored
+
+    failed = [(i, r["error"]) for i, r, _ in served if r["error"]]
+    assert not failed, failed
+    reference = baseline.result()
+    wrong = [i for i, r, _ in served if r["tokens"] != reference[i]]
+    assert not wrong, f"answers differ from the baseline for prompts {wrong}"
+    print(f"redis paused: requests before {[round(s, 3) for s in before]} s, during {[round(s, 3) for s in during]} s")
+    assert max(during) <= max(before) + HANG_NOISE_S, (before, during)
+    assert back, "no new record reached Redis within 30 s of SIGCONT: the tier did not come back by itself"
+
+
 def test_tier_deltas_survive_a_redis_tier_that_was_down() -> None:
     """Regression: the worker died (`int - None`) on the first stats step after Redis came back.
 
