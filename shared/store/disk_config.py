@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_tiercache.shared.store.tier_config import (
-    MIN_CAPACITY,
     as_bool,
     as_str,
+    capacity_option,
     check_keys,
     check_policy,
     default_cache_dir,
-    env_size,
     format_bytes,
-    parse_capacity,
 )
 
 log = logging.getLogger(__name__)
@@ -61,11 +59,7 @@ class DiskTierConfig:
         raw_path = raw.get("path", str(default_cache_dir() / cls.kind))
         as_str(raw_path, f"{path}.path")
         norm = os.path.abspath(os.path.expanduser(raw_path))
-        field = f"{path}.capacity"
-        if "capacity" not in raw and os.environ.get("TIERCACHE_DISK_CAPACITY"):
-            field += " ($TIERCACHE_DISK_CAPACITY)"
-        cap = parse_capacity(raw.get("capacity", env_size("TIERCACHE_DISK_CAPACITY", DEFAULT_DISK_CAPACITY)),
-                             field, MIN_CAPACITY)
+        cap, field = capacity_option(raw, path, "TIERCACHE_DISK_CAPACITY", DEFAULT_DISK_CAPACITY)
         warn_if_above_filesystem(norm, cap, field)
         fsync = as_bool(raw.get("fsync", True), f"{path}.fsync")
         return cls(path=norm, capacity=cap, fsync=fsync, policy=policy)

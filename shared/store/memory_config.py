@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_tiercache.shared.store.tier_config import (
-    MIN_CAPACITY,
+    capacity_option,
     check_keys,
     check_policy,
-    env_size,
     format_bytes,
-    parse_capacity,
 )
 
 log = logging.getLogger(__name__)
@@ -48,11 +46,7 @@ class MemoryTierConfig:
         `MIN_CAPACITY` bytes; more than this machine's memory is a warning)."""
         check_keys(raw, path, cls.kind, cls.FIELDS)
         policy = check_policy(raw, path, cls.POLICIES)
-        field = f"{path}.capacity"
-        if "capacity" not in raw and os.environ.get("TIERCACHE_MEMORY_CAPACITY"):
-            field += " ($TIERCACHE_MEMORY_CAPACITY)"
-        cap = parse_capacity(raw.get("capacity", env_size("TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)),
-                             field, MIN_CAPACITY)
+        cap, field = capacity_option(raw, path, "TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)
         warn_if_above_machine_memory(cap, field)
         return cls(capacity=cap, policy=policy)
 

@@ -91,9 +91,18 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "vllm-tiercache"
 
 
-def env_size(name: str, default: int) -> int | str:
-    """A size default that ``$name`` may override (parsed by `parse_size` with the field's path)."""
-    return os.environ.get(name) or default
+def capacity_option(raw: Mapping[str, Any], path: str, env: str, default: int) -> tuple[int, str]:
+    """(capacity, its field path) of one ``tiers[i]`` item: ``capacity``, else ``$env``, else ``default``,
+    checked by `parse_capacity`. The field path names ``$env`` when the value came from it, so an error or a
+    warning about it points at the variable, not at a key the user never wrote."""
+    field = f"{path}.capacity"
+    if "capacity" in raw:
+        value = raw["capacity"]
+    else:
+        value = os.environ.get(env) or default
+        if os.environ.get(env):
+            field += f" (${env})"
+    return parse_capacity(value, field, MIN_CAPACITY), field
 
 
 def as_bool(value: Any, path: str) -> bool:
