@@ -31,7 +31,6 @@ store's gauge report when it changed (in-process reads; usage comes from the sto
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
-from vllm_tiercache.shared.store.counters import gauges_as_registered
+from vllm_tiercache.shared.store.counters import GaugeChanges
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +82,7 @@ class ECWorkerSide:
         self._unsent = PendingCounts()
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
         self._residency: ResidencyReporter[str] = ResidencyReporter(store)
-        #: The store's gauge report last sent (only changes are sent).
-        self._sent_gauges: dict[str, Any] | None = None
+        self._gauges = GaugeChanges(store)
         _WORKER_STORES.add(store)
 
     def _count(self, **deltas: float) -> None:
@@ -194,13 +192,7 @@ class ECWorkerSide:
         if moved.get("write_queue_hits"):
             stats["write_queue_hits"] = moved["write_queue_hits"]
         tiers = moved.get("tiers", {})
-        gauges: dict[str, Any] = {}
-        report = getattr(self._store, "gauge_report", None)
-        if report is not None:
-            current = report()
-            if current != self._sent_gauges and not (self._sent_gauges is None and gauges_as_registered(current)):
-                self._sent_gauges = current
-                gauges = {getattr(self._store, "source", str(os.getpid())): current}
+        gauges = self._gauges.take()
         changes = self._residency.take()
         if changes is None and not stats and not tiers and not gauges:
             return None

@@ -32,7 +32,7 @@ from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
 from vllm_tiercache.shared.store.api import Record, Store, StoreKey
-from vllm_tiercache.shared.store.counters import gauges_as_registered
+from vllm_tiercache.shared.store.counters import GaugeChanges
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ class KVWorkerSide:
         self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool]] | None] = queue.Queue()
         self._queued_saves = 0
         self._queued_lock = threading.Lock()
-        #: The gauge reports last sent with the stats (`gauge_reports` sends only changes).
-        self._sent_gauges: dict[str, Any] | None = None
+        self._gauges = GaugeChanges(store)
         self._sent_save_queue = 0
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
@@ -315,12 +314,8 @@ class KVWorkerSide:
         the last call (a first report that shows only what `/metrics` shows from the start is not sent);
         in-process reads only (the store's usage comes from its background refresh)."""
         out: dict[str, Any] = {}
-        report = getattr(self.store, "gauge_report", None)
-        if report is not None:
-            gauges = report()
-            if gauges != self._sent_gauges and not (self._sent_gauges is None and gauges_as_registered(gauges)):
-                self._sent_gauges = gauges
-                out["gauges"] = {getattr(self.store, "source", str(os.getpid())): gauges}
+        if gauges := self._gauges.take():
+            out["gauges"] = gauges
         depth = self._queued_saves
         if depth != self._sent_save_queue:
             self._sent_save_queue = depth

@@ -14,6 +14,7 @@ vLLM builds the connector's metrics, so a scrape shows zeros, not nothing, befor
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -239,6 +240,31 @@ def gauges_as_registered(report: Mapping[str, Any]) -> bool:
         return False
     return all(not numbers.get("bytes_used") and numbers.get("up", 1) == 1
                for numbers in (report.get("tiers") or {}).values())
+
+
+class GaugeChanges:
+    """A store's gauge report (`TieredStore.gauge_report`), handed on by one sender only when it changed.
+
+    Why per sender: both connectors of a process may report the same store, each through its own stats
+    path, and each must send a change once. A first report that shows only what the series show from
+    registration on is not sent. In-process reads only: the store's usage comes from its background
+    refresh. A store without gauge reports (a test stand-in) gives nothing.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._sent: dict[str, Any] | None = None
+
+    def take(self) -> dict[str, Any]:
+        """``{store source: report}`` when the report changed since the last `take`, else ``{}``."""
+        report = getattr(self._store, "gauge_report", None)
+        if report is None:
+            return {}
+        current = report()
+        if current == self._sent or (self._sent is None and gauges_as_registered(current)):
+            return {}
+        self._sent = current
+        return {getattr(self._store, "source", str(os.getpid())): current}
 
 
 def _gauge_factory(gauge_cls: Any) -> Any:
