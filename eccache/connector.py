@@ -53,6 +53,7 @@ from vllm_tiercache.eccache.metrics import TieredECPromMetrics
 from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.counters import Counters
 from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
@@ -134,6 +135,23 @@ class TieredECStats(ECConnectorStats):
         return not self.data
 
 
+def check_ec_config(vllm_config: VllmConfig) -> tuple[ECConnectorOptions, StoreConfig, MultiModalIdentifierPolicy]:
+    """Everything `TieredECConnector` refuses at start, checked without opening a store or reading weights.
+
+    The plugin calls it when vLLM builds its config (`vllm_tiercache.preflight`: before any weights
+    load); the connector calls it again in each process, so the same rules hold where the plugin cannot
+    hook. A mode where multimodal identifiers do not name content is refused here.
+    """
+    ec = vllm_config.ec_transfer_config
+    if ec is None:
+        raise ConfigError("TieredECConnector needs vLLM's ec_transfer_config (--ec-transfer-config)")
+    options, config = ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))
+    identifiers = MultiModalIdentifierPolicy.for_engine(
+        vllm_config, trust_user_uuids=config.trust_multi_modal_uuids, connector="TieredECConnector"
+    )
+    return options, config, identifiers
+
+
 class TieredECConnector(ECConnectorBase):
     """Encoder outputs keyed by (namespace, encoder identity, full mm_hash) in the shared tiered store."""
 
@@ -142,11 +160,7 @@ class TieredECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         ec = vllm_config.ec_transfer_config
         assert ec is not None
-        options, self._config = ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))
-        # Refuses, before a store is opened, a mode where identifiers do not name content.
-        self._identifiers = MultiModalIdentifierPolicy.for_engine(
-            vllm_config, trust_user_uuids=self._config.trust_multi_modal_uuids, connector="TieredECConnector"
-        )
+        options, self._config, self._identifiers = check_ec_config(vllm_config)
         # One store per process and config: the KV connector in this process shares it (and its budget).
         self._store = get_store(self._config)
         weights = weights_of(vllm_config, self._config.model_version)

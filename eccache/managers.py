@@ -71,11 +71,25 @@ class PolicyEncoderCacheManager(EncoderCacheManager):
 
     @classmethod
     def create_manager(cls, *, cache_size: int, vllm_config: VllmConfig) -> EncoderCacheManager:
+        policy, options = cls._configured_policy(vllm_config)
+        return cls(cache_size=cache_size, policy=policy, **options)
+
+    @classmethod
+    def check_config(cls, vllm_config: VllmConfig) -> str:
+        """The policy a manager of this class would use for ``vllm_config``, every option checked, nothing
+        built: what the plugin runs when vLLM builds its config, before any weights load."""
+        policy, options = cls._configured_policy(vllm_config)
+        return check_manager_options(cls, policy, options)
+
+    @classmethod
+    def _configured_policy(cls, vllm_config: VllmConfig) -> tuple[str | None, dict[str, Any]]:
+        """(`manager_config["policy"]`, else the EC connector's `encoder_cache_policy` for a class without a
+        fixed policy; the other `manager_config` options)."""
         options = dict(vllm_config.ec_manager_config.manager_config or {})
         policy = options.pop("policy", None)
         if policy is None and cls.policy_name is None:
             policy = _connector_policy(vllm_config)
-        return cls(cache_size=cache_size, policy=policy, **options)
+        return policy, options
 
     def __init__(self, cache_size: int, policy: str | None = None, **policy_options: Any) -> None:
         super().__init__(cache_size)

@@ -18,6 +18,7 @@ is a `ConfigError` (`resolve_load_failure_policy`).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,13 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
-from vllm_tiercache.kvcache.naming import KVNaming
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.worker import KVWorkerSide
-from vllm_tiercache.shared.config import ConfigError
+from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.hashing import check_seed_is_stable
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.store import get_store
 from vllm_tiercache.shared.store.counters import counter_deltas
@@ -95,33 +97,65 @@ def check_not_encode_only(vllm_config: VllmConfig) -> None:
     )
 
 
+@dataclass(frozen=True)
+class CheckedKVConfig:
+    """What `check_kv_config` found valid: the connector starts from it without reading the config again."""
+
+    options: KVConnectorOptions
+    store: StoreConfig
+    #: the `kv_load_failure_policy` vLLM must run with, and where it came from (for the start-up line)
+    load_failure_policy: str
+    policy_source: str
+    identifiers: MultiModalIdentifierPolicy
+    geometry: ChunkGeometry | None
+
+
+def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None) -> CheckedKVConfig:
+    """Everything `TieredKVConnector` refuses at start, checked without opening a store or reading weights.
+
+    The plugin calls it when vLLM builds its config (`vllm_tiercache.preflight`), so a wrong setting stops
+    the server in its first seconds, before any weights load; the connector calls it again in every
+    process it runs in, so the same rules hold on a vLLM the plugin cannot hook. ``transfer`` is the
+    connector's own `KVTransferConfig` (a MultiConnector child's), by default the engine's.
+    """
+    transfer = transfer if transfer is not None else vllm_config.kv_transfer_config
+    check_not_encode_only(vllm_config)
+    options, store = KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))
+    vllm_explicit = is_explicitly_set(transfer, "kv_load_failure_policy", cli_flag="kv-transfer-config")
+    policy = resolve_load_failure_policy(transfer.kv_load_failure_policy, vllm_explicit,
+                                         options.load_failure_policy)
+    if vllm_explicit:
+        source = "vLLM's kv_load_failure_policy"
+    elif options.load_failure_policy is not None:
+        source = "kv_connector_extra_config"
+    else:
+        source = "TieredKVConnector's default"
+    # A mode where multimodal identifiers do not name content is refused here, before a store is opened.
+    identifiers = MultiModalIdentifierPolicy.for_engine(
+        vllm_config, trust_user_uuids=store.trust_multi_modal_uuids, connector="TieredKVConnector"
+    )
+    cache_config = vllm_config.cache_config
+    check_seed_is_stable(cache_config.prefix_caching_hash_algo)
+    block_size = getattr(cache_config, "block_size", None)
+    geometry = ChunkGeometry(int(block_size), options.chunk_size) if block_size else None
+    return CheckedKVConfig(options, store, policy, source, identifiers, geometry)
+
+
 class TieredKVConnector(KVConnectorBase_V1):
     """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        check_not_encode_only(vllm_config)
         check_vllm_version("TieredKVConnector")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self._options, config = KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))
+        checked = check_kv_config(vllm_config, transfer)
+        self._options, config = checked.options, checked.store
         # The scheduler reads this right after building us (and before any request).
-        vllm_explicit = is_explicitly_set(transfer, "kv_load_failure_policy", cli_flag="kv-transfer-config")
-        transfer.kv_load_failure_policy = resolve_load_failure_policy(
-            transfer.kv_load_failure_policy, vllm_explicit, self._options.load_failure_policy
-        )
+        transfer.kv_load_failure_policy = checked.load_failure_policy
         if role == KVConnectorRole.SCHEDULER:  # the process whose value vLLM reads; one line per engine
-            if vllm_explicit:
-                source = "vLLM's kv_load_failure_policy"
-            elif self._options.load_failure_policy is not None:
-                source = "kv_connector_extra_config"
-            else:
-                source = "TieredKVConnector's default"
             log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
-                     source)
-        # Refuses, before a store is opened, a mode where multimodal identifiers do not name content.
-        identifiers = MultiModalIdentifierPolicy.for_engine(
-            vllm_config, trust_user_uuids=config.trust_multi_modal_uuids, connector="TieredKVConnector"
-        )
+                     checked.policy_source)
+        identifiers = checked.identifiers
         naming = KVNaming.from_configs(vllm_config, config, self._options)
         identity = naming.identities[0]
         log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d",

@@ -4,6 +4,8 @@ vLLM calls every `vllm.general_plugins` entry point in each of its processes (AP
 workers) before it builds connectors, so users can write `{"kv_connector": "TieredKVConnector"}` without
 a module path. Registration only records a module path and a class name (the factories import lazily), is
 idempotent (vLLM may load plugins more than once per process), and never imports our connector modules.
+In the process that builds vLLM's config it also installs the settings check (`vllm_tiercache.preflight`):
+a wrong setting of ours then stops the start before any weights load.
 """
 
 from __future__ import annotations
@@ -76,3 +78,7 @@ def register() -> None:
         logger.warning("vllm-tiercache: cannot register %s: %s", EC_CONNECTOR_NAME, exc)
     else:
         _register(ECConnectorFactory, EC_CONNECTOR_NAME, *_EC_TARGET)
+    # In the front-end process: check our settings when vLLM builds its config, before weights load.
+    from vllm_tiercache.preflight import install
+
+    install()

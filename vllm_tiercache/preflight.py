@@ -1,0 +1,152 @@
+"""Check this plugin's settings when vLLM builds the engine's config: a mistake stops the start in seconds.
+
+Why here and not only in the connectors: vLLM builds the scheduler-side KV connector after the weights
+are loaded and the KV cache is sized, so a wrong tier kind or option used to surface after 15 s with a
+tiny model (minutes with a real one), inside a worker traceback. vLLM 0.32 offers no hook that hands a
+plugin the config; it does build the whole `VllmConfig` in one method of the front-end process,
+`EngineArgs.create_engine_config` (the OpenAI server and `LLM(...)` both go through it), and it loads
+general plugins before that call. `install` wraps that method once per process: the config vLLM built is
+returned unchanged after `check_engine_config` found nothing wrong. A vLLM without the method is left
+alone (the connectors still check the same rules when they start: `check_kv_config`, `check_ec_config`,
+`PolicyEncoderCacheManager.check_config` are the functions both places call).
+
+What is checked, for the parts that name this plugin: the KV connector (also as a MultiConnector
+child), the EC connector, an encoder cache manager of ours (`--ec-manager-config`), and that every
+directory a tier would own can be created and written. Nothing is opened: no store, no Redis
+connection, no weight file read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm_tiercache.shared.store.tier_config import ConfigError, did_you_mean
+
+logger = logging.getLogger(__name__)
+
+KV_CONNECTOR_NAME = "TieredKVConnector"
+EC_CONNECTOR_NAME = "TieredECConnector"
+_OUR_PACKAGE = "vllm_tiercache."
+_MANAGERS_MODULE = "vllm_tiercache.eccache.managers"
+_MARK = "_vllm_tiercache_preflight"
+
+
+def install() -> bool:
+    """Make `EngineArgs.create_engine_config` run `check_engine_config` on what it builds (once per process).
+
+    Only where vLLM's engine arguments are already imported: the front-end process, which is where
+    vLLM loads plugins before building the config. The engine core and worker processes receive a built
+    config and are left as they are. Returns whether the check is in place.
+    """
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    engine_args = getattr(arg_utils, "EngineArgs", None)
+    original = getattr(engine_args, "create_engine_config", None)
+    if original is None:
+        return False
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = original(self, *args, **kwargs)
+        check_engine_config(vllm_config)
+        return vllm_config
+
+    setattr(create_engine_config, _MARK, True)
+    engine_args.create_engine_config = create_engine_config  # type: ignore[union-attr]
+    return True
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """Raise `ConfigError` naming the vLLM setting, the field, the bad value and the fix, for the first
+    mistake in a part of ``vllm_config`` that names this plugin; return quietly otherwise."""
+    started = time.monotonic()
+    checked = []
+    for where, transfer in _our_kv_transfers(vllm_config):
+        from vllm_tiercache.kvcache.connector import check_kv_config
+
+        with _named(where):
+            check_tier_directories(check_kv_config(vllm_config, transfer).store)
+        checked.append(KV_CONNECTOR_NAME)
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is not None and getattr(ec, "ec_connector", None) == EC_CONNECTOR_NAME:
+        from vllm_tiercache.eccache.connector import check_ec_config
+
+        with _named("ec_transfer_config (--ec-transfer-config)"):
+            check_tier_directories(check_ec_config(vllm_config)[1])
+        checked.append(EC_CONNECTOR_NAME)
+    manager = getattr(getattr(vllm_config, "ec_manager_config", None), "encoder_cache_manager_cls", None)
+    if isinstance(manager, str) and manager.startswith(_OUR_PACKAGE):
+        with _named("ec_manager_config (--ec-manager-config)"):
+            _check_manager(manager, vllm_config)
+        checked.append(manager.rsplit(".", 1)[-1])
+    if checked:
+        logger.info("vllm-tiercache: %s settings checked before the model loads (%.0f ms)", ", ".join(checked),
+                    (time.monotonic() - started) * 1e3)
+
+
+def _our_kv_transfers(vllm_config: Any) -> Iterator[tuple[str, Any]]:
+    """(where the user set it, the `KVTransferConfig`) of each of our KV connectors: the engine's own, or
+    MultiConnector children (built the way MultiConnector builds them)."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None:
+        return
+    where = "kv_transfer_config (--kv-transfer-config)"
+    if kv.kv_connector == KV_CONNECTOR_NAME:
+        yield where, kv
+    elif kv.kv_connector == "MultiConnector":
+        from vllm.config import KVTransferConfig
+
+        children = (kv.kv_connector_extra_config or {}).get("connectors") or []
+        for i, child in enumerate(children):
+            if isinstance(child, dict) and child.get("kv_connector") == KV_CONNECTOR_NAME:
+                fields = {**child, "engine_id": child.get("engine_id", kv.engine_id)}
+                yield f"{where} connectors[{i}]", KVTransferConfig(**fields)
+
+
+@contextmanager
+def _named(where: str) -> Iterator[None]:
+    """A `ConfigError` raised inside is raised again with the vLLM setting it came from in front."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"vllm-tiercache: {where}: {exc}") from None
+
+
+def check_tier_directories(store: Any) -> None:
+    """Every directory a tier of ``store`` owns (disk, gds) exists or can be created, and can be written:
+    what the tier would otherwise find out when it opens, after the weights loaded."""
+    for i, tier in enumerate(store.tiers):
+        path = getattr(tier, "path", None)
+        if not isinstance(path, str) or not path:
+            continue
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(f"no write permission for user id {os.getuid()}")
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier.kind} tier's directory "
+                              f"({reason}); allowed: a local directory this user can create and write") from None
+
+
+def _check_manager(class_path: str, vllm_config: Any) -> None:
+    """Our encoder cache manager class exists and takes every `manager_config` option given."""
+    from vllm_tiercache.eccache import managers
+
+    module, _, name = class_path.rpartition(".")
+    ours = sorted(n for n, v in vars(managers).items()
+                  if isinstance(v, type) and issubclass(v, managers.PolicyEncoderCacheManager))
+    cls = getattr(managers, name, None) if module == _MANAGERS_MODULE else None
+    if not (isinstance(cls, type) and issubclass(cls, managers.PolicyEncoderCacheManager)):
+        raise ConfigError(f"encoder_cache_manager_cls: invalid value {class_path!r}; "
+                          f"{did_you_mean(name, ours)}allowed: "
+                          + ", ".join(f"{_MANAGERS_MODULE}.{n}" for n in ours))
+    cls.check_config(vllm_config)
