@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_tiercache.kvcache.adapters import AdapterDigests, adapter_chunk_hash
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import (
     ChunkLoad,
@@ -51,6 +52,14 @@ class _RequestState:
     saved_until: int = 0
     #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
     cacheable: bool = True
+    #: content digest of the request's LoRA adapter, None without one (`vllm_tiercache.kvcache.adapters`)
+    adapter: str | None = None
+
+    def chunk_hash(self, end: int) -> bytes:
+        """The name of the request's chunk that ends at block ``end``: vLLM's block hash there, mixed with
+        the adapter's digest for a LoRA request (vLLM's hash names the adapter, not its weights)."""
+        block_hash = self.request.block_hashes[end - 1]
+        return block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
 
 
 class KVSchedulerSide:
@@ -91,6 +100,7 @@ class KVSchedulerSide:
         self.resident: ResidentSet[bytes] = ResidentSet()
         self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
+        self._adapters = AdapterDigests()
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -113,12 +123,12 @@ class KVSchedulerSide:
                 "hash blocks of another size and are not supported"
             )
 
-    def _lookup(self, request: Request) -> tuple[list[bool], list[bool]]:
+    def _lookup(self, state: _RequestState) -> tuple[list[bool], list[bool]]:
         """Per chunk of the prompt's full blocks: can a worker load it now? One batched store call."""
         if not self._checked_engine_hashing:
-            self._check_engine_hashing(request)
-        ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
-        hashes = [request.block_hashes[end - 1] for end in ends]
+            self._check_engine_hashing(state.request)
+        ends = self.geometry.chunk_ends(self._prompt_full_blocks(state.request))
+        hashes = [state.chunk_hash(end) for end in ends]
         resident = [h in self.resident for h in hashes]
         present = list(resident)
         missing = [i for i, hit in enumerate(present) if not hit]
@@ -132,7 +142,7 @@ class KVSchedulerSide:
                 offset += len(keys)
         return present, resident
 
-    def _shorter_chunk(self, request: Request, start: int, end: int) -> tuple[int, bool] | None:
+    def _shorter_chunk(self, state: _RequestState, start: int, end: int) -> tuple[int, bool] | None:
         """The longest stored chunk that starts at block `start` and ends before `end`, if any.
 
         A chunk is named by the hash at its last block, so a prompt that extends a stored prompt (a RAG
@@ -143,7 +153,7 @@ class KVSchedulerSide:
         candidates = list(range(end - 1, start, -1))
         if not candidates:
             return None
-        hashes = [request.block_hashes[e - 1] for e in candidates]
+        hashes = [state.chunk_hash(e) for e in candidates]
         for e, h in zip(candidates, hashes, strict=True):
             if h in self.resident:
                 return e, True
@@ -162,7 +172,13 @@ class KVSchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             cacheable = self.request_cacheable is None or bool(self.request_cacheable(request))
-            state = self._requests[request.request_id] = _RequestState(request, cacheable=cacheable)
+            adapter = None
+            lora = getattr(request, "lora_request", None)
+            if cacheable and lora is not None:
+                adapter = self._adapters.digest(lora)
+                cacheable = adapter is not None
+            state = _RequestState(request, cacheable=cacheable, adapter=adapter)
+            self._requests[request.request_id] = state
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -170,7 +186,7 @@ class KVSchedulerSide:
         state = self._state(request)
         if not state.cacheable:
             return 0, False
-        stored, resident = self._lookup(request)
+        stored, resident = self._lookup(state)
         state.stored, state.resident = stored, resident
         state.load_first = state.load_end = 0
         state.load_chunks = []
@@ -180,7 +196,7 @@ class KVSchedulerSide:
         hit_chunks = next((i for i, ok in enumerate(stored) if not ok), len(stored))
         chunks = [(end, resident[i]) for i, end in enumerate(ends[:hit_chunks])]
         if hit_chunks < len(ends):
-            shorter = self._shorter_chunk(request, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
+            shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
             if shorter is not None:
                 chunks.append(shorter)
         if not chunks:
@@ -259,7 +275,7 @@ class KVSchedulerSide:
                     continue
                 plan.loads.append(
                     ChunkLoad(
-                        chunk_hash=request.block_hashes[end - 1],
+                        chunk_hash=state.chunk_hash(end),
                         chunk_start=start,
                         first=first,
                         end=last,
@@ -273,7 +289,7 @@ class KVSchedulerSide:
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
                 start = geometry.chunk_start(end)
-                plan.saves.append(ChunkSave(chunk_hash=request.block_hashes[end - 1], block_ids=block_ids[start:end]))
+                plan.saves.append(ChunkSave(chunk_hash=state.chunk_hash(end), block_ids=block_ids[start:end]))
                 state.saved_until = end
         return plan
 

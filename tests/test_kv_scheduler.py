@@ -12,15 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.weights_identity import digest_directory
 
 BLOCK, CHUNK = 32, 128  # 4 blocks per chunk
 IDENTITY = KVModelIdentity(
@@ -36,7 +39,7 @@ IDENTITY = KVModelIdentity(
 )
 
 
-def make_request(req_id: str, tokens: list[int]) -> Request:
+def make_request(req_id: str, tokens: list[int], lora_request: LoRARequest | None = None) -> Request:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     return Request(
@@ -45,6 +48,7 @@ def make_request(req_id: str, tokens: list[int]) -> Request:
         sampling_params=SamplingParams(max_tokens=64),
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+        lora_request=lora_request,
     )
 
 
@@ -256,3 +260,39 @@ def test_eagle_keeps_the_trailing_decode_chunk_until_the_next_one_completes(tmp_
     meta = side.build_connector_meta(step([], [("g", 128)], {"g": 128}))
     assert [s.chunk_hash for s in meta.requests[0].saves] == [request.block_hashes[3]]  # [4,8) now the tail
     side.store.close()
+
+
+def test_a_lora_requests_chunks_are_named_by_the_adapters_files(side, tmp_path, caplog) -> None:
+    """vLLM hashes a LoRA request's blocks with the adapter's name and path only; the chunk names mix in a
+    digest of the adapter's files, so an adapter rewritten in place never meets the old one's KV."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
+    prompt = tokens(300)
+    first = make_request("lora-1", prompt, LoRARequest("a", 1, str(adapter)))
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+    side.update_state_after_alloc(first, 0)
+    (plan,) = side.build_connector_meta(step([("lora-1", 0)], [], {"lora-1": 300})).requests
+    digest, _ = digest_directory(adapter)
+    named = adapter_chunk_hash(first.block_hashes[3], digest)
+    assert plan.saves[0].chunk_hash == named != first.block_hashes[3]
+    store_chunk(side, named, 4)
+    again = make_request("lora-2", prompt, LoRARequest("a", 1, str(adapter)))
+    assert side.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)
+
+    # The same name and path after the files changed, loaded again (vLLM gives a reloaded adapter a new
+    # id; a restart starts with no digest remembered).
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-2")
+    retrained = make_request("lora-3", prompt, LoRARequest("a", 3, str(adapter)))
+    assert retrained.block_hashes[3] == first.block_hashes[3]  # vLLM's hash cannot tell them apart
+    assert side.get_num_new_matched_tokens(retrained, 0) == (0, False)
+
+    # An adapter this process cannot read as a directory: kept out of the store both ways, one warning.
+    remote = make_request("remote", prompt, LoRARequest("hub", 2, "org/some-adapter-on-the-hub"))
+    store_chunk(side, remote.block_hashes[3], 4)
+    with caplog.at_level("WARNING"):
+        assert side.get_num_new_matched_tokens(remote, 0) == (0, False)
+    side.update_state_after_alloc(remote, 0)
+    assert side.build_connector_meta(step([("remote", 0)], [], {"remote": 300})).requests == []
+    assert "cannot be named by its files" in caplog.text

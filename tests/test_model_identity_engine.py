@@ -23,6 +23,7 @@ from tests.fixtures.models import run_engine
 from tests.test_kv_connector import PROMPTS, disk_tier, expected_hits, kv_config
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
+from vllm_tiercache.tools.tiny_models.lora import make_tiny_lora
 
 pytestmark = pytest.mark.engine
 
@@ -83,5 +84,32 @@ def test_rewritten_weights_miss_and_other_spellings_hit(tiny_llama: Path, tmp_pa
     assert new_baseline["rounds"][0]["tokens"] != old["rounds"][0]["tokens"], "the new weights must differ"
 
     restarted = run_engine({"model": str(model), "rounds": [ROUND], "kv_transfer_config": connector}, tmp_path)
+    assert restarted["rounds"][0]["num_cached_tokens"] == [0] * len(ROUND)
+    assert restarted["rounds"][0]["tokens"] == new_baseline["rounds"][0]["tokens"]
+
+
+def test_a_rewritten_lora_adapter_misses_and_the_same_adapter_hits(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM hashes a LoRA request's blocks with the adapter's name and path, not its weights: an adapter
+    retrained into the same directory must not meet the old adapter's KV after a restart."""
+    adapter = make_tiny_lora(tmp_path / "adapters" / "a", seed=1)
+    disk = tmp_path / "disk"
+    connector = kv_config("kv_both", [disk_tier(disk)])
+    asked = [{"tokens": p, "lora": "a"} for p in ROUND]
+    spec = {"model": str(tiny_llama), "lora_adapters": {"a": str(adapter)}, "one_at_a_time": True,
+            "rounds": [asked]}
+
+    old = run_engine({**spec, "kv_transfer_config": connector}, tmp_path)
+    assert old["rounds"][0]["num_cached_tokens"] == [0] * len(ROUND)
+    same = run_engine({**spec, "kv_transfer_config": connector}, tmp_path)
+    assert same["rounds"][0]["num_cached_tokens"] == [expected_hits(p) for p in ROUND]
+    assert same["rounds"][0]["tokens"] == old["rounds"][0]["tokens"]
+
+    # The adapter retrained in place: same name, same path, same adapter_config.json, new weights.
+    make_tiny_lora(tmp_path / "adapters" / "retrained", seed=2)
+    shutil.copyfile(tmp_path / "adapters" / "retrained" / "adapter_model.safetensors",
+                    adapter / "adapter_model.safetensors")
+    new_baseline = run_engine(spec, tmp_path)
+    assert new_baseline["rounds"][0]["tokens"] != old["rounds"][0]["tokens"], "the new adapter must differ"
+    restarted = run_engine({**spec, "kv_transfer_config": connector}, tmp_path)
     assert restarted["rounds"][0]["num_cached_tokens"] == [0] * len(ROUND)
     assert restarted["rounds"][0]["tokens"] == new_baseline["rounds"][0]["tokens"]
