@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiercache-setup-stamp
 
-.PHONY: setup test demo lint bench clean-venv redis
+.PHONY: setup test demo lint bench clean-venv redis docs
 
 setup: $(STAMP) redis
 
@@ -34,6 +34,10 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check vllm_tiercache shared kvcache eccache tools tests
+
+# the generated tables of docs/configuration.md, from the config classes (tests/test_config_schema.py checks)
+docs: $(STAMP)
+	$(VENV)/bin/tiercache config schema --update-docs docs/configuration.md
 
 clean-venv:
 	rm -rf $(VENV)

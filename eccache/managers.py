@@ -30,12 +30,12 @@ entries in `freeable` are candidates). Enable with::
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
+from vllm_tiercache.eccache.options import check_manager_option
 from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.eviction import (
     DEFAULT_POLICY,
@@ -192,25 +192,6 @@ class LFUEncoderCacheManager(PolicyEncoderCacheManager):
 _POLICY_CLASSES: Mapping[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "wtinylfu": WTinyLFUPolicy}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_fraction(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 1
-
-
-#: What each option's value may be: (allowed, as the message says it; the check).
-_OPTION_VALUES: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
-    "aging_period": ("an int >= 0 (accesses between two halvings; 0: no aging)", lambda v: _is_int(v) and v >= 0),
-    "history_size": ("an int >= 0 (evicted hashes that keep their count)", lambda v: _is_int(v) and v >= 0),
-    "size_aware": ("true or false", lambda v: isinstance(v, bool)),
-    "window_fraction": ("a number strictly between 0 and 1", _is_fraction),
-    "protected_fraction": ("a number strictly between 0 and 1", _is_fraction),
-    "victim_sample": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
-}
-
-
 def policy_options(policy: str) -> tuple[str, ...]:
     """The `manager_config` options policy ``policy`` takes (read off its class's constructor)."""
     params = inspect.signature(_POLICY_CLASSES[policy].__init__).parameters
@@ -239,7 +220,5 @@ def check_manager_options(cls: type, policy: Any, options: Mapping[str, Any]) ->
             which = f"{cls.__name__}" + ("" if policy or fixed else ", the default policy")
             raise ConfigError(f"manager_config.{key}: unknown option for policy {name!r} ({which}); "
                               f"{did_you_mean(key, allowed)}allowed: {takes}")
-        rule = _OPTION_VALUES.get(key)
-        if rule is not None and not rule[1](value):
-            raise invalid(f"manager_config.{key}", value, rule[0])
+        check_manager_option(key, value)  # its type and bounds: `vllm_tiercache.eccache.options.ManagerOptions`
     return name

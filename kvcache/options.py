@@ -6,16 +6,11 @@ to `tiercache precompute docs`, which must store exactly what the connector woul
 next to ``tiers`` in ``kv_connector_extra_config`` (one dict): `KVConnectorOptions.load` splits that dict
 with `vllm_tiercache.shared.config.split_connector_config` and parses its own part.
 
-Keys and defaults:
-
-- ``chunk_size`` (int, 256): tokens per KV chunk (one record per layer and rank); a positive multiple of
-  16 and of the engine's block size (`vllm_tiercache.kvcache.naming.ChunkGeometry` checks the latter).
-  Env ``TIERCACHE_CHUNK_SIZE`` overrides it, over every source.
-- ``save_partial_chunks`` (bool, true): also store the trailing chunk shorter than ``chunk_size``.
-- ``save_decode`` (bool, false): also store KV produced while decoding.
-- ``load_failure_policy`` ("recompute", "fail" or unset): only fills vLLM's ``kv_load_failure_policy``
-  when the user did not set that (`vllm_tiercache.kvcache.connector.resolve_load_failure_policy`).
-- ``warmup_cpu_attention`` (default true): see `vllm_tiercache.kvcache.cpu_warmup`.
+The keys, their types, bounds, defaults and meaning are the annotated fields of `KVConnectorOptions`
+(docs/configuration.md shows them, generated). ``chunk_size`` must also be a multiple of the engine's
+block size (`vllm_tiercache.kvcache.naming.ChunkGeometry` checks that); env ``TIERCACHE_CHUNK_SIZE``
+overrides it, over every source; ``load_failure_policy`` only fills vLLM's ``kv_load_failure_policy`` when
+the user did not set that (`vllm_tiercache.kvcache.connector.resolve_load_failure_policy`).
 """
 
 from __future__ import annotations
@@ -23,13 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from vllm_tiercache.shared.config import CONNECTOR_KEYS, ConfigError, StoreConfig, split_connector_config
-from vllm_tiercache.shared.store.tier_config import as_bool, as_int
+from pydantic import BeforeValidator, ConfigDict, Field, Strict
+
+from vllm_tiercache.shared.config import CONNECTOR_KEYS, StoreConfig, split_connector_config
+from vllm_tiercache.shared.store.tier_config import Allowed, Bool, validate
 
 #: Allowed values of ``load_failure_policy``.
-FAILURE_POLICIES = ("recompute", "fail")
+FailurePolicy = Literal["recompute", "fail"]
+FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 #: What a chunk that fails to load costs when neither vLLM's setting nor our option says: a recompute,
 #: never a failed request (a bad or evicted record is a cache miss).
 DEFAULT_LOAD_FAILURE_POLICY = "recompute"
@@ -39,14 +37,27 @@ CHUNK_SIZE_ENV = "TIERCACHE_CHUNK_SIZE"
 
 @dataclass(frozen=True)
 class KVConnectorOptions:
-    """The validated KV-connector part of ``kv_connector_extra_config``."""
+    """The KV connector's own options (`TieredKVConnector`); `tiercache precompute docs` reads them too,
+    to store what the connector would."""
 
-    chunk_size: int = 256
-    save_partial_chunks: bool = True
-    save_decode: bool = False
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    chunk_size: Annotated[int, Strict(), Field(gt=0, multiple_of=16, description=(
+        "Tokens per KV chunk (one record per layer and rank): a multiple of 16 and of the engine's block size. "
+        "$TIERCACHE_CHUNK_SIZE overrides it, over every source.")), Allowed("a positive multiple of 16")] = 256
+    save_partial_chunks: Annotated[Bool, Field(description=(
+        "Also save the partial last chunk (shorter than chunk_size), at the last prefill step."))] = True
+    save_decode: Annotated[Bool, Field(description="Also save chunks completed while decoding.")] = False
     #: None: the user did not set it (vLLM's own setting, or our default, decides)
-    load_failure_policy: str | None = None
-    warmup_cpu_attention: bool = True
+    load_failure_policy: Annotated[FailurePolicy | None, Field(description=(
+        "A chunk that fails to load is recomputed (recompute), or the request fails (fail, vLLM's own "
+        "default). Only fills vLLM's kv_load_failure_policy when that is not set; with neither set the "
+        "connector runs vLLM with recompute.")),
+        Allowed(", ".join(FAILURE_POLICIES), path="kv_connector_extra_config.load_failure_policy")] = None
+    # Taken as truthy, as it always was (not a strict bool).
+    warmup_cpu_attention: Annotated[bool, BeforeValidator(bool), Field(description=(
+        "Run the CPU attention kernel once when the KV caches are registered (see "
+        "vllm_tiercache.kvcache.cpu_warmup)."))] = True
 
     #: the keys this class parses, as `vllm_tiercache.shared.config.CONNECTOR_KEYS` lists them
     KEYS: ClassVar[tuple[str, ...]] = CONNECTOR_KEYS["TieredKVConnector"]
@@ -62,20 +73,6 @@ class KVConnectorOptions:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVConnectorOptions:
-        """Validate our keys (no file/env lookup); errors name the key, the value and what is allowed."""
-        chunk_size = as_int(raw.get("chunk_size", 256), "chunk_size", "a positive multiple of 16",
-                            lambda v: v > 0 and v % 16 == 0)
-        policy = raw.get("load_failure_policy")
-        if policy is not None and policy not in FAILURE_POLICIES:
-            raise ConfigError(
-                f"kv_connector_extra_config.load_failure_policy={policy!r} is not allowed; "
-                f"allowed: {', '.join(FAILURE_POLICIES)}"
-            )
-        return cls(
-            chunk_size=chunk_size,
-            save_partial_chunks=as_bool(raw.get("save_partial_chunks", True), "save_partial_chunks"),
-            save_decode=as_bool(raw.get("save_decode", False), "save_decode"),
-            load_failure_policy=policy,
-            # Taken as truthy, as it always was (not a strict bool).
-            warmup_cpu_attention=bool(raw.get("warmup_cpu_attention", True)),
-        )
+        """Validate our keys, skip the others' (no file/env lookup); errors name the key, the value and what
+        is allowed."""
+        return validate(cls, {key: raw[key] for key in cls.KEYS if key in raw})

@@ -215,8 +215,8 @@ def test_each_options_class_parses_the_keys_the_split_routes_to_it():
 
 
 def test_a_bad_load_failure_policy_names_the_setting():
-    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.load_failure_policy='never' is not allowed; "
-                                          r"allowed: recompute, fail"):
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.load_failure_policy: invalid value 'never'; "
+                                          r"allowed: recompute, fail$"):
         KVConnectorOptions.load({"load_failure_policy": "never"})
     assert KVConnectorOptions.load({"tiers": [{"kind": "memory"}]})[0].load_failure_policy is None
 

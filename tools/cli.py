@@ -40,6 +40,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("identity",): ("identity_cmd", "the cache identity (weights digest, fingerprints) a server config uses"),
     ("stats",): ("stats_cmd", "entries, bytes and hit counters per tier and namespace"),
     ("evict",): ("evict_cmd", "remove records by namespace, model or age (after a model update)"),
+    ("config", "schema"): ("config_cmd", "the JSON schema of the config (or the docs tables made from it)"),
 }
 
 

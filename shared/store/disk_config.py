@@ -11,16 +11,22 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field
 
 from vllm_tiercache.shared.store.tier_config import (
-    as_bool,
-    as_str,
-    capacity_option,
+    Bool,
+    Capacity,
+    EnvDefault,
+    Text,
     check_keys,
-    check_policy,
     default_cache_dir,
+    field_path,
     format_bytes,
+    schema_extra,
+    section_keys,
+    validate,
 )
 
 log = logging.getLogger(__name__)
@@ -30,46 +36,55 @@ DEFAULT_DISK_CAPACITY = 20 << 30
 _WARNED: set[tuple[str, int]] = set()
 
 
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """A directory of record files with an LMDB index; shared by every process that opens it.
+    """A directory of record files with an LMDB index, shared by every process that opens it
+    (`kind: disk`)."""
 
-    ``path`` is owned by this tier: `StoreConfig` refuses two tiers with the same ``path``.
-    """
-
-    #: keys a ``tiers[i]`` item of this kind may have
-    FIELDS: ClassVar[tuple[str, ...]] = ("kind", "path", "capacity", "fsync", "policy")
+    # the default path depends on the environment: the schema has none, the description says it
+    __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra=schema_extra(no_default=("path",)))
     #: a shared tier keeps LRU in its cross-process index (an in-process frequency sketch cannot see the
     #: other processes' accesses)
     POLICIES: ClassVar[tuple[str, ...]] = ("lru",)
 
-    path: str = ""
-    capacity: int = DEFAULT_DISK_CAPACITY
-    fsync: bool = True
-    policy: str = "lru"
-    kind: str = "disk"
+    path: Annotated[Text, AfterValidator(_absolute), Field(
+        description="Directory of the tier, owned by it: no two tiers of one store may share it; made "
+                    "absolute. Default: <user cache dir>/<kind>, the user cache dir being $TIERCACHE_CACHE_DIR, "
+                    "else $XDG_CACHE_HOME/vllm-tiercache or ~/.cache/vllm-tiercache.")] = ""
+    capacity: Annotated[Capacity, EnvDefault("TIERCACHE_DISK_CAPACITY"), Field(
+        description="Bytes the tier may hold: an int or a size string such as \"500GiB\". Default: "
+                    "$TIERCACHE_DISK_CAPACITY, else 20GiB. At least 256 bytes (a disk record is at least 129 "
+                    "bytes). More than the size or the free space of the filesystem holding the path (or its "
+                    "nearest existing parent) is a WARNING, once per process: the tier would fill the "
+                    "filesystem before it evicts and its writes would be skipped; not an error, because the "
+                    "tier's own records count as used space and the directory may be mounted later.")
+    ] = DEFAULT_DISK_CAPACITY
+    fsync: Annotated[Bool, Field(description="fsync each record file before it is indexed (crash safety).")
+                     ] = True
+    policy: Annotated[Literal["lru"], Field(
+        description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
+    kind: Annotated[Literal["disk"], Field(description="The tier kind.")] = "disk"
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str) -> DiskTierConfig:
-        """Validate ``raw``: ``path`` (made absolute; default <user cache dir>/<kind>), ``capacity``
-        ($TIERCACHE_DISK_CAPACITY, else 20GiB; at least `MIN_CAPACITY` bytes; more than the filesystem's
-        size or free space is a warning), ``fsync`` (true)."""
-        check_keys(raw, path, cls.kind, cls.FIELDS)
-        policy = check_policy(raw, path, cls.POLICIES)
-        raw_path = raw.get("path", str(default_cache_dir() / cls.kind))
-        as_str(raw_path, f"{path}.path")
-        norm = os.path.abspath(os.path.expanduser(raw_path))
-        cap, field = capacity_option(raw, path, "TIERCACHE_DISK_CAPACITY", DEFAULT_DISK_CAPACITY)
-        warn_if_above_filesystem(norm, cap, field)
-        fsync = as_bool(raw.get("fsync", True), f"{path}.fsync")
-        return cls(path=norm, capacity=cap, fsync=fsync, policy=policy)
+        """Validate one ``tiers[i]`` item (a capacity above the filesystem's size or free space is a
+        warning)."""
+        check_keys(raw, path, cls.kind, section_keys(cls))
+        config = validate(cls, raw, path, defaults={"path": str(default_cache_dir() / cls.kind)})
+        warn_if_above_filesystem(config.path, config.capacity, field_path(cls, raw, path, "capacity"))
+        return config
 
 
 @dataclass(frozen=True)
 class GdsTierConfig(DiskTierConfig):
-    """Same layout as disk, read through cuFile (kvikio) into GPU memory where available."""
+    """The disk layout, read through cuFile (kvikio) straight into GPU memory where CUDA and GPUDirect
+    Storage exist, through the POSIX path otherwise (`kind: gds`)."""
 
-    kind: str = "gds"
+    kind: Annotated[Literal["gds"], Field(description="The tier kind.")] = "gds"  # type: ignore[assignment]
 
 
 def warn_if_above_filesystem(directory: str, capacity: int, field: str) -> None:

@@ -10,13 +10,18 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import ConfigDict, Field
 
 from vllm_tiercache.shared.store.tier_config import (
-    capacity_option,
+    Capacity,
+    EnvDefault,
     check_keys,
-    check_policy,
+    field_path,
     format_bytes,
+    section_keys,
+    validate,
 )
 
 log = logging.getLogger(__name__)
@@ -24,31 +29,36 @@ log = logging.getLogger(__name__)
 DEFAULT_MEMORY_CAPACITY = 2 << 30
 #: (capacity, machine memory) already warned about in this process: one line per process, not per parse
 _WARNED: set[tuple[int, int]] = set()
+#: eviction policies (shared.eviction); "lfu" scans every entry per eviction, fine for the encoder cache,
+#: too slow for a memory tier of many thousand records
+MemoryPolicy = Literal["lru", "wtinylfu"]
 
 
 @dataclass(frozen=True)
 class MemoryTierConfig:
-    """A bounded in-process LRU of tensors."""
+    """A bounded in-process LRU of tensors (`kind: memory`)."""
 
-    #: keys a ``tiers[i]`` item of this kind may have
-    FIELDS: ClassVar[tuple[str, ...]] = ("kind", "capacity", "policy")
-    #: eviction policies (shared.eviction); "lfu" scans every entry per eviction, fine for the encoder
-    #: cache, too slow for a memory tier of many thousand records
-    POLICIES: ClassVar[tuple[str, ...]] = ("lru", "wtinylfu")
+    __pydantic_config__ = ConfigDict(extra="forbid")
+    POLICIES: ClassVar[tuple[str, ...]] = get_args(MemoryPolicy)
 
-    capacity: int = DEFAULT_MEMORY_CAPACITY
-    policy: str = "lru"
-    kind: str = "memory"
+    capacity: Annotated[Capacity, EnvDefault("TIERCACHE_MEMORY_CAPACITY"), Field(
+        description="Bytes the tier may hold: an int or a size string such as \"8GiB\". Default: "
+                    "$TIERCACHE_MEMORY_CAPACITY, else 2GiB. At least 256 bytes (a smaller tier holds no record "
+                    "and would refuse every put without a word). More than the machine's memory is a WARNING, "
+                    "once per process (the config may be read on another machine than the one that serves).")
+    ] = DEFAULT_MEMORY_CAPACITY
+    policy: Annotated[MemoryPolicy, Field(
+        description="Eviction policy: lru, or wtinylfu (W-TinyLFU; may refuse a record by admission, counted "
+                    "as admission_refused).")] = "lru"
+    kind: Annotated[Literal["memory"], Field(description="The tier kind.")] = "memory"
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str) -> MemoryTierConfig:
-        """Validate ``raw`` (``capacity`` defaults to $TIERCACHE_MEMORY_CAPACITY, else 2GiB; at least
-        `MIN_CAPACITY` bytes; more than this machine's memory is a warning)."""
-        check_keys(raw, path, cls.kind, cls.FIELDS)
-        policy = check_policy(raw, path, cls.POLICIES)
-        cap, field = capacity_option(raw, path, "TIERCACHE_MEMORY_CAPACITY", DEFAULT_MEMORY_CAPACITY)
-        warn_if_above_machine_memory(cap, field)
-        return cls(capacity=cap, policy=policy)
+        """Validate one ``tiers[i]`` item (a capacity above this machine's memory is a warning)."""
+        check_keys(raw, path, cls.kind, section_keys(cls))
+        config = validate(cls, raw, path)
+        warn_if_above_machine_memory(config.capacity, field_path(cls, raw, path, "capacity"))
+        return config
 
 
 def warn_if_above_machine_memory(capacity: int, field: str) -> None:

@@ -10,15 +10,22 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, Strict
 
 from vllm_tiercache.shared.store.tier_config import (
-    as_number,
-    as_str,
+    Allowed,
+    OptionalText,
+    Text,
     check_keys,
-    check_policy,
+    fail,
     invalid,
-    parse_size,
+    schema_extra,
+    seconds,
+    section_keys,
+    size,
+    validate,
 )
 
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
@@ -30,28 +37,61 @@ MIN_PART_SIZE, MAX_PART_SIZE = 1 << 10, 512 << 20
 MIN_TTL_S, MAX_TTL_S = 0.001, 365 * 86400.0
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 300.0
 MAX_RETRY_AFTER_S = 3600.0
+_URL_ALLOWED = "a URL starting with " + ", ".join(REDIS_SCHEMES)
+_URL_PATTERN = "^(" + "|".join(re.escape(scheme[:-3]) for scheme in REDIS_SCHEMES) + ")://"
+_PARSE_ALLOWED = "a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db] ({})"
+
+
+def _masked(url: str) -> str:
+    return re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password into a log
+
+
+def _check_url(url: str) -> str:
+    if not url.startswith(REDIS_SCHEMES):
+        raise fail(_URL_ALLOWED, shown=_masked(url))
+    why = _parse_error(url)
+    if why is not None:
+        raise fail(_PARSE_ALLOWED.format(why), shown=_masked(url))
+    return url
 
 
 @dataclass(frozen=True)
 class RedisTierConfig:
-    """A Redis server or cluster shared by every process and host that can reach it."""
+    """A Redis server or cluster shared by every process and host that can reach it (`kind: redis`).
+    Besides these keys, the ``ssl_*`` keyword arguments of the installed redis-py's SSLConnection
+    (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``, ...)
+    are passed through for TLS, only with a rediss:// URL; a misspelt one is an error, not a failure at
+    every connect."""
 
-    #: keys a ``tiers[i]`` item of this kind may have, besides ``ssl_*`` (redis-py TLS options)
-    FIELDS: ClassVar[tuple[str, ...]] = ("kind", "url", "password", "ttl_s", "part_size", "timeout_s",
-                                         "retry_after_s", "key_prefix", "policy")
+    __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra=schema_extra(
+        drop=("ssl",), required=("url",), patternProperties={"^ssl_": {"description": "a redis-py TLS option"}}))
     #: a shared tier keeps LRU (an in-process frequency sketch cannot see the other processes' accesses)
     POLICIES: ClassVar[tuple[str, ...]] = ("lru",)
 
-    url: str = ""
-    password: str | None = None
-    ttl_s: float | None = None
-    part_size: int = DEFAULT_PART_SIZE
-    timeout_s: float = 2.0
-    retry_after_s: float = 5.0
-    key_prefix: str = "tiercache:"
+    url: Annotated[str, Strict(), AfterValidator(_check_url), Allowed(_URL_ALLOWED), Field(
+        json_schema_extra={"pattern": _URL_PATTERN},
+        description="The server: redis://, rediss:// (TLS), redis+cluster:// or rediss+cluster://, then "
+                    "[user:password@]host[:port][/db], parsed as redis-py will.")] = ""
+    password: Annotated[OptionalText, Field(description="Password, unless the URL holds it.")] = None
+    ttl_s: Annotated[seconds(minimum=MIN_TTL_S, maximum=MAX_TTL_S, optional=True, null_means="no expiry"), Field(
+        description="Seconds a record lives (at most 365 days); null: no expiry. Sent in whole milliseconds: "
+                    "below 1 ms it would be 0, and Redis would refuse every write.")] = None
+    part_size: Annotated[size(MIN_PART_SIZE, MAX_PART_SIZE, "a size of at least 1KiB and at most 512MiB (Redis's "
+                                                             "largest string)"), Field(
+        description="Records larger than this are split into parts of this size (512 MB is Redis's largest "
+                    "string).")] = DEFAULT_PART_SIZE
+    timeout_s: Annotated[seconds(minimum=MIN_TIMEOUT_S, maximum=MAX_TIMEOUT_S), Field(
+        description="Socket timeout in seconds: a worker's load or save waits that long (twice, with the one "
+                    "retry) on an unresponsive server; a scheduler's lookup waits at most lookup_budget_ms.")] = 2.0
+    retry_after_s: Annotated[seconds(positive=False, maximum=MAX_RETRY_AFTER_S), Field(
+        description="Seconds between two probes (PING) of a down server by a background thread; requests "
+                    "never probe.")] = 5.0
+    key_prefix: Annotated[Text, Field(description="Prefix of every Redis key the tier writes.")] = "tiercache:"
     ssl: Mapping[str, Any] = field(default_factory=dict)
-    policy: str = "lru"
-    kind: str = "redis"
+    policy: Annotated[Literal["lru"], Field(
+        description="Eviction policy: lru only (a shared tier; Redis evicts by its own maxmemory policy "
+                    "too).")] = "lru"
+    kind: Annotated[Literal["redis"], Field(description="The tier kind.")] = "redis"
 
     @property
     def cluster(self) -> bool:
@@ -64,37 +104,19 @@ class RedisTierConfig:
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str) -> RedisTierConfig:
-        """Validate ``raw``: ``url`` is required; ``ssl_*`` keys only with a rediss:// URL."""
+        """Validate one ``tiers[i]`` item: ``url`` is required; ``ssl_*`` keys only with a rediss:// URL."""
         ssl_keys = redis_ssl_options() if any(str(k).startswith("ssl_") for k in raw) else None
         hint = f", ssl_* (redis-py TLS options{': ' + ', '.join(ssl_keys) if ssl_keys else ''})"
-        check_keys(raw, path, cls.kind, cls.FIELDS, prefix="ssl_", prefix_hint=hint, prefixed=ssl_keys)
-        policy = check_policy(raw, path, cls.POLICIES)
-        url = raw.get("url")
-        if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-            raise invalid(f"{path}.url", url, "a URL starting with " + ", ".join(REDIS_SCHEMES))
-        check_redis_url(url, f"{path}.url")
-        part_size = parse_size(raw.get("part_size", DEFAULT_PART_SIZE), f"{path}.part_size")
-        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
-            raise invalid(f"{path}.part_size", raw.get("part_size"),
-                          "a size of at least 1KiB and at most 512MiB (Redis's largest string)")
+        check_keys(raw, path, cls.kind, section_keys(cls, exclude=("ssl",)), prefix="ssl_", prefix_hint=hint,
+                   prefixed=ssl_keys)
         ssl = {k: v for k, v in raw.items() if k.startswith("ssl_")}
-        if ssl and not url.startswith("rediss"):
+        fields = {k: v for k, v in raw.items() if k not in ssl}
+        # a missing url is reported as null (the dataclass defaults it only for direct construction)
+        config = validate(cls, {"url": None, **fields, "ssl": ssl}, path)
+        if ssl and not config.url.startswith("rediss"):
             first = sorted(ssl)[0]
             raise invalid(f"{path}.{first}", ssl[first], "ssl_* options only with a rediss:// URL")
-        return cls(
-            url=url,
-            password=as_str(raw.get("password"), f"{path}.password", optional=True),
-            ttl_s=as_number(raw.get("ttl_s"), f"{path}.ttl_s", optional=True, minimum=MIN_TTL_S,
-                            maximum=MAX_TTL_S, null_means="no expiry"),
-            part_size=part_size,
-            timeout_s=as_number(raw.get("timeout_s", 2.0), f"{path}.timeout_s",  # type: ignore[arg-type]
-                                minimum=MIN_TIMEOUT_S, maximum=MAX_TIMEOUT_S),
-            retry_after_s=as_number(raw.get("retry_after_s", 5.0), f"{path}.retry_after_s",  # type: ignore[arg-type]
-                                    positive=False, maximum=MAX_RETRY_AFTER_S),
-            key_prefix=as_str(raw.get("key_prefix", "tiercache:"), f"{path}.key_prefix"),  # type: ignore[arg-type]
-            ssl=ssl,
-            policy=policy,
-        )
+        return config
 
 
 def redis_ssl_options() -> tuple[str, ...] | None:
@@ -115,11 +137,17 @@ def redis_ssl_options() -> tuple[str, ...] | None:
 def check_redis_url(url: str, path: str) -> None:
     """Parse the URL as redis-py will (port, query options), so a bad one is a ConfigError here and not
     a ValueError out of the tier's constructor when the engine starts."""
+    why = _parse_error(url)
+    if why is not None:
+        raise invalid(path, _masked(url), _PARSE_ALLOWED.format(why))
+
+
+def _parse_error(url: str) -> str | None:
+    """Why redis-py cannot parse ``url``, or None."""
     from redis.connection import parse_url
 
     try:
         parse_url(url.replace("+cluster://", "://", 1))
     except (ValueError, TypeError) as exc:
-        shown = re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password into a log
-        raise invalid(path, shown, f"a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db] "
-                                   f"({exc})") from exc
+        return str(exc)
+    return None

@@ -15,6 +15,9 @@ The contract (see `vllm_tiercache.shared.store.tier_config`):
 
 - config class: a frozen dataclass, ``kind`` defaulting to the registered kind, a ``policy`` field and
   ``from_raw(raw: Mapping, path: str) -> config`` raising `ConfigError` (``path`` is e.g. "tiers[1]").
+  The built-in classes annotate their fields (``Annotated[type, Field(...)]``, ``kind`` a ``Literal``) and
+  their ``from_raw`` is `check_keys` then `validate` (pydantic); a class written by hand works as well,
+  but only the annotated built-in kinds appear in the JSON schema (`vllm_tiercache.shared.config_schema`).
   A ``path`` attribute is a directory the tier owns: no two tiers of one store may share it.
 - tier class: ``TierClass(config, name)`` implementing `vllm_tiercache.shared.store.api.Tier`.
 """

@@ -1,29 +1,37 @@
-"""What every tier config class builds on: `ConfigError`, size parsing and the field validators.
+"""What every config section builds on: `ConfigError`, sizes, the field types and `validate`.
 
-Why here and not in `vllm_tiercache.shared.config`: that module imports every built-in tier config module
-(to re-export the classes), and those modules need these helpers; keeping the helpers in this leaf module
-(standard library only) means no import cycle. `vllm_tiercache.shared.config` re-exports `ConfigError`,
-`parse_size` and `default_cache_dir`, so callers keep importing them from there.
+A config section (the store, a tier kind, a connector's options) is a frozen dataclass whose fields carry
+their whole definition in the annotation: type, bounds, default, description (``Field``) and what an
+error says is allowed (`Allowed`). Pydantic validates a raw mapping against it (`validate`) and writes its
+JSON schema (`vllm_tiercache.shared.config_schema`); the dataclass stays what the code reads (built
+without validation when code constructs one directly, as the tests and the tiers do).
 
-A tier config class (see `vllm_tiercache.shared.store.registry`) is a frozen dataclass whose ``kind``
-defaults to its registered kind, with a ``policy`` field and a classmethod ``from_raw(raw, path)`` that
-validates the raw mapping of one ``tiers[i]`` item: `check_keys` and `check_policy` first (so every tier
-kind reports unknown keys and bad policies alike), then its own fields.
+Why here and not in `vllm_tiercache.shared.config`: that module imports every built-in tier config module,
+and those need these helpers; this leaf module (standard library and pydantic only) means no import cycle.
+`vllm_tiercache.shared.config` re-exports `ConfigError`, `parse_size` and `default_cache_dir`.
+
+Errors: `validate` turns pydantic's first error into one line, ``<path>: invalid value <value>; allowed:
+<allowed>``, the path built from the field's location (``tiers[1].capacity``). Unknown keys are checked
+first, by `check_keys`, which names the nearest known key.
 
 Bounds: every size is at most `MAX_SIZE` (1 EiB: beyond it a number is a typo, not a cache), a tier's
-capacity at least `MIN_CAPACITY` (`parse_capacity`: a smaller tier holds no record and would refuse every
-put without a word), and every duration is finite and within the bounds its field gives `as_number`.
+capacity at least `MIN_CAPACITY` (a smaller tier holds no record and would refuse every put without a
+word), and every duration is finite and within the bounds its field gives `seconds`.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+from pydantic import BeforeValidator, Field, Strict, TypeAdapter, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 _UNITS = {
     "": 1, "b": 1,
@@ -40,6 +48,7 @@ MAX_SIZE = 1 << 60
 #: alone is 128); a tier smaller than this holds nothing and would refuse every put, silently.
 MIN_CAPACITY = 256
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+SIZE_ALLOWED = 'a non-negative int (bytes) or a string such as "8GiB", "500MB", "1.5GiB", at most 1EiB'
 
 
 class ConfigError(ValueError):
@@ -51,35 +60,25 @@ def invalid(path: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{path}: invalid value {value!r}; allowed: {allowed}")
 
 
-def parse_size(value: Any, path: str = "size") -> int:
-    """Bytes from an int or a string like "8GiB", "500MB", "1.5GiB" (binary and decimal units), at most
-    `MAX_SIZE`; fractions of a byte are dropped ("1.5B" is 1)."""
-    allowed = 'a non-negative int (bytes) or a string such as "8GiB", "500MB", "1.5GiB", at most 1EiB'
+def _bytes(value: Any) -> int | None:
+    """Bytes from an int or a size string, None when it is neither or beyond `MAX_SIZE`."""
     size: int | float | None = None
-    if isinstance(value, bool):
-        size = None
-    elif isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         size = value
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             size = float(m.group(1)) * _UNITS[m.group(2).lower()]
     # a NaN fails both comparisons; "1" * 400 + "GiB" overflows a float to inf: an error, not a crash
-    if size is None or not 0 <= size <= MAX_SIZE:
-        raise invalid(path, value, allowed)
-    return int(size)
+    return int(size) if size is not None and 0 <= size <= MAX_SIZE else None
 
 
-def parse_capacity(value: Any, path: str, minimum: int = MIN_CAPACITY) -> int:
-    """A tier's capacity: a size (`parse_size`) of at least ``minimum`` bytes.
-
-    Why a minimum: a tier of capacity 0 (or "0.0001B", which is 0) refuses every put and logs nothing, so
-    a typo would turn a cache off without a trace.
-    """
-    size = parse_size(value, path)
-    if size < minimum:
-        raise invalid(path, value, f"a size of at least {minimum} bytes, e.g. \"2GiB\" (a smaller tier holds "
-                                   "no record: every put would be refused)")
+def parse_size(value: Any, path: str = "size") -> int:
+    """Bytes from an int or a string like "8GiB", "500MB", "1.5GiB" (binary and decimal units), at most
+    `MAX_SIZE`; fractions of a byte are dropped ("1.5B" is 1)."""
+    size = _bytes(value)
+    if size is None:
+        raise invalid(path, value, SIZE_ALLOWED)
     return size
 
 
@@ -91,74 +90,166 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "vllm-tiercache"
 
 
-def capacity_option(raw: Mapping[str, Any], path: str, env: str, default: int) -> tuple[int, str]:
-    """(capacity, its field path) of one ``tiers[i]`` item: ``capacity``, else ``$env``, else ``default``,
-    checked by `parse_capacity`. The field path names ``$env`` when the value came from it, so an error or a
-    warning about it points at the variable, not at a key the user never wrote."""
-    field = f"{path}.capacity"
-    if "capacity" in raw:
-        value = raw["capacity"]
-    else:
-        value = os.environ.get(env) or default
-        if os.environ.get(env):
-            field += f" (${env})"
-    return parse_capacity(value, field, MIN_CAPACITY), field
+# ------------------------------------------------------------------------------------ field metadata
+@dataclass(frozen=True)
+class Allowed:
+    """Annotation metadata: what an error about this field says is allowed (``path`` replaces the field
+    path in the message, for a key better named with its setting, e.g. ``kv_connector_extra_config.x``)."""
+
+    text: str
+    path: str | None = None
 
 
-def as_bool(value: Any, path: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise invalid(path, value, "true or false")
+@dataclass(frozen=True)
+class EnvDefault:
+    """Annotation metadata: when the key is missing, the value of ``$env`` (if set) is validated in its
+    place, and errors and warnings about it name the variable: ``tiers[0].capacity ($ENV)``."""
+
+    env: str
 
 
-def as_number(value: Any, path: str, *, positive: bool = True, optional: bool = False,
-              minimum: float | None = None, maximum: float | None = None, null_means: str = "") -> float | None:
+def fail(allowed: str, shown: Any = None) -> PydanticCustomError:
+    """The error a custom validator raises: what is allowed (``shown``: the value as the message shows it,
+    e.g. a URL without its password)."""
+    ctx: dict[str, Any] = {"allowed": allowed}
+    if shown is not None:
+        ctx["shown"] = shown
+    return PydanticCustomError("tiercache", "{allowed}", ctx)
+
+
+# --------------------------------------------------------------------------------------- field types
+#: true or false, nothing else (pydantic's lax mode would take "yes" and 1)
+Bool = Annotated[bool, Strict(), Allowed("true or false")]
+#: a non-empty string
+Text = Annotated[str, Strict(), Field(min_length=1), Allowed("a non-empty string")]
+#: a non-empty string, or null
+OptionalText = Annotated[Annotated[str, Strict(), Field(min_length=1)] | None, Allowed("a non-empty string or null")]
+
+
+def size(minimum: int = 0, maximum: int = MAX_SIZE, out_of_range: str = "") -> Any:
+    """A size field: an int (bytes) or a string such as "8GiB", validated to an int in [minimum, maximum]
+    (``out_of_range``: what the error says when a well-formed size is outside)."""
+
+    def to_bytes(value: Any) -> int:
+        got = _bytes(value)
+        if got is None:
+            raise fail(SIZE_ALLOWED)
+        if not minimum <= got <= maximum:
+            raise fail(out_of_range)
+        return got
+
+    schema = {"anyOf": [{"type": "integer", "minimum": minimum, "maximum": maximum},
+                        {"type": "string", "pattern": _SIZE_RE.pattern}], "format": "size"}
+    return Annotated[int, BeforeValidator(to_bytes), WithJsonSchema(schema)]
+
+
+#: a tier's capacity: a size of at least `MIN_CAPACITY` bytes
+Capacity = size(MIN_CAPACITY, out_of_range=f'a size of at least {MIN_CAPACITY} bytes, e.g. "2GiB" (a smaller tier '
+                                           "holds no record: every put would be refused)")
+
+
+def seconds(*, minimum: float | None = None, maximum: float | None = None, positive: bool = True,
+            optional: bool = False, null_means: str = "") -> Any:
     """A finite number of seconds: > 0 (``positive``) or >= 0, within [``minimum``, ``maximum``] when given;
-    None for null when ``optional`` (``null_means`` says what null does, for the message)."""
-    if value is None and optional:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
-        ok = value > 0 if positive else value >= 0
-        ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
-        if ok:
-            return float(value)
+    null too when ``optional`` (``null_means`` says what null does, for the message). Ints are taken."""
     allowed = "a positive number of seconds" if positive else "a number of seconds, 0 or more"
-    if minimum is not None:
-        allowed += f", at least {minimum:g}"
-    if maximum is not None:
-        allowed += f", at most {maximum:g}"
-    if optional:
-        allowed += f", or null{f' ({null_means})' if null_means else ''}"
-    raise invalid(path, value, allowed)
+    allowed += f", at least {minimum:g}" if minimum is not None else ""
+    allowed += f", at most {maximum:g}" if maximum is not None else ""
+    allowed += f", or null{f' ({null_means})' if null_means else ''}" if optional else ""
+    low = {"ge": minimum} if minimum is not None else {"gt": 0} if positive else {"ge": 0}
+    number = Annotated[float, Strict(), Field(allow_inf_nan=False, le=maximum, **low)]
+    return Annotated[number | None if optional else number, Allowed(allowed)]  # type: ignore[operator]
 
 
-def _finite(value: float) -> bool:
+# ------------------------------------------------------------------------------------------ validate
+def validate(cls: Any, raw: Mapping[str, Any], path: str = "", defaults: Mapping[str, Any] | None = None) -> Any:
+    """An instance of the section ``cls`` (a dataclass or TypedDict with annotated fields) from ``raw``:
+    ``defaults`` fill missing keys (a default that depends on the environment), then `EnvDefault` fields
+    their variable; pydantic's first error becomes a `ConfigError` named from ``path`` (e.g. "tiers[1]")."""
+    data = {**(defaults or {}), **raw}
+    labels: dict[str, str] = {}
+    for name, env in _env_defaults(cls).items():
+        if name not in raw and os.environ.get(env):
+            data[name] = os.environ[env]
+            labels[name] = field_path(cls, raw, "", name)
     try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
+        return _adapter(cls).validate_python(data)
+    except ValidationError as exc:
+        raise _config_error(cls, exc.errors()[0], path, labels) from None
 
 
-def as_int(value: Any, path: str, allowed: str, ok: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and ok(value):
-        return value
-    raise invalid(path, value, allowed)
+def field_path(cls: Any, raw: Mapping[str, Any], path: str, name: str) -> str:
+    """``path.name`` as errors name it: with ``($ENV)`` when the value came from the field's variable."""
+    env = _env_defaults(cls).get(name)
+    label = f"{name} (${env})" if env and name not in raw and os.environ.get(env) else name
+    return f"{path}.{label}" if path else label
 
 
-def as_str(value: Any, path: str, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, str) and value:
-        return value
-    raise invalid(path, value, "a non-empty string" + (" or null" if optional else ""))
+@cache
+def _adapter(cls: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
 
 
+def section_schema(cls: Any) -> dict[str, Any]:
+    """The JSON schema of one config section (see `vllm_tiercache.shared.config_schema`)."""
+    return _adapter(cls).json_schema()
+
+
+@cache
+def _metadata(cls: Any) -> dict[str, tuple[Any, list[Any]]]:
+    """field (by key, i.e. alias) -> (its type without Annotated, its Annotated metadata)."""
+    hints = get_type_hints(cls, include_extras=True)
+    out: dict[str, tuple[Any, list[Any]]] = {}
+    for name, hint in hints.items():
+        meta = list(getattr(hint, "__metadata__", ()))
+        base = get_args(hint)[0] if meta else hint
+        alias = next((m.alias for m in meta if getattr(m, "alias", None)), None)
+        out[alias or name] = (base, meta)
+    return out
+
+
+def _env_defaults(cls: Any) -> dict[str, str]:
+    return {name: m.env for name, (_, meta) in _metadata(cls).items() for m in meta if isinstance(m, EnvDefault)}
+
+
+def _config_error(cls: Any, err: Mapping[str, Any], path: str, labels: Mapping[str, str]) -> ConfigError:
+    """One pydantic error as a `ConfigError` in the one style."""
+    ctx = err.get("ctx") or {}
+    if isinstance(ctx.get("error"), ConfigError):  # a validator that knew the whole message (a tier's)
+        return ctx["error"]
+    loc = list(err["loc"])
+    name = loc[0] if loc else ""
+    base, meta = _metadata(cls).get(name, (None, []))
+    allowed = next((m for m in reversed(meta) if isinstance(m, Allowed)), None)
+    where = allowed.path if allowed and allowed.path else labels.get(name, str(name))
+    where = f"{path}.{where}" if path and where else path or where
+    for part in loc[1:]:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}"
+    if err["type"] == "tiercache":
+        text = ctx["allowed"]
+    elif allowed is not None:
+        text = allowed.text
+    elif get_origin(base) is Literal:
+        text = ", ".join(str(v) for v in get_args(base))
+    else:
+        text = err["msg"]
+    value = None if err["type"] == "missing" else ctx.get("shown", err["input"])
+    return invalid(where, value, text)
+
+
+# -------------------------------------------------------------------------------------- key checks
 def did_you_mean(name: Any, known: Sequence[Any]) -> str:
     """``"did you mean 'capacity'? "`` for the known name nearest ``name`` (difflib), or ``""``."""
     if not isinstance(name, str):
         return ""
     close = difflib.get_close_matches(name, [k for k in known if isinstance(k, str)], n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}? " if close else ""
+
+
+def section_keys(cls: Any, exclude: Sequence[str] = ()) -> tuple[str, ...]:
+    """The keys a section's mapping may have: its dataclass fields, ``kind`` first (a tier's)."""
+    names = [f.name for f in fields(cls) if f.name not in exclude] if is_dataclass(cls) else list(_metadata(cls))
+    return tuple(sorted(names, key=lambda n: n != "kind"))
 
 
 def check_keys(raw: Mapping[str, Any], path: str, kind: str, known: Sequence[str], *,
@@ -179,11 +270,40 @@ def check_keys(raw: Mapping[str, Any], path: str, kind: str, known: Sequence[str
 
 
 def check_policy(raw: Mapping[str, Any], path: str, policies: Sequence[str]) -> str:
-    """The tier's eviction policy (default "lru"), one of ``policies``."""
+    """The tier's eviction policy (default "lru"), one of ``policies`` (for a tier kind registered without
+    a pydantic section; the built-in kinds declare ``policy`` as a Literal)."""
     policy = raw.get("policy", "lru")
     if policy not in policies:
         raise invalid(f"{path}.policy", policy, ", ".join(policies))
     return policy
+
+
+def as_str(value: Any, path: str, *, optional: bool = False) -> str | None:
+    """A non-empty string (or None for null when ``optional``), for a section written by hand."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and value:
+        return value
+    raise invalid(path, value, "a non-empty string" + (" or null" if optional else ""))
+
+
+def schema_extra(*, drop: Sequence[str] = (), required: Sequence[str] = (), no_default: Sequence[str] = (),
+                 **extra: Any) -> Callable[[dict[str, Any]], None]:
+    """A ``json_schema_extra`` for a section whose keys differ from its fields: ``drop`` fields that are
+    not keys, mark keys ``required`` that the dataclass defaults (for direct construction), show
+    ``no_default`` for a default the environment decides (the description says it), add ``extra``."""
+
+    def edit(schema: dict[str, Any]) -> None:
+        props = schema.get("properties", {})
+        for name in drop:
+            props.pop(name, None)
+        for name in (*required, *no_default):
+            props.get(name, {}).pop("default", None)
+        if required:
+            schema["required"] = [*schema.get("required", []), *required]
+        schema.update(extra)
+
+    return edit
 
 
 def format_bytes(n: int) -> str:
