@@ -59,7 +59,7 @@ from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats, write_stats_file
-from vllm_tiercache.shared.store import get_store
+from vllm_tiercache.shared.store import describe_tiers, get_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.counters import add_nested
 from vllm_tiercache.shared.vllm_compat import check_vllm_version
@@ -171,10 +171,10 @@ class TieredECConnector(ECConnectorBase):
         _ROLES.add(role.name.lower())
         logger.info(
             "TieredECConnector: role=%s ec_role=%s pid=%d executor=%s world_size=%d model=%s weights=%s "
-            "fingerprint=%s namespace=%s",
+            "fingerprint=%s namespace=%s tiers=%s",
             role.name, ec.ec_role, os.getpid(), vllm_config.parallel_config.distributed_executor_backend,
             vllm_config.parallel_config.world_size, self._identity.model, weights.digest,
-            self._identity.encoder_fingerprint, self._config.namespace,
+            self._identity.encoder_fingerprint, self._config.namespace, describe_tiers(self._config),
         )
         if role == ECConnectorRole.SCHEDULER:
             # Whether the worker shares this process (and so its memory tier) is checked at lookup time:

@@ -38,7 +38,7 @@ from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.hashing import check_seed_is_stable
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
-from vllm_tiercache.shared.store import get_store
+from vllm_tiercache.shared.store import describe_tiers, get_store
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
@@ -158,9 +158,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         identifiers = checked.identifiers
         naming = KVNaming.from_configs(vllm_config, config, self._options)
         identity = naming.identities[0]
-        log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d",
-                 role.name, identity.model, identity.weights, identity.fingerprint, naming.namespace,
-                 self._options.chunk_size)
+        log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d "
+                 "tiers=%s", role.name, identity.model, identity.weights, identity.fingerprint, naming.namespace,
+                 self._options.chunk_size, describe_tiers(config))
         self._block_size = naming.geometry.block_size
         self._store = get_store(config)
         self._scheduler: KVSchedulerSide | None = None

@@ -36,6 +36,7 @@ __all__ = [
     "TierCounters",
     "TieredStore",
     "build_store",
+    "describe_tiers",
     "get_store",
     "make_tier",
 ]
@@ -104,3 +105,25 @@ def _close_all() -> None:
         _STORES.clear()
     for store in stores:
         store.close(timeout=10.0)
+
+
+def describe_tiers(config: StoreConfig) -> str:
+    """The store's tiers for a start-up log line, fastest first: kind, capacity, directory or address
+    (credentials left out), e.g. ``memory 2GiB lru > disk /var/cache/tc 20GiB > redis redis://cache:6379``."""
+    from vllm_tiercache.shared.store.tier_config import format_bytes
+
+    parts = []
+    for tier in config.tiers:
+        words = [tier.kind]
+        for name in ("path", "address"):
+            value = getattr(tier, name, None)
+            if isinstance(value, str) and value:
+                words.append(value)
+        capacity = getattr(tier, "capacity", None)
+        if isinstance(capacity, int):
+            words.append(format_bytes(capacity))
+        policy = getattr(tier, "policy", None)
+        if isinstance(policy, str):
+            words.append(policy)
+        parts.append(" ".join(words))
+    return " > ".join(parts)
