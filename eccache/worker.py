@@ -166,10 +166,14 @@ class ECWorkerSide:
             return
         start = time.perf_counter()
         cpu = tensor.detach()
-        if cpu.device.type != "cpu":
-            cpu = cpu.to("cpu")  # one device->host copy; the store keeps its own copy off this path
+        # A device output is copied to the host here, once, into a tensor only the store sees: handed over
+        # (owned=True), no second copy. A CPU output is vLLM's own: the store copies it (the default).
+        owned = cpu.device.type != "cpu"
+        if owned:
+            cpu = cpu.to("cpu")
         try:
-            self._store.put(self._key_of(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)})
+            self._store.put(self._key_of(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)},
+                            owned=owned)
         except Exception:
             logger.exception("tiercache EC: store write failed for %s", mm_hash)
             self._count(save_errors=1)

@@ -17,6 +17,7 @@ offline engine's) and compare every answer with an engine that has no connector.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -258,8 +259,11 @@ HANG_NOISE_S = 1.5
 
 @pytest.mark.engine
 @pytest.mark.redis
-def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path) -> None:
-    """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests.
+@pytest.mark.parametrize("shape", ["server", "cluster"])
+def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path,
+                                          shape: str, request: pytest.FixtureRequest) -> None:
+    """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests: the one server,
+    or one master of a 3 + 3 cluster (a hung shard; the others keep answering).
 
     Seen before the lookup budget (issue "The shared tier at fleet scale", part 3): requests of 8 s and 4 s
     against a 56 ms median, because every new request's lookup ran on the engine's scheduling thread and
@@ -280,26 +284,42 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
             served.append((i, result, seconds[-1]))
         return seconds
 
-    with RedisServer() as redis_srv:
+    with contextlib.ExitStack() as stack:
+        if shape == "server":  # paused 20 s: many probe periods (retry_after_s 1 s) and socket timeouts
+            pause_s = 20.0
+            redis_srv = stack.enter_context(RedisServer())
+            url, pause, resume, client = redis_srv.url, redis_srv.pause, redis_srv.resume, redis_srv.client()
+        else:  # the session's cluster; one master hangs for less than its node timeout (no failover)
+            cluster = request.getfixturevalue("redis_cluster")
+            pause_s = cluster.node_timeout_ms / 1000 * 0.8
+            victim = cluster.master_nodes()[0]
+            # the hung master's own keys: records must reach that shard again, not only the others
+            url, client = cluster.url, cluster.nodes[victim].client()
+            pause, resume = (lambda: cluster.pause(victim)), (lambda: cluster.resume(victim))
         kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"namespace": "redis-hang", "chunk_size": 64, "tiers": [
+              "kv_connector_extra_config": {"namespace": f"redis-hang-{shape}", "chunk_size": 64, "tiers": [
                   {"kind": "memory", "capacity": "64MiB"},
-                  {"kind": "redis", "url": redis_srv.url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
+                  {"kind": "redis", "url": url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
         with Server(tiny_llama, tmp_path / "server.log", served_name="tiny", chat_template=template,
                     max_model_len=2048, kv_transfer=kv, stats_dir=tmp_path / "stats") as server:
             server.wait_healthy()
             send(list(range(4)))  # first requests pay one-time costs (kernels, connections)
             before = send(list(range(4, 10)))
-            redis_srv.pause()
-            try:
-                during = send(list(range(10, 20)))
+            pause()
+            try:  # a stream of requests through the whole pause (prompts 10-19 in turn)
+                during: list[float] = []
+                end = time.monotonic() + pause_s
+                while time.monotonic() < end:
+                    during += send([10 + len(during) % 10])
             finally:
-                redis_srv.resume()
-            client = redis_srv.client()
+                resume()
             stored = client.dbsize()
             deadline = time.monotonic() + 30
+            rng = random.Random(f"after-{shape}")
             while client.dbsize() <= stored and time.monotonic() < deadline:
-                send([20, 21, 22, 23])  # new prompts: their saves reach Redis once the tier is back
+                for _ in range(4):  # prompts never seen: their saves reach Redis once the tier is back
+                    fresh = _complete(server.base_url, [rng.randrange(3, 259) for _ in range(300)])
+                    assert not fresh["error"], fresh["error"]
                 time.sleep(0.5)
             back = client.dbsize() > stored
 
@@ -308,7 +328,8 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
     reference = baseline.result()
     wrong = [i for i, r, _ in served if r["tokens"] != reference[i]]
     assert not wrong, f"answers differ from the baseline for prompts {wrong}"
-    print(f"redis paused: requests before {[round(s, 3) for s in before]} s, during {[round(s, 3) for s in during]} s")
+    print(f"redis {shape} paused {pause_s:g} s: requests before {[round(s, 3) for s in before]} s, "
+          f"{len(during)} during, slowest {sorted(round(s, 3) for s in during)[-3:]} s")
     assert max(during) <= max(before) + HANG_NOISE_S, (before, during)
     assert back, "no new record reached Redis within 30 s of SIGCONT: the tier did not come back by itself"
 

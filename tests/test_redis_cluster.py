@@ -3,12 +3,14 @@
 What only a cluster shows: records spread over masters by hash slot, pipelines split per node, a damaged
 record that must cost one miss and not the batch (redis-py's cluster pipeline refuses commands a
 standalone pipeline takes), a cluster away at start or while running (the cluster client raises its
-own exception types), and memory spread over masters.
+own exception types), memory spread over masters, and one master failing (killed and failed over, paused,
+or replaced by a manual failover) while the other shards keep serving.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -256,4 +258,182 @@ def test_usage_sums_masters(redis_cluster):
     after = per_master()
     assert sum(before) - 256 * KiB <= used <= sum(after) + 256 * KiB
     assert used > max(after) + 4 * MiB - 256 * KiB  # not one node's figure: the other two masters' records
+    tier.close()
+
+
+# ------------------------------------------------------------------------------- one shard's failure
+def _shard_lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.mark.redis
+def test_master_killed_under_load(redis_cluster, caplog):
+    """One master SIGKILLed while a thread gets and puts over every master: the other shards keep serving
+    (no miss on them), the failed shard's keys are misses and its puts dropped until its replica is
+    promoted, then served again with no restart; every hit is byte-exact; records replicated before the
+    kill are all readable after the failover.
+
+    The servers run with ``cluster-require-full-coverage no`` (docs/operations.md): with the default
+    ``yes`` every node refuses every key (CLUSTERDOWN) from the moment the master is marked failed until
+    the promotion, about a second here, which no client can help.
+    """
+    cluster = redis_cluster
+    cluster.config_set("cluster-require-full-coverage", "no")
+    tier = _tier(cluster.url, timeout_s=0.5, retry_after_s=0.5)
+    try:
+        keys, owners = _spread(cluster, tier, 30)
+        tensors = [_bytes(2 * KiB + i, i) for i in range(len(keys))]
+        tier.put_many([(k, t, None) for k, t in zip(keys, tensors, strict=True)])
+        cluster.wait_replicated()  # acknowledged and on the replicas: a failover must keep them
+        victim = owners[0]
+        replica = cluster.replica_of(victim)
+
+        events: list[tuple[float, int, bool, float]] = []  # call start, key index, hit, call seconds
+        wrong: list[int] = []
+        stop = threading.Event()
+        puts = [0]
+
+        def load() -> None:
+            j = 0
+            while not stop.is_set():
+                batch = [(3 * j + n) % len(keys) for n in range(6)]  # two keys of every master
+                start = time.monotonic()
+                got = tier.get_many([keys[i] for i in batch])
+                took = time.monotonic() - start
+                for i, rec in zip(batch, got, strict=True):
+                    if rec is not None and not torch.equal(rec.tensor, tensors[i]):
+                        wrong.append(i)
+                    events.append((start, i, rec is not None, took))
+                tier.put_many([(StoreKey(f"ns|load|{j}|{n}"), _bytes(KiB, n), None) for n in range(3)])
+                puts[0] += 3
+                j += 1
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=load, daemon=True)
+        dropped_before = tier.counters.get("dropped_writes")
+        with caplog.at_level(logging.WARNING):
+            thread.start()
+            time.sleep(0.5)
+            t_kill = time.monotonic()
+            cluster.kill(victim)
+            cluster.wait_promoted(replica)
+            t_promo = time.monotonic()
+            while not any(t > t_promo and owners[i] == victim and hit for t, i, hit, _ in list(events)):
+                assert time.monotonic() < t_promo + 30, "the failed shard's keys were not served after the promotion"
+                time.sleep(0.02)
+            time.sleep(0.2)
+            stop.set()
+            thread.join(10)
+        assert not thread.is_alive()
+
+        healthy = [(t, hit, took) for t, i, hit, took in events if owners[i] != victim and t_kill < t < t_promo]
+        failed = [(t, hit) for t, i, hit, _ in events if owners[i] == victim and t > t_kill]
+        back_at = min(t for t, hit in failed if hit)
+        down_s = back_at - t_kill
+        failed_misses = sum(1 for t, hit in failed if not hit)
+        dropped = tier.counters.get("dropped_writes") - dropped_before
+        print(f"\nkill test: failover {t_promo - t_kill:.2f}s after the kill; failed shard down {down_s:.2f}s "
+              f"({back_at - t_promo:.2f}s after the promotion), {failed_misses} misses on it; healthy shards "
+              f"during the outage: {sum(h for _, h, _ in healthy)} hits, {sum(not h for _, h, _ in healthy)} "
+              f"misses, slowest call {max(took for _, _, took in healthy):.3f}s; puts dropped {dropped} of "
+              f"{puts[0]}; shard lines: {_shard_lines(caplog, 'shard')}")
+
+        assert wrong == []  # every hit byte-exact
+        assert len(healthy) > 0 and all(hit for _, hit, _ in healthy)  # the other shards kept serving
+        assert failed_misses > 0 and 0 < dropped < puts[0]
+        assert back_at - t_promo < 30
+        got = tier.get_many(keys)  # everything replicated before the kill survived the failover
+        assert all(rec is not None and torch.equal(rec.tensor, t) for rec, t in zip(got, tensors, strict=True))
+        assert tier.shards_down == [] and not tier.down
+        assert len(_shard_lines(caplog, "unreachable")) == 1
+        assert len(_shard_lines(caplog, "failed over to")) == 1
+    finally:
+        cluster.config_set("cluster-require-full-coverage", "yes")
+        tier.close()
+
+
+@pytest.mark.redis
+def test_master_paused_other_shards_serve(redis_cluster, caplog):
+    """One master SIGSTOPped (a hung host) for less than the cluster's node timeout (no failover): the
+    call that finds it hanging waits one timeout, then every call returns at once, the other shards' keys
+    hit and its keys miss; after SIGCONT it serves again by itself."""
+    cluster = redis_cluster
+    timeout_s = 0.5
+    tier = _tier(cluster.url, timeout_s=timeout_s, retry_after_s=0.3)
+    keys, owners = _spread(cluster, tier, 12)
+    tensors = [_bytes(3 * KiB, i) for i in range(len(keys))]
+    tier.put_many([(k, t, None) for k, t in zip(keys, tensors, strict=True)])
+    victim = owners[0]
+    on_victim = [owner == victim for owner in owners]
+    calls: list[float] = []
+    with caplog.at_level(logging.WARNING):
+        cluster.pause(victim)
+        try:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                start = time.monotonic()
+                got = tier.get_many(keys)
+                found = tier.contains_many(keys)
+                calls.append(time.monotonic() - start)
+                for rec, tensor, paused in zip(got, tensors, on_victim, strict=True):
+                    assert (rec is None) if paused else torch.equal(rec.tensor, tensor)
+                assert found == [not paused for paused in on_victim]
+                time.sleep(0.01)
+            assert tier.shards_down == [f"127.0.0.1:{cluster.nodes[victim].port}"] and not tier.down
+            usage = tier.usage()  # the other masters' figure, at once: the paused one is not asked
+            assert usage["down"] is False and usage["bytes_used"] > 0
+        finally:
+            cluster.resume(victim)
+        resumed = time.monotonic()
+        while [rec is not None for rec in tier.get_many(keys)] != [True] * len(keys):
+            assert time.monotonic() < resumed + 10, "the paused shard did not come back after SIGCONT"
+            time.sleep(0.02)
+        back_s = time.monotonic() - resumed
+    print(f"\npause test: {len(calls)} calls during the pause, slowest {max(calls):.3f}s, others at most "
+          f"{sorted(calls)[-2]:.3f}s; shard served again {back_s:.2f}s after SIGCONT")
+    assert max(calls) < timeout_s + 0.4  # the one call that found it hanging: one timeout
+    assert sorted(calls)[-2] < 0.25  # every other call: at once
+    assert len(_shard_lines(caplog, "unreachable")) == 1
+    assert len(_shard_lines(caplog, "reachable again")) == 1
+    assert all(r.levelno < logging.ERROR for r in caplog.records)
+    assert tier.shards_down == []
+    tier.close()
+
+
+@pytest.mark.redis
+def test_manual_failover_is_followed(redis_cluster, caplog):
+    """A replica takes its master's slots over (CLUSTER FAILOVER: no node fails): the old master answers
+    MOVED to the tier's stale slot map; those keys miss until the prober re-reads the map (within
+    `SLOT_MAP_REFRESH_S`, not ``retry_after_s``), the other shards never miss, nothing is lost."""
+    cluster = redis_cluster
+    tier = _tier(cluster.url, timeout_s=0.5, retry_after_s=5)
+    keys, owners = _spread(cluster, tier, 9)
+    tensors = [_bytes(2 * KiB, i) for i in range(len(keys))]
+    tier.put_many([(k, t, None) for k, t in zip(keys, tensors, strict=True)])
+    cluster.wait_replicated()
+    victim = owners[0]
+    replica = cluster.replica_of(victim)
+    with cluster.node_client(replica) as c:
+        c.execute_command("CLUSTER", "FAILOVER")
+    cluster.wait_promoted(replica)
+    deadline = time.monotonic() + 10
+    while cluster.role(victim) != "slave":  # the old master knows: it answers MOVED from now on
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    misses = 0
+    with caplog.at_level(logging.WARNING):
+        while True:
+            got = tier.get_many(keys)
+            for rec, tensor, owner in zip(got, tensors, owners, strict=True):
+                assert (rec is None and owner == victim) or torch.equal(rec.tensor, tensor)
+            misses += sum(rec is None for rec in got)
+            if all(rec is not None for rec in got):
+                break
+            assert time.monotonic() < start + 3, "the moved slots were not followed"
+            time.sleep(0.01)
+    print(f"\nmanual failover: moved shard served again {time.monotonic() - start:.2f}s after the promotion "
+          f"({misses} misses on it); lines: {[r.getMessage() for r in _loud(caplog)]}")
+    assert misses > 0 and not tier.down and tier.shards_down == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     tier.close()

@@ -272,8 +272,9 @@ class LocalRedisCluster:
     ``cluster_state:ok`` and every replica is in sync. ``cluster.url`` is the tier URL
     (``redis+cluster://127.0.0.1:PORT``, node 0 as the seed). Nodes are addressed by index into
     ``nodes``; `kill` / `pause` / `resume` act on one, `stop` on all, and `start` brings back whatever
-    was stopped, killed or paused (each node keeps its ``nodes.conf``, so it rejoins as itself; data is
-    not persisted).
+    was stopped, killed or paused (each node keeps its ``nodes.conf``, so it rejoins as itself, or as a
+    replica when its replica was promoted meanwhile; data is not persisted). For failover tests:
+    `replica_of`, `wait_replicated` (before a kill), `wait_promoted` (after it), `config_set`.
     """
 
     def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 5000,
@@ -426,6 +427,68 @@ class LocalRedisCluster:
 
     def resume(self, node: int) -> None:
         self.nodes[node].resume()
+
+    def replica_of(self, node: int) -> int:
+        """Index of a running replica of ``nodes[node]``, as the replicas say."""
+        port = self.nodes[node].port
+        for i, n in enumerate(self.nodes):
+            if i == node or not n.running or n.paused:
+                continue
+            with self.node_client(i) as c:
+                repl = c.info("replication")
+            if repl.get("role") == "slave" and int(repl.get("master_port", 0)) == port:
+                return i
+        raise RedisServerError(f"node {node} (port {port}) has no running replica")
+
+    def wait_promoted(self, node: int, timeout: float = 60.0, poll_s: float = 0.02) -> float:
+        """Until ``nodes[node]`` (the replica of a master that failed) says it is a master that serves
+        slots; returns the seconds waited. The failover needs ``node_timeout_ms`` to mark the master
+        failed, then about a second for the replica's election."""
+        start = time.monotonic()
+        while True:
+            try:
+                with self.node_client(node) as c:
+                    if c.execute_command("ROLE")[0] == b"master" and self._owns_slots(c):
+                        return time.monotonic() - start
+            except (redis.RedisError, OSError):
+                pass
+            if time.monotonic() - start > timeout:
+                raise RedisServerError(f"node {node} (port {self.nodes[node].port}) was not promoted in {timeout}s")
+            time.sleep(poll_s)
+
+    @staticmethod
+    def _owns_slots(c: redis.Redis) -> bool:
+        myself = next(line for line in c.execute_command("CLUSTER", "NODES").decode().splitlines()
+                      if "myself" in line)
+        return any(not spec.startswith("[") for spec in myself.split()[8:])
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Until every running master's replicas have every write it had when this was called (their
+        replication offsets), so that a failover from now on loses none of those writes."""
+        goals = []
+        for i in self.master_nodes():
+            with self.node_client(i) as c:
+                goals.append((i, int(c.info("replication")["master_repl_offset"])))
+        deadline = time.monotonic() + timeout
+        for i, offset in goals:
+            while True:
+                with self.node_client(i) as c:
+                    repl = c.info("replication")
+                replicas = [v for k, v in repl.items() if k.startswith("slave") and isinstance(v, dict)]
+                if replicas and all(int(r.get("offset", -1)) >= offset for r in replicas):
+                    break
+                if time.monotonic() > deadline:
+                    raise RedisServerError(f"node {i}'s replicas did not reach offset {offset} in {timeout}s: "
+                                           f"{replicas}")
+                time.sleep(0.01)
+
+    def config_set(self, name: str, value: str) -> None:
+        """CONFIG SET on every running node (e.g. ``cluster-require-full-coverage no``); a node started
+        later runs with its command-line settings again."""
+        for i, n in enumerate(self.nodes):
+            if n.running and not n.paused:
+                with self.node_client(i) as c:
+                    c.config_set(name, value)
 
     def stop(self) -> None:
         """Stop every node (the whole cluster is down until `start`)."""

@@ -8,9 +8,19 @@ record in one slot)::
     {prefix}{H}#text  the key text (for `tiercache stats` / `tiercache evict`; readers never need it)
 
 Why split: Redis values are capped (512 MB) and huge values block the server; parts keep each command
-bounded. Parts are sent as memoryview slices of the tensor (no copy) and the head is written last on
-the same connection, so a reader never sees a head before its parts. A batch of lookups or gets is one
-pipelined round trip (plus one more only for records with more than one part).
+bounded. The head is written last on the same connection, so a reader never sees a head before its
+parts. A batch of lookups or gets is one pipelined round trip (plus one more only for records with more
+than one part).
+
+Copies of the payload. A put: the tier copies nothing itself; it hands redis-py each part as a
+memoryview slice of the tensor the store gave it (the store's private copy, or with ``owned=True`` the
+caller's own tensor: `TieredStore.put_many`). The tier's connections pack a command that carries a payload
+with redis-py's Python packer, which sends the memoryview to the socket as it is: no copy
+(`vllm_tiercache.shared.store.redis_wire`; redis-py's default with hiredis would copy it three times,
+and a plain ``SET`` of bytes pays two of those). A get: hiredis
+parses each reply into a bytes object (its own buffer, then the bytes, as for a plain ``GET``); a
+one-part record's tensor is built over that bytes object (read-only, no copy), and the parts of a larger
+record are copied once into one buffer, checksummed as they are copied (`records.join_payload`).
 
 When the server is unreachable (or stops answering: a call that runs into ``timeout_s``) the tier is
 marked down: reads are misses, writes are skipped (counted), one warning names the address, and no
@@ -24,6 +34,20 @@ unreachable when the tier is built gives a tier that is down (the engine starts 
 prober builds the client once the cluster answers), and one that goes away while running marks the tier
 down with one warning, not a traceback per call.
 
+On a cluster, health is per shard (a primary and the slots it serves), not per tier: one master that
+dies or hangs costs its own keys only. The tier routes a cluster batch itself (`_cluster_pipeline`: the
+client's slot map, one round trip to every primary at once) instead of redis-py's cluster pipeline, which
+answers a failed node by resending each of its commands alone, each retried, and re-reading the slot
+map inside the caller's call. A node that fails in a call (refused, reset, timed out) fails its own
+commands, once, and its shard is marked down (one warning): its keys are misses and its writes are
+dropped (counted) at once, without touching the network, while the other shards keep serving. The prober
+re-reads the slot map every `SLOT_MAP_REFRESH_S` at most while a shard is down (a failover gives its
+slots to the promoted replica, which is then PINGed and served: no need to wait for ``retry_after_s``)
+and PINGs a down node that still owns its slots every ``retry_after_s``. Only when every shard is down is
+the tier down (the one warning above). A reply that says the slot map is stale (MOVED, ASK) or a slot no
+node serves is a miss, and the prober re-reads the map; a CLUSTERDOWN reply (a master failed and the
+servers run with ``cluster-require-full-coverage yes``) is a miss from a node that answered.
+
 Errors are per record, not per batch: pipelines run with ``raise_on_error=False``, so a command that
 failed (one damaged record, one shard's OOM or READONLY reply) is a miss or a dropped write for the
 record it belongs to, and the rest of the batch is served. What each exception means is decided in one
@@ -34,10 +58,12 @@ once as an ERROR with its traceback). A batch fails as a whole only when the who
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -50,6 +76,7 @@ from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_config import RedisTierConfig
+from vllm_tiercache.shared.store.redis_wire import connection_class
 
 log = logging.getLogger(__name__)
 _NPARTS = struct.Struct("<I")
@@ -66,6 +93,29 @@ _CLUSTER_DOWN_TEXTS = ("cannot be connected", "All slots are not covered")
 DOWN, ERROR, BUG = "down", "error", "bug"
 #: The shortest pause between two probes of a down tier (``retry_after_s`` may be 0).
 MIN_PROBE_INTERVAL_S = 0.01
+#: While a cluster shard is down (or a reply said the slot map is stale), the prober re-reads the slot map
+#: this often at most (``retry_after_s`` when shorter): a replica's promotion is served within about this.
+SLOT_MAP_REFRESH_S = 1.0
+#: What a cluster node's connection raises when the node is away or hangs: its shard goes down.
+_NODE_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: Replies (or a routing failure) that say the client's slot map is stale: the prober re-reads it.
+_STALE_MAP_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.MovedError, redis.exceptions.AskError,
+                                                      redis.exceptions.TryAgainError,
+                                                      redis.exceptions.SlotNotCoveredError)
+
+
+class ShardDownError(redis.ConnectionError):
+    """In the place of a command whose cluster shard is marked down: never sent, never raised."""
+
+
+class _Shard:
+    """A cluster shard marked down: one slot it served (its successor after a failover serves it), since
+    when, and when its node was last PINGed."""
+
+    __slots__ = ("pinged", "since", "slot")
+
+    def __init__(self, slot: int, now: float) -> None:
+        self.slot, self.since, self.pinged = slot, now, now
 
 
 def classify(exc: BaseException) -> str:
@@ -95,8 +145,17 @@ def classify(exc: BaseException) -> str:
     return BUG
 
 
+def _pooled_connection(pool: Any) -> Any:
+    """A connection from a redis-py pool (redis-py before 5.3 wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # pragma: no cover - an older redis-py
+        return pool.get_connection("PING")
+
+
 def make_client(config: RedisTierConfig) -> Any:
-    """A redis-py client (pooled; hiredis parser when installed) or RedisCluster for +cluster URLs."""
+    """A redis-py client (pooled; hiredis parser when installed) or RedisCluster for +cluster URLs, whose
+    connections send payloads without copying them (`vllm_tiercache.shared.store.redis_wire`)."""
     kwargs: dict[str, Any] = {
         "socket_timeout": config.timeout_s,
         "socket_connect_timeout": config.timeout_s,
@@ -109,11 +168,15 @@ def make_client(config: RedisTierConfig) -> Any:
 
         url = config.url.replace("+cluster://", "://", 1)
         # The same one immediate retry (redis-py's default is 10 with backoff, seconds per call while a
-        # node is away); a retry re-reads the slot map, so a moved slot is still followed.
-        return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 1), **kwargs)
+        # node is away); a retry re-reads the slot map, so a moved slot is still followed. (The tier's own
+        # batches take no retry: `RedisTier._cluster_pipeline`.) A slot map with a hole is taken: the
+        # slots no node serves are misses, the others are served.
+        return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 1), require_full_coverage=False,
+                                     connection_class=connection_class(url), **kwargs)
     # One retry with no backoff: reconnects a pooled connection that a server restart closed, without
-    # stalling callers when the server is really gone.
-    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 1), **kwargs)
+    # stalling callers when the server is really gone. Payloads go to the socket uncopied (`redis_wire`).
+    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 1), connection_class=connection_class(config.url),
+                                **kwargs)
 
 
 class RedisTier:
@@ -140,6 +203,12 @@ class RedisTier:
         self._stop = threading.Event()
         #: Probes sent so far (tests check that none ran on a caller's thread).
         self.probes = 0
+        #: Cluster shards marked down: primary "host:port" -> `_Shard` (a standalone server has none).
+        self._shards_down: dict[str, _Shard] = {}
+        #: A reply said the cluster's slot map is stale: the prober re-reads it.
+        self._refresh_asked = False
+        #: Records a cluster batch's commands (a standalone client's pipeline, never executed).
+        self._recorder = redis.Redis() if config.cluster else None
         self._connect()
 
     def _connect(self) -> None:
@@ -151,25 +220,68 @@ class RedisTier:
     # ------------------------------------------------------------------------------------ availability
     @property
     def down(self) -> bool:
+        """The whole tier is down (on a cluster: every shard, or the cluster was away at start)."""
         return self._down
+
+    @property
+    def shards_down(self) -> list[str]:
+        """The cluster shards (their primary's "host:port") marked down now; empty on a standalone server."""
+        with self._lock:
+            return sorted(self._shards_down)
 
     def _available(self) -> bool:
         """Whether a call may use the network now: never while down (the prober decides when it is back)."""
         return not self._down and self._client is not None
+
+    def _start_prober(self) -> None:
+        """Start the prober unless it runs; call with ``_lock`` held."""
+        if self._prober is None and not self._closed:
+            self._prober = threading.Thread(target=self._probe_loop, name=f"tiercache-probe-{self.name}",
+                                            daemon=True)
+            self._prober.start()
 
     def _mark_down(self, exc: BaseException) -> None:
         self.counters.add(errors=1)
         with self._lock:
             was_down = self._down
             self._down = True
-            if self._prober is None and not self._closed:
-                self._prober = threading.Thread(target=self._probe_loop, name=f"tiercache-probe-{self.name}",
-                                                daemon=True)
-                self._prober.start()
+            self._start_prober()
         if not was_down:
             log.warning("tiercache redis tier: %s unreachable (%s: %s); tried: %s; serving misses and "
                         "skipping writes, retrying every %.1fs", self.address, type(exc).__name__, exc,
                         self.tried(), self.config.retry_after_s)
+
+    def _shards_failed(self, failed: dict[str, tuple[int, BaseException]]) -> None:
+        """Mark down the cluster shards whose node failed (name -> a slot it serves, the error): their keys
+        are misses and their writes dropped until the prober finds them back. One warning for the shards
+        newly down; when no shard is left up, the tier is down (`_mark_down`'s one warning instead)."""
+        client = self._client
+        primaries = {node.name for node in client.get_primaries()} if client is not None else set()
+        now = time.monotonic()
+        with self._lock:
+            new = [name for name in failed if name not in self._shards_down]
+            for name in new:
+                self._shards_down[name] = _Shard(failed[name][0], now)
+            left = primaries - self._shards_down.keys()
+            self._start_prober()
+        if not new:
+            return
+        exc = failed[new[0]][1]
+        if not left:
+            self._mark_down(exc)
+            return
+        self.counters.add(errors=1)
+        log.warning("tiercache redis tier: %s: shard %s unreachable (%s: %s); its keys are misses and its "
+                    "writes are dropped until it answers again (PING every %.1fs) or a replica takes its slots "
+                    "over (slot map re-read every %.1fs); %d other shard(s) keep serving", self.address,
+                    ", ".join(new), type(exc).__name__, exc, self.config.retry_after_s,
+                    min(self.config.retry_after_s, SLOT_MAP_REFRESH_S), len(left))
+
+    def _ask_refresh(self) -> None:
+        """A reply said the slot map is stale: the prober re-reads it (never the caller)."""
+        with self._lock:
+            self._refresh_asked = True
+            self._start_prober()
 
     def tried(self) -> str:
         """What a connection attempt does, for the 'unreachable' line: the address alone rarely says
@@ -179,7 +291,8 @@ class RedisTier:
         auth = "with a password" if self.config.password or re.search(r"//[^/@]*:[^/@]+@", self.config.url) \
             else "without a password"
         return (f"{'cluster' if self.config.cluster else 'single server'}, {tls}, {auth}, "
-                f"{self.config.timeout_s:g}s connect/read timeout, 1 immediate retry")
+                f"{self.config.timeout_s:g}s connect/read timeout, "
+                f"{'each node tried once per call' if self.config.cluster else '1 immediate retry'}")
 
     def _mark_up(self) -> None:
         if self._down:
@@ -188,13 +301,23 @@ class RedisTier:
             if was_down:
                 log.warning("tiercache redis tier: %s reachable again", self.address)
 
+    def _needs_probe(self) -> bool:
+        """Whether the prober has work: the tier or a shard down, or a slot map to re-read."""
+        return self._down or bool(self._shards_down) or self._refresh_asked
+
+    def _probe_interval(self) -> float:
+        interval = self.config.retry_after_s
+        if self._shards_down or self._refresh_asked:
+            interval = min(interval, SLOT_MAP_REFRESH_S)
+        return max(interval, MIN_PROBE_INTERVAL_S)
+
     def _probe_loop(self) -> None:
-        """The prober: while the tier is down, one `_probe` every ``retry_after_s``; marks it up and ends."""
-        interval = max(self.config.retry_after_s, MIN_PROBE_INTERVAL_S)
+        """The prober: while the tier (or a cluster shard) is down, one `_probe` every ``retry_after_s``
+        (every `SLOT_MAP_REFRESH_S` at most while a shard is down); marks it up and ends."""
         while True:
-            self._stop.wait(interval)
+            self._stop.wait(self._probe_interval())
             with self._lock:
-                if self._closed or not self._down:  # closed, or a late call's success marked it up
+                if self._closed or not self._needs_probe():  # closed, or a late call's success marked it up
                     self._prober = None
                     return
             ok = self._probe()
@@ -204,6 +327,11 @@ class RedisTier:
                     return
                 if not ok:
                     continue
+                if self.config.cluster:  # `_probe` marked up what answered; a shard down meanwhile: go on
+                    if self._needs_probe():
+                        continue
+                    self._prober = None
+                    return
                 self._prober = None  # with the tier up, under one lock: a failure right after starts a new one
                 was_down, self._down = self._down, False
             if was_down:
@@ -212,8 +340,8 @@ class RedisTier:
 
     def _probe(self) -> bool:
         """One health check, on the prober's thread only: build the client if there is none (a cluster
-        away at start), then PING with the tier's timeout (a cluster: every primary, which also refreshes
-        the client's slot map when a node moved). True when it answered; a failure is not logged again."""
+        away at start), then PING with the tier's timeout (a cluster: `_probe_cluster`). True when it
+        answered (a cluster: when nothing is left down); a failure is not logged again."""
         self.probes += 1
         try:
             client = self._client
@@ -225,15 +353,85 @@ class RedisTier:
                         return False
                     self._client = client
             if self.config.cluster:
-                from redis.cluster import RedisCluster
-
-                client.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                client.ping()
+                return self._probe_cluster(client) and not self._closed
+            client.ping()
         except Exception as exc:
             log.debug("tiercache redis tier: %s probe failed: %s", self.address, exc)
             return False
         return not self._closed
+
+    def _probe_cluster(self, client: Any) -> bool:
+        """A cluster's health check. Away at start (the tier down, no shard named): PING every primary.
+        Else re-read the slot map (a failover gives a shard's slots to its promoted replica) and PING the
+        node that now serves each down shard's slots: at once when that node changed, else every
+        ``retry_after_s``. Marks up what answered, one line each; True when nothing is left to probe."""
+        from redis.cluster import RedisCluster
+
+        with self._lock:
+            whole, shards, refresh = self._down, dict(self._shards_down), self._refresh_asked
+            self._refresh_asked = False
+        if whole and not shards:
+            client.ping(target_nodes=RedisCluster.PRIMARIES)
+            self._cluster_up({})
+            return not self._needs_probe()
+        if shards or refresh:
+            try:
+                self._refresh_slots(client)
+            except Exception:
+                with self._lock:
+                    self._refresh_asked = self._refresh_asked or refresh
+                raise
+        now = time.monotonic()
+        back: dict[str, str] = {}
+        for name, shard in shards.items():
+            owners = client.nodes_manager.slots_cache.get(shard.slot)
+            if not owners:
+                continue  # its slots have no node yet
+            owner = owners[0]
+            if owner.name == name and now - shard.pinged < self.config.retry_after_s:
+                continue
+            shard.pinged = now
+            try:
+                client.get_redis_connection(owner).ping()
+            except Exception as exc:
+                log.debug("tiercache redis tier: %s: shard %s probe (%s) failed: %s", self.address, name,
+                          owner.name, exc)
+                continue
+            back[name] = owner.name
+        self._cluster_up(back)
+        return not self._needs_probe()
+
+    def _refresh_slots(self, client: Any) -> None:
+        """Re-read the slot map (CLUSTER SLOTS from one node that answers), on the prober's thread; the
+        nodes' pooled connections are kept (redis-py would drop the answering node's, and the next
+        request would pay the reconnect)."""
+        manager = client.nodes_manager
+        if "disconnect_startup_nodes_pools" in inspect.signature(manager.initialize).parameters:
+            manager.initialize(disconnect_startup_nodes_pools=False)
+        else:  # pragma: no cover - an older redis-py
+            manager.initialize()
+
+    def _cluster_up(self, back: dict[str, str]) -> None:
+        """Mark up the shards in ``back`` (the name it was down under -> the node now serving its slots),
+        and the tier when it was down and something answered: one line each (one in all for the tier)."""
+        with self._lock:
+            for name in back:
+                self._shards_down.pop(name, None)
+            was_down = self._down and (bool(back) or not self._shards_down)
+            if was_down:
+                self._down = False
+            left = sorted(self._shards_down)
+        if was_down:
+            log.warning("tiercache redis tier: %s reachable again%s", self.address,
+                        f"; shards still down: {', '.join(left)}" if left else "")
+            return
+        for name, owner in back.items():
+            if owner == name:
+                log.warning("tiercache redis tier: %s: shard %s reachable again; its keys are served again",
+                            self.address, name)
+            else:
+                log.warning("tiercache redis tier: %s: shard %s failed over to %s (its replica, promoted); "
+                            "its keys are served again", self.address, name, owner)
 
     def _other_error(self, what: str, exc: BaseException) -> None:
         self.counters.add(errors=1)
@@ -276,8 +474,10 @@ class RedisTier:
         failed (its record is a miss or a dropped write); None when the whole batch failed.
 
         A batch whose every command failed the same ``down`` way (the server or every node went away
-        while it ran) marks the tier down like a batch that raised.
+        while it ran) marks the tier down like a batch that raised. On a cluster: `_cluster_pipeline`.
         """
+        if self.config.cluster:
+            return self._cluster_pipeline(what, queue)
 
         def call() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -294,6 +494,120 @@ class RedisTier:
                 self._other_error(f"{what} (some nodes unreachable)", failed)
             else:
                 self._failed(f"{what} (some records)", failed)
+        return res
+
+    def _cluster_pipeline(self, what: str, queue: Callable[[Any], None]) -> list[Any] | None:
+        """`_pipeline` on a cluster, routed by this tier: one round trip to every primary at once.
+
+        The commands are queued on a standalone pipeline that only records them, grouped by the primary
+        that serves their slot in the client's slot map (every command names one key; a record's keys
+        share one hash tag, so one node), written to every node first and then read back, as redis-py's
+        cluster pipeline does, without what it does on a failure (each failed command resent alone,
+        retried, the slot map re-read in the caller's call). A node that fails (refused, reset, timed
+        out) fails its own commands, once, and its shard is marked down (`_shards_failed`); a shard
+        marked down is not sent to (`ShardDownError` in its commands' places, at once). A reply saying
+        the slot map is stale asks the prober to re-read it (`_ask_refresh`); any other error reply
+        (OOM, READONLY, CLUSTERDOWN, ...) is its command's own failure, logged once per kind.
+        """
+        if not self._available():
+            return None
+        errors: list[Exception] = []
+        failed: dict[str, tuple[int, BaseException]] = {}
+        try:
+            res = self._send_routed(queue, errors, failed)
+        except Exception as exc:  # a bug in the queue or the routing: classify() decides, as for one server
+            self._failed(what, exc)
+            res = None
+        if failed:
+            self._shards_failed(failed)
+        stale = next((e for e in errors if isinstance(e, _STALE_MAP_ERRORS)), None)
+        if stale is not None:  # a failover or a resharding: misses until the prober re-read the map
+            self._ask_refresh()
+            if f"stale: {what}" not in self._warned_errors:
+                self._warned_errors.add(f"stale: {what}")
+                log.info("tiercache redis tier %s: %s: the slot map is stale (%s %s); those keys miss until "
+                         "it is re-read, within %.1fs", self.address, what, type(stale).__name__, stale,
+                         min(self.config.retry_after_s, SLOT_MAP_REFRESH_S))
+        other = next((e for e in errors if not isinstance(e, _STALE_MAP_ERRORS)), None)
+        if other is not None:
+            if classify(other) == BUG:
+                self._bug(f"{what} (some records)", other)
+            else:  # a node answered (OOM, READONLY, CLUSTERDOWN, ...): never the whole tier
+                self._other_error(f"{what} (some records)", other)
+        return res
+
+    def _send_routed(self, queue: Callable[[Any], None], errors: list[Exception],
+                     failed: dict[str, tuple[int, BaseException]]) -> list[Any]:
+        """Queue, route and send one cluster batch (see `_cluster_pipeline`): one result per command, an
+        exception object in the place of a command that failed. Error replies and routing failures go
+        to ``errors``; nodes that failed to ``failed`` (name -> a slot it serves, the error)."""
+        client = self._client
+        recorder = self._recorder.pipeline(transaction=False)
+        queue(recorder)
+        commands: list[tuple[tuple[Any, ...], dict[str, Any]]] = recorder.command_stack
+        res: list[Any] = [None] * len(commands)
+        slots = client.nodes_manager.slots_cache
+        down = self._shards_down
+        groups: dict[str, tuple[Any, int, list[int]]] = {}  # node name -> node, a slot, command indexes
+        skipped: ShardDownError | None = None
+        for i, (args, _) in enumerate(commands):
+            slot = client.keyslot(args[1])
+            owners = slots.get(slot)
+            if not owners:
+                res[i] = exc = redis.exceptions.SlotNotCoveredError(f"slot {slot} is in no node's slot range")
+                errors.append(exc)
+                continue
+            node = owners[0]
+            if node.name in down:
+                if skipped is None:
+                    skipped = ShardDownError(f"shard {node.name} is marked down")
+                res[i] = skipped
+                continue
+            group = groups.get(node.name)
+            if group is None:
+                group = groups[node.name] = (node, slot, [])
+            group[2].append(i)
+        if not groups:
+            return res
+
+        def fail(name: str, slot: int, indexes: list[int], exc: BaseException) -> None:
+            failed[name] = (slot, exc)
+            for i in indexes:
+                res[i] = exc
+
+        sent: list[tuple[str, int, list[int], Any, Any]] = []  # name, slot, indexes, node client, connection
+        done = 0  # entries of ``sent`` read back (or failed): the rest are disconnected, not reused
+        try:
+            for name, (node, slot, indexes) in groups.items():
+                node_client = client.get_redis_connection(node)
+                try:
+                    conn = _pooled_connection(node_client.connection_pool)
+                except _NODE_ERRORS as exc:
+                    fail(name, slot, indexes, exc)
+                    continue
+                sent.append((name, slot, indexes, node_client, conn))
+                try:
+                    conn.send_packed_command(conn.pack_commands([commands[i][0] for i in indexes]))
+                except _NODE_ERRORS as exc:
+                    fail(name, slot, indexes, exc)
+            for name, slot, indexes, node_client, conn in sent:
+                if name not in failed:
+                    for i in indexes:
+                        args, options = commands[i]
+                        try:
+                            res[i] = node_client.parse_response(conn, args[0], **options)
+                        except redis.ResponseError as exc:
+                            res[i] = exc
+                            errors.append(exc)
+                        except _NODE_ERRORS as exc:
+                            fail(name, slot, indexes, exc)
+                            break
+                done += 1
+        finally:
+            for k, (name, _, _, node_client, conn) in enumerate(sent):
+                if k >= done or name in failed:  # replies unread: a later user would read this call's
+                    conn.disconnect()
+                node_client.connection_pool.release(conn)
         return res
 
     # ------------------------------------------------------------------------------------------- keys
@@ -396,7 +710,8 @@ class RedisTier:
 
     def _get_rest(self, keys: Sequence[StoreKey], res: list[Any], more: list[tuple[int, Any, int, bytes]],
                   out: list[Record | None], corrupt: list[StoreKey]) -> None:
-        """Second round trip for multi-part records: fetch parts 1..n-1 and assemble into one buffer."""
+        """Second round trip for multi-part records: fetch parts 1..n-1 and join them into one buffer
+        (the one copy a get makes; a one-part record's tensor is built over its reply, no copy)."""
 
         def queue(pipe: Any) -> None:
             for i, _, nparts, _ in more:
@@ -419,13 +734,10 @@ class RedisTier:
                 total = sum(len(p) for p in pieces)
                 if total != header.nbytes:
                     raise records.RecordError(f"parts hold {total} bytes, header says {header.nbytes}")
-                buf = torch.empty(total, dtype=torch.uint8).numpy()
-                off = 0
-                for p in pieces:
-                    buf[off:off + len(p)] = memoryview(p)
-                    off += len(p)
+                # the one copy of a get: the parts into one buffer, checksummed as they are copied
+                buf, checksum = records.join_payload(pieces)
                 prefix = memoryview(res[2 * i])[_NPARTS.size:]
-                out[i] = records.decode_split(prefix, buf, key)
+                out[i] = records.decode_split(prefix, buf, key, payload_checksum=checksum)
             except (records.RecordError, ValueError) as exc:
                 corrupt.append(key)
                 self._other_error(f"decode ({exc})", exc)
@@ -602,20 +914,33 @@ class RedisTier:
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:
-        """``bytes_used``: the server's ``used_memory``; on a cluster the sum over its masters (the
-        replicas hold copies of the same records). None when down or unknown."""
+        """``bytes_used``: the server's ``used_memory``; on a cluster the sum over its masters that answer
+        (the replicas hold copies of the same records; a shard marked down is left out). None when down
+        or unknown."""
         used = self._run("info", self._used_memory) if not self._down else None
         return {"entries": None, "bytes_used": used, "down": self._down, "address": self.address}
 
     def _used_memory(self) -> int | None:
         if not self.config.cluster:
             return self._client.info("memory").get("used_memory")
-        from redis.cluster import RedisCluster
-
-        per_node = self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        if per_node and "used_memory" in per_node:  # a cluster of one master answers flat
-            return per_node["used_memory"]
-        return sum(int(info["used_memory"]) for info in per_node.values())
+        # per primary: one that fails costs its own figure and marks its shard down, not the whole tier
+        client = self._client
+        total, answered = 0, 0
+        failed: dict[str, tuple[int, BaseException]] = {}
+        for node in client.get_primaries():
+            if node.name in self._shards_down:
+                continue
+            try:
+                total += int(client.get_redis_connection(node).info("memory")["used_memory"])
+                answered += 1
+            except _NODE_ERRORS as exc:
+                slot = next((s for s, owners in client.nodes_manager.slots_cache.items()
+                             if owners and owners[0].name == node.name), None)
+                if slot is not None:
+                    failed[node.name] = (slot, exc)
+        if failed:
+            self._shards_failed(failed)
+        return total if answered else None
 
     def close(self) -> None:
         with self._lock:

@@ -13,9 +13,13 @@ reaches listeners (residency reports) only once the record's queued write is don
 scheduler looks in the shared tier, finds nothing yet and misses. The buffer costs no memory of its own:
 the writer's queue holds the same tensors until then.
 
-Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache that is reused right
-after; the store must own what it keeps (pass ``owned=True`` to skip the copy when the caller
-guarantees the tensor is never mutated).
+Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache, or an encoder output vLLM
+keeps, that is reused right after the call, while the slower tiers are written later, by the writer. So
+by default a put makes one private copy (`own_tensor`: one pass over the bytes, on the calling thread).
+A caller that hands over a tensor nobody touches afterwards (a freshly gathered block tensor, a
+device-to-host copy made for the store) passes ``owned=True``: the store keeps that very tensor, the
+memory tier holds it and the slower tiers write from it, with no copy. Either way that is the store's
+only copy; what a tier adds on its way out is the tier's own (Redis: see `redis_tier`).
 
 The schedulers' lookups never wait on the network: ``contains_many(..., shared_only=True)`` (the lookup
 a scheduler makes for every new request, synchronously, on the engine's one scheduling thread) asks a
@@ -42,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_tiercache.shared.config import StoreConfig
@@ -87,10 +92,34 @@ def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
     return out
 
 
+#: An integer dtype of each element size: a CPU copy moves bytes, so any dtype of that size is viewed as it.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """One contiguous CPU copy of ``tensor`` (a single copy kernel, whatever the source layout/device)."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype)
-    out.copy_(tensor.detach())
+    """One contiguous CPU copy of ``tensor``: the store's private copy (one pass over the bytes).
+
+    A CPU source is copied by numpy on the calling thread (a memcpy when contiguous, a strided loop
+    otherwise; numpy lets the GIL go meanwhile), never by ``Tensor.copy_``: torch splits a copy of more
+    than 32 Ki elements over its intra-op thread pool and waits for every thread, so on a machine whose
+    other cores are busy (other processes, vLLM's own CPU threads) it stalls: on the 2-core VM with one
+    busy process beside it, a 1 MiB copy took 8 to 24 ms (medians) against 0.05 to 0.45 ms by numpy
+    (2026-11-23; torch was about twice as fast as numpy while the other core was idle). A device source
+    is one device-to-host copy.
+    """
+    src = tensor.detach()
+    out = torch.empty(src.shape, dtype=src.dtype)
+    if src.device.type == "cpu" and src.numel() > 0:
+        as_int = _INT_OF_SIZE.get(src.element_size())
+        if as_int is not None:
+            try:
+                dst_np, src_np = out.view(as_int).numpy(), src.view(as_int).numpy()
+            except (RuntimeError, TypeError):  # a conj/neg bit, a quantized dtype: torch copies below
+                pass
+            else:
+                np.copyto(dst_np, src_np, casting="no")
+                return out
+    out.copy_(src)
     return out
 
 
@@ -326,8 +355,10 @@ class TieredStore:
     def put_many(self, items: Sequence[Item], *, owned: bool = False) -> None:
         """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full).
 
-        ``owned=True``: the caller promises never to mutate the tensors, so the store keeps them as-is
-        instead of copying (CPU, contiguous tensors only; others are still copied).
+        ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
+        keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
+        once). The default, ``owned=False``, copies each tensor once (`own_tensor`): the caller may reuse
+        its buffer as soon as the call returns.
         """
         if self._closed or not items:
             return
