@@ -60,8 +60,9 @@ def test_version_prints_the_installed_distribution_version(capsys) -> None:
     (["--tiers", ""], ["--tiers", "allowed: a comma-separated list of memory, disk, redis"]),
     (["--tiers", "memory,nvme"], ["'nvme'", "memory, disk, redis"]),
     (["--redis-url", "http://cache:6379"], ["--redis-url", "redis://"]),
+    (["--tiers", "memory", "--redis-cluster"], ["--redis-cluster", "allowed: with redis in --tiers"]),
 ], ids=["repeat-0", "repeat-many", "sizes-1XB", "sizes-empty", "sizes-0", "tiers-ssd", "tiers-empty",
-        "tiers-nvme", "redis-url-http"])
+        "tiers-nvme", "redis-url-http", "cluster-without-redis"])
 def test_bench_tiers_bad_arguments(args: list[str], pieces: list[str]) -> None:
     assert_one_line_error(tiercache("bench", "tiers", *args), *pieces)
 
