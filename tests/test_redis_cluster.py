@@ -380,6 +380,7 @@ def test_master_paused_other_shards_serve(redis_cluster, caplog):
                 assert found == [not paused for paused in on_victim]
                 time.sleep(0.01)
             assert tier.shards_down == [f"127.0.0.1:{cluster.nodes[victim].port}"] and not tier.down
+            assert tier.up_share == pytest.approx(2 / 3)  # the tier_up gauge: two masters of three answer
             usage = tier.usage()  # the other masters' figure, at once: the paused one is not asked
             assert usage["down"] is False and usage["bytes_used"] > 0
         finally:
@@ -396,7 +397,7 @@ def test_master_paused_other_shards_serve(redis_cluster, caplog):
     assert len(_shard_lines(caplog, "unreachable")) == 1
     assert len(_shard_lines(caplog, "reachable again")) == 1
     assert all(r.levelno < logging.ERROR for r in caplog.records)
-    assert tier.shards_down == []
+    assert tier.shards_down == [] and tier.up_share == 1.0
     tier.close()
 
 

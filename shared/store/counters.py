@@ -136,7 +136,8 @@ class StoreSeries:
         self.capacity = gauge("vllm:tiercache_store_capacity_bytes", "Tiered store: configured capacity of a "
                               "tier (memory: summed over the engine's workers).", tier_labels)
         self.tier_up = gauge("vllm:tiercache_store_tier_up", "Tiered store: 1 while the tier is reachable, 0 "
-                             "while a process of the engine finds it down (Redis).", tier_labels)
+                             "while a process of the engine finds it down (Redis); on a Redis Cluster with "
+                             "shards down, the share of its shards that answer.", tier_labels)
         self.write_queue = gauge("vllm:tiercache_store_write_queue_pending", "Tiered store: background writes "
                                  "(batches of records) queued for the slower tiers, summed over processes.",
                                  labelnames)

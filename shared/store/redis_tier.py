@@ -229,6 +229,23 @@ class RedisTier:
         with self._lock:
             return sorted(self._shards_down)
 
+    @property
+    def up_share(self) -> float:
+        """The share of the tier that answers, for the ``tier_up`` gauge: 0 while down, 1 while every shard
+        answers; on a cluster with shards marked down, the share of its primaries that are not (read from
+        the client's slot map in memory, never from the network)."""
+        if self._down:
+            return 0.0
+        with self._lock:
+            down = len(self._shards_down)
+        if not down:
+            return 1.0
+        try:
+            primaries = len(self._client.get_primaries())
+        except Exception:  # a client without a slot map yet: say only that something is down
+            primaries = 0
+        return max(0.0, 1.0 - down / primaries) if primaries else 0.5
+
     def _available(self) -> bool:
         """Whether a call may use the network now: never while down (the prober decides when it is back)."""
         return not self._down and self._client is not None

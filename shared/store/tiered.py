@@ -515,7 +515,9 @@ class TieredStore:
         for tier in self.tiers:
             usage = cached.get(tier.name, {})
             down = bool(getattr(tier, "down", False))
-            tiers[tier.name] = {"bytes_used": usage.get("bytes_used"), "up": 0 if down else 1,
+            up = getattr(tier, "up_share", None)  # a cluster tier: the share of its shards that answer
+            tiers[tier.name] = {"bytes_used": usage.get("bytes_used"),
+                                "up": (0 if down else 1) if up is None else up,
                                 "shared": int(bool(tier.shared_across_processes))}
         return {"tiers": tiers, "write_queue": self._writer.pending}
 
