@@ -11,6 +11,15 @@ signature like the base weights' digest.
 An adapter vLLM loads from somewhere this process cannot read as a local directory (a hub id, a remote
 resolver) has no digest here: its requests are kept out of the store both ways (no lookup, no save) with
 one warning per adapter, rather than keyed by a name that does not follow its weights.
+
+The digest is computed on a background thread, never on vLLM's scheduling thread: reading a large adapter
+from a cold disk, or waiting for the digest cache's lock while another process digests a base model, would
+stall every request of the engine. The first request of a newly loaded adapter waits for it at most
+`KVSchedulerSide.adapter_wait_s` (1 s); until the digest is ready the adapter's requests are neither
+looked up nor saved (they are computed, as without the cache).
+
+Encoder outputs of tower-connector LoRA requests are keyed by the adapter's name (`shared/keys.py`), not
+its files: retraining such an adapter in place needs `tiercache evict` for the encoder records.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,26 +56,36 @@ class AdapterDigests:
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self._cache_dir = cache_dir
-        self._digests: dict[tuple[Any, ...], str | None] = {}
+        self._digests: dict[tuple[Any, ...], Future[str | None]] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
-    def digest(self, lora_request: Any) -> str | None:
-        """The hex digest of an adapter in a local directory's files, None when it cannot be named by content."""
+    def digest(self, lora_request: Any, wait_s: float = 0.0) -> str | None:
+        """The hex digest of the adapter's files; None while it is being computed (waiting at most
+        ``wait_s``) and for an adapter that cannot be named by content."""
         ident = (getattr(lora_request, "lora_int_id", None), getattr(lora_request, "lora_name", None),
                  getattr(lora_request, "lora_path", None))
-        if ident not in self._digests:
-            self._digests[ident] = self._compute(*ident)
-        return self._digests[ident]
+        with self._lock:
+            future = self._digests.get(ident)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-lora-digest")
+                future = self._digests[ident] = self._pool.submit(self._compute, *ident)
+        try:
+            return future.result(timeout=wait_s)
+        except TimeoutError:
+            return None
 
     def _compute(self, lora_id: Any, name: Any, path: Any) -> str | None:
-        directory = Path(os.path.expanduser(str(path))) if path else None
-        if directory is not None and directory.is_dir():
-            try:
+        try:
+            directory = Path(os.path.expanduser(str(path))) if path else None
+            if directory is None or not directory.is_dir():
+                reason = "not a local directory"
+            else:
                 digest, _ = digest_directory(directory.resolve(), self._cache_dir)
                 return digest
-            except (OSError, ValueError) as exc:
-                reason = str(exc)
-        else:
-            reason = "not a local directory"
+        except Exception as exc:  # unreadable files, a symlink loop: the adapter is not named, never a crash
+            reason = f"{type(exc).__name__}: {exc}"
         log.warning("TieredKVConnector: LoRA adapter %r (id %s) at %r cannot be named by its files (%s); its "
                     "requests are neither looked up nor saved. Give vLLM the adapter as a local directory to "
                     "cache them", name, lora_id, path, reason)

@@ -110,13 +110,16 @@ class CheckedKVConfig:
     geometry: ChunkGeometry | None
 
 
-def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None) -> CheckedKVConfig:
+def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None, *,
+                    final_block_size: bool = True) -> CheckedKVConfig:
     """Everything `TieredKVConnector` refuses at start, checked without opening a store or reading weights.
 
     The plugin calls it when vLLM builds its config (`vllm_tiercache.preflight`), so a wrong setting stops
     the server in its first seconds, before any weights load; the connector calls it again in every
     process it runs in, so the same rules hold on a vLLM the plugin cannot hook. ``transfer`` is the
-    connector's own `KVTransferConfig` (a MultiConnector child's), by default the engine's.
+    connector's own `KVTransferConfig` (a MultiConnector child's), by default the engine's. While vLLM
+    builds its config the block size is not final yet (the attention backend may change it), so the
+    chunk geometry is checked only with ``final_block_size`` (in the connector).
     """
     transfer = transfer if transfer is not None else vllm_config.kv_transfer_config
     check_not_encode_only(vllm_config)
@@ -136,7 +139,7 @@ def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None) -> Che
     )
     cache_config = vllm_config.cache_config
     check_seed_is_stable(cache_config.prefix_caching_hash_algo)
-    block_size = getattr(cache_config, "block_size", None)
+    block_size = getattr(cache_config, "block_size", None) if final_block_size else None
     geometry = ChunkGeometry(int(block_size), options.chunk_size) if block_size else None
     return CheckedKVConfig(options, store, policy, source, identifiers, geometry)
 

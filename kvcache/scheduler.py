@@ -101,6 +101,10 @@ class KVSchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._adapters = AdapterDigests()
+        #: how long the first request of a newly loaded adapter waits for its digest (once per adapter: a
+        #: small adapter is digested well within it; a large or slow one stalls the engine at most this
+        #: long, and its requests are computed without the cache until the digest is ready)
+        self.adapter_wait_s = 1.0
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -175,8 +179,8 @@ class KVSchedulerSide:
             adapter = None
             lora = getattr(request, "lora_request", None)
             if cacheable and lora is not None:
-                adapter = self._adapters.digest(lora)
-                cacheable = adapter is not None
+                adapter = self._adapters.digest(lora, wait_s=self.adapter_wait_s)
+                cacheable = adapter is not None  # not ready yet, or not nameable: computed as without us
             state = _RequestState(request, cacheable=cacheable, adapter=adapter)
             self._requests[request.request_id] = state
         return state

@@ -7,6 +7,8 @@ scheduler fills. Everything the plan is computed from (block hashes, the store) 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +267,7 @@ def test_eagle_keeps_the_trailing_decode_chunk_until_the_next_one_completes(tmp_
 def test_a_lora_requests_chunks_are_named_by_the_adapters_files(side, tmp_path, caplog) -> None:
     """vLLM hashes a LoRA request's blocks with the adapter's name and path only; the chunk names mix in a
     digest of the adapter's files, so an adapter rewritten in place never meets the old one's KV."""
+    side.adapter_wait_s = 10.0  # this test is about naming, not about a slow digest
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8}')
@@ -296,3 +299,36 @@ def test_a_lora_requests_chunks_are_named_by_the_adapters_files(side, tmp_path, 
     side.update_state_after_alloc(remote, 0)
     assert side.build_connector_meta(step([("remote", 0)], [], {"remote": 300})).requests == []
     assert "cannot be named by its files" in caplog.text
+
+
+def test_a_slow_adapter_digest_never_stalls_the_scheduler(side, tmp_path, monkeypatch) -> None:
+    """The digest runs on a background thread: a request waits at most `adapter_wait_s`, is computed without
+    the cache meanwhile, and a later request of the adapter is cached once the digest is ready."""
+    import vllm_tiercache.kvcache.adapters as adapters
+
+    release = threading.Event()
+    real = adapters.digest_directory
+
+    def slow(directory, cache_dir=None):
+        release.wait(10)
+        return real(directory, cache_dir)
+
+    monkeypatch.setattr(adapters, "digest_directory", slow)
+    adapter = tmp_path / "slow-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    side.adapter_wait_s = 0.05
+    prompt = tokens(300)
+    first = make_request("slow-1", prompt, LoRARequest("s", 7, str(adapter)))
+    started = time.monotonic()
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert time.monotonic() - started < 2.0
+    side.update_state_after_alloc(first, 0)
+    assert side.build_connector_meta(step([("slow-1", 0)], [], {"slow-1": 300})).requests == []  # not saved
+    release.set()
+    side.adapter_wait_s = 5.0
+    later = make_request("slow-2", prompt, LoRARequest("s", 7, str(adapter)))
+    side.get_num_new_matched_tokens(later, 0)
+    side.update_state_after_alloc(later, 0)
+    (plan,) = side.build_connector_meta(step([("slow-2", 0)], [], {"slow-2": 300})).requests
+    assert plan.saves and plan.saves[0].chunk_hash != later.block_hashes[3]

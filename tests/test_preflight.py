@@ -42,8 +42,8 @@ CASES: list[tuple[str, dict, list[str]]] = [
     ("a tier kind that does not exist", _kv({"tiers": [{"kind": "ssd"}]}),
      [_KV, "tiers[0].kind", "'ssd'", "memory, disk, gds, redis"]),
     ("a misspelled connector option", _kv({"chunk_sise": 256}), [_KV, "chunk_sise", "did you mean 'chunk_size'"]),
-    ("a disk path that cannot be written", _kv({"tiers": [{"kind": "disk", "path": "/proc/tiercache"}]}),
-     [_KV, "tiers[0].path", "/proc/tiercache", "a local directory this user can create and write"]),
+    ("a disk path under a file", _kv({"tiers": [{"kind": "disk", "path": "{model}/config.json/cache"}]}),
+     [_KV, "tiers[0].path", "config.json' is not a directory", "a local directory this user can create and write"]),
     ("two failure policies that disagree",
      _kv({"load_failure_policy": "fail"}, kv_load_failure_policy="recompute"),
      [_KV, "kv_load_failure_policy conflict", "'fail'", "'recompute'"]),
@@ -91,11 +91,13 @@ def _env() -> dict[str, str]:
 def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) -> None:
     cases = {name: kwargs for name, kwargs, _ in CASES}
     cases["a valid config of both connectors and a manager"] = {
-        **_kv({"tiers": [{"kind": "memory", "capacity": "64MiB"}]}),
+        **_kv({"tiers": [{"kind": "memory", "capacity": "64MiB"},
+                         {"kind": "disk", "path": "{model}/../preflight-disk/d", "capacity": "64MiB"}]}),
         "ec_transfer_config": {"ec_connector": "TieredECConnector", "ec_role": "ec_both"},
         **_manager("PolicyEncoderCacheManager", {"policy": "lfu", "aging_period": 10}),
     }
-    proc = subprocess.run([sys.executable, "-c", _JOB, str(tiny_llama), json.dumps(cases)], cwd=REPO,
+    cases_json = json.dumps(cases).replace("{model}", str(tiny_llama))
+    proc = subprocess.run([sys.executable, "-c", _JOB, str(tiny_llama), cases_json], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
@@ -108,6 +110,7 @@ def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) 
     assert results["a valid config of both connectors and a manager"]["error"] is None
     log = proc.stdout + proc.stderr  # vLLM's logger writes to stdout
     assert "settings checked before the model loads" in log
+    assert not (tiny_llama.parent / "preflight-disk").exists()  # checked, not created: no side effects
     # Nothing started: no engine process, no weights read.
     assert "EngineCore" not in log and "Loading weights" not in log
 

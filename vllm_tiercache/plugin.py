@@ -79,6 +79,9 @@ def register() -> None:
     else:
         _register(ECConnectorFactory, EC_CONNECTOR_NAME, *_EC_TARGET)
     # In the front-end process: check our settings when vLLM builds its config, before weights load.
-    from vllm_tiercache.preflight import install
+    try:
+        from vllm_tiercache.preflight import install
 
-    install()
+        install()
+    except Exception as exc:  # never break a vLLM start, ours or not: the connectors still check at start
+        logger.warning("vllm-tiercache: settings will be checked only when the connectors start: %s", exc)

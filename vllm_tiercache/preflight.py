@@ -73,7 +73,7 @@ def check_engine_config(vllm_config: Any) -> None:
         from vllm_tiercache.kvcache.connector import check_kv_config
 
         with _named(where):
-            check_tier_directories(check_kv_config(vllm_config, transfer).store)
+            check_tier_directories(check_kv_config(vllm_config, transfer, final_block_size=False).store)
         checked.append(KV_CONNECTOR_NAME)
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is not None and getattr(ec, "ec_connector", None) == EC_CONNECTOR_NAME:
@@ -113,28 +113,44 @@ def _our_kv_transfers(vllm_config: Any) -> Iterator[tuple[str, Any]]:
 
 @contextmanager
 def _named(where: str) -> Iterator[None]:
-    """A `ConfigError` raised inside is raised again with the vLLM setting it came from in front."""
+    """A `ConfigError` (or the refusal of a hash seed that differs per process) raised inside is raised
+    again as a `ConfigError` with the vLLM setting it came from in front."""
+    from vllm_tiercache.shared.hashing import UnstableHashSeedError
+
     try:
         yield
-    except ConfigError as exc:
+    except (ConfigError, UnstableHashSeedError) as exc:
         raise ConfigError(f"vllm-tiercache: {where}: {exc}") from None
 
 
 def check_tier_directories(store: Any) -> None:
-    """Every directory a tier of ``store`` owns (disk, gds) exists or can be created, and can be written:
-    what the tier would otherwise find out when it opens, after the weights loaded."""
+    """Every directory a tier of ``store`` owns (disk, gds) is a writable directory, or its nearest existing
+    ancestor is one this user can create it in: what the tier would otherwise find out when it opens,
+    after the weights loaded. Nothing is created here (building a config has no side effects), and a
+    path with no existing ancestor at all (a mount not there yet) is left to the tier."""
     for i, tier in enumerate(store.tiers):
         path = getattr(tier, "path", None)
         if not isinstance(path, str) or not path:
             continue
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionError(f"no write permission for user id {os.getuid()}")
-        except (OSError, ValueError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        reason = _unusable_directory(path)
+        if reason is not None:
             raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier.kind} tier's directory "
-                              f"({reason}); allowed: a local directory this user can create and write") from None
+                              f"({reason}); allowed: a local directory this user can create and write")
+
+
+def _unusable_directory(path: str) -> str | None:
+    """Why the tier could not create or write ``path``, or None when it can (or this cannot be told)."""
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe!r} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe!r} is not writable by user id {os.getuid()}"
+    return None
 
 
 def _check_manager(class_path: str, vllm_config: Any) -> None:

@@ -43,7 +43,10 @@ _PARSE_ALLOWED = "a URL redis-py can parse, scheme://[user:password@]host[:port 
 
 
 def _masked(url: str) -> str:
-    return re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password into a log
+    """The URL with its password (in the authority or as a ``?password=`` query) masked: never echo a
+    password into a log or an error."""
+    url = re.sub(r"//[^@/]*@", "//***@", url)
+    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
 
 
 def _check_url(url: str) -> str:
@@ -99,8 +102,8 @@ class RedisTierConfig:
 
     @property
     def address(self) -> str:
-        """The URL without credentials, for log lines."""
-        return re.sub(r"//[^@/]*@", "//", self.url)
+        """The URL without credentials or query (redis-py takes ``?password=`` too), for log lines."""
+        return re.sub(r"//[^@/]*@", "//", self.url).split("?", 1)[0]
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str) -> RedisTierConfig:
