@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
@@ -141,8 +142,13 @@ def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None) -> Che
     return CheckedKVConfig(options, store, policy, source, identifiers, geometry)
 
 
-class TieredKVConnector(KVConnectorBase_V1):
-    """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager on with this connector. Full-attention groups
+    load and save whole chunks, sliding-window groups only the window at a hit's end, and a model with a
+    group it cannot load (mamba state, ...) runs with no external hits (`vllm_tiercache.kvcache.groups`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         check_vllm_version("TieredKVConnector")
@@ -156,7 +162,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
                      checked.policy_source)
         identifiers = checked.identifiers
-        naming = KVNaming.from_configs(vllm_config, config, self._options)
+        naming = KVNaming.from_configs(vllm_config, config, self._options, kv_cache_config)
         identity = naming.identities[0]
         log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d "
                  "tiers=%s", role.name, identity.model, identity.weights, identity.fingerprint, naming.namespace,
@@ -202,7 +208,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout = self._worker.register_kv_caches(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
-        if layout.device.type == "cpu":
+        if layout is not None and layout.device.type == "cpu":
             # Before any load: the first step may attend over loaded KV with vLLM's AMX kernel.
             self._worker.totals["amx_allowed"] = int(allow_amx_tiles())
             if self._options.warmup_cpu_attention:
@@ -301,6 +307,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`'s end of a request (every group at once): as `request_finished`, the blocks are
+        free at once (saves are private copies taken within the step)."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 

@@ -19,13 +19,18 @@ from vllm_tiercache.shared.residency import ResidencyChanges
 
 @dataclass
 class ChunkLoad:
-    """Copy blocks [first, end) of one stored chunk into `block_ids` (one destination per block)."""
+    """Copy blocks [first, end) of one stored chunk into `block_ids` (one destination per block).
+
+    `chunk_start` is the first block the record holds (for a sliding-window group, the first block of the
+    chunk inside a window: `vllm_tiercache.kvcache.groups`); `group` is the KV cache group whose layers
+    and block table the load is for."""
 
     chunk_hash: bytes
     chunk_start: int
     first: int
     end: int
     block_ids: list[int]
+    group: int = 0
 
     @property
     def source_slice(self) -> slice:
@@ -38,6 +43,9 @@ class ChunkSave:
 
     chunk_hash: bytes
     block_ids: list[int]
+    #: the KV cache group whose layers are saved, and the first block of the record
+    group: int = 0
+    first: int = 0
 
 
 @dataclass

@@ -175,9 +175,18 @@ class KVModelIdentity:
         )
 
 
-def kv_chunk_key(namespace: str, identity: KVModelIdentity, chunk_hash: bytes, layer: int | None) -> StoreKey:
-    """Key of one KV chunk: the chain hash of its last block, for one layer or (``None``) all layers."""
+def kv_chunk_key(
+    namespace: str, identity: KVModelIdentity, chunk_hash: bytes, layer: int | None, group: str | None = None
+) -> StoreKey:
+    """Key of one KV chunk: the chain hash of its last block, for one layer or (``None``) all layers.
+
+    ``group`` tags the record of a layer in a KV cache group other than full attention (a sliding-window
+    group: kind, window, block size; `vllm_tiercache.kvcache.groups.KVGroup.tag`); full-attention
+    records carry none, so their keys are those of a model served without vLLM's hybrid KV manager.
+    """
     validate_field("namespace", namespace)
+    if group is not None:
+        validate_field("group", group)
     if not isinstance(chunk_hash, bytes | bytearray) or not chunk_hash:
         raise ValueError(f"chunk_hash must be non-empty bytes, got {chunk_hash!r}")
     if layer is None:
@@ -190,6 +199,8 @@ def kv_chunk_key(namespace: str, identity: KVModelIdentity, chunk_hash: bytes, l
         f"{namespace}|kv|{identity.model}|{identity.fingerprint}|tp{identity.tp_size}r{identity.tp_rank}"
         f"|{bytes(chunk_hash).hex()}|L{layer_text}"
     )
+    if group is not None:
+        text += f"|G{group}"
     return StoreKey(text)
 
 
