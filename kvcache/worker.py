@@ -90,6 +90,9 @@ class KVWorkerSide:
         self.groups = naming.groups
         self.tag_of_layer = self.groups.tag_of_layer()
         self.group_of_layer = self.groups.group_of_layer()
+        #: loaded_blocks counts the prefix blocks a hit restored: those of a full-attention layer (the
+        #: sliding-window groups load only the window)
+        self._counted_layer = (self.groups.full or self.groups.groups)[0].layers[0]
         self.block_size = naming.geometry.block_size
         self.use_mla = use_mla
         self.layout: PagedLayout | None = None
@@ -215,7 +218,7 @@ class KVWorkerSide:
             job.ready[layer_name].set()
             with self._counters_lock:
                 self.counters.loaded_bytes += loaded_bytes
-                if layer == self.groups.groups[0].layers[0]:
+                if layer == self._counted_layer:
                     self.counters.loaded_blocks += loaded_blocks
         with self._counters_lock:
             self.counters.load_errors += len(job.failed)

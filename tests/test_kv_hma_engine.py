@@ -1,0 +1,97 @@
+"""TieredKVConnector on a real vLLM engine serving a hybrid-attention model (the tiny Gemma 3: sliding-window
+and global layers) with vLLM's hybrid KV cache manager on. Each engine runs in a fresh process, all with
+the same reserved cores (VLLM_CPU_NUM_OF_RESERVED_CPU=1), so their greedy tokens are comparable.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.models import run_engine
+from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
+
+BLOCK = 32
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4321)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 259) for _ in range(n)]
+
+    shared = tokens(512)
+    return [
+        tokens(100),  # one partial chunk (longer than the 64-token window)
+        tokens(256),  # exactly one chunk: block-aligned, the hit ends one block short
+        tokens(300),  # a chunk and a partial one
+        shared,  # two chunks
+        shared + tokens(200),  # shares two chunks with the previous prompt
+        tokens(777),
+        tokens(31),  # shorter than a block: nothing to cache
+    ]
+
+
+PROMPTS = _prompts()
+
+
+def expected_hits(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def kv_config(disk: Path) -> dict:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "namespace": "hma",
+            "tiers": [{"kind": "disk", "path": str(disk), "capacity": "1GiB"}],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("hma")
+    model = str(make_tiny_gemma3(work / "tiny-gemma3"))
+    baseline = run_engine({"model": model, "rounds": [PROMPTS]}, work, env_extra=ENV)
+    disk = work / "disk"
+    first = run_engine({"model": model, "rounds": [PROMPTS], "kv_transfer_config": kv_config(disk)}, work,
+                       env_extra=ENV)
+    restarted = run_engine({"model": model, "rounds": [PROMPTS], "kv_transfer_config": kv_config(disk)}, work,
+                           env_extra=ENV, stats_dir=work / "stats")
+    return {"baseline": baseline, "first": first, "restarted": restarted, "stats_dir": work / "stats"}
+
+
+def test_hma_stays_on_with_the_connector(engines: dict) -> None:
+    log = Path(engines["first"]["log_path"]).read_text()
+    assert "TieredKVConnector" in log
+    assert HMA_OFF not in log
+    assert "hybrid KV cache groups" in log  # the connector's own line naming the sliding-window group
+    # the same KV capacity as vLLM alone (with HMA off it would shrink to what full attention allows)
+    baseline = Path(engines["baseline"]["log_path"]).read_text()
+    assert kv_capacity(log) == kv_capacity(baseline) > 0
+
+
+def kv_capacity(log: str) -> int:
+    """vLLM's 'KV cache size: N tokens' (the token capacity of its blocks)."""
+    (found,) = set(re.findall(r"KV cache size: ([\d,]+) tokens", log))
+    return int(found.replace(",", ""))
+
+
+def test_restart_hits_with_tokens_identical_to_vllm_alone(engines: dict) -> None:
+    reference = engines["baseline"]["rounds"][0]["tokens"]
+    assert engines["first"]["rounds"][0]["tokens"] == reference
+    assert engines["first"]["rounds"][0]["num_cached_tokens"] == [0] * len(PROMPTS)
+    restarted = engines["restarted"]["rounds"][0]
+    assert restarted["tokens"] == reference
+    assert restarted["num_cached_tokens"] == [expected_hits(p) for p in PROMPTS]
+    (stats,) = read_stats(str(engines["stats_dir"]), "kv-worker")
+    assert stats["counters"]["load_errors"] == 0
+    assert stats["counters"]["loaded_blocks"] == sum(expected_hits(p) for p in PROMPTS) // BLOCK
