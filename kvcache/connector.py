@@ -43,6 +43,7 @@ from vllm_tiercache.shared.store import describe_tiers, get_store
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
+    TransferResults,
     check_vllm_version,
     is_encode_only,
     is_explicitly_set,
@@ -237,6 +238,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         assert self._worker is not None
         self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Whole-request loads (models with several KV cache groups) that are over, failed ones included."""
+        assert self._worker is not None
+        finished, _ = self._worker.take_transfer_results()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's receive results: whole-request loads that are over, and those that failed (vLLM then
+        recomputes or fails the request, by `kv_load_failure_policy`)."""
+        assert self._worker is not None
+        finished, failed = self._worker.take_transfer_results()
+        return TransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

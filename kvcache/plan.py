@@ -53,6 +53,9 @@ class RequestPlan:
     req_id: str
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    #: the loads are one whole-request load vLLM waits for (``load_kv_async``): the request is reported
+    #: finished, or failed, receiving (a model with several KV cache groups; see `KVSchedulerSide`)
+    whole_request: bool = False
 
 
 @dataclass
@@ -69,9 +72,12 @@ class TieredKVMetadata(KVConnectorMetadata):
 @dataclass
 class TieredKVWorkerMetadata(ResidencyChanges[bytes], KVConnectorWorkerMetadata):
     """Worker -> scheduler: chunk hashes that entered or left the worker's in-process memory tier
-    (`vllm_tiercache.shared.residency` says why, and how ranks merge)."""
+    (`vllm_tiercache.shared.residency` says why, and how ranks merge), and chunks a whole-request load
+    could not use (missing, corrupt, another layout): the scheduler claims them no more until saved again."""
+
+    failed: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
         merged = self.merge(other)
-        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted)
+        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted, failed=self.failed | other.failed)

@@ -10,6 +10,12 @@ Under vLLM's hybrid KV cache manager the plan is per KV cache group: full-attent
 whole chunks, sliding-window groups only the blocks inside the window at a hit's end, and a hit is the
 longest prefix every group can supply (`vllm_tiercache.kvcache.groups` has the design). A model with a
 group the connector cannot load (mamba state, ...) gets no lookups and no saves.
+
+With several groups a hit is loaded as one whole-request load (vLLM's ``load_kv_async``), not layer by
+layer: block ids are only unique within a group, so vLLM (0.32) accepts no block-level load failure for
+such a model (`invalid_block_ids` stops the engine); a request whose load fails is reported as failed
+receiving instead, and vLLM recomputes it from scratch (``kv_load_failure_policy=recompute``) or fails
+it (``fail``). The chunks that failed are reported back and not claimed again until saved anew.
 """
 
 from __future__ import annotations
@@ -118,6 +124,11 @@ class KVSchedulerSide:
             self.can_load = self.can_save = False
         elif groups.hybrid:
             log.info("TieredKVConnector: hybrid KV cache groups: %s", groups.describe())
+        #: several groups: loads are whole-request loads vLLM waits for (see the module docstring)
+        self.whole_request_loads = len(groups.groups) > 1
+        self._whole_request_pending: list[str] = []
+        #: chunks a whole-request load could not use: missing until a request saves them again
+        self._failed_chunks: set[bytes] = set()
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -148,9 +159,10 @@ class KVSchedulerSide:
             self._check_engine_hashing(state.request)
         ends = self.geometry.chunk_ends(self._prompt_full_blocks(state.request))
         hashes = [state.chunk_hash(end) for end in ends]
-        resident = [h in self.resident for h in hashes]
+        failed = [h in self._failed_chunks for h in hashes]
+        resident = [h in self.resident and not bad for h, bad in zip(hashes, failed, strict=True)]
         full_ok, window_ok = list(resident), list(resident)
-        missing = [i for i, hit in enumerate(resident) if not hit]
+        missing = [i for i, hit in enumerate(resident) if not hit and not failed[i]]
         if missing:
             full, sliding = self.groups.full, self.groups.sliding
             per_chunk = [
@@ -246,7 +258,7 @@ class KVSchedulerSide:
         if hit_blocks <= local_blocks:
             return 0, False
         state.load_first, state.load_end, state.load_chunks = local_blocks, hit_blocks, chunks
-        return (hit_blocks - local_blocks) * block_size, False
+        return (hit_blocks - local_blocks) * block_size, self.whole_request_loads
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -256,6 +268,8 @@ class KVSchedulerSide:
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
+            if self.whole_request_loads:
+                self._whole_request_pending.append(request.request_id)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Split a hit between the workers' memory tier (HOST) and the shared tiers, for vLLM's metrics."""
@@ -274,6 +288,17 @@ class KVSchedulerSide:
     # ------------------------------------------------------------------------------------- step plan
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:
         meta = TieredKVMetadata()
+        pending, self._whole_request_pending = self._whole_request_pending, []
+        for req_id in pending:  # not scheduled this step: vLLM waits for their load
+            state = self._requests.get(req_id)
+            if state is not None and state.load_end > state.load_first:
+                block_ids = self._block_ids(req_id)
+                plan = RequestPlan(req_id=req_id, whole_request=True)
+                for group in self.groups.groups:
+                    plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
+                state.load_first = state.load_end = 0
+                state.load_chunks = []
+                meta.requests.append(plan)
         computed_before: dict[str, int] = {
             new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
         }
@@ -325,6 +350,7 @@ class KVSchedulerSide:
                                            first=first))
                 else:
                     plan.saves.extend(saves)
+                    self._failed_chunks.discard(state.chunk_hash(end))
                 state.saved_until = end
         return plan
 
@@ -395,6 +421,10 @@ class KVSchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.resident.apply(worker_meta.added, worker_meta.evicted)
+            if worker_meta.failed:
+                log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
+                            "claimed again until saved anew", len(worker_meta.failed))
+                self._failed_chunks.update(worker_meta.failed)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may

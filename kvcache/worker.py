@@ -62,8 +62,12 @@ class WorkerCounters:
 class _LoadJob:
     """One step's layerwise load, shared by the loader thread and the forward pass."""
 
-    def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad]) -> None:
+    def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad],
+                 owners: list[str] | None = None, whole_requests: set[str] | None = None) -> None:
         self.loads = loads
+        #: the request of every load, and the requests whose loads are whole-request loads
+        self.owners = owners or [""] * len(loads)
+        self.whole_requests = whole_requests or set()
         self.ready = {name: threading.Event() for name in layer_names}
         self.handles: dict[str, object | None] = {}
         self.failed: set[int] = set()  # indices into `loads`
@@ -104,6 +108,11 @@ class KVWorkerSide:
         self._counters_lock = threading.Lock()
         self._job: _LoadJob | None = None
         self._load_errors: set[int] = set()
+        #: whole-request loads that finished (failed ones too, as vLLM wants), those that failed, and the
+        #: chunks they could not use
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._failed_chunks: set[bytes] = set()
         self._pending_saves: list[tuple[StoreKey, torch.Tensor, bytes, bool, int]] = []
         self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool, int]] | None] = queue.Queue()
         self._queued_saves = 0
@@ -153,9 +162,12 @@ class KVWorkerSide:
     # ------------------------------------------------------------------------------------------ loads
     def start_load(self, meta: TieredKVMetadata) -> None:
         loads = [load for plan in meta.requests for load in plan.loads]
+        whole = {plan.req_id for plan in meta.requests if plan.whole_request and plan.loads}
         if not loads or self.layout is None:
+            self._finished_recving |= whole  # nothing to load here: the request may go on
             return
-        job = _LoadJob(self.layout.layer_names, loads)
+        owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
+        job = _LoadJob(self.layout.layer_names, loads, owners, whole)
         self._job = job
         self._load_queue.put(job)
 
@@ -173,8 +185,20 @@ class KVWorkerSide:
         if job is None:
             return
         job.done.wait()
+        self._finished_recving |= job.whole_requests
         for i in job.failed:
-            self._load_errors.update(job.loads[i].block_ids)
+            if job.owners[i] in job.whole_requests:
+                self._failed_recving.add(job.owners[i])
+                self._failed_chunks.add(job.loads[i].chunk_hash)
+            else:
+                self._load_errors.update(job.loads[i].block_ids)
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) whole-request loads since the last call; every failed one is finished too."""
+        self.finish_load()
+        finished, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return finished, failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -319,7 +343,11 @@ class KVWorkerSide:
 
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
         changes = self.residency.take()
-        return None if changes is None else TieredKVWorkerMetadata(added=changes.added, evicted=changes.evicted)
+        failed, self._failed_chunks = self._failed_chunks, set()
+        if changes is None and not failed:
+            return None
+        added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
+        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
 
     def take_counters(self) -> dict[str, Any]:
         with self._counters_lock:

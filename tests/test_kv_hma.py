@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_tiercache.kvcache.connector import TieredKVConnector
@@ -181,8 +181,11 @@ def test_restart_hits_and_loads_only_the_window(tiny_gemma3: Path, tmp_path: Pat
     request = make_request("b", prompt + tokens(40, seed=1))
     hit_blocks = (prompt_len // BLOCK)  # the partial last chunk ends at block 10
     output, meta = _schedule_prompt(second, request)
-    assert output.scheduled_new_reqs[0].num_computed_tokens == hit_blocks * BLOCK
+    # several groups: one whole-request load vLLM waits for (block-level failures are not allowed)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not output.scheduled_new_reqs
+    assert request.num_computed_tokens == hit_blocks * BLOCK
     (plan,) = meta.requests
+    assert plan.whole_request and not plan.saves
     table = second.kv_cache_manager.get_block_ids("b")
     loaded: dict[int, list[int]] = {0: [], 1: []}
     for load in plan.loads:
@@ -200,7 +203,7 @@ def test_restart_hits_and_loads_only_the_window(tiny_gemma3: Path, tmp_path: Pat
     request = make_request("c", prompt)
     output, meta = _schedule_prompt(third, request)
     usable = (prompt_len - 1) // BLOCK
-    assert output.scheduled_new_reqs[0].num_computed_tokens == usable * BLOCK
+    assert request.num_computed_tokens == usable * BLOCK
     table = third.kv_cache_manager.get_block_ids("c")
     window = [load for load in meta.requests[0].loads if load.group == 1]
     assert [i for load in window for i in range(load.first, load.end)] == [
@@ -218,8 +221,9 @@ def test_a_missing_window_record_shortens_the_hit(tiny_gemma3: Path, tmp_path: P
     play_saves(connector, meta, skip=(make_request("x", prompt).block_hashes[9], 1))
     connector._store.close()
     second = scheduler_over(gemma_config(tiny_gemma3, tmp_path), hybrid_kv_cache_config())
-    output, _ = _schedule_prompt(second, make_request("b", prompt))
-    assert output.scheduled_new_reqs[0].num_computed_tokens == 8 * BLOCK
+    request = make_request("b", prompt)
+    _schedule_prompt(second, request)
+    assert request.num_computed_tokens == 8 * BLOCK
     second.connector._store.close()  # type: ignore[union-attr]
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures.models import run_engine
 from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
 
 BLOCK = 32
@@ -66,7 +69,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
                        env_extra=ENV)
     restarted = run_engine({"model": model, "rounds": [PROMPTS], "kv_transfer_config": kv_config(disk)}, work,
                            env_extra=ENV, stats_dir=work / "stats")
-    return {"baseline": baseline, "first": first, "restarted": restarted, "stats_dir": work / "stats"}
+    return {"baseline": baseline, "first": first, "restarted": restarted, "stats_dir": work / "stats",
+            "disk": disk, "model": model}
 
 
 def test_hma_stays_on_with_the_connector(engines: dict) -> None:
@@ -95,3 +99,39 @@ def test_restart_hits_with_tokens_identical_to_vllm_alone(engines: dict) -> None
     (stats,) = read_stats(str(engines["stats_dir"]), "kv-worker")
     assert stats["counters"]["load_errors"] == 0
     assert stats["counters"]["loaded_blocks"] == sum(expected_hits(p) for p in PROMPTS) // BLOCK
+
+
+def _damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def sliding_window_records(disk: Path) -> list[Path]:
+    """The record files of the sliding-window group's layers (their keys carry the group's tag)."""
+    store = build_store({"tiers": [{"kind": "disk", "path": str(disk), "capacity": "1GiB"}]})
+    try:
+        (tier,) = store.tiers
+        texts = [record.text for record in tier.iter_stored() if "|Gsw" in record.text]
+        return [tier.path_for(StoreKey(text)) for text in texts]
+    finally:
+        store.close()
+
+
+def test_corrupted_sliding_window_records_are_recomputed(engines: dict, tmp_path: Path) -> None:
+    """A window record that fails to load fails the whole-request load (vLLM allows no block-level failure
+    with several KV cache groups): vLLM recomputes the request, the tokens stay those of vLLM alone."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(engines["disk"], damaged)
+    records = sliding_window_records(damaged)
+    assert len(records) >= 8
+    for path in records[::2]:
+        _damage(path)
+    result = run_engine({"model": engines["model"], "rounds": [PROMPTS], "kv_transfer_config": kv_config(damaged)},
+                        tmp_path / "run", env_extra=ENV, stats_dir=tmp_path / "stats")
+    assert result["rounds"][0]["tokens"] == engines["baseline"]["rounds"][0]["tokens"]
+    (stats,) = read_stats(str(tmp_path / "stats"), "kv-worker")
+    assert stats["store"]["tiers"]["disk"]["corrupt"] >= 1
+    assert stats["counters"]["load_errors"] >= 1
+    log = Path(result["log_path"]).read_text()
+    assert "failed to load; they are recomputed" in log
