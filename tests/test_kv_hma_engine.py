@@ -135,3 +135,22 @@ def test_corrupted_sliding_window_records_are_recomputed(engines: dict, tmp_path
     assert stats["counters"]["load_errors"] >= 1
     log = Path(result["log_path"]).read_text()
     assert "failed to load; they are recomputed" in log
+
+
+def test_preemption_reloads_its_own_chunks_with_tokens_identical_to_vllm_alone(engines: dict,
+                                                                              tmp_path: Path) -> None:
+    """A KV cache too small for the batch: vLLM preempts decoding requests and re-admits them later. With
+    the connector they find their own saved prompt chunks (the only loads possible here: every prompt is
+    new to a fresh store), and the tokens are vLLM's own, preempted alike."""
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 259) for _ in range(300)] for _ in range(6)]
+    spec = {"model": engines["model"], "rounds": [prompts], "num_gpu_blocks_override": 48, "max_tokens": 160,
+            "max_model_len": 512}
+    alone = run_engine(spec, tmp_path / "alone", env_extra=ENV)
+    disk = tmp_path / "disk"
+    ours = run_engine({**spec, "kv_transfer_config": kv_config(disk)}, tmp_path / "ours", env_extra=ENV,
+                      stats_dir=tmp_path / "stats")
+    assert ours["rounds"][0]["tokens"] == alone["rounds"][0]["tokens"]
+    (stats,) = read_stats(str(tmp_path / "stats"), "kv-worker")
+    assert stats["counters"]["loaded_blocks"] > 0  # a preempted request got its prefix back from the store
+    assert stats["counters"]["load_errors"] == 0
