@@ -45,6 +45,7 @@ from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
     TransferResults,
     check_vllm_version,
+    has_state_layers,
     is_encode_only,
     is_explicitly_set,
     uses_eagle,
@@ -139,7 +140,11 @@ def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None) -> Che
     cache_config = vllm_config.cache_config
     check_seed_is_stable(cache_config.prefix_caching_hash_algo)
     block_size = getattr(cache_config, "block_size", None)
-    geometry = ChunkGeometry(int(block_size), options.chunk_size) if block_size else None
+    geometry = None
+    if block_size and not has_state_layers(vllm_config):
+        geometry = ChunkGeometry(int(block_size), options.chunk_size)
+    # A model with mamba (state) layers gets no loads or saves (`vllm_tiercache.kvcache.groups`), so the
+    # attention block size vLLM picks to match the state's page size never has to fit chunk_size.
     return CheckedKVConfig(options, store, policy, source, identifiers, geometry)
 
 

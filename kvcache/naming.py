@@ -89,17 +89,23 @@ class KVNaming:
         cache_config = vllm_config.cache_config
         algo = cache_config.prefix_caching_hash_algo
         check_seed_is_stable(algo)
-        geometry = ChunkGeometry(block_size=int(cache_config.block_size), chunk_size=options.chunk_size)
+        block_size = int(cache_config.block_size)
         weights = weights_of(vllm_config, store.model_version)
         first = KVModelIdentity.from_vllm_config(vllm_config, layout_tag(vllm_config), 0, weights=weights)
+        groups = None if kv_cache_config is None else KVGroups.from_kv_cache_config(
+            kv_cache_config, block_size, first.num_layers)
+        chunk_size = options.chunk_size
+        if groups is not None and not groups.supported and chunk_size % block_size:
+            # nothing is ever chunked for this model (no loads, no saves): any valid geometry names it
+            chunk_size = -(-chunk_size // block_size) * block_size
+        geometry = ChunkGeometry(block_size=block_size, chunk_size=chunk_size)
         return cls(
             namespace=store.namespace,
             identities=tuple(dataclasses.replace(first, tp_rank=r) for r in range(first.tp_size)),
             geometry=geometry,
             hash_algo=algo,
             save_partial_chunks=options.save_partial_chunks,
-            kv_groups=None if kv_cache_config is None else KVGroups.from_kv_cache_config(
-                kv_cache_config, geometry.block_size, first.num_layers),
+            kv_groups=groups,
         )
 
     # ------------------------------------------------------------------------------------------- keys

@@ -204,6 +204,18 @@ def is_encode_only(vllm_config: VllmConfig) -> bool:
     return bool(getattr(vllm_config, "is_mm_encoder_only", False))
 
 
+def has_state_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the model has layers with recurrent state (mamba and the like: vLLM's ``is_hybrid`` or
+    attention-free models), whose KV cache groups a prefix store cannot load."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return False
+    try:
+        return bool(getattr(model_config, "is_hybrid", False) or getattr(model_config, "is_attention_free", False))
+    except Exception:  # a model vLLM cannot introspect here: no opinion
+        return False
+
+
 def uses_eagle(vllm_config: VllmConfig) -> bool:
     """Whether an EAGLE/MTP drafter with its own KV layers runs (its last accepted position is volatile).
 

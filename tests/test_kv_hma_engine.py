@@ -17,6 +17,7 @@ from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
+from vllm_tiercache.tools.tiny_models.granite_hybrid import make_tiny_granite_hybrid
 
 BLOCK = 32
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
@@ -154,3 +155,20 @@ def test_preemption_reloads_its_own_chunks_with_tokens_identical_to_vllm_alone(e
     (stats,) = read_stats(str(tmp_path / "stats"), "kv-worker")
     assert stats["counters"]["loaded_blocks"] > 0  # a preempted request got its prefix back from the store
     assert stats["counters"]["load_errors"] == 0
+
+
+def test_hybrid_ssm_model_starts_with_hma_on_and_claims_no_hit(tmp_path: Path) -> None:
+    """A mamba2 + attention model (tiny Granite 4.0 H shape) needs the hybrid KV cache manager to start at
+    all. With the connector it starts, HMA stays on, the connector says in one line that it will not load
+    for this model, claims no hit, and the tokens are vLLM's own."""
+    model = str(make_tiny_granite_hybrid(tmp_path / "tiny-granite-hybrid"))
+    prompts = PROMPTS[:4]
+    alone = run_engine({"model": model, "rounds": [prompts, prompts]}, tmp_path / "alone", env_extra=ENV)
+    ours = run_engine({"model": model, "rounds": [prompts, prompts], "kv_transfer_config": kv_config(tmp_path / "d")},
+                      tmp_path / "ours", env_extra=ENV)
+    log = Path(ours["log_path"]).read_text()
+    assert HMA_OFF not in log
+    assert "no KV loads or saves for this model: group 0 is MambaSpec" in log
+    assert [r["tokens"] for r in ours["rounds"]] == [r["tokens"] for r in alone["rounds"]]
+    assert all(hit == 0 for r in ours["rounds"] for hit in r["num_cached_tokens"])
+    assert not list((tmp_path / "d").rglob("*.rec"))
