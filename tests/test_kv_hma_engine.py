@@ -172,3 +172,23 @@ def test_hybrid_ssm_model_starts_with_hma_on_and_claims_no_hit(tmp_path: Path) -
     assert [r["tokens"] for r in ours["rounds"]] == [r["tokens"] for r in alone["rounds"]]
     assert all(hit == 0 for r in ours["rounds"] for hit in r["num_cached_tokens"])
     assert not list((tmp_path / "d").rglob("*.rec"))
+
+
+def test_local_prefix_hit_completed_by_the_store(engines: dict, tmp_path: Path) -> None:
+    """vLLM's own prefix cache holds the shared document (loaded from the store in round 1); the longer
+    prompt then takes the document from vLLM and only the rest from the store: the sliding-window group
+    loads just the window blocks past the local hit."""
+    disk = tmp_path / "disk"
+    shutil.copytree(engines["disk"], disk)
+    document, longer = PROMPTS[3], PROMPTS[4]
+    result = run_engine({"model": engines["model"], "rounds": [[document], [longer]], "enable_prefix_caching": True,
+                         "kv_transfer_config": kv_config(disk)}, tmp_path / "run", env_extra=ENV,
+                        stats_dir=tmp_path / "stats")
+    reference = engines["baseline"]["rounds"][0]["tokens"]
+    assert [r["tokens"][0] for r in result["rounds"]] == [reference[3], reference[4]]
+    assert [r["num_cached_tokens"][0] for r in result["rounds"]] == [expected_hits(document), expected_hits(longer)]
+    (stats,) = read_stats(str(tmp_path / "stats"), "kv-worker")
+    # round 1: 15 blocks of the document (one short of its end); round 2: blocks 15..22 past vLLM's own hit
+    assert stats["counters"]["loaded_blocks"] == expected_hits(document) // BLOCK + (
+        expected_hits(longer) - expected_hits(document)) // BLOCK
+    assert stats["counters"]["load_errors"] == 0
