@@ -273,7 +273,8 @@ class KeyFields:
     ``namespace``, ``kind`` and ``model`` are the first three fields of every key this module builds.
     The rest is filled only for a well-formed ``kv`` or ``enc`` text: ``fingerprint``; for ``kv`` also
     ``tp_size``, ``tp_rank``, ``chunk_hash`` and ``layer`` (``None``: all layers, as `kv_chunk_key`
-    takes it); for ``enc`` the full ``mm_identifier``.
+    takes it) and ``group`` (the KV cache group's tag, None for full attention); for ``enc`` the full
+    ``mm_identifier``.
     """
 
     namespace: str
@@ -285,6 +286,7 @@ class KeyFields:
     chunk_hash: bytes | None = None
     layer: int | None = None
     mm_identifier: str | None = None
+    group: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -314,7 +316,11 @@ def parse_key_text(text: str) -> KeyFields | None:
 
 
 def _parse_kv(namespace: str, model: str, rest: list[str]) -> KeyFields | None:
-    """The KV-only fields ``fingerprint|tp{size}r{rank}|{chunk hash hex}|L{layer}``; None if malformed."""
+    """The KV-only fields ``fingerprint|tp{size}r{rank}|{chunk hash hex}|L{layer}[|G{group}]``; None if
+    malformed."""
+    group = None
+    if len(rest) == 5 and rest[4].startswith("G") and len(rest[4]) > 1:
+        group, rest = rest[4][1:], rest[:4]
     if len(rest) != 4 or not rest[0]:
         return None
     tp, chunk_hex, layer = _TP_FIELD.fullmatch(rest[1]), rest[2], _LAYER_FIELD.fullmatch(rest[3])
@@ -322,4 +328,4 @@ def _parse_kv(namespace: str, model: str, rest: list[str]) -> KeyFields | None:
         return None
     return KeyFields(namespace, "kv", model, fingerprint=rest[0], tp_size=int(tp.group(1)),
                      tp_rank=int(tp.group(2)), chunk_hash=bytes.fromhex(chunk_hex),
-                     layer=None if layer.group(1) == "all" else int(layer.group(1)))
+                     layer=None if layer.group(1) == "all" else int(layer.group(1)), group=group)
