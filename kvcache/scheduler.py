@@ -13,7 +13,9 @@ group the connector cannot load (mamba state, ...) gets no lookups and no saves.
 
 With several groups a hit is loaded as one whole-request load (vLLM's ``load_kv_async``), not layer by
 layer: block ids are only unique within a group, so vLLM (0.32) accepts no block-level load failure for
-such a model (`invalid_block_ids` stops the engine); a request whose load fails is reported as failed
+such a model (`invalid_block_ids` stops the engine). A model whose only group slides is loaded the same
+way: vLLM's block-level recovery would resume it at the first failed block, whose window it no longer
+holds. A request whose load fails is reported as failed
 receiving instead, and vLLM recomputes it from scratch (``kv_load_failure_policy=recompute``) or fails
 it (``fail``). The chunks that failed are reported back and not claimed again until saved anew.
 """
@@ -124,8 +126,10 @@ class KVSchedulerSide:
             self.can_load = self.can_save = False
         elif groups.hybrid:
             log.info("TieredKVConnector: hybrid KV cache groups: %s", groups.describe())
-        #: several groups: loads are whole-request loads vLLM waits for (see the module docstring)
-        self.whole_request_loads = len(groups.groups) > 1
+        #: several groups, or any sliding-window group: loads are whole-request loads vLLM waits for (see
+        #: the module docstring; vLLM's block-level recovery would restart a sliding-window request from the
+        #: first failed block, whose window it no longer holds)
+        self.whole_request_loads = len(groups.groups) > 1 or groups.hybrid
         self._whole_request_pending: list[str] = []
         #: chunks a whole-request load could not use: missing until a request saves them again
         self._failed_chunks: set[bytes] = set()

@@ -236,3 +236,29 @@ def test_unsupported_group_claims_no_hit_and_saves_nothing(tiny_gemma3: Path, tm
     request = make_request("a", tokens(330))
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.connector._store.close()  # type: ignore[union-attr]
+
+
+def test_a_model_whose_only_group_slides(tiny_gemma3: Path, tmp_path: Path) -> None:
+    """Every layer in one sliding-window group (a Mistral-7B-v0.1 shape): no full-attention records, the
+    hit is the window at a chunk end, loaded as one whole-request load."""
+    common: dict[str, Any] = dict(block_size=BLOCK, num_kv_heads=SPEC.num_kv_heads, head_size=SPEC.head_dim,
+                                  dtype=torch.bfloat16)
+    layers = [_layer(i) for i in range(4)]
+    only = KVCacheConfig(num_blocks=200, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, SlidingWindowSpec(sliding_window=WINDOW, **common))])
+    prompt = tokens(330)
+    first = scheduler_over(gemma_config(tiny_gemma3, tmp_path), only)
+    _, meta = _schedule_prompt(first, make_request("a", prompt))
+    assert [len(s.block_ids) for s in meta.requests[0].saves] == [3, 3, 2]
+    play_saves(first.connector, meta)  # type: ignore[arg-type]
+    first.connector._store.close()  # type: ignore[union-attr]
+    second = scheduler_over(gemma_config(tiny_gemma3, tmp_path), only)
+    request = make_request("b", prompt)
+    _, meta = _schedule_prompt(second, request)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and request.num_computed_tokens == 10 * BLOCK
+    (plan,) = meta.requests
+    assert plan.whole_request
+    assert [i for load in plan.loads for i in range(load.first, load.end)] == [8, 9]
+    table = second.kv_cache_manager.get_block_ids("b")[0]
+    assert [i for i, block in enumerate(table[:10]) if block != NULL_BLOCK_ID] == [8, 9]
+    second.connector._store.close()  # type: ignore[union-attr]
