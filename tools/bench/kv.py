@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="llama",
         help="the model: 'llama' (generated tiny Llama, default), 'gemma3' (generated tiny Gemma 3: sliding-"
-        "window and global layers, served with vLLM's hybrid KV cache manager) or a model directory",
+        "window and global layers, served with vLLM's hybrid KV cache manager), 'gemma3-bench' (its 12-layer "
+        "benchmark size, 5 sliding layers per global one) or a model directory",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -332,10 +333,12 @@ class Bench:
             f"model: {self.model_name}, {self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
         )
         choice = getattr(self.args, "model", "llama") or "llama"
-        if choice == "gemma3":
-            from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
+        if choice in ("gemma3", "gemma3-bench"):
+            from vllm_tiercache.tools.tiny_models import gemma3
 
-            self.model = str(make_tiny_gemma3(self.work / "model-gemma3"))
+            bench = choice == "gemma3-bench"
+            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}",
+                                                     gemma3.BENCH_SPEC if bench else None))
         elif choice == "llama":
             spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
             self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
@@ -356,6 +359,8 @@ class Bench:
         choice = getattr(self.args, "model", "llama") or "llama"
         if choice == "gemma3":
             return "tiny Gemma 3 (sliding window + global)"
+        if choice == "gemma3-bench":
+            return "Gemma 3 BENCH_SPEC (12 layers, 5 sliding per global)"
         if choice == "llama":
             return "tiny" if self.args.quick else "BENCH_SPEC"
         return choice

@@ -52,6 +52,12 @@ class TinyGemma3Spec:
             raise ValueError(f"a hybrid model needs both layer kinds, got {sorted(kinds)}")
 
 
+#: The KV benchmark's Gemma 3 shape (~the tiny Llama BENCH_SPEC's size): 12 layers, five sliding-window
+#: layers (512 tokens) per global one as in the real Gemma 3, hidden 1024, 16 heads, 4 KV heads.
+BENCH_SPEC = TinyGemma3Spec(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=64,
+                            intermediate_size=2816, sliding_window=512, sliding_window_pattern=6, seed=1)
+
+
 def make_tiny_gemma3(out_dir: str | Path, spec: TinyGemma3Spec | None = None) -> Path:
     """Write a random-weight Gemma 3 text model directory vLLM can serve; reuse it if the spec is unchanged."""
     spec = spec or TinyGemma3Spec()
