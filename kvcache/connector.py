@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
@@ -42,7 +43,9 @@ from vllm_tiercache.shared.store import describe_tiers, get_store
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
+    TransferResults,
     check_vllm_version,
+    has_state_layers,
     is_encode_only,
     is_explicitly_set,
     uses_eagle,
@@ -140,12 +143,21 @@ def check_kv_config(vllm_config: VllmConfig, transfer: Any | None = None, *,
     cache_config = vllm_config.cache_config
     check_seed_is_stable(cache_config.prefix_caching_hash_algo)
     block_size = getattr(cache_config, "block_size", None) if final_block_size else None
-    geometry = ChunkGeometry(int(block_size), options.chunk_size) if block_size else None
+    geometry = None
+    if block_size and not has_state_layers(vllm_config):
+        geometry = ChunkGeometry(int(block_size), options.chunk_size)
+    # A model with mamba (state) layers gets no loads or saves (`vllm_tiercache.kvcache.groups`), so the
+    # attention block size vLLM picks to match the state's page size never has to fit chunk_size.
     return CheckedKVConfig(options, store, policy, source, identifiers, geometry)
 
 
-class TieredKVConnector(KVConnectorBase_V1):
-    """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis."""
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Layerwise KV save/load of 256-token prefix chunks over memory, disk, GDS and Redis.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager on with this connector. Full-attention groups
+    load and save whole chunks, sliding-window groups only the window at a hit's end, and a model with a
+    group it cannot load (mamba state, ...) runs with no external hits (`vllm_tiercache.kvcache.groups`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         check_vllm_version("TieredKVConnector")
@@ -159,7 +171,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             log.info("TieredKVConnector: kv_load_failure_policy=%s (from %s)", transfer.kv_load_failure_policy,
                      checked.policy_source)
         identifiers = checked.identifiers
-        naming = KVNaming.from_configs(vllm_config, config, self._options)
+        naming = KVNaming.from_configs(vllm_config, config, self._options, kv_cache_config)
         identity = naming.identities[0]
         log.info("TieredKVConnector: role=%s model=%s weights=%s fingerprint=%s namespace=%s chunk_size=%d "
                  "tiers=%s", role.name, identity.model, identity.weights, identity.fingerprint, naming.namespace,
@@ -205,7 +217,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout = self._worker.register_kv_caches(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
-        if layout.device.type == "cpu":
+        if layout is not None and layout.device.type == "cpu":
             # Before any load: the first step may attend over loaded KV with vLLM's AMX kernel.
             self._worker.totals["amx_allowed"] = int(allow_amx_tiles())
             if self._options.warmup_cpu_attention:
@@ -234,6 +246,19 @@ class TieredKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         assert self._worker is not None
         self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Whole-request loads (models with several KV cache groups) that are over, failed ones included."""
+        assert self._worker is not None
+        finished, _ = self._worker.take_transfer_results()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's receive results: whole-request loads that are over, and those that failed (vLLM then
+        recomputes or fails the request, by `kv_load_failure_policy`)."""
+        assert self._worker is not None
+        finished, failed = self._worker.take_transfer_results()
+        return TransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -304,6 +329,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`'s end of a request (every group at once): as `request_finished`, the blocks are
+        free at once (saves are private copies taken within the step)."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 

@@ -9,7 +9,9 @@ The rule: a prompt's full blocks are grouped into chunks of `ChunkGeometry.block
 last chunk may be partial, and is stored only with ``save_partial_chunks``. A chunk is named by vLLM's
 chain hash at its last block (the engine's ``request.block_hashes[end - 1]``; offline, the same hash from
 `vllm_tiercache.shared.hashing`), and stored as one record per layer and tensor-parallel rank
-(`vllm_tiercache.shared.keys.kv_chunk_key`).
+(`vllm_tiercache.shared.keys.kv_chunk_key`). Under vLLM's hybrid KV cache manager a sliding-window
+group's records hold only the chunk's blocks inside a window, and their keys carry the group's tag
+(`vllm_tiercache.kvcache.groups`); offline naming knows no groups and names full-attention records.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
 from vllm_tiercache.kvcache.layout import layout_tag
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
@@ -65,9 +68,19 @@ class KVNaming:
     #: vLLM's ``prefix_caching_hash_algo``: how block hashes, hence chunk names, are computed
     hash_algo: str
     save_partial_chunks: bool = True
+    #: the engine's KV cache groups (None: one full-attention group over every layer)
+    kv_groups: KVGroups | None = None
+
+    @property
+    def groups(self) -> KVGroups:
+        if self.kv_groups is not None:
+            return self.kv_groups
+        return KVGroups.single(self.identities[0].num_layers, self.geometry.block_size)
 
     @classmethod
-    def from_configs(cls, vllm_config: Any, store: StoreConfig, options: KVConnectorOptions) -> KVNaming:
+    def from_configs(
+        cls, vllm_config: Any, store: StoreConfig, options: KVConnectorOptions, kv_cache_config: Any = None
+    ) -> KVNaming:
         """The naming an engine built from ``vllm_config`` uses, with the connector's store and options.
 
         Refuses (`check_seed_is_stable`) a hash seed that differs per process: no other process could
@@ -76,33 +89,49 @@ class KVNaming:
         cache_config = vllm_config.cache_config
         algo = cache_config.prefix_caching_hash_algo
         check_seed_is_stable(algo)
-        geometry = ChunkGeometry(block_size=int(cache_config.block_size), chunk_size=options.chunk_size)
+        block_size = int(cache_config.block_size)
         weights = weights_of(vllm_config, store.model_version)
         first = KVModelIdentity.from_vllm_config(vllm_config, layout_tag(vllm_config), 0, weights=weights)
+        groups = None if kv_cache_config is None else KVGroups.from_kv_cache_config(
+            kv_cache_config, block_size, first.num_layers)
+        chunk_size = options.chunk_size
+        if groups is not None and not groups.supported and chunk_size % block_size:
+            # nothing is ever chunked for this model (no loads, no saves): any valid geometry names it
+            chunk_size = -(-chunk_size // block_size) * block_size
+        geometry = ChunkGeometry(block_size=block_size, chunk_size=chunk_size)
         return cls(
             namespace=store.namespace,
             identities=tuple(dataclasses.replace(first, tp_rank=r) for r in range(first.tp_size)),
             geometry=geometry,
             hash_algo=algo,
             save_partial_chunks=options.save_partial_chunks,
+            kv_groups=groups,
         )
 
     # ------------------------------------------------------------------------------------------- keys
-    def record_key(self, chunk_hash: bytes, layer: int, rank: int = 0) -> StoreKey:
-        """The record of one layer of one chunk, written and read by the worker of ``rank``."""
-        return kv_chunk_key(self.namespace, self.identities[rank], chunk_hash, layer)
+    def record_key(self, chunk_hash: bytes, layer: int, rank: int = 0, group: str | None = None) -> StoreKey:
+        """The record of one layer of one chunk, written and read by the worker of ``rank``; ``group``:
+        the tag of the layer's KV cache group (`KVGroup.tag`, None for full attention)."""
+        return kv_chunk_key(self.namespace, self.identities[rank], chunk_hash, layer, group)
 
-    def chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
-        """Every record of one chunk: each layer of each rank (the chunk is loadable when all are stored)."""
+    def group_keys(self, chunk_hash: bytes, groups: tuple[KVGroup, ...]) -> list[StoreKey]:
+        """The records of one chunk for ``groups``: each of their layers on each rank."""
         return [
-            kv_chunk_key(self.namespace, identity, chunk_hash, layer)
+            kv_chunk_key(self.namespace, identity, chunk_hash, layer, group.tag)
             for identity in self.identities
-            for layer in range(identity.num_layers)
+            for group in groups
+            for layer in group.layers
         ]
 
+    def chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
+        """Every record of one chunk: each layer of each group and rank (loadable when all are stored)."""
+        return self.group_keys(chunk_hash, self.groups.groups)
+
     def probe_key(self, chunk_hash: bytes) -> StoreKey:
-        """One record that stands for a chunk in a cheap first look (layer 0 of rank 0)."""
-        return self.record_key(chunk_hash, 0)
+        """One record that stands for a chunk in a cheap first look (the first layer of the first group,
+        rank 0)."""
+        first = self.groups.groups[0]
+        return self.record_key(chunk_hash, first.layers[0], 0, first.tag)
 
     # ----------------------------------------------------------------------------------------- chunks
     def stored_chunk_ends(self, num_full_blocks: int) -> list[int]:

@@ -19,13 +19,18 @@ from vllm_tiercache.shared.residency import ResidencyChanges
 
 @dataclass
 class ChunkLoad:
-    """Copy blocks [first, end) of one stored chunk into `block_ids` (one destination per block)."""
+    """Copy blocks [first, end) of one stored chunk into `block_ids` (one destination per block).
+
+    `chunk_start` is the first block the record holds (for a sliding-window group, the first block of the
+    chunk inside a window: `vllm_tiercache.kvcache.groups`); `group` is the KV cache group whose layers
+    and block table the load is for."""
 
     chunk_hash: bytes
     chunk_start: int
     first: int
     end: int
     block_ids: list[int]
+    group: int = 0
 
     @property
     def source_slice(self) -> slice:
@@ -38,6 +43,9 @@ class ChunkSave:
 
     chunk_hash: bytes
     block_ids: list[int]
+    #: the KV cache group whose layers are saved, and the first block of the record
+    group: int = 0
+    first: int = 0
 
 
 @dataclass
@@ -45,6 +53,9 @@ class RequestPlan:
     req_id: str
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    #: the loads are one whole-request load vLLM waits for (``load_kv_async``): the request is reported
+    #: finished, or failed, receiving (a model with several KV cache groups; see `KVSchedulerSide`)
+    whole_request: bool = False
 
 
 @dataclass
@@ -61,9 +72,12 @@ class TieredKVMetadata(KVConnectorMetadata):
 @dataclass
 class TieredKVWorkerMetadata(ResidencyChanges[bytes], KVConnectorWorkerMetadata):
     """Worker -> scheduler: chunk hashes that entered or left the worker's in-process memory tier
-    (`vllm_tiercache.shared.residency` says why, and how ranks merge)."""
+    (`vllm_tiercache.shared.residency` says why, and how ranks merge), and chunks a whole-request load
+    could not use (missing, corrupt, another layout): the scheduler claims them no more until saved again."""
+
+    failed: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
         merged = self.merge(other)
-        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted)
+        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted, failed=self.failed | other.failed)

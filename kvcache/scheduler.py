@@ -5,6 +5,19 @@ of the store in one batched call; chunks in a worker's in-process memory tier ar
 residency reports the workers send back each step (`TieredKVWorkerMetadata`), because vLLM runs the
 scheduler and the workers in different processes. A promise that still fails (a record evicted or
 corrupted after the lookup) is reported by the worker as invalid blocks, and vLLM recomputes them.
+
+Under vLLM's hybrid KV cache manager the plan is per KV cache group: full-attention groups load and save
+whole chunks, sliding-window groups only the blocks inside the window at a hit's end, and a hit is the
+longest prefix every group can supply (`vllm_tiercache.kvcache.groups` has the design). A model with a
+group the connector cannot load (mamba state, ...) gets no lookups and no saves.
+
+With several groups a hit is loaded as one whole-request load (vLLM's ``load_kv_async``), not layer by
+layer: block ids are only unique within a group, so vLLM (0.32) accepts no block-level load failure for
+such a model (`invalid_block_ids` stops the engine). A model whose only group slides is loaded the same
+way: vLLM's block-level recovery would resume it at the first failed block, whose window it no longer
+holds. A request whose load fails is reported as failed
+receiving instead, and vLLM recomputes it from scratch (``kv_load_failure_policy=recompute``) or fails
+it (``fail``). The chunks that failed are reported back and not claimed again until saved anew.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_tiercache.kvcache.adapters import AdapterDigests, adapter_chunk_hash
+from vllm_tiercache.kvcache.groups import KVGroup
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import (
     ChunkLoad,
@@ -34,6 +48,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+#: vLLM's null block (`BlockPool.null_block`, the pool's first block): a table entry vLLM keeps no KV in
+NULL_BLOCK_ID = 0
 
 
 @dataclass
@@ -105,6 +122,21 @@ class KVSchedulerSide:
         #: small adapter is digested well within it; a large or slow one stalls the engine at most this
         #: long, and its requests are computed without the cache until the digest is ready)
         self.adapter_wait_s = 1.0
+        groups = naming.groups
+        self.groups = groups
+        if not groups.supported:
+            log.warning("TieredKVConnector: no KV loads or saves for this model: %s (vLLM's hybrid KV cache "
+                        "manager stays on)", groups.unsupported)
+            self.can_load = self.can_save = False
+        elif groups.hybrid:
+            log.info("TieredKVConnector: hybrid KV cache groups: %s", groups.describe())
+        #: several groups, or any sliding-window group: loads are whole-request loads vLLM waits for (see
+        #: the module docstring; vLLM's block-level recovery would restart a sliding-window request from the
+        #: first failed block, whose window it no longer holds)
+        self.whole_request_loads = len(groups.groups) > 1 or groups.hybrid
+        self._whole_request_pending: list[str] = []
+        #: chunks a whole-request load could not use: missing until a request saves them again
+        self._failed_chunks: set[bytes] = set()
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -127,24 +159,41 @@ class KVSchedulerSide:
                 "hash blocks of another size and are not supported"
             )
 
-    def _lookup(self, state: _RequestState) -> tuple[list[bool], list[bool]]:
-        """Per chunk of the prompt's full blocks: can a worker load it now? One batched store call."""
+    def _lookup(self, state: _RequestState) -> tuple[list[bool], list[bool], list[bool]]:
+        """Per chunk of the prompt's full blocks: are its full-attention records loadable now, are its
+        sliding-window records (True for a model without such groups), and does the workers' memory hold
+        it all? One batched store call."""
         if not self._checked_engine_hashing:
             self._check_engine_hashing(state.request)
         ends = self.geometry.chunk_ends(self._prompt_full_blocks(state.request))
         hashes = [state.chunk_hash(end) for end in ends]
-        resident = [h in self.resident for h in hashes]
-        present = list(resident)
-        missing = [i for i, hit in enumerate(present) if not hit]
+        failed = [h in self._failed_chunks for h in hashes]
+        resident = [h in self.resident and not bad for h, bad in zip(hashes, failed, strict=True)]
+        full_ok, window_ok = list(resident), list(resident)
+        missing = [i for i, hit in enumerate(resident) if not hit and not failed[i]]
         if missing:
-            per_chunk = [self.naming.chunk_keys(hashes[i]) for i in missing]
-            flat = [key for keys in per_chunk for key in keys]
+            full, sliding = self.groups.full, self.groups.sliding
+            per_chunk = [
+                (self.naming.group_keys(hashes[i], full), self.naming.group_keys(hashes[i], sliding))
+                for i in missing
+            ]
+            flat = [key for keys in per_chunk for part in keys for key in part]
             found = self.store.contains_many(flat, shared_only=True)
             offset = 0
-            for i, keys in zip(missing, per_chunk, strict=True):
-                present[i] = all(found[offset : offset + len(keys)])
-                offset += len(keys)
-        return present, resident
+            for i, (full_keys, window_keys) in zip(missing, per_chunk, strict=True):
+                full_ok[i] = all(found[offset : offset + len(full_keys)])
+                offset += len(full_keys)
+                window_ok[i] = all(found[offset : offset + len(window_keys)])
+                offset += len(window_keys)
+        return full_ok, window_ok, resident
+
+    def _windows_ok(self, ends: list[int], window_ok: list[bool], end: int) -> bool:
+        """Can every sliding-window group supply a hit ending at block `end` (or one block before it)?
+        It needs the records of the chunks that overlap `[end - window_blocks - 1, end)`."""
+        if not self.groups.sliding:
+            return True
+        low = end - self.groups.max_window_blocks - 1
+        return all(ok for chunk_end, ok in zip(ends, window_ok, strict=False) if low < chunk_end < end + 1)
 
     def _shorter_chunk(self, state: _RequestState, start: int, end: int) -> tuple[int, bool] | None:
         """The longest stored chunk that starts at block `start` and ends before `end`, if any.
@@ -188,20 +237,25 @@ class KVSchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         block_size = self.geometry.block_size
         state = self._state(request)
-        if not state.cacheable:
+        if not state.cacheable or not self.groups.supported:
             return 0, False
-        stored, resident = self._lookup(state)
+        full_ok, window_ok, resident = self._lookup(state)
+        stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
         state.load_first = state.load_end = 0
         state.load_chunks = []
         if not self.can_load:
             return 0, False
         ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
-        hit_chunks = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+        # the full-attention prefix, then the longest part of it whose end every window group can supply
+        full_chunks = next((i for i, ok in enumerate(full_ok) if not ok), len(full_ok))
+        hit_chunks = full_chunks
+        while hit_chunks and not self._windows_ok(ends, window_ok, ends[hit_chunks - 1]):
+            hit_chunks -= 1
         chunks = [(end, resident[i]) for i, end in enumerate(ends[:hit_chunks])]
-        if hit_chunks < len(ends):
+        if hit_chunks == full_chunks and hit_chunks < len(ends):
             shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
-            if shorter is not None:
+            if shorter is not None and self._windows_ok(ends[:hit_chunks], window_ok, shorter[0]):
                 chunks.append(shorter)
         if not chunks:
             return 0, False
@@ -212,7 +266,7 @@ class KVSchedulerSide:
         if hit_blocks <= local_blocks:
             return 0, False
         state.load_first, state.load_end, state.load_chunks = local_blocks, hit_blocks, chunks
-        return (hit_blocks - local_blocks) * block_size, False
+        return (hit_blocks - local_blocks) * block_size, self.whole_request_loads
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -222,6 +276,8 @@ class KVSchedulerSide:
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
+            if self.whole_request_loads:
+                self._whole_request_pending.append(request.request_id)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Split a hit between the workers' memory tier (HOST) and the shared tiers, for vLLM's metrics."""
@@ -240,6 +296,17 @@ class KVSchedulerSide:
     # ------------------------------------------------------------------------------------- step plan
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:
         meta = TieredKVMetadata()
+        pending, self._whole_request_pending = self._whole_request_pending, []
+        for req_id in pending:  # not scheduled this step: vLLM waits for their load
+            state = self._requests.get(req_id)
+            if state is not None and state.load_end > state.load_first:
+                block_ids = self._block_ids(req_id)
+                plan = RequestPlan(req_id=req_id, whole_request=True)
+                for group in self.groups.groups:
+                    plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
+                state.load_first = state.load_end = 0
+                state.load_chunks = []
+                meta.requests.append(plan)
         computed_before: dict[str, int] = {
             new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
         }
@@ -258,34 +325,22 @@ class KVSchedulerSide:
             self._requests.pop(req_id, None)
         return meta
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block table of every KV cache group (the null block, id 0, where vLLM keeps none)."""
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        groups = self._kv_cache_manager.get_block_ids(req_id)
-        return list(groups[0])
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan:
         request = state.request
         plan = RequestPlan(req_id=request.request_id)
         if not state.cacheable:
             return plan
-        block_ids: list[int] | None = None
+        block_ids: tuple[list[int], ...] | None = None
         geometry = self.geometry
         if state.load_end > state.load_first:
             block_ids = self._block_ids(request.request_id)
-            for end, _ in state.load_chunks:
-                start = geometry.chunk_start(end)
-                first, last = max(start, state.load_first), min(end, state.load_end)
-                if last <= first:
-                    continue
-                plan.loads.append(
-                    ChunkLoad(
-                        chunk_hash=state.chunk_hash(end),
-                        chunk_start=start,
-                        first=first,
-                        end=last,
-                        block_ids=block_ids[first:last],
-                    )
-                )
+            for group in self.groups.groups:
+                plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
             state.load_first = state.load_end = 0
             state.load_chunks = []
         if self.can_save:
@@ -293,9 +348,40 @@ class KVSchedulerSide:
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
                 start = geometry.chunk_start(end)
-                plan.saves.append(ChunkSave(chunk_hash=state.chunk_hash(end), block_ids=block_ids[start:end]))
+                saves = []
+                for group in self.groups.groups:
+                    first = group.record_start(start, end)
+                    ids = block_ids[group.index][first:end]
+                    if len(ids) != end - first or NULL_BLOCK_ID in ids:
+                        break  # vLLM already let this window go: the chunk is not saved at all
+                    saves.append(ChunkSave(chunk_hash=state.chunk_hash(end), block_ids=ids, group=group.index,
+                                           first=first))
+                else:
+                    plan.saves.extend(saves)
+                    self._failed_chunks.discard(state.chunk_hash(end))
                 state.saved_until = end
         return plan
+
+    def _group_loads(self, state: _RequestState, group: KVGroup, block_ids: list[int]) -> list[ChunkLoad]:
+        """One group's loads for the planned hit: full attention every block of [load_first, load_end), a
+        sliding window only the blocks vLLM allocated inside the window at the hit's end."""
+        loads = []
+        low = group.load_first(state.load_first, state.load_end)
+        for end, _ in state.load_chunks:
+            start = self.geometry.chunk_start(end)
+            record_start = group.record_start(start, end)
+            first, last = max(record_start, low), min(end, state.load_end)
+            if last <= first:
+                continue
+            ids = block_ids[first:last]
+            if len(ids) != last - first or NULL_BLOCK_ID in ids:
+                raise RuntimeError(
+                    f"TieredKVConnector: group {group.index} of request {state.request.request_id} has no "
+                    f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
+                )
+            loads.append(ChunkLoad(chunk_hash=state.chunk_hash(end), chunk_start=record_start, first=first,
+                                   end=last, block_ids=ids, group=group.index))
+        return loads
 
     def _chunks_to_save(self, state: _RequestState, computed_after: int) -> list[int]:
         """End blocks of chunks whose KV is complete after this step and not yet stored or planned.
@@ -343,6 +429,10 @@ class KVSchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.resident.apply(worker_meta.added, worker_meta.evicted)
+            if worker_meta.failed:
+                log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
+                            "claimed again until saved anew", len(worker_meta.failed))
+                self._failed_chunks.update(worker_meta.failed)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may

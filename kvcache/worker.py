@@ -62,8 +62,12 @@ class WorkerCounters:
 class _LoadJob:
     """One step's layerwise load, shared by the loader thread and the forward pass."""
 
-    def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad]) -> None:
+    def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad],
+                 owners: list[str] | None = None, whole_requests: set[str] | None = None) -> None:
         self.loads = loads
+        #: the request of every load, and the requests whose loads are whole-request loads
+        self.owners = owners or [""] * len(loads)
+        self.whole_requests = whole_requests or set()
         self.ready = {name: threading.Event() for name in layer_names}
         self.handles: dict[str, object | None] = {}
         self.failed: set[int] = set()  # indices into `loads`
@@ -87,6 +91,12 @@ class KVWorkerSide:
         self.naming = naming
         self.rank = rank
         self.identity = naming.identities[rank]
+        self.groups = naming.groups
+        self.tag_of_layer = self.groups.tag_of_layer()
+        self.group_of_layer = self.groups.group_of_layer()
+        #: loaded_blocks counts the prefix blocks a hit restored: those of a full-attention layer (the
+        #: sliding-window groups load only the window)
+        self._counted_layer = (self.groups.full or self.groups.groups)[0].layers[0]
         self.block_size = naming.geometry.block_size
         self.use_mla = use_mla
         self.layout: PagedLayout | None = None
@@ -98,8 +108,13 @@ class KVWorkerSide:
         self._counters_lock = threading.Lock()
         self._job: _LoadJob | None = None
         self._load_errors: set[int] = set()
-        self._pending_saves: list[tuple[StoreKey, torch.Tensor, bytes, bool]] = []
-        self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool]] | None] = queue.Queue()
+        #: whole-request loads that finished (failed ones too, as vLLM wants), those that failed, and the
+        #: chunks they could not use
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._failed_chunks: set[bytes] = set()
+        self._pending_saves: list[tuple[StoreKey, torch.Tensor, bytes, bool, int]] = []
+        self._save_queue: queue.Queue[list[tuple[StoreKey, torch.Tensor, bytes, bool, int]] | None] = queue.Queue()
         self._queued_saves = 0
         self._queued_lock = threading.Lock()
         self._gauges = GaugeChanges(store)
@@ -114,7 +129,12 @@ class KVWorkerSide:
             thread.start()
 
     # ------------------------------------------------------------------------------------ registration
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> PagedLayout:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> PagedLayout | None:
+        """Learn the paged layout (None, with loads and saves off, for a model whose KV cache groups the
+        connector cannot load: `vllm_tiercache.kvcache.groups`)."""
+        if not self.groups.supported:
+            log.warning("TieredKVConnector: worker idle for this model: %s", self.groups.unsupported)
+            return None
         layout = PagedLayout.learn(
             kv_caches,
             num_blocks=num_blocks,
@@ -137,14 +157,17 @@ class KVWorkerSide:
         return layout
 
     def key(self, chunk_hash: bytes, layer: int) -> StoreKey:
-        return self.naming.record_key(chunk_hash, layer, self.rank)
+        return self.naming.record_key(chunk_hash, layer, self.rank, self.tag_of_layer.get(layer))
 
     # ------------------------------------------------------------------------------------------ loads
     def start_load(self, meta: TieredKVMetadata) -> None:
         loads = [load for plan in meta.requests for load in plan.loads]
+        whole = {plan.req_id for plan in meta.requests if plan.whole_request and plan.loads}
         if not loads or self.layout is None:
+            self._finished_recving |= whole  # nothing to load here: the request may go on
             return
-        job = _LoadJob(self.layout.layer_names, loads)
+        owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
+        job = _LoadJob(self.layout.layer_names, loads, owners, whole)
         self._job = job
         self._load_queue.put(job)
 
@@ -162,8 +185,20 @@ class KVWorkerSide:
         if job is None:
             return
         job.done.wait()
+        self._finished_recving |= job.whole_requests
         for i in job.failed:
-            self._load_errors.update(job.loads[i].block_ids)
+            if job.owners[i] in job.whole_requests:
+                self._failed_recving.add(job.owners[i])
+                self._failed_chunks.add(job.loads[i].chunk_hash)
+            else:
+                self._load_errors.update(job.loads[i].block_ids)
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) whole-request loads since the last call; every failed one is finished too."""
+        self.finish_load()
+        finished, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return finished, failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -189,7 +224,8 @@ class KVWorkerSide:
         expected_meta = self.layout.describe()
         for layer_name in self.layout.layer_names:
             layer = self.layer_index[layer_name]
-            todo = [i for i in range(len(job.loads)) if i not in job.failed]
+            group = self.group_of_layer.get(layer, 0)
+            todo = [i for i in range(len(job.loads)) if i not in job.failed and job.loads[i].group == group]
             records = self.store.get_many([self.key(job.loads[i].chunk_hash, layer) for i in todo])
             kv_layer = self.kv_caches[layer_name]
             loaded_bytes = loaded_blocks = 0
@@ -206,7 +242,7 @@ class KVWorkerSide:
             job.ready[layer_name].set()
             with self._counters_lock:
                 self.counters.loaded_bytes += loaded_bytes
-                if layer == 0:
+                if layer == self._counted_layer:
                     self.counters.loaded_blocks += loaded_blocks
         with self._counters_lock:
             self.counters.load_errors += len(job.failed)
@@ -219,6 +255,7 @@ class KVWorkerSide:
         tensor = record.tensor
         if (
             record.meta.get("layout") != expected_meta
+            or record.meta.get("start", load.chunk_start) != load.chunk_start
             or tensor.dtype != self.layout.dtype
             or tuple(tensor.shape[1:]) != self.layout.block_shape
             or tensor.shape[0] != record.meta.get("blocks")
@@ -235,10 +272,15 @@ class KVWorkerSide:
         assert self.mover is not None
         layer = self.layer_index[layer_name]
         last_layer = layer == len(self.layout.layer_names) - 1
+        group = self.group_of_layer.get(layer, 0)
         for plan in meta.requests:
             for save in plan.saves:
+                if save.group != group:
+                    continue
                 blocks = self.mover.gather(kv_layer, save.block_ids)
-                self._pending_saves.append((self.key(save.chunk_hash, layer), blocks, save.chunk_hash, last_layer))
+                self._pending_saves.append(
+                    (self.key(save.chunk_hash, layer), blocks, save.chunk_hash, last_layer, save.first)
+                )
 
     def wait_for_save(self) -> None:
         """Hand this step's gathered chunks to the saver thread (the copies are ours: no waiting)."""
@@ -262,13 +304,16 @@ class KVWorkerSide:
             started = time.perf_counter()
             try:
                 meta = {"layout": self.layout.describe() if self.layout else "", "blocks": 0}
-                items = [(key, blocks, {**meta, "blocks": int(blocks.shape[0])}) for key, blocks, _, _ in batch]
+                items = [
+                    (key, blocks, {**meta, "blocks": int(blocks.shape[0]), "start": first})
+                    for key, blocks, _, _, first in batch
+                ]
                 self.store.put_many(items, owned=True)
-                done = {chunk_hash for _, _, chunk_hash, last in batch if last}
+                done = {chunk_hash for _, _, chunk_hash, last, _ in batch if last}
                 self._report_resident(batch, done)
                 with self._counters_lock:
                     self.counters.saved_chunks += len(done)
-                    self.counters.saved_bytes += sum(b.numel() * b.element_size() for _, b, _, _ in batch)
+                    self.counters.saved_bytes += sum(b.numel() * b.element_size() for _, b, _, _, _ in batch)
                     self.counters.save_seconds.append(time.perf_counter() - started)
             except Exception:
                 log.exception("TieredKVConnector: saving %d records failed; they stay uncached", len(batch))
@@ -284,12 +329,13 @@ class KVWorkerSide:
         self.store.flush(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------------------ residency reports
-    def _report_resident(self, batch: list[tuple[StoreKey, torch.Tensor, bytes, bool]], done: set[bytes]) -> None:
+    def _report_resident(self, batch: list[tuple[StoreKey, torch.Tensor, bytes, bool, int]], done: set[bytes]
+                         ) -> None:
         """Report the chunks saved whole in this batch whose every layer the memory tier holds now."""
         if not self.residency.enabled or not done:
             return
         keys_of: dict[bytes, list[StoreKey]] = {}
-        for key, _, chunk_hash, _ in batch:
+        for key, _, chunk_hash, _, _ in batch:
             if chunk_hash in done:
                 keys_of.setdefault(chunk_hash, []).append(key)
         for chunk_hash, keys in keys_of.items():
@@ -297,7 +343,11 @@ class KVWorkerSide:
 
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
         changes = self.residency.take()
-        return None if changes is None else TieredKVWorkerMetadata(added=changes.added, evicted=changes.evicted)
+        failed, self._failed_chunks = self._failed_chunks, set()
+        if changes is None and not failed:
+            return None
+        added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
+        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
 
     def take_counters(self) -> dict[str, Any]:
         with self._counters_lock:

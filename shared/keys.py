@@ -175,9 +175,18 @@ class KVModelIdentity:
         )
 
 
-def kv_chunk_key(namespace: str, identity: KVModelIdentity, chunk_hash: bytes, layer: int | None) -> StoreKey:
-    """Key of one KV chunk: the chain hash of its last block, for one layer or (``None``) all layers."""
+def kv_chunk_key(
+    namespace: str, identity: KVModelIdentity, chunk_hash: bytes, layer: int | None, group: str | None = None
+) -> StoreKey:
+    """Key of one KV chunk: the chain hash of its last block, for one layer or (``None``) all layers.
+
+    ``group`` tags the record of a layer in a KV cache group other than full attention (a sliding-window
+    group: kind, window, block size; `vllm_tiercache.kvcache.groups.KVGroup.tag`); full-attention
+    records carry none, so their keys are those of a model served without vLLM's hybrid KV manager.
+    """
     validate_field("namespace", namespace)
+    if group is not None:
+        validate_field("group", group)
     if not isinstance(chunk_hash, bytes | bytearray) or not chunk_hash:
         raise ValueError(f"chunk_hash must be non-empty bytes, got {chunk_hash!r}")
     if layer is None:
@@ -190,6 +199,8 @@ def kv_chunk_key(namespace: str, identity: KVModelIdentity, chunk_hash: bytes, l
         f"{namespace}|kv|{identity.model}|{identity.fingerprint}|tp{identity.tp_size}r{identity.tp_rank}"
         f"|{bytes(chunk_hash).hex()}|L{layer_text}"
     )
+    if group is not None:
+        text += f"|G{group}"
     return StoreKey(text)
 
 
@@ -262,7 +273,8 @@ class KeyFields:
     ``namespace``, ``kind`` and ``model`` are the first three fields of every key this module builds.
     The rest is filled only for a well-formed ``kv`` or ``enc`` text: ``fingerprint``; for ``kv`` also
     ``tp_size``, ``tp_rank``, ``chunk_hash`` and ``layer`` (``None``: all layers, as `kv_chunk_key`
-    takes it); for ``enc`` the full ``mm_identifier``.
+    takes it) and ``group`` (the KV cache group's tag, None for full attention); for ``enc`` the full
+    ``mm_identifier``.
     """
 
     namespace: str
@@ -274,6 +286,7 @@ class KeyFields:
     chunk_hash: bytes | None = None
     layer: int | None = None
     mm_identifier: str | None = None
+    group: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -303,7 +316,11 @@ def parse_key_text(text: str) -> KeyFields | None:
 
 
 def _parse_kv(namespace: str, model: str, rest: list[str]) -> KeyFields | None:
-    """The KV-only fields ``fingerprint|tp{size}r{rank}|{chunk hash hex}|L{layer}``; None if malformed."""
+    """The KV-only fields ``fingerprint|tp{size}r{rank}|{chunk hash hex}|L{layer}[|G{group}]``; None if
+    malformed."""
+    group = None
+    if len(rest) == 5 and rest[4].startswith("G") and len(rest[4]) > 1:
+        group, rest = rest[4][1:], rest[:4]
     if len(rest) != 4 or not rest[0]:
         return None
     tp, chunk_hex, layer = _TP_FIELD.fullmatch(rest[1]), rest[2], _LAYER_FIELD.fullmatch(rest[3])
@@ -311,4 +328,4 @@ def _parse_kv(namespace: str, model: str, rest: list[str]) -> KeyFields | None:
         return None
     return KeyFields(namespace, "kv", model, fingerprint=rest[0], tp_size=int(tp.group(1)),
                      tp_rank=int(tp.group(2)), chunk_hash=bytes.fromhex(chunk_hex),
-                     layer=None if layer.group(1) == "all" else int(layer.group(1)))
+                     layer=None if layer.group(1) == "all" else int(layer.group(1)), group=group)

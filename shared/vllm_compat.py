@@ -33,7 +33,7 @@ import json
 import logging
 import re
 import sys
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -58,6 +58,21 @@ except ImportError:  # pragma: no cover - only on a vLLM outside the supported r
         HOST = "host"
         DISK = "disk"
         EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+
+try:  # vLLM with failed receives (a whole-request load that failed is recomputed or fails the request)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as TransferResults,
+    )
+except ImportError:  # pragma: no cover - a vLLM without it calls get_finished only
+
+    @dataclass
+    class TransferResults:  # type: ignore[no-redef]
+        """Stand-in with vLLM's fields, for a vLLM that never asks for it."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 
 
 def installed_vllm_version() -> str:
@@ -187,6 +202,18 @@ def is_encode_only(vllm_config: VllmConfig) -> bool:
         if encode_only:
             return True
     return bool(getattr(vllm_config, "is_mm_encoder_only", False))
+
+
+def has_state_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the model has layers with recurrent state (mamba and the like: vLLM's ``is_hybrid`` or
+    attention-free models), whose KV cache groups a prefix store cannot load."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return False
+    try:
+        return bool(getattr(model_config, "is_hybrid", False) or getattr(model_config, "is_attention_free", False))
+    except Exception:  # a model vLLM cannot introspect here: no opinion
+        return False
 
 
 def uses_eagle(vllm_config: VllmConfig) -> bool:

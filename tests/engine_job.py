@@ -47,6 +47,8 @@ def main(spec_path: str, out_path: str) -> None:
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
         seed=0,
     )
+    if spec.get("num_gpu_blocks_override"):  # a small KV cache, to make vLLM preempt
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     adapters: dict[str, str] = spec.get("lora_adapters") or {}
     if adapters:
         kwargs.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=spec.get("max_lora_rank", 8))

@@ -34,6 +34,19 @@ def test_kv_key_round_trip(layer: int | None) -> None:
     assert fields.complete
 
 
+def test_sliding_window_group_key_round_trip_and_differs_from_full_attention() -> None:
+    """A sliding-window group's record (issue 15) carries its group tag; the full-attention key is unchanged."""
+    chunk = bytes(range(16))
+    tagged = kv_chunk_key("ns", IDENTITY, chunk, 2, "sw1024+0b32")
+    plain = kv_chunk_key("ns", IDENTITY, chunk, 2)
+    assert tagged.text == plain.text + "|Gsw1024+0b32" and tagged.digest != plain.digest
+    assert parse_key_text(tagged.text) == KeyFields("ns", "kv", "org/model-7b", fingerprint=IDENTITY.fingerprint,
+                                                    tp_size=2, tp_rank=1, chunk_hash=chunk, layer=2,
+                                                    group="sw1024+0b32")
+    with pytest.raises(ValueError):
+        kv_chunk_key("ns", IDENTITY, chunk, 2, "a|b")
+
+
 def test_encoder_key_round_trip_keeps_the_whole_identifier() -> None:
     ident = EncoderIdentity("llava", "0123456789abcdef")
     for mm_hash in ("a" * 64, "lora:ad|apter:" + "b" * 64, "user-uuid|with|bars"):

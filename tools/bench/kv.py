@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default %(default)s, vLLM's own default without a "
         "connector); fixed so engines with and without a connector compute on the same number of cores",
     )
+    parser.add_argument(
+        "--model",
+        default="llama",
+        help="the model: 'llama' (generated tiny Llama, default), 'gemma3' (generated tiny Gemma 3: sliding-"
+        "window and global layers, served with vLLM's hybrid KV cache manager), 'gemma3-bench' (its 12-layer "
+        "benchmark size, 5 sliding layers per global one) or a model directory",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -111,6 +118,9 @@ class CaseResult:
     ttft_s: list[float] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
     error: str | None = None
+    #: vLLM's KV capacity in blocks in this case's engine, and whether its hybrid KV cache manager ran
+    kv_blocks: int | None = None
+    hma: bool | None = None
 
     @property
     def median_s(self) -> float | None:
@@ -139,6 +149,9 @@ class Bench:
         self.results: dict[str, CaseResult] = {}
         self.model = ""
         self.job_count = 0
+        self._label = ""
+        #: job label -> (vLLM's KV blocks, HMA on) of its engine
+        self.engine_info: dict[str, tuple[int | None, bool | None]] = {}
         self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
 
     # ------------------------------------------------------------------------------------- helpers
@@ -173,6 +186,7 @@ class Bench:
     ) -> dict[str, list[dict[str, Any]]]:
         """Run one engine process; return its steps by name (raises RuntimeError with the log tail)."""
         self.job_count += 1
+        self._label = label
         spec = {
             "label": label,
             "model": self.model,
@@ -189,13 +203,16 @@ class Bench:
         # baseline (its reservation no longer fits, so none is made). Pin it for every engine.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
         result = run_engine_process(spec, self.work, self.job_count, env, self.progress)
+        self.engine_info[label] = (result.get("num_gpu_blocks"), result.get("hma"))
         out: dict[str, list[dict[str, Any]]] = {}
         for step in result["steps"]:
             out.setdefault(step["name"], []).append(step)
         return out
 
     def record(self, name: str, step: dict[str, Any]) -> None:
-        self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]))
+        blocks, hma = self.engine_info.get(self._label, (None, None))
+        self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]),
+                                        kv_blocks=blocks, hma=hma)
 
     def guarded(self, names: list[str], fn: Any) -> None:
         """Run a case's processes; a failure marks its rows instead of ending the whole benchmark."""
@@ -312,12 +329,21 @@ class Bench:
     def run(self) -> dict[str, Any]:
         from vllm_tiercache.tools.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
 
-        spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
         self.progress(
-            f"model: {'tiny (quick)' if self.args.quick else 'BENCH_SPEC ~130M'}, "
-            f"{self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
+            f"model: {self.model_name}, {self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
         )
-        self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
+        choice = getattr(self.args, "model", "llama") or "llama"
+        if choice in ("gemma3", "gemma3-bench"):
+            from vllm_tiercache.tools.tiny_models import gemma3
+
+            bench = choice == "gemma3-bench"
+            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}",
+                                                     gemma3.BENCH_SPEC if bench else None))
+        elif choice == "llama":
+            spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
+            self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
+        else:
+            self.model = choice
         # Cold-with-connector right after the baseline, so the miss comparison sees the same machine load.
         self.guarded(["cold", "resident"], self.case_baseline)
         self.guarded(["tiered-cold"], self.case_tiered_cold)
@@ -327,6 +353,17 @@ class Bench:
         self.guarded(["example"], self.case_example)
         self.guarded(["simple-cpu"], self.case_simple_cpu)
         return self.report()
+
+    @property
+    def model_name(self) -> str:
+        choice = getattr(self.args, "model", "llama") or "llama"
+        if choice == "gemma3":
+            return "tiny Gemma 3 (sliding window + global)"
+        if choice == "gemma3-bench":
+            return "Gemma 3 BENCH_SPEC (12 layers, 5 sliding per global)"
+        if choice == "llama":
+            return "tiny" if self.args.quick else "BENCH_SPEC"
+        return choice
 
     def report(self) -> dict[str, Any]:
         """Rows with medians, ratios and hit checks, plus the targets, as one JSON-able dict."""
@@ -354,6 +391,8 @@ class Bench:
                 "ttft_min_s": res.min_s,
                 "ttft_s": res.ttft_s,
                 "num_cached_tokens": res.num_cached_tokens,
+                "kv_blocks": res.kv_blocks,
+                "hma": res.hma,
             }
         resident, cold = median("resident"), median("cold")
         for name, row in self.rows.items():
@@ -377,7 +416,7 @@ class Bench:
             "prompt_len": self.prompt_len,
             "prompts": self.num_prompts,
             "hit_repeats": self.hit_repeats,
-            "model": "tiny" if self.args.quick else "BENCH_SPEC",
+            "model": self.model_name,
             "min_hit_tokens": self.min_hit_tokens,
             "rows": list(self.rows.values()),
             "targets": targets,
@@ -409,6 +448,11 @@ def format_table(report: dict[str, Any]) -> str:
         else:
             note = ""
         lines.append(f"{row['label']:44} {med:>12} {low:>8} {res:>10} {cold:>7} {cached:>14}  {note}".rstrip())
+    capacity = [row for row in report["rows"] if row.get("kv_blocks") is not None]
+    if capacity:
+        lines.append("")
+        lines.append("vLLM KV capacity (blocks) and hybrid KV cache manager per case: " + ", ".join(
+            f"{row['case']} {row['kv_blocks']}{' HMA' if row.get('hma') else ' no-HMA'}" for row in capacity))
     lines.append("")
     lines.append("targets:")
     for t in report["targets"]:

@@ -55,6 +55,11 @@ def run_job(spec_path: str, out_path: str) -> int:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": []}
+    # vLLM's KV capacity in blocks, and whether its hybrid KV cache manager runs (a connector without
+    # SupportsHMA turns it off, which costs a sliding-window model most of its capacity)
+    engine_config = llm.llm_engine.vllm_config
+    result["num_gpu_blocks"] = engine_config.cache_config.num_gpu_blocks
+    result["hma"] = not engine_config.scheduler_config.disable_hybrid_kv_cache_manager
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for step in spec["steps"]:
         ttft, cached = [], []
