@@ -9,13 +9,12 @@ block_size 32 a hit's window is 2 blocks and prompts of a few hundred tokens lea
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_tiercache.tools.tiny_models.llama import _write_tokenizer
+from vllm_tiercache.tools.tiny_models.llama import is_generated, save_generated
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,7 @@ def make_tiny_gemma3(out_dir: str | Path, spec: TinyGemma3Spec | None = None) ->
     spec = spec or TinyGemma3Spec()
     spec.validate()
     out = Path(out_dir)
-    stamp = out / "tiercache_spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+    if is_generated(out, spec):
         return out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -99,8 +97,4 @@ def make_tiny_gemma3(out_dir: str | Path, spec: TinyGemma3Spec | None = None) ->
                 param.normal_(0.0, 0.1)
             else:
                 param.normal_(0.0, 0.08)
-    model = model.to(getattr(torch, spec.dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, vocab_size)
-    stamp.write_text(json.dumps(asdict(spec)))
-    return out
+    return save_generated(out, model.to(getattr(torch, spec.dtype)), spec, vocab_size)

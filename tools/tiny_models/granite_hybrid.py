@@ -9,13 +9,12 @@ Same tokenizer as the tiny Llama.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_tiercache.tools.tiny_models.llama import _write_tokenizer
+from vllm_tiercache.tools.tiny_models.llama import is_generated, save_generated
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ def make_tiny_granite_hybrid(out_dir: str | Path, spec: TinyGraniteHybridSpec | 
     """Write the model directory vLLM can serve; reuse it if the spec is unchanged."""
     spec = spec or TinyGraniteHybridSpec()
     out = Path(out_dir)
-    stamp = out / "tiercache_spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(asdict(spec))):
+    if is_generated(out, spec):
         return out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -78,8 +76,4 @@ def make_tiny_granite_hybrid(out_dir: str | Path, spec: TinyGraniteHybridSpec | 
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.08)
-    model = model.to(getattr(torch, spec.dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, vocab_size)
-    stamp.write_text(json.dumps(asdict(spec)))
-    return out
+    return save_generated(out, model.to(getattr(torch, spec.dtype)), spec, vocab_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,13 +91,31 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     )
 
 
+#: The file that records which spec a generated model directory holds (written last).
+SPEC_STAMP = "tiercache_spec.json"
+
+
+def is_generated(out: Path, spec: Any) -> bool:
+    """Whether ``out`` already holds the model of ``spec`` (a dataclass), so a generator can reuse it."""
+    stamp = out / SPEC_STAMP
+    return stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(asdict(spec)))
+
+
+def save_generated(out: Path, model: Any, spec: Any, vocab_size: int) -> Path:
+    """Write a generated model directory: weights and config (safetensors), the byte-level tokenizer, and
+    the spec stamp last, so a directory whose writing was interrupted is never reused."""
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out, vocab_size)
+    (out / SPEC_STAMP).write_text(json.dumps(asdict(spec)))
+    return out
+
+
 def make_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec | None = None) -> Path:
     """Write a random-weight Llama model directory vLLM can serve; reuse it if the spec is unchanged."""
     spec = spec or TinyLlamaSpec()
     spec.validate()
     out = Path(out_dir)
-    stamp = out / "tiercache_spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+    if is_generated(out, spec):
         return out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -122,8 +141,4 @@ def make_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec | None = None) -> P
         # Larger-than-default init so greedy decoding depends visibly on the whole context.
         for param in model.parameters():
             param.normal_(0.0, 0.08)
-    model = model.to(getattr(torch, spec.dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, vocab_size)
-    stamp.write_text(json.dumps(asdict(spec)))
-    return out
+    return save_generated(out, model.to(getattr(torch, spec.dtype)), spec, vocab_size)
