@@ -10,11 +10,12 @@ the stored bytes. Anything else is refused at startup with a message naming what
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vllm_tiercache.kvcache.groups import layer_index
 
 #: Layout tags that enter the model fingerprint, so engines with another layout never share records.
 LAYOUT_PAGED = "paged-bhnc"
@@ -30,10 +31,11 @@ def layout_tag(vllm_config: Any) -> str:
 
 
 def _layer_index(name: str) -> int:
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    if not numbers:
-        raise UnsupportedLayoutError(f"cannot tell the layer index of KV cache tensor {name!r}")
-    return int(numbers[0])
+    """`vllm_tiercache.kvcache.groups.layer_index`, refusing a name without one as a layout we do not know."""
+    try:
+        return layer_index(name)
+    except ValueError as exc:
+        raise UnsupportedLayoutError(str(exc)) from None
 
 
 @dataclass(frozen=True)
