@@ -12,9 +12,11 @@ reader, in any process, can tell a correct record from a wrong one without being
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -256,6 +258,7 @@ def zygote(_opts: dict[str, Any]) -> None:
     its own store, LMDB handle and writer thread, all made after the fork (this process opens none).
     """
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the test's stall report
     # Import the tiers once here, not in every child (the store package imports them lazily).
     import vllm_tiercache.shared.store.disk
     import vllm_tiercache.shared.store.redis_tier  # noqa: F401

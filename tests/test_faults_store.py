@@ -8,9 +8,11 @@ while they race; only separate processes with their own LMDB handles and writer 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -56,23 +58,32 @@ class Zygote:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(_worker_cmd("zygote"), cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, bufsize=0)
+        self._pending = b""
         assert self._line() == "zygote ready"
 
-    @property
-    def _out(self) -> IO[str]:
-        assert self.proc.stdout is not None
-        return self.proc.stdout
+    def _line(self, timeout_s: float = 180.0) -> str:
+        """The zygote's next line; a stall fails with what the kernel says of both processes.
 
-    def _line(self) -> str:
-        line = self._out.readline()
-        assert line, "zygote died"
-        return line.strip()
+        Why bounded: one CI run sat 900 s here after a SIGKILL (the zygote never printed ``exit``), and
+        the test timeout said only where the test waited, not which process was stuck or in what.
+        """
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                pytest.fail(f"no line from the zygote in {timeout_s:.0f} s:\n{self.diagnose()}")
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            assert chunk, "zygote died"
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode().strip()
 
     def start(self, mode: str, opts: dict[str, Any]) -> int:
         """Fork a worker; return its pid once it said ``ready`` (it is then writing)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"mode": mode, "opts": opts}) + "\n")
+        self.proc.stdin.write((json.dumps({"mode": mode, "opts": opts}) + "\n").encode())
         self.proc.stdin.flush()
         pid, ready = None, False
         while pid is None or not ready:
@@ -92,6 +103,31 @@ class Zygote:
             if line.startswith(f"exit {pid} "):
                 return int(line.split()[2]), lines
             lines.append(line)
+
+    def diagnose(self) -> str:
+        """State, kernel wait channel and stack of the zygote and of every child it has, for a failure message.
+
+        The zygote also dumps its Python stack to stderr (faulthandler on SIGUSR1), which pytest captures.
+        """
+        pids = [self.proc.pid]
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        if children.exists():
+            pids += [int(p) for p in children.read_text().split()]
+        report = []
+        for pid in pids:
+            for name in ("status", "wchan", "stack"):
+                try:
+                    text = Path(f"/proc/{pid}/{name}").read_text()
+                except OSError as exc:
+                    text = f"<{exc.strerror}>"
+                if name == "status":
+                    text = "\n".join(line for line in text.splitlines()
+                                     if line.startswith(("Name", "State", "Threads", "SigPnd", "ShdPnd")))
+                report.append(f"[{pid} {name}] {text}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        return "\n".join(report)
 
     def close(self) -> None:
         if self.proc.stdin:
