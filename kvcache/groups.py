@@ -33,6 +33,7 @@ The design (issue 15), in vLLM's own terms (`vllm/v1/core/single_type_kv_cache_m
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +171,16 @@ class KVGroups:
 
     def group_of_layer(self) -> dict[int, int]:
         return {layer: g.index for g in self.groups for layer in g.layers}
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain description (the worker's stats file carries it; `tiercache precompute docs` reads it back
+        to name a hybrid model's records as the engine does: offline naming knows no groups)."""
+        return {"groups": [dataclasses.asdict(g) for g in self.groups], "unsupported": self.unsupported}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KVGroups:
+        groups = tuple(KVGroup(**{**g, "layers": tuple(g["layers"])}) for g in data["groups"])
+        return cls(groups, data.get("unsupported"))
 
     def describe(self) -> str:
         parts = []

@@ -380,7 +380,8 @@ class KVWorkerSide:
         if not os.environ.get(STATS_DIR_ENV):
             return
         stats = self.store.stats(cached_usage=not force) if hasattr(self.store, "gauge_report") else self.store.stats()
-        dump_stats("kv-worker", {"counters": dict(self.totals), "store": stats}, force=force)
+        dump_stats("kv-worker", {"counters": dict(self.totals), "store": stats, "groups": self.groups.to_json()},
+                   force=force)
 
     def shutdown(self) -> None:
         self.flush_saves()

@@ -93,10 +93,7 @@ def _make_docs(root: Path) -> list[Path]:
 def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_path: Path) -> None:
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
-    from vllm_tiercache.kvcache.naming import KVNaming
-    from vllm_tiercache.kvcache.options import KVConnectorOptions
     from vllm_tiercache.shared.stats_dump import read_stats
-    from vllm_tiercache.tools.jobs import engine_config, offline_input_processor, process_offline
     from vllm_tiercache.tools.precompute.kv import rag_prompt
 
     docs = _make_docs(tmp_path / "docs")
@@ -108,18 +105,7 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     model = str(tiny_llama)
     prompts = [{"prompt": rag_prompt(d.read_text(), f"question {i}?", template)} for i, d in enumerate(docs)]
 
-    # Expected hits, from vLLM's own processor: every stored chunk of each prefix, the partial last one too.
-    cfg = engine_config(model, LLAMA_ENGINE)
-    processor = offline_input_processor(cfg)
-    options, store_config = KVConnectorOptions.load(store)
-    naming = KVNaming.from_configs(cfg, store_config, options)
-    expected = []
-    for doc, item in zip(docs, prompts, strict=True):
-        prefix = process_offline(processor, {"prompt": rag_prompt(doc.read_text(), None, template)})
-        full = process_offline(processor, item)
-        assert list(full.prompt_token_ids[: len(prefix.prompt_token_ids)]) == list(prefix.prompt_token_ids)
-        _, reusable = naming.prompt_keys(prefix)
-        expected.append(min(reusable, (len(full.prompt_token_ids) - 1) // BLOCK * BLOCK))
+    expected = _expected_hits(model, LLAMA_ENGINE, store, docs, prompts, template)
     assert all(e >= 256 for e in expected[1:]) and expected[0] > 0
 
     base = _run_engine(tmp_path, "baseline", model=model, engine=LLAMA_ENGINE, prompts=prompts)
@@ -146,6 +132,65 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     assert code == 0, err[-4000:]
     assert (rerun["stored"], rerun["skipped"], rerun["failed"]) == (0, 4, [])
     assert "Loading safetensors" not in err, "a rerun with everything stored must not start an engine"
+
+
+GEMMA_ENGINE = {"block_size": BLOCK, "max_model_len": 2048, "enforce_eager": True, "seed": 0,
+                "enable_prefix_caching": False}
+
+
+@pytest.mark.engine
+def test_precompute_docs_for_a_sliding_window_model_names_records_by_the_engines_groups(tmp_path: Path) -> None:
+    """Gemma 3 (sliding-window and global layers, vLLM's hybrid KV cache manager): the job names the
+    records with the engine's KV cache groups, so it counts them stored (it reported every document
+    failed when it named them offline), a rerun skips them all without an engine, and a consumer hits
+    every stored prefix."""
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
+    from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
+
+    model = str(make_tiny_gemma3(tmp_path / "tiny-gemma3"))
+    docs = _make_docs(tmp_path / "docs")
+    store = {"namespace": "rag", "chunk_size": 64,
+             "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}]}
+    env = {"TIERCACHE_CACHE_DIR": str(tmp_path / "cache")}
+    job_args = ["docs", "--model", model, "--docs", str(tmp_path / "docs"), "--config", json.dumps(store),
+                "--engine-args", json.dumps(GEMMA_ENGINE)]
+    code, summary, err = _run_job(*job_args, env_extra=env)
+    assert code == 0, err[-4000:]
+    assert (summary["total"], summary["stored"], summary["skipped"], summary["failed"]) == (4, 4, 0, [])
+    assert list((tmp_path / "cache" / "kv-groups").glob("*.json")), "the engine's groups are remembered"
+
+    code, rerun, err = _run_job(*job_args, env_extra=env)
+    assert code == 0, err[-4000:]
+    assert (rerun["stored"], rerun["skipped"], rerun["failed"]) == (0, 4, [])
+    assert "Loading safetensors" not in err, "a rerun with everything stored must not start an engine"
+
+    prompts = [{"prompt": rag_prompt(d.read_text(), f"question {i}?")} for i, d in enumerate(docs)]
+    kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": store}
+    cons = _run_engine(tmp_path, "consumer", model=model, engine=GEMMA_ENGINE, prompts=prompts, kv=kv)
+    assert cons["num_cached_tokens"] == _expected_hits(model, GEMMA_ENGINE, store, docs, prompts, None)
+
+
+def _expected_hits(model: str, engine: dict, store: dict, docs: list[Path], prompts: list[dict],
+                   template: str | None) -> list[int]:
+    """Tokens a consumer hits per prompt: every stored chunk of its document's prefix (the partial last
+    one too), stopping one token short of the prompt, from vLLM's own processor and the connector's naming."""
+    from vllm_tiercache.kvcache.naming import KVNaming
+    from vllm_tiercache.kvcache.options import KVConnectorOptions
+    from vllm_tiercache.tools.jobs import engine_config, offline_input_processor, process_offline
+    from vllm_tiercache.tools.precompute.kv import rag_prompt
+
+    cfg = engine_config(model, engine)
+    processor = offline_input_processor(cfg)
+    options, store_config = KVConnectorOptions.load(store)
+    naming = KVNaming.from_configs(cfg, store_config, options)
+    expected = []
+    for doc, item in zip(docs, prompts, strict=True):
+        prefix = process_offline(processor, {"prompt": rag_prompt(doc.read_text(), None, template)})
+        full = process_offline(processor, item)
+        assert list(full.prompt_token_ids[: len(prefix.prompt_token_ids)]) == list(prefix.prompt_token_ids)
+        _, reusable = naming.prompt_keys(prefix)
+        expected.append(min(reusable, (len(full.prompt_token_ids) - 1) // BLOCK * BLOCK))
+    return expected
 
 
 # ---------------------------------------------------------------------------------------------- images

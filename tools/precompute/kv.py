@@ -12,6 +12,13 @@ input processor (tokenizer, multimodal processor and mm_hash) and the connector'
 (`vllm_tiercache.kvcache.naming.KVNaming`), exactly as the engine's scheduler names them; documents whose
 chunks are all stored are skipped.
 
+Hybrid models (Gemma 3's sliding-window layers, vLLM's hybrid KV cache manager): a sliding-window
+layer's records carry its KV cache group in their keys, and the groups are known only to a running
+engine. The producer engine's connector reports them (its stats file, `$TIERCACHE_STATS_DIR`); the job
+names the records from them and remembers them for the next run (`EngineGroups`), so a rerun skips what
+is stored. Before the groups are known, offline naming asks for records such a model never writes, so
+no document is wrongly skipped: they are all prefilled.
+
 What a serving prompt can reuse: every full block of the prefix. The connector names a chunk by the
 hash of its last block; a serving prompt that extends the document finds its full chunks directly and
 its partial last chunk by probing the shorter chunk endings after the last full-chunk hit.
@@ -20,16 +27,27 @@ its partial last chunk by probing the shorter chunk endings after the last full-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
 import logging
+import os
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.kvcache.groups import KVGroups
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError
+from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
+from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.tier_config import default_cache_dir
 from vllm_tiercache.tools.jobs import (
     DEFAULT_BATCH,
     JobError,
@@ -94,6 +112,67 @@ def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: 
     return prompt
 
 
+class EngineGroups:
+    """The producer engine's KV cache groups: remembered per model and engine, read from a running engine.
+
+    Why: the keys of a hybrid model's records name their KV cache group, which vLLM decides when the
+    engine builds its KV cache; offline naming knows none. The file under the tiercache cache dir is keyed
+    by what decides the groups (the model's fingerprint, block size, vLLM version, whether the hybrid KV
+    cache manager is off), so a stale file is never read for another engine.
+    """
+
+    def __init__(self, vllm_config: Any, naming: KVNaming, cache_dir: Path | None = None) -> None:
+        import vllm
+
+        scheduler = vllm_config.scheduler_config
+        ident = json.dumps([naming.identities[0].fingerprint, naming.geometry.block_size, vllm.__version__,
+                            bool(getattr(scheduler, "disable_hybrid_kv_cache_manager", False))])
+        name = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
+        self.path = (cache_dir or default_cache_dir()) / "kv-groups" / f"{name}.json"
+
+    def remembered(self) -> KVGroups | None:
+        try:
+            return KVGroups.from_json(json.loads(self.path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def remember(self, groups: KVGroups) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(groups.to_json()))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a rerun then prefills again: slower, never wrong
+            log.warning("tiercache precompute: cannot remember the engine's KV cache groups in %s: %s",
+                        self.path, exc)
+
+    @staticmethod
+    def of_running_engine(stats_dir: str, timeout_s: float = 30.0) -> KVGroups | None:
+        """The groups the engine's KV worker reports in its stats file (written every step)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for payload in read_stats(stats_dir, "kv-worker"):
+                if isinstance(payload.get("groups"), dict):
+                    return KVGroups.from_json(payload["groups"])
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _stats_dir() -> Iterator[str]:
+    """`$TIERCACHE_STATS_DIR` for the producer engine: the caller's, or a temporary one for this job."""
+    if os.environ.get(STATS_DIR_ENV):
+        yield os.environ[STATS_DIR_ENV]
+        return
+    with tempfile.TemporaryDirectory(prefix="tiercache-precompute-") as tmp:
+        os.environ[STATS_DIR_ENV] = tmp
+        try:
+            yield tmp
+        finally:
+            os.environ.pop(STATS_DIR_ENV, None)
+
+
 def precompute_docs(
     model: str,
     docs: list[Path],
@@ -124,6 +203,13 @@ def precompute_docs(
         kv_connector="TieredKVConnector", kv_role="kv_producer", kv_connector_extra_config=dict(store_config))}
     vllm_config = engine_config(model, kwargs, **transfer)
     naming = KVNaming.from_configs(vllm_config, config, options)
+    engine_groups = EngineGroups(vllm_config, naming)
+    remembered = engine_groups.remembered()
+    if remembered is not None:
+        if not remembered.supported:
+            raise JobError(f"{model}: TieredKVConnector stores no KV for this model ({remembered.unsupported}); "
+                           "there is nothing to precompute")
+        naming = dataclasses.replace(naming, kv_groups=remembered)
     multimodal = bool(vllm_config.model_config.is_multimodal_model)
     processor = offline_input_processor(vllm_config)
     max_len = int(vllm_config.model_config.max_model_len)
@@ -132,7 +218,8 @@ def precompute_docs(
     misaligned: list[str] = []
 
     todo: list[tuple[Path, list[StoreKey]]] = []
-    with build_store(config) as store:
+    requests: dict[Path, Any] = {}
+    with build_store(config) as store, _stats_dir() as stats_dir:
         for doc in tqdm(docs, desc="hashing docs", unit="doc", disable=not progress):
             try:
                 if not multimodal and doc_image(doc) is not None:
@@ -161,12 +248,34 @@ def precompute_docs(
                 summary.skipped += 1
             else:
                 todo.append((doc, keys))
+                requests[doc] = request
+
+        unsupported: str | None = None
+
+        def engine_keys() -> list[tuple[Path, list[StoreKey]]]:
+            """The items named with the running engine's KV cache groups (remembered for the next run)."""
+            nonlocal naming, todo, unsupported
+            groups = EngineGroups.of_running_engine(stats_dir)
+            if groups is None:
+                log.warning("tiercache precompute: the engine reported no KV cache groups; documents are "
+                            "checked with offline naming")
+                return todo
+            engine_groups.remember(groups)
+            if not groups.supported:
+                unsupported = groups.unsupported
+            elif groups != naming.groups:
+                naming = dataclasses.replace(naming, kv_groups=groups)
+                todo = [(doc, naming.prompt_keys(requests[doc])[0]) for doc, _ in todo]
+            return todo
 
         seen = produce(
             store, todo, lambda doc: doc_request(doc, template, multimodal=multimodal),
             model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
-            desc="prefilling docs", unit="doc",
+            desc="prefilling docs", unit="doc", rekey=engine_keys,
         )
+        if unsupported is not None:
+            raise JobError(f"{model}: TieredKVConnector stores no KV for this model ({unsupported}); there "
+                           "is nothing to precompute")
         evicted_since = count_stored(
             store, todo, seen, summary,
             failure="prefilled but some chunks are not in the store afterwards (see the engine log: dropped "

@@ -39,11 +39,15 @@ def produce(
     progress: bool,
     desc: str,
     unit: str,
+    rekey: Callable[[], Sequence[Item]] | None = None,
 ) -> set[StoreKey]:
     """Pass 2: one producer engine over ``todo`` (``max_tokens=1``), then wait for its records.
 
     Returns the keys seen stored while the engine ran (see `wait_for_records`); the engine is shut down
     before returning, so its workers flush their background writes. Starts nothing when ``todo`` is empty.
+    ``rekey``: called once the prompts ran, while the engine still runs; the items (same order) with the
+    keys the engine really writes, when only the running engine can tell them (a hybrid model's KV cache
+    groups: `vllm_tiercache.tools.precompute.kv`).
     """
     if not todo:
         return set()
@@ -57,6 +61,8 @@ def produce(
         for batch in batches(todo, batch_size):
             llm.generate([prompt(path) for path, _ in batch], params, use_tqdm=False)
             bar.update(len(batch))
+        if rekey is not None:
+            todo = rekey()
         return wait_for_records(store, [key for _, keys in todo for key in keys])
     finally:
         bar.close()
