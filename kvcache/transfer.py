@@ -47,6 +47,9 @@ class BlockMover:
         for position, first, length in block_runs(block_ids):
             kv_layer[first : first + length].copy_(blocks[position : position + length])
 
+    def finish_scatters(self) -> None:
+        """Block until every scatter issued so far has landed in the KV cache."""
+
     def layer_ready(self) -> object | None:
         """A handle the forward waits on before reading the layer just scattered (None: already done)."""
         return None
@@ -81,6 +84,9 @@ class CudaBlockMover(BlockMover):
             source = blocks if blocks.is_pinned() or blocks.is_cuda else blocks.pin_memory()
             index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
             kv_layer.index_copy_(0, index, source.to(self.device, non_blocking=True))
+
+    def finish_scatters(self) -> None:
+        self.stream.synchronize()
 
     def layer_ready(self) -> object | None:
         event = torch.cuda.Event()

@@ -149,6 +149,13 @@ class KVWorkerSide:
                 len(layout.layer_names),
                 self.identity.num_layers,
             )
+        strays = [name for i, name in enumerate(layout.layer_names) if i not in self.group_of_layer]
+        if strays and (len(self.groups.groups) > 1 or self.groups.hybrid):
+            # e.g. KV-sharing layers vLLM adds to the groups after it built this connector: their blocks
+            # follow another group's block table, so no record of theirs could be placed safely
+            log.warning("TieredKVConnector: worker idle for this model: KV cache layers %s belong to no KV "
+                        "cache group the scheduler knows; their hits are failed loads (recomputed)", strays[:4])
+            return None
         self.layout = layout
         self.kv_caches = dict(kv_caches)
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
@@ -163,8 +170,14 @@ class KVWorkerSide:
     def start_load(self, meta: TieredKVMetadata) -> None:
         loads = [load for plan in meta.requests for load in plan.loads]
         whole = {plan.req_id for plan in meta.requests if plan.whole_request and plan.loads}
-        if not loads or self.layout is None:
+        if not loads:
             self._finished_recving |= whole  # nothing to load here: the request may go on
+            return
+        if self.layout is None:  # an idle worker: a planned load is a failed one, never unloaded blocks
+            self._finished_recving |= whole
+            self._failed_recving |= whole
+            self._load_errors.update(b for plan in meta.requests if plan.req_id not in whole
+                                     for load in plan.loads for b in load.block_ids)
             return
         owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
         job = _LoadJob(self.layout.layer_names, loads, owners, whole)
@@ -185,6 +198,10 @@ class KVWorkerSide:
         if job is None:
             return
         job.done.wait()
+        if self.mover is not None:
+            # the copies were only issued (CUDA: on the mover's stream); vLLM may schedule, or free and
+            # reuse, a whole-request load's blocks as soon as it is reported finished
+            self.mover.finish_scatters()
         self._finished_recving |= job.whole_requests
         for i in job.failed:
             if job.owners[i] in job.whole_requests:

@@ -262,3 +262,33 @@ def test_a_model_whose_only_group_slides(tiny_gemma3: Path, tmp_path: Path) -> N
     table = second.kv_cache_manager.get_block_ids("b")[0]
     assert [i for i, block in enumerate(table[:10]) if block != NULL_BLOCK_ID] == [8, 9]
     second.connector._store.close()  # type: ignore[union-attr]
+
+
+def test_a_worker_with_layers_in_no_group_fails_the_loads_it_cannot_place(tiny_gemma3: Path, tmp_path: Path
+                                                                           ) -> None:
+    """A registered KV cache layer outside every group the scheduler knows (vLLM adds KV-sharing layers to
+    the groups after it built the connector) leaves the worker idle, and a load planned for it fails: the
+    request is recomputed, never run over blocks nothing was loaded into."""
+    from vllm_tiercache.kvcache.worker import KVWorkerSide
+
+    first = scheduler_over(gemma_config(tiny_gemma3, tmp_path), hybrid_kv_cache_config())
+    _, meta = _schedule_prompt(first, make_request("a", tokens(320)))
+    play_saves(first.connector, meta)  # type: ignore[arg-type]
+    first.connector._store.close()  # type: ignore[union-attr]
+    second = scheduler_over(gemma_config(tiny_gemma3, tmp_path), hybrid_kv_cache_config())
+    request = make_request("b", tokens(320) + tokens(40, seed=1))
+    _, meta = _schedule_prompt(second, request)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and meta.requests[0].loads
+
+    connector = second.connector
+    assert isinstance(connector, TieredKVConnector)
+    worker = KVWorkerSide(store=connector._store, naming=connector._scheduler.naming,  # type: ignore[union-attr]
+                          rank=0, use_mla=False)
+    caches = {_layer(i): torch.zeros(200, SPEC.num_kv_heads, BLOCK, 2 * SPEC.head_dim, dtype=torch.bfloat16)
+              for i in range(SPEC.num_layers + 1)}  # one layer more than the groups hold
+    assert worker.register_kv_caches(caches, 200) is None
+    worker.start_load(meta)
+    assert worker.take_transfer_results() == ({"b"}, {"b"})
+    assert all(not t.any() for t in caches.values()), "nothing was written into the KV cache"
+    worker.shutdown()
+    connector._store.close()
