@@ -53,6 +53,7 @@ from vllm_tiercache.eccache.metrics import TieredECPromMetrics
 from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
+from vllm_tiercache.encoder_reset import install as install_encoder_reset
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.counters import Counters
 from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 #: Counter names; `*_seconds` are float sums, the rest ints.
 COUNTER_NAMES = (
     "hits", "misses", "lookup_errors", "loads", "load_failures", "recomputed", "bytes_loaded",
-    "load_seconds", "saves", "save_errors", "bytes_saved", "save_seconds",
+    "load_seconds", "saves", "save_errors", "bytes_saved", "save_seconds", "generation_resets",
 )
 
 
@@ -177,6 +178,8 @@ class TieredECConnector(ECConnectorBase):
             self._identity.encoder_fingerprint, self._config.namespace, describe_tiers(self._config),
         )
         if role == ECConnectorRole.SCHEDULER:
+            # vLLM's scheduler is building us: make its encoder-cache reset reach `reset_cache`.
+            install_encoder_reset()
             # Whether the worker shares this process (and so its memory tier) is checked at lookup time:
             # the uniproc executor builds its worker here, the multiproc one in another process.
             store = self._store
@@ -232,6 +235,13 @@ class TieredECConnector(ECConnectorBase):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TieredECMetadata)
         self._worker.start_load_caches(encoder_cache, metadata)
+
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        """vLLM binds each step's metadata before the step's loads and saves: the worker takes the weights
+        generation it names records in (kept for saves until the next step's metadata)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, TieredECMetadata):
+            self._worker.set_generation(connector_metadata)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         if self._worker is not None:
@@ -299,6 +309,19 @@ class TieredECConnector(ECConnectorBase):
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._sched is not None:
             self._sched.update_connector_output(connector_output.ec_connector_worker_meta)
+
+    def reset_cache(self) -> bool:
+        """Start a new weights generation: the encoder outputs stored before are no longer used by this
+        engine (they stay for other engines). vLLM 0.32's EC connector interface has no reset hook; the
+        plugin makes `Scheduler.reset_encoder_cache` call this (`vllm_tiercache.encoder_reset`), i.e. when
+        vLLM drops its encoder cache because the weights were changed in place."""
+        if self._sched is None:
+            return True  # the worker takes the generation from each step's metadata
+        self._sched.reset_cache()
+        logger.warning("TieredECConnector: vLLM reset the encoder cache (e.g. after a weight update): started "
+                       "weights generation %d; encoder outputs stored before are no longer used by this engine "
+                       "(they stay in the store for other engines)", self._sched.generation.resets)
+        return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is not None:

@@ -35,6 +35,7 @@ EC_METRICS: dict[str, str] = {
     "save_errors": "Encoder outputs the store refused to take.",
     "bytes_saved": "Bytes of encoder output handed to the store.",
     "save_seconds": "Seconds spent handing encoder outputs to the store.",
+    "generation_resets": "Weights generations started: vLLM reset its encoder cache (a weight update in place).",
 }
 
 

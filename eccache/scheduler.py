@@ -33,6 +33,12 @@ serve), are handed out by `take_stats()` from `get_ec_connector_stats`. So are t
 the workers send on the same reports: what the worker's store counted per tier (``tiers``) and its gauge
 report (``gauges``). This process's own store only answers existence lookups, which count no hits or
 misses; the KV connector's scheduler side, when there is one, reports its counters.
+
+Weights generations: after vLLM resets its encoder cache (its weights were changed in place; the plugin
+makes `Scheduler.reset_encoder_cache` call `reset_cache`), every name this side looks up and every
+residency name mixes in a new generation salt (`vllm_tiercache.shared.generations`), and each step's
+metadata carries the salt, so the worker loads and saves under the same names. Records stored before
+stay in the store for other engines and are never read again by this one.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
 from vllm_tiercache.eccache.metrics import PendingCounts
+from vllm_tiercache.shared.generations import Generation, generation_mm_name
 from vllm_tiercache.shared.residency import ResidencyChanges, ResidentSet
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.store.counters import add_nested
@@ -77,12 +84,15 @@ class TieredECMetadata(ECConnectorMetadata):
 
     loads: list[LoadItem] = field(default_factory=list)
     scheduled_encoder_inputs: dict[str, list[int]] | None = None
+    #: the weights generation's salt (None before the engine's first reset): the worker names the records
+    #: it loads and saves with it, from this step on (`vllm_tiercache.shared.generations`)
+    generation: bytes | None = None
 
 
 @dataclass
 class TieredECWorkerMetadata(ResidencyChanges[str], ECConnectorWorkerMetadata):
-    """Worker -> scheduler: mm_hashes whose encoder output entered or left the worker's memory tier,
-    and the worker's counter increments since its last report (`stats`).
+    """Worker -> scheduler: names (`generation_mm_name` of the mm_hash) whose encoder output entered or left
+    the worker's memory tier, and the worker's counter increments since its last report (`stats`).
 
     With several workers (tensor parallel) an item is resident only when every worker holds it
     (added: intersection, evicted: union), so a promise made from this is true on every rank. Counters
@@ -141,8 +151,10 @@ class ECSchedulerSide:
         self._same_process = same_process
         self._counters = counters
         self._cacheable = cacheable
-        #: mm_hashes the worker(s) reported in their memory tier (and not evicted since).
+        #: names (`_name`) the worker(s) reported in their memory tier (and not evicted since).
         self.resident: ResidentSet[str] = ResidentSet()
+        #: the weights generation lookups are made in (a new one at each `reset_cache`)
+        self.generation = Generation()
         #: mm_hash -> stored? (True, False or RESIDENT), prefetched this step; cleared by build_connector_meta.
         self._step_answers: dict[str, bool | str] = {}
         self._promised: set[str] = set()
@@ -176,6 +188,24 @@ class ECSchedulerSide:
     def _is_cacheable(self, identifier: str) -> bool:
         return self._cacheable is None or self._cacheable(identifier)
 
+    def _name(self, mm_hash: str) -> str:
+        """The name an item is stored and reported under in the current generation."""
+        return generation_mm_name(mm_hash, self.generation.salt)
+
+    def reset_cache(self) -> None:
+        """Start a new weights generation (vLLM reset its encoder cache: the weights changed in place).
+
+        Nothing is deleted: the records stay for the engines still running the old weights. This step's
+        answers, promises and loads are dropped (vLLM resets between steps, when there are none) and so
+        is the residency of the old names; a load of the old generation is never planned again.
+        """
+        self.generation.advance()
+        self.resident.clear()
+        self._step_answers.clear()
+        self._promised.clear()
+        self._pending.clear()
+        self._count(generation_resets=1)
+
     def _lookup(self, mm_hashes: list[str]) -> list[bool | str]:
         """Per hash: True (in a tier the worker reads and this process sees), RESIDENT, or False."""
         found: list[bool | str] = [False] * len(mm_hashes)
@@ -184,13 +214,13 @@ class ECSchedulerSide:
         if not same_process and self.resident:
             todo = []
             for i, h in enumerate(mm_hashes):
-                if h in self.resident:
+                if self._name(h) in self.resident:
                     found[i] = RESIDENT
                 else:
                     todo.append(i)
         if not todo:
             return found
-        keys = [self._key_of(mm_hashes[i]) for i in todo]
+        keys = [self._key_of(self._name(mm_hashes[i])) for i in todo]
         try:
             hits = self._store.contains_many(keys, shared_only=not same_process, bounded=True)
         except Exception:  # a store that cannot answer is a miss, never a scheduling failure
@@ -229,7 +259,7 @@ class ECSchedulerSide:
         if not self._is_cacheable(identifier):
             return False
         stored = self._step_answers.get(identifier)
-        if stored is None or (stored == RESIDENT and identifier not in self.resident):
+        if stored is None or (stored == RESIDENT and self._name(identifier) not in self.resident):
             # Not prefetched this step, or the worker evicted it from memory since: ask now.
             stored = self._lookup([identifier])[0]
             self._step_answers[identifier] = stored
@@ -248,7 +278,7 @@ class ECSchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> TieredECMetadata:
         """This step's loads; ends the step (its answers and promises are dropped)."""
-        meta = TieredECMetadata(loads=list(self._pending.values()))
+        meta = TieredECMetadata(loads=list(self._pending.values()), generation=self.generation.salt)
         if meta.loads and scheduler_output is not None:
             # A reference, not a copy, and not modified here (see TieredECMetadata).
             meta.scheduled_encoder_inputs = scheduler_output.scheduled_encoder_inputs

@@ -26,6 +26,11 @@ report (`TieredStore.take_counter_deltas`: nothing twice when the KV connector s
 store's gauge report when it changed (in-process reads; usage comes from the store's background refresh).
 
 `cacheable(identifier)` False (optional) keeps an item out of the store: never loaded, never saved.
+
+Weights generations: records are named `generation_mm_name(mm_hash, salt)` with the salt of the last
+metadata vLLM bound (`set_generation`): the scheduler side sends its current one every step, and
+`save_caches` is given only the mm_hash, so the salt is kept from step to step. Residency is reported
+under the same names, so a report of an old generation never makes a new one's lookup a hit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 
 from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata, TieredECWorkerMetadata
+from vllm_tiercache.shared.generations import generation_mm_name
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.store.counters import GaugeChanges
@@ -83,7 +89,17 @@ class ECWorkerSide:
         # Residency reports (see the module docstring): only with a memory tier, the only unshared one.
         self._residency: ResidencyReporter[str] = ResidencyReporter(store)
         self._gauges = GaugeChanges(store)
+        #: the weights generation's salt of the last bound metadata (None before the engine's first reset)
+        self.generation: bytes | None = None
         _WORKER_STORES.add(store)
+
+    def set_generation(self, metadata: TieredECMetadata) -> None:
+        """Take the generation of this step's metadata (vLLM binds it before the step's loads and saves)."""
+        self.generation = metadata.generation
+
+    def _record_key(self, mm_hash: str) -> StoreKey:
+        """The key of `mm_hash`'s record in the current generation."""
+        return self._key_of(generation_mm_name(mm_hash, self.generation))
 
     def _count(self, **deltas: float) -> None:
         """Count in the process-wide counters (stats files) and in what the next report carries."""
@@ -114,7 +130,7 @@ class ECWorkerSide:
             return
         start = time.perf_counter()
         try:
-            records = list(self._store.get_many([self._key_of(it.mm_hash) for it in todo]))
+            records = list(self._store.get_many([self._record_key(it.mm_hash) for it in todo]))
         except Exception:
             logger.exception("tiercache EC: store read failed; re-encoding %d items", len(todo))
             records = [None] * len(todo)
@@ -172,7 +188,7 @@ class ECWorkerSide:
         if owned:
             cpu = cpu.to("cpu")
         try:
-            self._store.put(self._key_of(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)},
+            self._store.put(self._record_key(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)},
                             owned=owned)
         except Exception:
             logger.exception("tiercache EC: store write failed for %s", mm_hash)
@@ -184,8 +200,9 @@ class ECWorkerSide:
     # ------------------------------------------------------------------------------ residency reports
 
     def _track(self, mm_hash: str) -> None:
-        """Report `mm_hash` as resident if the memory tier holds it now (a put can be refused or evicted)."""
-        self._residency.stored(mm_hash, [self._key_of(mm_hash)])
+        """Report `mm_hash` (its current generation's name) as resident if the memory tier holds it now (a
+        put can be refused or evicted)."""
+        self._residency.stored(generation_mm_name(mm_hash, self.generation), [self._record_key(mm_hash)])
 
     def worker_meta(self) -> TieredECWorkerMetadata | None:
         """This step's residency changes, counter increments and store numbers, or None when there are

@@ -278,8 +278,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         report returns None without having taken anything.
         """
         if self._worker is None:
-            moved = self._store.take_counter_deltas()
-            return TieredKVStats(data=dict(moved)) if moved else None
+            moved = dict(self._store.take_counter_deltas())
+            if self._scheduler is not None:
+                moved.update(self._scheduler.take_counters())
+            return TieredKVStats(data=moved) if moved else None
         data = self._worker.take_counters()
         data.update(self._store.take_counter_deltas())
         data.update(self._worker.gauge_reports())
@@ -331,6 +333,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``: a weight update through
+        ``pause_generation(clear_cache=True)``, sleep level 1+, ``/reset_prefix_cache?reset_external=true``).
+        Starts a new weights generation; no record is deleted (`KVSchedulerSide.reset_cache`)."""
+        if self._scheduler is None:
+            return True  # vLLM calls it on the scheduler's connector only; a worker names no chunk itself
+        return self._scheduler.reset_cache()
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -18,6 +18,10 @@ way: vLLM's block-level recovery would resume it at the first failed block, whos
 holds. A request whose load fails is reported as failed
 receiving instead, and vLLM recomputes it from scratch (``kv_load_failure_policy=recompute``) or fails
 it (``fail``). The chunks that failed are reported back and not claimed again until saved anew.
+
+After vLLM resets the connector cache (``reset_cache``: its weights were changed in place), every chunk
+name mixes in a new generation salt (`vllm_tiercache.shared.generations` says why): the records stored
+before are never read again by this engine, and stay for the engines still running the old weights.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from vllm_tiercache.kvcache.plan import (
     TieredKVMetadata,
     TieredKVWorkerMetadata,
 )
+from vllm_tiercache.shared.generations import Generation, generation_chunk_hash
 from vllm_tiercache.shared.hashing import assert_engine_seed_matches
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
-from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count
+from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count, waiting_for_remote_kv
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -71,12 +76,17 @@ class _RequestState:
     cacheable: bool = True
     #: content digest of the request's LoRA adapter, None without one (`vllm_tiercache.kvcache.adapters`)
     adapter: str | None = None
+    #: the weights generation's salt, None before the engine's first reset (`vllm_tiercache.shared.generations`)
+    generation: bytes | None = None
 
     def chunk_hash(self, end: int) -> bytes:
         """The name of the request's chunk that ends at block ``end``: vLLM's block hash there, mixed with
-        the adapter's digest for a LoRA request (vLLM's hash names the adapter, not its weights)."""
+        the adapter's digest for a LoRA request (vLLM's hash names the adapter, not its weights) and with
+        the generation's salt after a reset (vLLM's hash does not change when the weights do in place).
+        The one place chunk names are made: the workers name records from the names in the plan."""
         block_hash = self.request.block_hashes[end - 1]
-        return block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
+        name = block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
+        return generation_chunk_hash(name, self.generation)
 
 
 class KVSchedulerSide:
@@ -137,6 +147,9 @@ class KVSchedulerSide:
         self._whole_request_pending: list[str] = []
         #: chunks a whole-request load could not use: missing until a request saves them again
         self._failed_chunks: set[bytes] = set()
+        #: the weights generation chunk names are made in (a new one at each `reset_cache`)
+        self.generation = Generation()
+        self._unreported_resets = 0
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -230,7 +243,7 @@ class KVSchedulerSide:
             if cacheable and lora is not None:
                 adapter = self._adapters.digest(lora, wait_s=self.adapter_wait_s)
                 cacheable = adapter is not None  # not ready yet, or not nameable: computed as without us
-            state = _RequestState(request, cacheable=cacheable, adapter=adapter)
+            state = _RequestState(request, cacheable=cacheable, adapter=adapter, generation=self.generation.salt)
             self._requests[request.request_id] = state
         return state
 
@@ -424,6 +437,58 @@ class KVSchedulerSide:
             for end in ends
             if not (end in chunk_of_end and chunk_of_end[end] < len(state.stored) and state.stored[chunk_of_end[end]])
         ]
+
+    # ----------------------------------------------------------------------------------------- reset
+    def reset_cache(self) -> bool:
+        """Start a new weights generation: vLLM reset the connector cache, so everything this engine
+        computed or looked up before may be stale (its weights were changed in place). Never deletes a
+        record: other engines with the original weights still use them (see
+        `vllm_tiercache.shared.generations`). Returns True (vLLM's "reset done").
+
+        What refers to old names is dropped: the workers' residency (names of the old generation), the
+        chunks that failed to load, and the lookup results and load plans of requests still known. Those
+        requests are handled by what they hold:
+
+        - a request with KV already computed or loaded (running; a whole-request load already with the
+          workers) keeps it, as vLLM does, but is neither loaded for nor saved from again: its KV may
+          come from the old weights, and must not be published under a new-generation name;
+        - a request whose whole-request load is planned but not yet sent (empty between steps: vLLM
+          builds the step's metadata at the end of each ``schedule``) keeps its load, renamed into the
+          new generation: vLLM waits for it, and it finds only records this generation saved, or fails
+          and vLLM recomputes the request (``kv_load_failure_policy``);
+        - any other request (waiting; preempted by ``reset_running_requests``: no KV left) is looked up
+          again, in the new generation, when vLLM schedules it.
+        """
+        salt = self.generation.advance()
+        self.resident.clear()
+        self._failed_chunks.clear()
+        pending = set(self._whole_request_pending)
+        kept = 0
+        for req_id, state in self._requests.items():
+            state.generation = salt
+            state.stored, state.resident = [], []
+            if req_id in pending:
+                continue
+            state.load_first = state.load_end = 0
+            state.load_chunks = []
+            if state.request.num_computed_tokens > 0 or waiting_for_remote_kv(state.request):
+                state.cacheable = False
+                kept += 1
+            else:
+                state.saved_until = 0
+        self._unreported_resets += 1
+        log.warning("TieredKVConnector: vLLM reset the connector cache (e.g. after a weight update): started "
+                    "weights generation %d; records stored before are no longer used by this engine (they stay "
+                    "in the store for other engines)%s", self.generation.resets,
+                    f"; {kept} request(s) in flight keep their KV and are not saved" if kept else "")
+        return True
+
+    def take_counters(self) -> dict[str, int]:
+        """This side's counter increments since the last call (vLLM's stats): generation resets."""
+        if not self._unreported_resets:
+            return {}
+        resets, self._unreported_resets = self._unreported_resets, 0
+        return {"generation_resets": resets}
 
     # -------------------------------------------------------------------------------- worker reports
     def update_connector_output(self, worker_meta: Any) -> None:

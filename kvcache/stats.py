@@ -5,7 +5,8 @@ steps with `TieredKVStats.aggregate`, logs `reduce()`, and hands it to `TieredKV
 
 What a step's data holds:
 
-- the connector's counters (`_COUNTERS`) and latency series (`_SERIES`), and `block_size`;
+- the connector's counters (`_COUNTERS`: the workers', and the scheduler's ``generation_resets``) and
+  latency series (`_SERIES`), and `block_size`;
 - ``tiers``: {tier: {counter: increment}}, what the process's store counted this step (loads, saves,
   promotions and the background writes that finished meanwhile; `TieredStore.take_counter_deltas`), and
   ``write_queue_hits``; these make a step non-empty like the connector's own counters;
@@ -36,6 +37,7 @@ _COUNTERS = (
     "saved_chunks",
     "saved_bytes",
     "dropped_saves",
+    "generation_resets",
 )
 _SERIES = ("load_seconds", "save_seconds")
 #: Keys whose value is {source: latest level}, merged by replacement.

@@ -99,6 +99,10 @@ class ResidentSet(Generic[Name]):
         self._names.difference_update(evicted)
         self._names.update(added)
 
+    def clear(self) -> None:
+        """Forget every name (a generation reset: the names of the old generation are never asked again)."""
+        self._names.clear()
+
     def __contains__(self, name: object) -> bool:
         return name in self._names
 

@@ -242,3 +242,21 @@ def publishable_block_count(request: Request) -> int:
     count = getattr(request, "num_publishable_block_hashes", None)
     total = len(request.block_hashes)
     return total if count is None else min(int(count), total)
+
+
+def waiting_for_remote_kv(request: Request) -> bool:
+    """Whether `request` waits for a whole-request KV load already handed to the workers (vLLM's
+    ``RequestStatus.WAITING_FOR_REMOTE_KVS``, 0.32 and 0.33; False on a vLLM without that status)."""
+    from vllm.v1.request import RequestStatus
+
+    status = getattr(RequestStatus, "WAITING_FOR_REMOTE_KVS", None)
+    return status is not None and getattr(request, "status", None) == status
+
+
+# --------------------------------------------------------------------------------------- scheduler
+def scheduler_ec_connector(scheduler: Any) -> Any:
+    """The EC connector a vLLM scheduler built (None without one); AttributeError on a vLLM whose
+    scheduler keeps it elsewhere (0.32 and 0.33: ``Scheduler.ec_connector``)."""
+    if not hasattr(scheduler, "ec_connector"):
+        raise AttributeError(f"{type(scheduler).__name__} has no attribute 'ec_connector'")
+    return scheduler.ec_connector

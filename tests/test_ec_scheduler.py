@@ -157,9 +157,11 @@ def test_resume_after_preemption_asks_the_store_again(tiny_blip2: Path, tmp_path
         # The loads carry this step's dict itself (the worker adds failed loads to it), not a copy.
         assert meta.scheduled_encoder_inputs is out.scheduled_encoder_inputs
 
-        # Preempt the running request; vLLM's own encoder cache loses the output too (memory pressure).
+        # Preempt the running request; vLLM's own encoder cache loses the output too (memory pressure:
+        # its cache manager alone, not `Scheduler.reset_encoder_cache`, which means new weights and starts
+        # a new generation of our records, see tests/test_ec_generations.py).
         assert scheduler.reset_prefix_cache(reset_running_requests=True)
-        scheduler.reset_encoder_cache()
+        scheduler.encoder_cache_manager.reset()
         assert scheduler.requests["r1"].num_computed_tokens == 0
         if evicted:
             assert _evict_all(scheduler) == 1

@@ -5,7 +5,8 @@ workers) before it builds connectors, so users can write `{"kv_connector": "Tier
 a module path. Registration only records a module path and a class name (the factories import lazily), is
 idempotent (vLLM may load plugins more than once per process), and never imports our connector modules.
 In the process that builds vLLM's config it also installs the settings check (`vllm_tiercache.preflight`):
-a wrong setting of ours then stops the start before any weights load.
+a wrong setting of ours then stops the start before any weights load. Where vLLM's scheduler is imported
+it makes the scheduler's encoder-cache reset reach the EC connector (`vllm_tiercache.encoder_reset`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ def register() -> None:
         logger.warning("vllm-tiercache: cannot register %s: %s", EC_CONNECTOR_NAME, exc)
     else:
         _register(ECConnectorFactory, EC_CONNECTOR_NAME, *_EC_TARGET)
+    # Where vLLM's scheduler is imported (the engine core): its encoder-cache reset reaches our EC connector
+    # (the connector installs it too, when vLLM's scheduler builds it).
+    try:
+        from vllm_tiercache.encoder_reset import install as install_encoder_reset
+
+        install_encoder_reset()
+    except Exception as exc:  # never break a vLLM start
+        logger.warning("vllm-tiercache: encoder-cache resets will not reach TieredECConnector: %s", exc)
     # In the front-end process: check our settings when vLLM builds its config, before weights load.
     try:
         from vllm_tiercache.preflight import install
