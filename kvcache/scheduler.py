@@ -146,7 +146,9 @@ class KVSchedulerSide:
         self.whole_request_loads = len(groups.groups) > 1 or groups.hybrid
         self._whole_request_pending: list[str] = []
         #: chunks a whole-request load could not use: missing until a request saves them again
-        self._failed_chunks: set[bytes] = set()
+        #: (insertion-ordered, at most `max_failed_chunks`: the oldest is forgotten, and claimed once more)
+        self._failed_chunks: dict[bytes, None] = {}
+        self.max_failed_chunks = 65536
         #: the weights generation chunk names are made in (a new one at each `reset_cache`)
         self.generation = Generation()
         self._unreported_resets = 0
@@ -214,9 +216,11 @@ class KVSchedulerSide:
         A chunk is named by the hash at its last block, so a prompt that extends a stored prompt (a RAG
         question after a precomputed document) finds the document's partial last chunk only by probing
         the shorter endings: first on layer 0 of rank 0 for every candidate in one call, then on every
-        layer and rank of the best candidate.
+        layer and rank of the best candidate. A chunk a load could not use is no candidate (else a record
+        the workers always reject, e.g. of another chunk size, would be claimed, failed and recomputed on
+        every lookup of the request).
         """
-        candidates = list(range(end - 1, start, -1))
+        candidates = [e for e in range(end - 1, start, -1) if state.chunk_hash(e) not in self._failed_chunks]
         if not candidates:
             return None
         hashes = [state.chunk_hash(e) for e in candidates]
@@ -371,7 +375,7 @@ class KVSchedulerSide:
                                            first=first))
                 else:
                     plan.saves.extend(saves)
-                    self._failed_chunks.discard(state.chunk_hash(end))
+                    self._failed_chunks.pop(state.chunk_hash(end), None)
                 state.saved_until = end
         return plan
 
@@ -497,7 +501,9 @@ class KVSchedulerSide:
             if worker_meta.failed:
                 log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
                             "claimed again until saved anew", len(worker_meta.failed))
-                self._failed_chunks.update(worker_meta.failed)
+                self._failed_chunks.update(dict.fromkeys(worker_meta.failed))
+                while len(self._failed_chunks) > self.max_failed_chunks:
+                    del self._failed_chunks[next(iter(self._failed_chunks))]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may

@@ -292,3 +292,25 @@ def test_a_worker_with_layers_in_no_group_fails_the_loads_it_cannot_place(tiny_g
     assert all(not t.any() for t in caches.values()), "nothing was written into the KV cache"
     worker.shutdown()
     connector._store.close()
+
+
+def test_a_failed_partial_chunk_is_not_claimed_again(tiny_gemma3: Path, tmp_path: Path) -> None:
+    """A chunk found by probing the shorter endings (a document's partial last chunk) that a load could
+    not use is claimed no more, like a full chunk: under HMA a failed whole-request load sends the request
+    back to lookup, so claiming it again would fail and recompute it on every lookup."""
+    from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
+
+    prompt = tokens(330)
+    first = scheduler_over(gemma_config(tiny_gemma3, tmp_path), hybrid_kv_cache_config())
+    _, meta = _schedule_prompt(first, make_request("a", prompt))
+    play_saves(first.connector, meta)  # type: ignore[arg-type]
+    first.connector._store.close()  # type: ignore[union-attr]
+
+    second = scheduler_over(gemma_config(tiny_gemma3, tmp_path), hybrid_kv_cache_config())
+    side = second.connector._scheduler  # type: ignore[union-attr]
+    request = make_request("b", prompt + tokens(40, seed=1))
+    assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK, True)  # the partial chunk ends at 10
+    side.update_connector_output(TieredKVWorkerMetadata(added=set(), evicted=set(),
+                                                        failed={request.block_hashes[9]}))
+    assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, True)  # the full chunks only
+    second.connector._store.close()  # type: ignore[union-attr]
