@@ -21,16 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
+from tests.real_scheduler import hashed_request, schedule_new
+from tests.real_scheduler import real_scheduler as real_scheduler_over
 from tests.test_kv_scheduler import make_request, make_side, step, tokens
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
@@ -70,16 +68,11 @@ def real_scheduler(vllm_config: VllmConfig, num_blocks: int = 128) -> Scheduler:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+    return real_scheduler_over(vllm_config, kv_cache_config=kv_cache_config)
 
 
 def _request(req_id: str, prompt: list[int]) -> Request:
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    return Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4),
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return hashed_request(req_id, prompt, BLOCK)
 
 
 def _connector(scheduler: Scheduler) -> TieredKVConnector:
@@ -88,13 +81,7 @@ def _connector(scheduler: Scheduler) -> TieredKVConnector:
     return connector
 
 
-def _schedule(scheduler: Scheduler, request: Request) -> tuple[Any, TieredKVMetadata]:
-    """Add `request`, run one schedule and a model output (one sampled token each); (output, stats)."""
-    scheduler.add_request(request)
-    out = scheduler.schedule()
-    meta = out.kv_connector_metadata
-    assert isinstance(meta, TieredKVMetadata)
-    return out, meta
+_schedule = schedule_new
 
 
 def _finish(scheduler: Scheduler, out: Any) -> dict[str, Any] | None:

@@ -15,10 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -28,8 +25,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
+from tests.real_scheduler import hashed_request, real_scheduler, schedule_new
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroups
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
@@ -86,16 +83,11 @@ def gemma_config(model: Path, tmp_path: Path) -> VllmConfig:
 
 
 def scheduler_over(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+    return real_scheduler(vllm_config, kv_cache_config=kv_cache_config)
 
 
 def make_request(req_id: str, prompt: list[int]) -> Request:
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    return Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4),
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return hashed_request(req_id, prompt, BLOCK)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -145,12 +137,7 @@ def test_vllm_keeps_hma_on_with_the_connector(tiny_gemma3: Path, tmp_path: Path)
     assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
 
 
-def _schedule_prompt(scheduler: Scheduler, request: Request) -> tuple[Any, TieredKVMetadata]:
-    scheduler.add_request(request)
-    output = scheduler.schedule()
-    meta = output.kv_connector_metadata
-    assert isinstance(meta, TieredKVMetadata)
-    return output, meta
+_schedule_prompt = schedule_new
 
 
 @pytest.mark.parametrize("prompt_len", [330, 320])  # 320: block-aligned, so the hit ends one block short
