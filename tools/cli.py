@@ -34,6 +34,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv"): ("bench.kv", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
     ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
+    ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
+                                        "throughput vs vLLM alone"),
     ("demo",): ("demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
     ("precompute", "images"): ("precompute.ec", "store encoder outputs of an image corpus (ec_producer)"),
     ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),
