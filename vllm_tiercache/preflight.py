@@ -140,12 +140,11 @@ def check_tier_directories(store: Any) -> None:
 
 def _unusable_directory(path: str) -> str | None:
     """Why the tier could not create or write ``path``, or None when it can (or this cannot be told)."""
-    probe = path
-    while not os.path.lexists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return None
-        probe = parent
+    from vllm_tiercache.shared.store.disk_config import nearest_existing_ancestor
+
+    probe = nearest_existing_ancestor(path)
+    if probe is None:
+        return None
     if not os.path.isdir(probe):
         return f"{probe!r} is not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):

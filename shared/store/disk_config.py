@@ -87,6 +87,18 @@ class GdsTierConfig(DiskTierConfig):
     kind: Annotated[Literal["gds"], Field(description="The tier kind.")] = "gds"  # type: ignore[assignment]
 
 
+def nearest_existing_ancestor(path: str) -> str | None:
+    """``path`` itself if it exists (a dangling symlink counts: it is in the way), else its nearest
+    existing ancestor: where a tier would create the rest. None when no ancestor exists at all."""
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    return probe
+
+
 def warn_if_above_filesystem(directory: str, capacity: int, field: str) -> None:
     """One WARNING when ``capacity`` is more than the size, or the free space, of the filesystem that holds
     (or will hold) ``directory``.
@@ -99,12 +111,9 @@ def warn_if_above_filesystem(directory: str, capacity: int, field: str) -> None:
     if (directory, capacity) in _WARNED:
         return
     try:
-        probe = directory
-        while not os.path.exists(probe):  # the nearest existing ancestor: the tier creates the rest
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                return
-            probe = parent
+        probe = nearest_existing_ancestor(directory)  # the tier creates the rest
+        if probe is None:
+            return
         st = os.statvfs(probe)
     except (OSError, ValueError):  # unreadable, or a path the OS refuses (a NUL byte): nothing to say
         return
