@@ -438,3 +438,21 @@ def test_manual_failover_is_followed(redis_cluster, caplog):
     assert misses > 0 and not tier.down and tier.shards_down == []
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     tier.close()
+
+
+@pytest.mark.redis
+def test_a_batch_racing_close_is_a_quiet_miss(redis_url, caplog):
+    """A batch still running when the tier closes finds its client gone (an AttributeError out of the
+    routing): a miss counted as an error, not an ERROR line with a traceback (it is no bug); before close
+    the same failure is logged once as one."""
+    tier = _tier(redis_url)
+    with caplog.at_level(logging.DEBUG):
+        tier.close()
+        tier._failed("get (some records)", AttributeError("'NoneType' object has no attribute 'nodes_manager'"))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert tier.counters.get("errors") == 1
+    live = _tier(redis_url)
+    with caplog.at_level(logging.ERROR):
+        live._failed("get", AttributeError("boom"))
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+    live.close()

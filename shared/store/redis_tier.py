@@ -458,6 +458,9 @@ class RedisTier:
 
     def _bug(self, what: str, exc: BaseException) -> None:
         self.counters.add(errors=1)
+        if self._closed:  # a batch that raced `close()` (its client is gone): a miss, no bug to report
+            log.debug("tiercache redis tier %s: %s after close: %s", self.address, what, exc)
+            return
         seen = f"bug: {what}: {type(exc).__name__}"
         if seen not in self._warned_errors:
             self._warned_errors.add(seen)
