@@ -456,3 +456,25 @@ def test_a_batch_racing_close_is_a_quiet_miss(redis_url, caplog):
         live._failed("get", AttributeError("boom"))
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
     live.close()
+
+
+@pytest.mark.redis
+def test_a_stale_map_reported_before_the_tier_went_down_is_re_read(redis_cluster, monkeypatch):
+    """The prober keeps a pending slot-map refresh through a whole-tier outage: a failed probe leaves it
+    asked, and the probe that finds the cluster back re-reads the map (it used to be dropped)."""
+    tier = _tier(redis_cluster.url)
+    rereads: list[int] = []
+    monkeypatch.setattr(tier, "_refresh_slots", lambda client: rereads.append(1))
+
+    class Away:
+        def ping(self, **_: object) -> None:
+            raise redis.exceptions.ConnectionError("refused")
+
+    with tier._lock:
+        tier._down, tier._refresh_asked = True, True
+    with pytest.raises(redis.exceptions.ConnectionError):
+        tier._probe_cluster(Away())
+    assert tier._refresh_asked and not rereads
+    assert tier._probe_cluster(tier._client) is True
+    assert rereads == [1] and not tier._refresh_asked and not tier.down
+    tier.close()

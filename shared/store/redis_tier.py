@@ -387,17 +387,19 @@ class RedisTier:
         with self._lock:
             whole, shards, refresh = self._down, dict(self._shards_down), self._refresh_asked
             self._refresh_asked = False
-        if whole and not shards:
-            client.ping(target_nodes=RedisCluster.PRIMARIES)
-            self._cluster_up({})
-            return not self._needs_probe()
-        if shards or refresh:
-            try:
+        try:
+            if whole and not shards:
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+                if refresh:  # a stale map reported before the whole tier went down: still re-read it
+                    self._refresh_slots(client)
+                self._cluster_up({})
+                return not self._needs_probe()
+            if shards or refresh:
                 self._refresh_slots(client)
-            except Exception:
-                with self._lock:
-                    self._refresh_asked = self._refresh_asked or refresh
-                raise
+        except Exception:  # the next probe asks again: a refresh is never dropped
+            with self._lock:
+                self._refresh_asked = self._refresh_asked or refresh
+            raise
         now = time.monotonic()
         back: dict[str, str] = {}
         for name, shard in shards.items():
