@@ -49,11 +49,11 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     PromMetricT,
 )
 
+from vllm_tiercache.eccache.encoder_reset import install as install_encoder_reset
 from vllm_tiercache.eccache.metrics import TieredECPromMetrics
 from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, TieredECWorkerMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
-from vllm_tiercache.encoder_reset import install as install_encoder_reset
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.counters import Counters
 from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
@@ -313,7 +313,7 @@ class TieredECConnector(ECConnectorBase):
     def reset_cache(self) -> bool:
         """Start a new weights generation: the encoder outputs stored before are no longer used by this
         engine (they stay for other engines). vLLM 0.32's EC connector interface has no reset hook; the
-        plugin makes `Scheduler.reset_encoder_cache` call this (`vllm_tiercache.encoder_reset`), i.e. when
+        plugin makes `Scheduler.reset_encoder_cache` call this (`vllm_tiercache.eccache.encoder_reset`), i.e. when
         vLLM drops its encoder cache because the weights were changed in place."""
         if self._sched is None:
             return True  # the worker takes the generation from each step's metadata

@@ -2,7 +2,7 @@
 
 vLLM 0.32's `Scheduler.reset_encoder_cache` ("called when model weights are updated") drops vLLM's own
 encoder outputs but had no way to reach an EC connector, which went on serving encoder outputs of the old
-weights. The plugin now wraps it (`vllm_tiercache.encoder_reset`). What these pin down:
+weights. The plugin now wraps it (`vllm_tiercache.eccache.encoder_reset`). What these pin down:
 
 - vLLM's real Scheduler: after its reset the item that was loaded is encoded by vLLM instead (no load,
   counted as a miss and as ``generation_resets``), the metadata tells the worker the new salt, an item
@@ -39,7 +39,7 @@ from tests.test_ec_scheduler import (
     _step,
     _store_item,
 )
-from vllm_tiercache import encoder_reset
+from vllm_tiercache.eccache import encoder_reset
 from vllm_tiercache.eccache.connector import ECCounters, TieredECConnector
 from vllm_tiercache.eccache.scheduler import LoadItem, TieredECMetadata
 from vllm_tiercache.eccache.worker import ECWorkerSide

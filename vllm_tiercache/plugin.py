@@ -6,7 +6,7 @@ a module path. Registration only records a module path and a class name (the fac
 idempotent (vLLM may load plugins more than once per process), and never imports our connector modules.
 In the process that builds vLLM's config it also installs the settings check (`vllm_tiercache.preflight`):
 a wrong setting of ours then stops the start before any weights load. Where vLLM's scheduler is imported
-it makes the scheduler's encoder-cache reset reach the EC connector (`vllm_tiercache.encoder_reset`).
+it makes the scheduler's encoder-cache reset reach the EC connector (`vllm_tiercache.eccache.encoder_reset`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def register() -> None:
     # Where vLLM's scheduler is imported (the engine core): its encoder-cache reset reaches our EC connector
     # (the connector installs it too, when vLLM's scheduler builds it).
     try:
-        from vllm_tiercache.encoder_reset import install as install_encoder_reset
+        from vllm_tiercache.eccache.encoder_reset import install as install_encoder_reset
 
         install_encoder_reset()
     except Exception as exc:  # never break a vLLM start
