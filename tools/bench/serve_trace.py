@@ -24,13 +24,14 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_tiercache.tools.demo.corpus import SYLLABLES
+
 #: Each message as "role: content" on its own line, then the assistant's cue; `render` mirrors it.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-_SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "sa", "vo", "ni", "dex", "par", "ul", "qe", "zor", "fi", "bra")
 _QUESTIONS = (
     "What is the main claim of this document?",
     "Which figures does the text mention?",
@@ -70,7 +71,7 @@ def _words(rng: random.Random, n_chars: int) -> str:
     parts: list[str] = []
     length = 0
     while length < n_chars:
-        sentence = " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+        sentence = " ".join("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
                             for _ in range(rng.randint(5, 12)))
         parts.append(sentence[0].upper() + sentence[1:] + ".")
         length += len(parts[-1]) + 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Syllables for pronounceable synthetic words (the byte-level tokenizer makes every byte a token).
-_SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "sa", "vo", "ni", "dex", "par", "ul", "qe", "zor", "fi", "bra")
+SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "sa", "vo", "ni", "dex", "par", "ul", "qe", "zor", "fi", "bra")
 QUESTIONS = (
     "What is the main claim of this document?",
     "Which figures does the page mention?",
@@ -44,7 +44,7 @@ def _words(rng: random.Random, n_chars: int) -> str:
     length = 0
     while length < n_chars:
         sentence = " ".join(
-            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(5, 12))
+            "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(5, 12))
         )
         sentence = sentence[0].upper() + sentence[1:] + "."
         out.append(sentence)
