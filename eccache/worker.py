@@ -202,7 +202,8 @@ class ECWorkerSide:
     def _track(self, mm_hash: str) -> None:
         """Report `mm_hash` (its current generation's name) as resident if the memory tier holds it now (a
         put can be refused or evicted)."""
-        self._residency.stored(generation_mm_name(mm_hash, self.generation), [self._record_key(mm_hash)])
+        name = generation_mm_name(mm_hash, self.generation)
+        self._residency.stored(name, [self._key_of(name)])
 
     def worker_meta(self) -> TieredECWorkerMetadata | None:
         """This step's residency changes, counter increments and store numbers, or None when there are

@@ -220,15 +220,15 @@ class KVSchedulerSide:
         the workers always reject, e.g. of another chunk size, would be claimed, failed and recomputed on
         every lookup of the request).
         """
-        candidates = [e for e in range(end - 1, start, -1) if state.chunk_hash(e) not in self._failed_chunks]
-        if not candidates:
+        named = [(e, state.chunk_hash(e)) for e in range(end - 1, start, -1)]
+        named = [(e, h) for e, h in named if h not in self._failed_chunks]
+        if not named:
             return None
-        hashes = [state.chunk_hash(e) for e in candidates]
-        for e, h in zip(candidates, hashes, strict=True):
+        for e, h in named:
             if h in self.resident:
                 return e, True
-        probe = [self.naming.probe_key(h) for h in hashes]
-        for e, h, hit in zip(candidates, hashes, self.store.contains_many(probe, shared_only=True), strict=True):
+        probed = self.store.contains_many([self.naming.probe_key(h) for _, h in named], shared_only=True)
+        for (e, h), hit in zip(named, probed, strict=True):
             if hit and all(self.store.contains_many(self.naming.chunk_keys(h), shared_only=True)):
                 return e, False
         return None

@@ -12,18 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.tools.bench.serve_load import RequestResult
+from vllm_tiercache.tools.demo.report import percentile
 
 BASELINE = "vllm"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 1]); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def summarize(results: list[RequestResult], wall_s: float, stats: dict[str, Any] | None, block_size: int,

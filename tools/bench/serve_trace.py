@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_tiercache.tools.demo.corpus import SYLLABLES
+from vllm_tiercache.tools.demo.corpus import sentences
 
 #: Each message as "role: content" on its own line, then the assistant's cue; `render` mirrors it.
 CHAT_TEMPLATE = (
@@ -68,14 +68,7 @@ class Workload:
 
 def _words(rng: random.Random, n_chars: int) -> str:
     """Sentences of synthetic words, exactly `n_chars` characters (ASCII: one token per character)."""
-    parts: list[str] = []
-    length = 0
-    while length < n_chars:
-        sentence = " ".join("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
-                            for _ in range(rng.randint(5, 12)))
-        parts.append(sentence[0].upper() + sentence[1:] + ".")
-        length += len(parts[-1]) + 1
-    return " ".join(parts)[:n_chars]
+    return sentences(rng, n_chars)[:n_chars]
 
 
 def make_workload(level: int, *, n_docs: int, doc_tokens: int, sessions: int, turns: int, zipf_alpha: float,

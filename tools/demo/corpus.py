@@ -38,18 +38,27 @@ class Document:
         return self.text_path.read_text()
 
 
-def _words(rng: random.Random, n_chars: int) -> str:
-    """Sentences of synthetic words, cut to at most `n_chars` characters at a word boundary."""
+def sentence(rng: random.Random) -> str:
+    """One capitalised sentence of 5-12 synthetic words (the demo's and `bench serve`'s documents)."""
+    text = " ".join(
+        "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(5, 12))
+    )
+    return text[0].upper() + text[1:] + "."
+
+
+def sentences(rng: random.Random, n_chars: int) -> str:
+    """Sentences joined by spaces until they reach `n_chars` characters (the caller cuts the tail)."""
     out: list[str] = []
     length = 0
     while length < n_chars:
-        sentence = " ".join(
-            "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(5, 12))
-        )
-        sentence = sentence[0].upper() + sentence[1:] + "."
-        out.append(sentence)
-        length += len(sentence) + 1
-    text = " ".join(out)
+        out.append(sentence(rng))
+        length += len(out[-1]) + 1
+    return " ".join(out)
+
+
+def _words(rng: random.Random, n_chars: int) -> str:
+    """Sentences of synthetic words, cut to at most `n_chars` characters at a word boundary."""
+    text = sentences(rng, n_chars)
     return text[: text.rfind(" ", 0, n_chars)] if len(text) > n_chars else text
 
 

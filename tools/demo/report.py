@@ -17,13 +17,20 @@ from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.tools.demo.load import Result
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 1]); None for no values (the demo and `bench serve`)."""
     ordered = sorted(values)
     if not ordered:
-        return float("nan")
+        return None
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _pct(values: list[float], q: float) -> float:
+    """`percentile`, NaN for no values (the demo's table prints and compares NaN)."""
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def classify(results: list[Result]) -> dict[str, list[int]]:
