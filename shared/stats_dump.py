@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from vllm_tiercache.shared.files import replace_json
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TIERCACHE_STATS_DIR"
@@ -86,14 +88,10 @@ def write_stats_file(path: str, payload: dict[str, Any]) -> None:
     """Replace ``path`` with ``payload`` as JSON, atomically (temp file + rename); never raises.
 
     The one writer of stats files: readers (operators, `tiercache stats`, the tests) see a whole file or
-    the previous one, never a half-written one. The temp name carries the pid, so processes that share a
-    path do not write into each other's temp file.
+    the previous one, never a half-written one (`vllm_tiercache.shared.files.replace_json`).
     """
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as fh:
-            json.dump(payload, fh, default=str)
-        os.replace(tmp, path)
+        replace_json(path, payload)
     except OSError as exc:
         log.warning("tiercache: cannot write stats to %s: %s", path, exc)
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import xxhash
 
+from vllm_tiercache.shared.files import replace_json
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DIGEST_CACHE_NAME", "WeightsIdentity", "digest_directory", "model_names", "resolve_weights"]
@@ -210,12 +212,10 @@ class _DigestCache:
     def _save(self) -> None:
         if not self._dirty or self._path is None:
             return
-        tmp = self._path.with_suffix(f".tmp{os.getpid()}")
         # Forget files that are gone (old checkpoints, test directories), or the cache only ever grows.
         kept = {path: entry for path, entry in self._entries.items() if os.path.exists(path)}
         try:
-            tmp.write_text(json.dumps({"format": 1, "files": kept}))
-            os.replace(tmp, self._path)
+            replace_json(self._path, {"format": 1, "files": kept})
         except OSError as exc:
             log.warning("tiercache: could not remember weight digests in %s (%s); they are recomputed at "
                         "the next start", self._path, exc)

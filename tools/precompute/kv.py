@@ -43,6 +43,7 @@ from vllm_tiercache.kvcache.groups import KVGroups
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError
+from vllm_tiercache.shared.files import replace_json
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store
@@ -139,9 +140,7 @@ class EngineGroups:
     def remember(self, groups: KVGroups) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(groups.to_json()))
-            os.replace(tmp, self.path)
+            replace_json(self.path, groups.to_json())
         except OSError as exc:  # a rerun then prefills again: slower, never wrong
             log.warning("tiercache precompute: cannot remember the engine's KV cache groups in %s: %s",
                         self.path, exc)
@@ -157,6 +156,11 @@ class EngineGroups:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)
+
+
+def _nothing_to_store(model: str, groups: KVGroups) -> JobError:
+    return JobError(f"{model}: TieredKVConnector stores no KV for this model ({groups.unsupported}); there is "
+                    "nothing to precompute")
 
 
 @contextlib.contextmanager
@@ -207,8 +211,7 @@ def precompute_docs(
     remembered = engine_groups.remembered()
     if remembered is not None:
         if not remembered.supported:
-            raise JobError(f"{model}: TieredKVConnector stores no KV for this model ({remembered.unsupported}); "
-                           "there is nothing to precompute")
+            raise _nothing_to_store(model, remembered)
         naming = dataclasses.replace(naming, kv_groups=remembered)
     multimodal = bool(vllm_config.model_config.is_multimodal_model)
     processor = offline_input_processor(vllm_config)
@@ -250,7 +253,7 @@ def precompute_docs(
                 todo.append((doc, keys))
                 requests[doc] = request
 
-        unsupported: str | None = None
+        unsupported: KVGroups | None = None
 
         def engine_keys() -> list[tuple[Path, list[StoreKey]]]:
             """The items named with the running engine's KV cache groups (remembered for the next run)."""
@@ -262,7 +265,7 @@ def precompute_docs(
                 return todo
             engine_groups.remember(groups)
             if not groups.supported:
-                unsupported = groups.unsupported
+                unsupported = groups
             elif groups != naming.groups:
                 naming = dataclasses.replace(naming, kv_groups=groups)
                 todo = [(doc, naming.prompt_keys(requests[doc])[0]) for doc, _ in todo]
@@ -274,8 +277,7 @@ def precompute_docs(
             desc="prefilling docs", unit="doc", rekey=engine_keys,
         )
         if unsupported is not None:
-            raise JobError(f"{model}: TieredKVConnector stores no KV for this model ({unsupported}); there "
-                           "is nothing to precompute")
+            raise _nothing_to_store(model, unsupported)
         evicted_since = count_stored(
             store, todo, seen, summary,
             failure="prefilled but some chunks are not in the store afterwards (see the engine log: dropped "
