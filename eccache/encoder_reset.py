@@ -19,10 +19,11 @@ and a reset that raises is logged (vLLM's own reset has happened by then).
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from typing import Any
+
+from vllm_tiercache.shared.patching import call_after
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +55,13 @@ def install(import_vllm: bool = False) -> bool:
         except Exception as exc:  # a broken or different vLLM: never break its start
             _warn_once("import", "vllm-tiercache: encoder-cache resets will not reach TieredECConnector: %s", exc)
             return False
-    scheduler_cls = getattr(module, "Scheduler", None)
-    original = getattr(scheduler_cls, "reset_encoder_cache", None)
-    if original is None:
-        if module is not None:
-            _warn_once("method", "vllm-tiercache: this vLLM's Scheduler has no reset_encoder_cache; encoder "
-                       "records are not renamed after an in-place weight update (restart to change weights)")
-        return False
-    if getattr(original, _MARK, False):
+    if call_after(getattr(module, "Scheduler", None), "reset_encoder_cache",
+                  lambda scheduler, _result: reset_ec_connector(scheduler), _MARK):
         return True
-
-    @functools.wraps(original)
-    def reset_encoder_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        reset_ec_connector(self)
-        return result
-
-    setattr(reset_encoder_cache, _MARK, True)
-    scheduler_cls.reset_encoder_cache = reset_encoder_cache  # type: ignore[union-attr]
-    return True
+    if module is not None:
+        _warn_once("method", "vllm-tiercache: this vLLM's Scheduler has no reset_encoder_cache; encoder "
+                   "records are not renamed after an in-place weight update (restart to change weights)")
+    return False
 
 
 def reset_ec_connector(scheduler: Any) -> bool:

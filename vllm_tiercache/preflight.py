@@ -18,7 +18,6 @@ connection, no weight file read.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -45,23 +44,12 @@ def install() -> bool:
     vLLM loads plugins before building the config. The engine core and worker processes receive a built
     config and are left as they are. Returns whether the check is in place.
     """
+    from vllm_tiercache.shared.patching import call_after
+
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     engine_args = getattr(arg_utils, "EngineArgs", None)
-    original = getattr(engine_args, "create_engine_config", None)
-    if original is None:
-        return False
-    if getattr(original, _MARK, False):
-        return True
-
-    @functools.wraps(original)
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        vllm_config = original(self, *args, **kwargs)
-        check_engine_config(vllm_config)
-        return vllm_config
-
-    setattr(create_engine_config, _MARK, True)
-    engine_args.create_engine_config = create_engine_config  # type: ignore[union-attr]
-    return True
+    return call_after(engine_args, "create_engine_config",
+                      lambda _args, vllm_config: check_engine_config(vllm_config), _MARK)
 
 
 def check_engine_config(vllm_config: Any) -> None:
