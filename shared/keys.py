@@ -10,6 +10,7 @@ Encoder:  ``{ns}|enc|{model}|{encoder_fingerprint}|{mm identifier}``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -55,6 +56,13 @@ def validate_field(what: str, value: str) -> str:
     if _CONTROL.search(value):
         raise ValueError(f"{what} {value!r} contains control characters, which cache keys do not allow")
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_field(what: str, value: str) -> str:
+    """`validate_field` for the few namespaces and group tags a process names keys with, checked once each
+    (a hit names one record per chunk and layer)."""
+    return validate_field(what, value)
 
 
 def _fingerprint(tag: str, payload: dict[str, Any]) -> str:
@@ -119,10 +127,11 @@ class KVModelIdentity:
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """16 hex chars over everything that changes the KV bytes of a block (not the model name or TP rank,
-        which appear in the key text on their own)."""
+        which appear in the key text on their own). Computed once: a hit names one record per chunk and
+        layer, and a JSON dump plus a hash per name cost as much as copying the record."""
         payload: dict[str, Any] = {
             "dtype": self.dtype,
             "num_layers": self.num_layers,
@@ -138,6 +147,11 @@ class KVModelIdentity:
         if self.weights is not None:
             payload["weights"] = self.weights
         return _fingerprint("kv-v1", payload)
+
+    @functools.cached_property
+    def key_fields(self) -> str:
+        """The identity's part of every KV key text: ``{model}|{fingerprint}|tp{size}r{rank}``."""
+        return f"{self.model}|{self.fingerprint}|tp{self.tp_size}r{self.tp_rank}"
 
     @classmethod
     def from_vllm_config(
@@ -184,9 +198,9 @@ def kv_chunk_key(
     group: kind, window, block size; `vllm_tiercache.kvcache.groups.KVGroup.tag`); full-attention
     records carry none, so their keys are those of a model served without vLLM's hybrid KV manager.
     """
-    validate_field("namespace", namespace)
+    _valid_field("namespace", namespace)
     if group is not None:
-        validate_field("group", group)
+        _valid_field("group", group)
     if not isinstance(chunk_hash, bytes | bytearray) or not chunk_hash:
         raise ValueError(f"chunk_hash must be non-empty bytes, got {chunk_hash!r}")
     if layer is None:
@@ -195,10 +209,7 @@ def kv_chunk_key(
         layer_text = str(layer)
     else:
         raise ValueError(f"layer must be None or an int in [0, {identity.num_layers}), got {layer!r}")
-    text = (
-        f"{namespace}|kv|{identity.model}|{identity.fingerprint}|tp{identity.tp_size}r{identity.tp_rank}"
-        f"|{bytes(chunk_hash).hex()}|L{layer_text}"
-    )
+    text = f"{namespace}|kv|{identity.key_fields}|{bytes(chunk_hash).hex()}|L{layer_text}"
     if group is not None:
         text += f"|G{group}"
     return StoreKey(text)
