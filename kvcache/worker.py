@@ -27,7 +27,7 @@ import torch
 from vllm_tiercache.kvcache.layout import PagedLayout
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.kvcache.transfer import BlockMover, make_mover
+from vllm_tiercache.kvcache.transfer import BlockMover, block_runs, make_mover
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
@@ -74,6 +74,23 @@ class _LoadJob:
         self.done = threading.Event()
 
 
+def landing_run(load: ChunkLoad, runs: list[tuple[int, int, int]]) -> bool:
+    """Whether a load's whole record can be read straight into its blocks as stored: the load takes the
+    record from its first block, into one run of consecutive block ids (as vLLM hands out a fresh
+    request's blocks), so the record's bytes are exactly those blocks' bytes (`landing_place`)."""
+    return load.first == load.chunk_start and len(runs) == 1
+
+
+def landing_place(kv_layer: torch.Tensor, run: tuple[int, int, int]) -> torch.Tensor | None:
+    """The KV cache memory of one run of blocks, where a tier reading from a file lands the payload and
+    verifies it in place instead of filling a buffer that is copied again (`Store.get_many`'s ``into``).
+    A record that fails verification leaves garbage there, in blocks reported as failed loads, which vLLM
+    recomputes before any attention reads them."""
+    _, first, length = run
+    place = kv_layer[first : first + length]
+    return place if place.is_contiguous() else None
+
+
 class KVWorkerSide:
     """Everything `TieredKVConnector` does in a vLLM worker process."""
 
@@ -103,6 +120,8 @@ class KVWorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.mover: BlockMover | None = None
+        #: some tier can land records in the (host) KV cache itself (`landing_place`)
+        self._reads_into = False
         self.counters = WorkerCounters()
         self.totals: dict[str, Any] = {}
         self._counters_lock = threading.Lock()
@@ -160,6 +179,8 @@ class KVWorkerSide:
         self.kv_caches = dict(kv_caches)
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         self.mover = make_mover(layout.device)
+        self._reads_into = layout.device.type == "cpu" and any(
+            hasattr(tier, "get_many_into") for tier in getattr(self.store, "tiers", ()))
         log.info("TieredKVConnector: %d layers, layout %s", len(layout.layer_names), layout.describe())
         return layout
 
@@ -237,14 +258,27 @@ class KVWorkerSide:
                 self.counters.load_seconds.append(time.perf_counter() - started)
 
     def _run_load(self, job: _LoadJob) -> None:
+        """Every layer in order: one batched store read of its chunks, then one batched copy of the
+        records that did not land in place. Per-load work that is the same for every layer (block runs,
+        whether a record can land in place) is done once: a hit reads one record per chunk and layer, and
+        per-record Python cost, not bytes, was what made a memory hit slow."""
         assert self.layout is not None and self.mover is not None
         expected_meta = self.layout.describe()
+        runs = [block_runs(load.block_ids) for load in job.loads]
+        # a tier that reads from a file can land a whole record in its blocks (CPU caches only)
+        in_place = [self._reads_into and landing_run(load, r) for load, r in zip(job.loads, runs, strict=True)]
         for layer_name in self.layout.layer_names:
             layer = self.layer_index[layer_name]
             group = self.group_of_layer.get(layer, 0)
             todo = [i for i in range(len(job.loads)) if i not in job.failed and job.loads[i].group == group]
-            records = self.store.get_many([self.key(job.loads[i].chunk_hash, layer) for i in todo])
+            keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
             kv_layer = self.kv_caches[layer_name]
+            if any(in_place[i] for i in todo):
+                into = [landing_place(kv_layer, runs[i][0]) if in_place[i] else None for i in todo]
+                records = self.store.get_many(keys, into=into)
+            else:
+                records = self.store.get_many(keys)
+            copies: list[tuple[list[tuple[int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0
             for i, record in zip(todo, records, strict=True):
                 load = job.loads[i]
@@ -252,9 +286,11 @@ class KVWorkerSide:
                 if blocks is None:
                     job.failed.add(i)
                     continue
-                self.mover.scatter(kv_layer, load.block_ids, blocks)
+                if not record.in_place:  # type: ignore[union-attr]
+                    copies.append((runs[i], blocks))
                 loaded_blocks += len(load.block_ids)
                 loaded_bytes += blocks.numel() * blocks.element_size()
+            self.mover.scatter_runs(kv_layer, copies)
             job.handles[layer_name] = self.mover.layer_ready()
             job.ready[layer_name].set()
             with self._counters_lock:

@@ -175,3 +175,38 @@ def test_block_runs_group_consecutive_ids() -> None:
     assert block_runs([]) == []
     assert block_runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
     assert block_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
+
+
+def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blocks(tmp_path) -> None:
+    """With a disk tier, a load whose blocks are one run is read straight into the paged cache (no copy of
+    its own); a corrupt record is a load error for its blocks, and a load into scattered blocks still
+    lands exactly (through a buffer)."""
+    tiers = {"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]}
+    source, target = paged_caches(2), paged_caches(None)
+    with build_store(tiers) as producer_store:
+        producer = worker(producer_store)
+        producer.register_kv_caches(source, NUM_BLOCKS)
+        save(producer, source, b"run", [1, 2, 3, 4])
+        save(producer, source, b"bad", [5, 6, 7, 8])
+        producer.shutdown()
+    with build_store(tiers) as store:
+        bad = store.tiers[0].path_for(kv_chunk_key("t", IDENTITY, b"bad", 1))
+        raw = bytearray(bad.read_bytes())
+        raw[-50] ^= 0x01
+        bad.write_bytes(raw)
+        consumer = worker(store)
+        consumer.register_kv_caches(target, NUM_BLOCKS)
+        copied: list[int] = []  # records the loader had to copy itself, per layer
+        scatter_runs = consumer.mover.scatter_runs
+        consumer.mover.scatter_runs = lambda layer, items: (copied.append(len(items)), scatter_runs(layer, items))
+        errors = load(consumer, [ChunkLoad(b"run", 0, 0, 4, [9, 10, 11, 12]),
+                                 ChunkLoad(b"bad", 0, 0, 4, [0, 1, 2, 3])])
+        assert errors == {0, 1, 2, 3} and copied == [0] * LAYERS
+        for name in source:
+            assert torch.equal(target[name][9:13], source[name][1:5])
+        assert store.tiers[0].counters.get("corrupt") == 1
+        errors = load(consumer, [ChunkLoad(b"run", 0, 0, 4, [15, 4, 13, 6])])  # not one run: a buffer
+        assert errors == set() and copied == [0] * LAYERS + [1] * LAYERS
+        for name in source:
+            assert torch.equal(target[name][[15, 4, 13, 6]], source[name][1:5])
+        consumer.shutdown()

@@ -222,3 +222,29 @@ def test_damaged_index_is_rebuilt_from_record_headers(tmp_path):
         assert second.usage()["entries"] == 5
     finally:
         second.close()
+
+
+def test_read_into_a_destination_lands_verified_bytes_in_place(tier):
+    """`get_many_into`: a record of the destination's size is read straight into it (no buffer of its
+    own); one of another size comes back as usual, and the destination is left alone."""
+    t, small = _t(4096, 3), _t(1000, 4)
+    tier.put_many([(_k("fit"), t.reshape(8, 512), {"blocks": 8}), (_k("other"), small, None)])
+    place, spare = torch.zeros(8, 512, dtype=torch.bfloat16), torch.zeros(8, 512, dtype=torch.bfloat16)
+    fit, other, missing = tier.get_many_into([_k("fit"), _k("other"), _k("none")], [place, spare, spare])
+    assert fit.in_place and fit.tensor.data_ptr() == place.data_ptr() and fit.meta == {"blocks": 8}
+    assert torch.equal(place, t.reshape(8, 512)) and torch.equal(fit.tensor, place)
+    assert not other.in_place and torch.equal(other.tensor, small) and not spare.any()
+    assert missing is None
+
+
+def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
+    """A flipped payload bit is found after the bytes landed: a counted miss, the file dropped; the
+    destination then holds garbage the caller was told not to use (the KV connector fails those blocks)."""
+    tier.put_many([(_k("flip"), _t(4096, 5).reshape(8, 512), None)])
+    p = tier.path_for(_k("flip"))
+    raw = bytearray(p.read_bytes())
+    raw[-100] ^= 0x10
+    p.write_bytes(raw)
+    place = torch.zeros(8, 512, dtype=torch.bfloat16)
+    assert tier.get_many_into([_k("flip")], [place]) == [None]
+    assert tier.counters.get("corrupt") == 1 and not p.exists()

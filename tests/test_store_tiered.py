@@ -283,3 +283,21 @@ def test_close_flushes(tmp_path):
         assert s2.tiers[1].contains_many([_k(i) for i in range(10)]) == [True] * 10
     finally:
         s2.close()
+
+
+def test_a_record_read_in_place_is_promoted_as_a_copy(tmp_path):
+    """A disk hit landed in the caller's memory (``into``) goes up to the memory tier as the store's own
+    copy: the caller reuses its memory (vLLM its KV blocks) at once, and the next hit must not see that."""
+    disk = {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"}
+    key, value = StoreKey("ns|promote|1"), torch.arange(4096, dtype=torch.float32).reshape(4, 1024)
+    with build_store({"tiers": [disk]}) as only_disk:
+        only_disk.put(key, value)
+        only_disk.flush()
+    with build_store({"tiers": [{"kind": "memory", "capacity": "16MiB"}, disk]}) as store:
+        place = torch.zeros(4, 1024)
+        (record,) = store.get_many([key], into=[place])
+        assert record.in_place and torch.equal(place, value)
+        place.fill_(-1)  # the caller reuses its memory
+        (again,) = store.get_many([key])
+        assert not again.in_place and torch.equal(again.tensor, value)
+        assert store.tiers[0].counters.get("hits") == 1

@@ -65,6 +65,9 @@ class Record:
 
     tensor: torch.Tensor
     meta: dict[str, Any] = field(default_factory=dict)
+    #: True when ``tensor`` views the destination the caller gave `Store.get_many` (``into``): the bytes
+    #: already sit where the caller wanted them, verified, and that memory stays the caller's
+    in_place: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +112,15 @@ class Store(Protocol):
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
                       bounded: bool | None = None) -> list[bool]: ...
     def get(self, key: StoreKey) -> Record | None: ...
-    def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
+    def get_many(self, keys: Sequence[StoreKey], *,
+                 into: Sequence[torch.Tensor | None] | None = None) -> list[Record | None]:
+        """Records for ``keys`` (None: a miss). ``into``: per key, a contiguous CPU tensor the caller wants
+        the payload in (or None). A tier that reads from a file or socket lands a payload of exactly that
+        many bytes there, verified, and returns a record with ``in_place`` set, saving a buffer and a copy;
+        a record of another size comes back as usual. A miss may have written into the destination: the
+        caller must treat it as garbage then (the KV connector reports those blocks as failed loads)."""
+        ...
+
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
             owned: bool = False) -> None: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
@@ -141,6 +152,8 @@ class Tier(Protocol):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None: ...
+    # Optional: ``get_many_into(keys, into)`` (same contract as `Store.get_many` with ``into``), for a tier
+    # that can read a payload straight into the caller's memory (disk); the store uses it when present.
     def usage(self) -> dict[str, Any]:
         """``{"entries": int | None, "bytes_used": int | None, ...}``; ``"capacity"`` (bytes) when bounded.
 

@@ -74,6 +74,7 @@ class DiskTier:
         self.name = name
         self.capacity = config.capacity
         self.root = Path(config.path)
+        self._root_text = str(self.root)
         self.counters = TierCounters()
         self._warned: set[str] = set()
         self._refreshed: dict[bytes, int] = {}  # digest -> when this process last refreshed its atime
@@ -129,6 +130,12 @@ class DiskTier:
         h = digest.hex()
         return self.root / h[:2] / f"{h}.rec"
 
+    def _path_text(self, digest: bytes) -> str:
+        """`_path` as text, for the read path (building a `Path` per record cost more than its read's
+        syscalls)."""
+        h = digest.hex()
+        return f"{self._root_text}/{h[:2]}/{h}.rec"
+
     def _remove_stale_tmp(self) -> None:
         cutoff = time.time() - STALE_TMP_S
         for tmp in self.root.glob("??/.tmp-*"):
@@ -147,7 +154,7 @@ class DiskTier:
             self._error("index read failed", exc)
             return [False] * len(keys)
 
-    def _read_record(self, path: Path, key: StoreKey) -> tuple[Record, int]:
+    def _read_record(self, path: str | Path, key: StoreKey) -> tuple[Record, int]:
         """Read a whole file into one preallocated buffer and decode it in place. Returns (record, size).
 
         The payload checksum is computed piece by piece as the file is read, while each piece is still
@@ -176,15 +183,54 @@ class DiskTier:
         checksum = hasher.intdigest() if payload_start is not None else None
         return records.decode(buf, key, payload_checksum=checksum), st.st_size
 
+    def _read_record_into(self, path: str, key: StoreKey, destination: torch.Tensor) -> tuple[Record, int]:
+        """Read the payload straight into ``destination`` when the record is exactly its size: one copy from
+        the page cache into the caller's memory (the KV cache), no buffer to allocate and fault in, each
+        piece hashed while hot. A record of another size is read as usual (`_read_record`)."""
+        want = destination.numel() * destination.element_size()
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(records.FIXED_SIZE)
+            start = records.payload_start(head)
+            if start is None or size - start != want:
+                return self._read_record(path, key)
+            head += f.read(start - records.FIXED_SIZE)
+            header = records.decode_header(head, key)
+            if header.payload_offset != start or header.nbytes != want:
+                return self._read_record(path, key)
+            view = records.byte_view(destination)
+            hasher = xxhash.xxh3_64()
+            got = 0
+            while got < want:
+                n = f.readinto(view[got:got + READ_PIECE])
+                if not n:
+                    break
+                hasher.update(view[got:got + n])
+                got += n
+            if got != want:
+                raise records.RecordError(f"short read: {got} of {want} payload bytes")
+        return records.decode_into(header, destination, hasher.intdigest()), size
+
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        return self._get_many(keys, None)
+
+    def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[torch.Tensor | None]) -> list[Record | None]:
+        """`get_many`, landing each payload of its destination's size in that destination (`Store.get_many`)."""
+        return self._get_many(keys, into)
+
+    def _get_many(self, keys: Sequence[StoreKey], into: Sequence[torch.Tensor | None] | None) -> list[Record | None]:
         out: list[Record | None] = []
         hits: list[tuple[bytes, int]] = []  # digest, size
         gone: list[tuple[bytes, int | None]] = []  # digest, inode of a corrupt file (None: file missing)
         corrupt = 0
-        for key in keys:
-            path = self._path(key.digest)
+        for i, key in enumerate(keys):
+            path = self._path_text(key.digest)
+            destination = into[i] if into is not None else None
             try:
-                rec, file_size = self._read_record(path, key)
+                if destination is None:
+                    rec, file_size = self._read_record(path, key)
+                else:
+                    rec, file_size = self._read_record_into(path, key, destination)
             except FileNotFoundError:
                 out.append(None)
                 gone.append((key.digest, None))

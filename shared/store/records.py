@@ -192,6 +192,30 @@ def payload_start(head: Any) -> int | None:
     return payload_offset(hlen)
 
 
+def decode_into(header: Header, destination: torch.Tensor, checksum: int) -> Record:
+    """The record whose payload the caller read into ``destination`` (its bytes, in order) after checking
+    ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those bytes. The tensor views
+    ``destination`` as the header's dtype and shape (``in_place``)."""
+    nbytes = destination.numel() * destination.element_size()
+    if nbytes != header.nbytes:
+        raise RecordError(f"payload of {header.nbytes} bytes read into a destination of {nbytes}")
+    if checksum != header.checksum:
+        raise RecordError("payload checksum mismatch")
+    try:
+        if destination.dtype == header.dtype:
+            tensor = destination.view(header.shape)
+        else:
+            tensor = destination.reshape(-1).view(torch.uint8).view(header.dtype).reshape(header.shape)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise RecordError(f"cannot view {header.nbytes} bytes as {header.dtype} {header.shape}: {exc}") from exc
+    return Record(tensor, header.meta, in_place=True)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (a destination of `decode_into`)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def _tensor_from(header: Header, payload: memoryview, checksum: int | None = None) -> torch.Tensor:
     if payload.nbytes != header.nbytes:
         raise RecordError(f"truncated or oversized payload: {payload.nbytes} bytes, "

@@ -299,8 +299,12 @@ class TieredStore:
     def get(self, key: StoreKey) -> Record | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
-        """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers."""
+    def get_many(self, keys: Sequence[StoreKey], *,
+                 into: Sequence[torch.Tensor | None] | None = None) -> list[Record | None]:
+        """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers.
+
+        ``into`` (`Store.get_many`) goes to the tiers that read into a destination (``get_many_into``);
+        a record they land in place is promoted as a copy, since the destination stays the caller's."""
         out: list[Record | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         found_in: list[tuple[int, list[Item]]] = []
@@ -318,7 +322,10 @@ class TieredStore:
                     break
             start = time.perf_counter()
             try:
-                res = tier.get_many([keys[i] for i in missing])
+                if into is not None and hasattr(tier, "get_many_into"):
+                    res = tier.get_many_into([keys[i] for i in missing], [into[i] for i in missing])
+                else:
+                    res = tier.get_many([keys[i] for i in missing])
             except Exception as exc:
                 self._tier_error(tier, "get_many", exc)
                 res = [None] * len(missing)
@@ -331,7 +338,7 @@ class TieredStore:
                 out[i] = rec
                 nbytes += rec.nbytes
                 if ti > 0:
-                    promoted.append((keys[i], rec.tensor, rec.meta))
+                    promoted.append((keys[i], own_tensor(rec.tensor) if rec.in_place else rec.tensor, rec.meta))
             tier.counters.add(hits=len(missing) - len(still), misses=len(still), bytes_read=nbytes,
                               read_seconds=elapsed)
             if promoted:
