@@ -66,6 +66,9 @@ CASE_LABELS: dict[str, str] = {
     "tiered-cold": "8 cold, Tiered memory+disk (miss)",
 }
 
+#: The raw medium (`vllm_tiercache.tools.bench.kv_medium`) each tier's hit is compared with.
+MEDIUM_OF = {"tiered-memory": "memory", "tiered-disk": "page_cache", "tiered-redis": "redis"}
+
 HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-redis", "example", "simple-cpu"}
 
 
@@ -105,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "window and global layers, served with vLLM's hybrid KV cache manager), 'gemma3-bench' (its 12-layer "
         "benchmark size, 5 sliding layers per global one) or a model directory",
     )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="model and KV cache dtype of every engine (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -191,6 +196,7 @@ class Bench:
             "label": label,
             "model": self.model,
             "max_model_len": max(self.prompt_len + 64, 1024),
+            "dtype": self.args.dtype,
             "enable_prefix_caching": prefix_caching,
             "kv_transfer_config": kv_transfer_config,
             "steps": [{"name": name, "prompts": prompts} for name, prompts in steps],
@@ -352,7 +358,42 @@ class Bench:
         self.guarded(["tiered-redis"], self.case_tiered_redis)
         self.guarded(["example"], self.case_example)
         self.guarded(["simple-cpu"], self.case_simple_cpu)
+        self.measure_media()
         return self.report()
+
+    # --------------------------------------------------------------------------------- raw media
+    def hit_bytes(self) -> int | None:
+        """KV bytes a whole hit loads (every layer, the cached tokens), from the model's config.json."""
+        try:
+            config = json.loads((Path(self.model) / "config.json").read_text())
+            config = config.get("text_config", config)
+            heads = int(config["num_attention_heads"])
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+            layers = int(config["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        itemsize = {"float32": 4}.get(self.args.dtype, 2)
+        return layers * 2 * kv_heads * head_dim * itemsize * self.min_hit_tokens
+
+    def measure_media(self) -> None:
+        """The raw media's times for the bytes a hit loads (`vllm_tiercache.tools.bench.kv_medium`)."""
+        from vllm_tiercache.tools.bench.kv_medium import raw_medium_times
+
+        self.media: dict[str, float | None] = {}
+        nbytes = self.hit_bytes()
+        if nbytes is None or not any(c in self.cases for c in MEDIUM_OF):
+            return
+        self.progress(f"raw media: moving {nbytes / 2**20:.1f} MiB through memory, the page cache, O_DIRECT"
+                      f"{', Redis' if 'tiered-redis' in self.cases else ''}")
+        if "tiered-redis" in self.cases and shutil.which("redis-server"):
+            from vllm_tiercache.tools.redis_server import RedisServer
+
+            with RedisServer() as server:
+                self.media = raw_medium_times(nbytes, self.work / "media", server.url)
+        else:
+            self.media = raw_medium_times(nbytes, self.work / "media")
+        self.media_bytes = nbytes
 
     @property
     def model_name(self) -> str:
@@ -395,9 +436,14 @@ class Bench:
                 "hma": res.hma,
             }
         resident, cold = median("resident"), median("cold")
+        media = getattr(self, "media", {})
         for name, row in self.rows.items():
             own = median(name)
             row["ratio_to_resident"] = round(own / resident, 3) if own is not None and resident else None
+            raw = media.get(MEDIUM_OF.get(name, ""))
+            row["raw_medium_s"] = raw
+            row["share_of_raw"] = (round(raw / (own - resident), 3) if raw is not None and own is not None
+                                   and resident is not None and own > resident else None)
             row["ratio_to_cold"] = round(own / cold, 3) if own is not None and cold and name == "tiered-cold" else None
         targets = []
         for case, ref, limit in TARGETS:
@@ -413,6 +459,9 @@ class Bench:
                 }
             )
         return {
+            "media": media,
+            "hit_bytes": getattr(self, "media_bytes", None),
+            "dtype": self.args.dtype,
             "prompt_len": self.prompt_len,
             "prompts": self.num_prompts,
             "hit_repeats": self.hit_repeats,
@@ -427,7 +476,8 @@ class Bench:
 def format_table(report: dict[str, Any]) -> str:
     """The human table: one row per case, then the targets with ok/BELOW."""
     lines = [
-        f"TTFT, {report['prompts']} prompts x {report['prompt_len']} tokens (hit cases: each sent "
+        f"TTFT, {report['prompts']} prompts x {report['prompt_len']} tokens, {report.get('dtype', 'bfloat16')} "
+        f"(hit cases: each sent "
         f"{report['hit_repeats']}x), model {report['model']}; "
         f"hits need num_cached_tokens >= {report['min_hit_tokens']}",
         f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'x cold':>7} {'cached tokens':>14}  note",
@@ -453,6 +503,19 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("vLLM KV capacity (blocks) and hybrid KV cache manager per case: " + ", ".join(
             f"{row['case']} {row['kv_blocks']}{' HMA' if row.get('hma') else ' no-HMA'}" for row in capacity))
+    media = report.get("media") or {}
+    if media and report.get("hit_bytes"):
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+        lines.append("")
+        lines.append(f"raw media for the {report['hit_bytes'] / 2**20:.1f} MiB a hit loads (1 MiB pieces): memory "
+                     f"copy {ms(media.get('memory'))}, page-cache read {ms(media.get('page_cache'))}, O_DIRECT read "
+                     f"{ms(media.get('o_direct'))}, redis-py GET {ms(media.get('redis'))}")
+        for row in report["rows"]:
+            if row.get("share_of_raw") is not None:
+                lines.append(f"  {row['case']:14} share of the raw medium's speed (raw / (hit - resident)): "
+                             f"{row['share_of_raw']:.2f}")
     lines.append("")
     lines.append("targets:")
     for t in report["targets"]:

@@ -41,7 +41,7 @@ def run_job(spec_path: str, out_path: str) -> int:
 
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         enforce_eager=True,
         block_size=BLOCK_SIZE,
         max_model_len=spec["max_model_len"],
