@@ -33,6 +33,7 @@ from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
 from vllm_tiercache.shared.store.api import Record, Store, StoreKey
 from vllm_tiercache.shared.store.counters import GaugeChanges
+from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,8 @@ class KVWorkerSide:
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._load_loop, name="tiercache-kv-loader", daemon=True),
-            threading.Thread(target=self._save_loop, name="tiercache-kv-saver", daemon=True),
+            background_thread(self._load_loop, "tiercache-kv-loader"),
+            background_thread(self._save_loop, "tiercache-kv-saver"),
         ]
         for thread in self._threads:
             thread.start()

@@ -77,6 +77,7 @@ from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, key_
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_config import RedisTierConfig
 from vllm_tiercache.shared.store.redis_wire import connection_class
+from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 _NPARTS = struct.Struct("<I")
@@ -253,8 +254,7 @@ class RedisTier:
     def _start_prober(self) -> None:
         """Start the prober unless it runs; call with ``_lock`` held."""
         if self._prober is None and not self._closed:
-            self._prober = threading.Thread(target=self._probe_loop, name=f"tiercache-probe-{self.name}",
-                                            daemon=True)
+            self._prober = background_thread(self._probe_loop, f"tiercache-probe-{self.name}")
             self._prober.start()
 
     def _mark_down(self, exc: BaseException) -> None:

@@ -54,6 +54,7 @@ from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier, tier_class
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
+from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,7 @@ class BoundedLookup:
             self._busy = True
             job = self._job = _LookupJob(list(keys))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"tiercache-lookup-{self.tier.name}",
-                                                daemon=True)
+                self._thread = background_thread(self._loop, f"tiercache-lookup-{self.tier.name}")
                 self._thread.start()
             self._cond.notify()
         if job.done.wait(max(timeout_s, 0.0)):
@@ -533,8 +533,7 @@ class TieredStore:
         if self._usage_thread is None and not self._closed:
             with self._usage_lock:
                 if self._usage_thread is None:
-                    self._usage_thread = threading.Thread(target=self._refresh_usage_loop,
-                                                          name="tiercache-usage", daemon=True)
+                    self._usage_thread = background_thread(self._refresh_usage_loop, "tiercache-usage")
                     self._usage_thread.start()
         with self._usage_lock:
             return self._usage

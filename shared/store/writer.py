@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store.api import StoreKey, Tier
+from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class BackgroundWriter:
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = background_thread(self._loop, name)
         self._thread.start()
 
     def submit(self, tiers: Sequence[Tier], items: Sequence[Item], on_done: DoneCallback | None = None) -> bool:

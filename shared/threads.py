@@ -1,0 +1,49 @@
+"""Background threads of ours that run beside vLLM's forward pass instead of taking turns with it.
+
+vLLM's CPU worker binds its process to the cores its OpenMP threads compute on, and leaves
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core process. Every thread started in the worker
+inherits that binding, so the KV loader and saver and the store's writer time-shared the forward's own
+core. Seen on the 2-core VM (2026-11-24): ``VLLM::Worker`` and every thread in it allowed on core 0 only,
+the engine core on 0-1. A load could not overlap the forward, and a miss's saves slowed its own prefill.
+
+Each of our threads therefore widens its own affinity when it starts: to the cores of this process and
+of its parent (the engine core, which vLLM leaves unbound: its busy-wait yields to us there). The kernel
+then runs the thread where a core is free. vLLM's own threads keep their binding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def widen_affinity() -> set[int] | None:
+    """Let the calling thread run on the cores of this process and of its parent; the cores, or None
+    where the platform has no affinity calls or refuses (the thread then keeps what it inherited)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        cores = set(os.sched_getaffinity(0))
+        try:
+            cores |= os.sched_getaffinity(os.getppid())
+        except OSError:  # the parent is gone or not ours to inspect: keep our own cores
+            pass
+        os.sched_setaffinity(0, cores)  # 0: the calling thread only, on Linux
+        return cores
+    except OSError as exc:
+        log.debug("tiercache: thread affinity left as inherited (%s)", exc)
+        return None
+
+
+def background_thread(target: Callable[[], object], name: str, *, daemon: bool = True) -> threading.Thread:
+    """A thread (not yet started) that widens its affinity (`widen_affinity`) before it runs ``target``."""
+
+    def run() -> None:
+        widen_affinity()
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=daemon)

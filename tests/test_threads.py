@@ -1,0 +1,30 @@
+"""Our background threads leave the core vLLM bound its worker to (`vllm_tiercache.shared.threads`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# A child process that binds itself to one core, as vLLM's CPU worker does, then reports the cores a
+# thread it starts plainly and one of ours may run on.
+_CHILD = """
+import json, os, threading
+from vllm_tiercache.shared.threads import background_thread
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+seen = {}
+def report(name):
+    seen[name] = sorted(os.sched_getaffinity(0))
+plain = threading.Thread(target=report, args=("plain",)); plain.start(); plain.join()
+ours = background_thread(lambda: report("ours"), "t"); ours.start(); ours.join()
+print(json.dumps({**seen, "main": sorted(os.sched_getaffinity(0))}))
+"""
+
+
+def test_our_threads_run_on_the_cores_of_the_process_that_started_the_bound_one() -> None:
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=60, check=True)
+    seen = json.loads(out.stdout)
+    mine = sorted(os.sched_getaffinity(0))
+    assert seen["main"] == seen["plain"] == [mine[0]]  # what vLLM's binding gives every thread it starts
+    assert seen["ours"] == mine  # ours widen to the parent's cores (all of them on a 2-core machine)
