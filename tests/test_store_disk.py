@@ -240,11 +240,17 @@ def test_read_into_a_destination_lands_verified_bytes_in_place(tier):
 def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
     """A flipped payload bit is found after the bytes landed: a counted miss, the file dropped; the
     destination then holds garbage the caller was told not to use (the KV connector fails those blocks)."""
-    tier.put_many([(_k("flip"), _t(4096, 5).reshape(8, 512), None)])
+    tier.put_many([(_k(name), _t(4096, 5).reshape(8, 512), None) for name in ("flip", "head", "cut")])
     p = tier.path_for(_k("flip"))
     raw = bytearray(p.read_bytes())
     raw[-100] ^= 0x10
     p.write_bytes(raw)
-    place = torch.zeros(8, 512, dtype=torch.bfloat16)
-    assert tier.get_many_into([_k("flip")], [place]) == [None]
-    assert tier.counters.get("corrupt") == 1 and not p.exists()
+    head = tier.path_for(_k("head"))  # a header bit: the payload lands, the header check refuses it
+    raw = bytearray(head.read_bytes())
+    raw[20] ^= 0x01
+    head.write_bytes(raw)
+    cut = tier.path_for(_k("cut"))  # truncated: the payload can no longer start where its size says
+    cut.write_bytes(cut.read_bytes()[:-3])
+    places = [torch.zeros(8, 512, dtype=torch.bfloat16) for _ in range(3)]
+    assert tier.get_many_into([_k("flip"), _k("head"), _k("cut")], places) == [None, None, None]
+    assert tier.counters.get("corrupt") == 3 and not p.exists() and not head.exists() and not cut.exists()
