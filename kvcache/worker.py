@@ -75,21 +75,19 @@ class _LoadJob:
         self.done = threading.Event()
 
 
-def landing_run(load: ChunkLoad, runs: list[tuple[int, int, int]]) -> bool:
-    """Whether a load's whole record can be read straight into its blocks as stored: the load takes the
-    record from its first block, into one run of consecutive block ids (as vLLM hands out a fresh
-    request's blocks), so the record's bytes are exactly those blocks' bytes (`landing_place`)."""
-    return load.first == load.chunk_start and len(runs) == 1
-
-
-def landing_place(kv_layer: torch.Tensor, run: tuple[int, int, int]) -> torch.Tensor | None:
-    """The KV cache memory of one run of blocks, where a tier reading from a file lands the payload and
-    verifies it in place instead of filling a buffer that is copied again (`Store.get_many`'s ``into``).
-    A record that fails verification leaves garbage there, in blocks reported as failed loads, which vLLM
-    recomputes before any attention reads them."""
-    _, first, length = run
-    place = kv_layer[first : first + length]
-    return place if place.is_contiguous() else None
+def landing_place(kv_layer: torch.Tensor, load: ChunkLoad, runs: list[tuple[int, int, int]]
+                  ) -> list[torch.Tensor] | None:
+    """Where a load's whole record can be read as it is stored: the KV cache memory of its blocks, one
+    piece per run of consecutive block ids, in the record's order; None when the load does not take the
+    record from its first block (its bytes then are not exactly those blocks' bytes) or a piece is not
+    contiguous. A tier reading from a file lands the payload there and verifies it in place, instead of
+    filling a buffer that is copied again (`Store.get_many`'s ``into``). A record that fails verification
+    leaves garbage there, in blocks reported as failed loads, which vLLM recomputes before any attention
+    reads them. vLLM hands out freed blocks in reverse order, so a record often lands in several pieces."""
+    if load.first != load.chunk_start:
+        return None
+    pieces = [kv_layer[first : first + length] for _, first, length in runs]
+    return pieces if all(piece.is_contiguous() for piece in pieces) else None
 
 
 class KVWorkerSide:
@@ -267,7 +265,7 @@ class KVWorkerSide:
         expected_meta = self.layout.describe()
         runs = [block_runs(load.block_ids) for load in job.loads]
         # a tier that reads from a file can land a whole record in its blocks (CPU caches only)
-        in_place = [self._reads_into and landing_run(load, r) for load, r in zip(job.loads, runs, strict=True)]
+        in_place = [self._reads_into and load.first == load.chunk_start for load in job.loads]
         for layer_name in self.layout.layer_names:
             layer = self.layer_index[layer_name]
             group = self.group_of_layer.get(layer, 0)
@@ -275,7 +273,7 @@ class KVWorkerSide:
             keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
             kv_layer = self.kv_caches[layer_name]
             if any(in_place[i] for i in todo):
-                into = [landing_place(kv_layer, runs[i][0]) if in_place[i] else None for i in todo]
+                into = [landing_place(kv_layer, job.loads[i], runs[i]) if in_place[i] else None for i in todo]
                 records = self.store.get_many(keys, into=into)
             else:
                 records = self.store.get_many(keys)

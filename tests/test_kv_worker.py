@@ -178,9 +178,9 @@ def test_block_runs_group_consecutive_ids() -> None:
 
 
 def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blocks(tmp_path) -> None:
-    """With a disk tier, a load whose blocks are one run is read straight into the paged cache (no copy of
-    its own); a corrupt record is a load error for its blocks, and a load into scattered blocks still
-    lands exactly (through a buffer)."""
+    """With a disk tier, a load of a whole record is read straight into its blocks of the paged cache (no
+    copy of its own), whatever their order; a corrupt record is a load error for its blocks, and a load of
+    part of a record still lands exactly (through a buffer)."""
     tiers = {"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]}
     source, target = paged_caches(2), paged_caches(None)
     with build_store(tiers) as producer_store:
@@ -205,8 +205,12 @@ def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blo
         for name in source:
             assert torch.equal(target[name][9:13], source[name][1:5])
         assert store.tiers[0].counters.get("corrupt") == 1
-        errors = load(consumer, [ChunkLoad(b"run", 0, 0, 4, [15, 4, 13, 6])])  # not one run: a buffer
-        assert errors == set() and copied == [0] * LAYERS + [1] * LAYERS
+        errors = load(consumer, [ChunkLoad(b"run", 0, 0, 4, [15, 4, 13, 6])])  # scattered blocks: in place too
+        assert errors == set() and copied == [0] * (2 * LAYERS)
         for name in source:
             assert torch.equal(target[name][[15, 4, 13, 6]], source[name][1:5])
+        errors = load(consumer, [ChunkLoad(b"run", 0, 1, 4, [2, 3, 5])])  # not from its first block: a buffer
+        assert errors == set() and copied == [0] * (2 * LAYERS) + [1] * LAYERS
+        for name in source:
+            assert torch.equal(target[name][[2, 3, 5]], source[name][2:5])
         consumer.shutdown()

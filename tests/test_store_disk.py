@@ -230,11 +230,17 @@ def test_read_into_a_destination_lands_verified_bytes_in_place(tier):
     t, small = _t(4096, 3), _t(1000, 4)
     tier.put_many([(_k("fit"), t.reshape(8, 512), {"blocks": 8}), (_k("other"), small, None)])
     place, spare = torch.zeros(8, 512, dtype=torch.bfloat16), torch.zeros(8, 512, dtype=torch.bfloat16)
-    fit, other, missing = tier.get_many_into([_k("fit"), _k("other"), _k("none")], [place, spare, spare])
+    fit, other, missing = tier.get_many_into([_k("fit"), _k("other"), _k("none")], [[place], [spare], [spare]])
     assert fit.in_place and fit.tensor.data_ptr() == place.data_ptr() and fit.meta == {"blocks": 8}
     assert torch.equal(place, t.reshape(8, 512)) and torch.equal(fit.tensor, place)
     assert not other.in_place and torch.equal(other.tensor, small) and not spare.any()
     assert missing is None
+    # several pieces, in the record's order (vLLM's blocks in reverse order): rows 0-2, 3, 4-7 of the record
+    cache = torch.zeros(16, 512, dtype=torch.bfloat16)
+    pieces = [cache[10:13], cache[2:3], cache[5:9]]
+    (split,) = tier.get_many_into([_k("fit")], [pieces])
+    assert split.in_place and split.tensor.shape == (8, 512) and split.tensor.dtype == torch.bfloat16
+    assert torch.equal(torch.cat(pieces), t.reshape(8, 512)) and not cache[[0, 1, 3, 4, 9, 13, 14, 15]].any()
 
 
 def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
@@ -251,6 +257,6 @@ def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
     head.write_bytes(raw)
     cut = tier.path_for(_k("cut"))  # truncated: the payload can no longer start where its size says
     cut.write_bytes(cut.read_bytes()[:-3])
-    places = [torch.zeros(8, 512, dtype=torch.bfloat16) for _ in range(3)]
+    places = [[torch.zeros(8, 512, dtype=torch.bfloat16)] for _ in range(3)]
     assert tier.get_many_into([_k("flip"), _k("head"), _k("cut")], places) == [None, None, None]
     assert tier.counters.get("corrupt") == 3 and not p.exists() and not head.exists() and not cut.exists()

@@ -65,9 +65,12 @@ class Record:
 
     tensor: torch.Tensor
     meta: dict[str, Any] = field(default_factory=dict)
-    #: True when ``tensor`` views the destination the caller gave `Store.get_many` (``into``): the bytes
-    #: already sit where the caller wanted them, verified, and that memory stays the caller's
+    #: True when the payload was read into the destination the caller gave `Store.get_many` (``into``):
+    #: the bytes already sit where the caller wanted them, verified, and that memory stays the caller's.
+    #: ``pieces`` are that destination; ``tensor`` views it when it is one piece, and is a data-less
+    #: ("meta") tensor of the record's dtype and shape when it is several
     in_place: bool = False
+    pieces: tuple[torch.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -113,12 +116,14 @@ class Store(Protocol):
                       bounded: bool | None = None) -> list[bool]: ...
     def get(self, key: StoreKey) -> Record | None: ...
     def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[torch.Tensor | None] | None = None) -> list[Record | None]:
-        """Records for ``keys`` (None: a miss). ``into``: per key, a contiguous CPU tensor the caller wants
-        the payload in (or None). A tier that reads from a file or socket lands a payload of exactly that
-        many bytes there, verified, and returns a record with ``in_place`` set, saving a buffer and a copy;
-        a record of another size comes back as usual. A miss may have written into the destination: the
-        caller must treat it as garbage then (the KV connector reports those blocks as failed loads)."""
+                 into: Sequence[Sequence[torch.Tensor] | None] | None = None) -> list[Record | None]:
+        """Records for ``keys`` (None: a miss). ``into``: per key, where the caller wants the payload (or
+        None): contiguous CPU tensors whose bytes, one after the other, are the destination (the KV
+        connector gives a record's blocks in the paged cache, in the record's order). A tier that reads
+        from a file lands a payload of exactly that many bytes there, verified, and returns a record with
+        ``in_place`` set, saving a buffer and a copy; a record of another size comes back as usual. A miss
+        may have written into the destination: the caller must treat it as garbage then (the KV connector
+        reports those blocks as failed loads)."""
         ...
 
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,

@@ -183,17 +183,19 @@ class DiskTier:
         checksum = hasher.intdigest() if payload_start is not None else None
         return records.decode(buf, key, payload_checksum=checksum), st.st_size
 
-    def _read_record_into(self, path: str, key: StoreKey, destination: torch.Tensor) -> tuple[Record, int]:
-        """Read the payload straight into ``destination`` when the record is exactly its size: one copy from
-        the page cache into the caller's memory (the KV cache), no buffer to allocate and fault in.
+    def _read_record_into(self, path: str, key: StoreKey, pieces: Sequence[torch.Tensor]) -> tuple[Record, int]:
+        """Read the payload straight into ``pieces`` (one after the other) when the record is exactly their
+        size: one copy from the page cache into the caller's memory (the KV cache's blocks), no buffer to
+        allocate and fault in.
 
         One open, fstat and ``preadv`` per record (the per-call costs, not the bytes, dominated a hit of
         many 256 KiB records): the file's size minus the destination's is where the payload must start,
-        so the header lands in a small buffer and the payload in ``destination`` in one call; the payload
-        is then hashed in one pass while it is still in the CPU cache. A record of another size or layout,
+        so the header lands in a small buffer and the payload in the pieces in one call; the payload is
+        then hashed in one pass while it is still in the CPU cache. A record of another size or layout,
         or a short read, is read the usual way (`_read_record`).
         """
-        want = destination.numel() * destination.element_size()
+        views = [records.byte_view(piece) for piece in pieces]
+        want = sum(view.nbytes for view in views)
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -201,8 +203,7 @@ class DiskTier:
             if not records.FIXED_SIZE <= start <= records.payload_offset(records.MAX_HEADER):
                 return self._read_record(path, key)
             head = bytearray(start)
-            payload = records.byte_view(destination)
-            got = os.preadv(fd, [head, payload], 0)
+            got = os.preadv(fd, [head, *views], 0)
         finally:
             os.close(fd)
         if got != size:
@@ -210,16 +211,25 @@ class DiskTier:
         header = records.decode_header(head, key)
         if header.payload_offset != start or header.nbytes != want:
             return self._read_record(path, key)
-        return records.decode_into(header, destination, xxhash.xxh3_64_intdigest(payload)), size
+        if len(views) == 1:
+            checksum = xxhash.xxh3_64_intdigest(views[0])
+        else:
+            hasher = xxhash.xxh3_64()
+            for view in views:
+                hasher.update(view)
+            checksum = hasher.intdigest()
+        return records.decode_into(header, pieces, checksum), size
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
         return self._get_many(keys, None)
 
-    def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[torch.Tensor | None]) -> list[Record | None]:
+    def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[Sequence[torch.Tensor] | None]
+                      ) -> list[Record | None]:
         """`get_many`, landing each payload of its destination's size in that destination (`Store.get_many`)."""
         return self._get_many(keys, into)
 
-    def _get_many(self, keys: Sequence[StoreKey], into: Sequence[torch.Tensor | None] | None) -> list[Record | None]:
+    def _get_many(self, keys: Sequence[StoreKey], into: Sequence[Sequence[torch.Tensor] | None] | None
+                  ) -> list[Record | None]:
         out: list[Record | None] = []
         hits: list[tuple[bytes, int]] = []  # digest, size
         gone: list[tuple[bytes, int | None]] = []  # digest, inode of a corrupt file (None: file missing)

@@ -192,23 +192,35 @@ def payload_start(head: Any) -> int | None:
     return payload_offset(hlen)
 
 
-def decode_into(header: Header, destination: torch.Tensor, checksum: int) -> Record:
-    """The record whose payload the caller read into ``destination`` (its bytes, in order) after checking
-    ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those bytes. The tensor views
-    ``destination`` as the header's dtype and shape (``in_place``)."""
-    nbytes = destination.numel() * destination.element_size()
+def decode_into(header: Header, pieces: Sequence[torch.Tensor], checksum: int) -> Record:
+    """The record whose payload the caller read into ``pieces`` (their bytes, one after the other) after
+    checking ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those bytes. The record is
+    ``in_place``: its tensor views the one piece, or is a data-less tensor of the header's dtype and shape
+    when there are several (`vllm_tiercache.shared.store.api.Record`)."""
+    nbytes = sum(piece.numel() * piece.element_size() for piece in pieces)
     if nbytes != header.nbytes:
         raise RecordError(f"payload of {header.nbytes} bytes read into a destination of {nbytes}")
     if checksum != header.checksum:
         raise RecordError("payload checksum mismatch")
     try:
-        if destination.dtype == header.dtype:
-            tensor = destination.view(header.shape)
+        if len(pieces) != 1:
+            tensor = torch.empty(header.shape, dtype=header.dtype, device="meta")
+        elif pieces[0].dtype == header.dtype:
+            tensor = pieces[0].view(header.shape)
         else:
-            tensor = destination.reshape(-1).view(torch.uint8).view(header.dtype).reshape(header.shape)
+            tensor = pieces[0].reshape(-1).view(torch.uint8).view(header.dtype).reshape(header.shape)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise RecordError(f"cannot view {header.nbytes} bytes as {header.dtype} {header.shape}: {exc}") from exc
-    return Record(tensor, header.meta, in_place=True)
+    return Record(tensor, header.meta, in_place=True, pieces=tuple(pieces))
+
+
+def joined_copy(record: Record) -> torch.Tensor:
+    """A new contiguous tensor with a record's data, also when it lies in the caller's pieces (``in_place``):
+    what a store keeps of a record the caller will reuse the memory of."""
+    if not record.pieces:
+        return record.tensor.clone()
+    flat = np.concatenate([piece.reshape(-1).view(torch.uint8).numpy() for piece in record.pieces])
+    return torch.from_numpy(flat).view(record.tensor.dtype).reshape(record.tensor.shape)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

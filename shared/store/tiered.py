@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier, tier_class
@@ -300,7 +301,7 @@ class TieredStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[torch.Tensor | None] | None = None) -> list[Record | None]:
+                 into: Sequence[Sequence[torch.Tensor] | None] | None = None) -> list[Record | None]:
         """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers.
 
         ``into`` (`Store.get_many`) goes to the tiers that read into a destination (``get_many_into``);
@@ -338,7 +339,7 @@ class TieredStore:
                 out[i] = rec
                 nbytes += rec.nbytes
                 if ti > 0:
-                    promoted.append((keys[i], own_tensor(rec.tensor) if rec.in_place else rec.tensor, rec.meta))
+                    promoted.append((keys[i], records.joined_copy(rec) if rec.in_place else rec.tensor, rec.meta))
             tier.counters.add(hits=len(missing) - len(still), misses=len(still), bytes_read=nbytes,
                               read_seconds=elapsed)
             if promoted:

@@ -60,6 +60,7 @@ CASE_LABELS: dict[str, str] = {
     "resident": "2 vLLM prefix-cache hit (resident)",
     "tiered-memory": "3 Tiered hit, memory tier (same engine)",
     "tiered-disk": "4 Tiered hit, disk tier (fresh process)",
+    "tiered-disk-cold": "4b Tiered hit, disk, page cache dropped",
     "tiered-redis": "5 Tiered hit, Redis tier (fresh process)",
     "example": "6 ExampleConnector hit (fresh process)",
     "simple-cpu": "7 SimpleCPUOffloadConnector hit",
@@ -67,9 +68,10 @@ CASE_LABELS: dict[str, str] = {
 }
 
 #: The raw medium (`vllm_tiercache.tools.bench.kv_medium`) each tier's hit is compared with.
-MEDIUM_OF = {"tiered-memory": "memory", "tiered-disk": "page_cache", "tiered-redis": "redis"}
+MEDIUM_OF = {"tiered-memory": "memory", "tiered-disk": "page_cache", "tiered-disk-cold": "o_direct",
+             "tiered-redis": "redis"}
 
-HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-redis", "example", "simple-cpu"}
+HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-disk-cold", "tiered-redis", "example", "simple-cpu"}
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -271,18 +273,22 @@ class Bench:
         )
         self.record("tiered-memory", steps["hit"][0])
 
-    def _produce_then_consume(self, name: str, producer: dict[str, Any], consumer: dict[str, Any]) -> None:
+    def _produce_then_consume(self, name: str, producer: dict[str, Any], consumer: dict[str, Any], *,
+                              between: Any = None, repeats: int | None = None) -> None:
         """Cases 4-6: a producer process stores the prompts and exits; a fresh consumer measures hits.
 
         The full-length warm-up prompt is stored by the producer too, so the consumer's warm-up takes
         the hit path (opening files, connecting to Redis) without touching any measured prompt.
+        ``between`` runs after the producer exits; ``repeats`` overrides ``--hit-repeats``.
         """
         short, full = self.warmups()
         measured = self.prompts(self.num_prompts)
         self.job(f"{name}-producer", [("store", [full, *measured])], prefix_caching=False, kv_transfer_config=producer)
+        if between is not None:
+            between()
         steps = self.job(
             f"{name}-consumer",
-            [("warmup", [short, full]), ("hit", measured * self.hit_repeats)],
+            [("warmup", [short, full]), ("hit", measured * (repeats or self.hit_repeats))],
             prefix_caching=False,
             kv_transfer_config=consumer,
         )
@@ -291,6 +297,20 @@ class Bench:
     def case_tiered_disk(self) -> None:
         tiers = [self.disk_tier("disk-only")]
         self._produce_then_consume("tiered-disk", self.tiered("kv_both", tiers), self.tiered("kv_consumer", tiers))
+
+    def case_tiered_disk_cold(self) -> None:
+        """A disk hit whose files are not in the page cache (dropped with ``POSIX_FADV_DONTNEED`` after the
+        producer wrote them): what a restart long after the writes, or a working set larger than RAM, costs.
+        Each measured prompt is sent once (a second send would read from the page cache)."""
+        tiers = [self.disk_tier("disk-cold-read")]
+        directory = self.work / "disk-cold-read"
+
+        def drop() -> None:
+            dropped = drop_page_cache(directory)
+            self.progress(f"    dropped the page cache of {dropped} files under {directory}")
+
+        self._produce_then_consume("tiered-disk-cold", self.tiered("kv_both", tiers),
+                                   self.tiered("kv_consumer", tiers), between=drop, repeats=1)
 
     def case_tiered_redis(self) -> None:
         from vllm_tiercache.tools.redis_server import RedisServer
@@ -355,6 +375,7 @@ class Bench:
         self.guarded(["tiered-cold"], self.case_tiered_cold)
         self.guarded(["tiered-memory"], self.case_tiered_memory)
         self.guarded(["tiered-disk"], self.case_tiered_disk)
+        self.guarded(["tiered-disk-cold"], self.case_tiered_disk_cold)
         self.guarded(["tiered-redis"], self.case_tiered_redis)
         self.guarded(["example"], self.case_example)
         self.guarded(["simple-cpu"], self.case_simple_cpu)
@@ -470,6 +491,23 @@ class Bench:
             "rows": list(self.rows.values()),
             "targets": targets,
         }
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Ask the kernel to drop every file under ``directory`` from the page cache (``POSIX_FADV_DONTNEED``:
+    no root needed; clean pages go, so the files are synced first). Returns how many files were advised."""
+    count = 0
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    return count
 
 
 # ----------------------------------------------------------------------------------------- printing
