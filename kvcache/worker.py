@@ -33,6 +33,7 @@ from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
 from vllm_tiercache.shared.store.api import Record, Store, StoreKey
 from vllm_tiercache.shared.store.counters import GaugeChanges
+from vllm_tiercache.shared.store.records import byte_view
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,19 @@ class _LoadJob:
         self.done = threading.Event()
 
 
-def landing_place(kv_layer: torch.Tensor, load: ChunkLoad, runs: list[tuple[int, int, int]]
-                  ) -> list[torch.Tensor] | None:
-    """Where a load's whole record can be read as it is stored: the KV cache memory of its blocks, one
-    piece per run of consecutive block ids, in the record's order; None when the load does not take the
-    record from its first block (its bytes then are not exactly those blocks' bytes) or a piece is not
-    contiguous. A tier reading from a file lands the payload there and verifies it in place, instead of
-    filling a buffer that is copied again (`Store.get_many`'s ``into``). A record that fails verification
-    leaves garbage there, in blocks reported as failed loads, which vLLM recomputes before any attention
-    reads them. vLLM hands out freed blocks in reverse order, so a record often lands in several pieces."""
+def landing_place(layer_bytes: memoryview, block_bytes: int, load: ChunkLoad, runs: list[tuple[int, int, int]]
+                  ) -> list[memoryview] | None:
+    """Where a load's whole record can be read as it is stored: the bytes of its blocks in the layer's
+    paged cache (``layer_bytes``, contiguous), one piece per run of consecutive block ids, in the record's
+    order; None when the load does not take the record from its first block (its bytes then are not
+    exactly those blocks' bytes). A tier reading from a file lands the payload there and verifies it in
+    place, instead of filling a buffer that is copied again (`Store.get_many`'s ``into``). A record that
+    fails verification leaves garbage there, in blocks reported as failed loads, which vLLM recomputes
+    before any attention reads them. vLLM hands out freed blocks in reverse order, so a record often
+    lands in several pieces."""
     if load.first != load.chunk_start:
         return None
-    pieces = [kv_layer[first : first + length] for _, first, length in runs]
-    return pieces if all(piece.is_contiguous() for piece in pieces) else None
+    return [layer_bytes[first * block_bytes : (first + length) * block_bytes] for _, first, length in runs]
 
 
 class KVWorkerSide:
@@ -119,8 +120,11 @@ class KVWorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.mover: BlockMover | None = None
-        #: some tier can land records in the (host) KV cache itself (`landing_place`)
+        #: some tier can land records in the (host) KV cache itself (`landing_place`), and the byte views
+        #: of the layers it lands them in
         self._reads_into = False
+        self._layer_bytes: dict[str, memoryview] = {}
+        self._block_bytes = 0
         self.counters = WorkerCounters()
         self.totals: dict[str, Any] = {}
         self._counters_lock = threading.Lock()
@@ -180,6 +184,11 @@ class KVWorkerSide:
         self.mover = make_mover(layout.device)
         self._reads_into = layout.device.type == "cpu" and any(
             hasattr(tier, "get_many_into") for tier in getattr(self.store, "tiers", ()))
+        if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
+            first = next(iter(kv_caches.values()))
+            self._block_bytes = first[0].numel() * first.element_size()
+            self._layer_bytes = {name: byte_view(tensor) for name, tensor in kv_caches.items()
+                                 if tensor.is_contiguous()}
         log.info("TieredKVConnector: %d layers, layout %s", len(layout.layer_names), layout.describe())
         return layout
 
@@ -272,8 +281,10 @@ class KVWorkerSide:
             todo = [i for i in range(len(job.loads)) if i not in job.failed and job.loads[i].group == group]
             keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
             kv_layer = self.kv_caches[layer_name]
-            if any(in_place[i] for i in todo):
-                into = [landing_place(kv_layer, job.loads[i], runs[i]) if in_place[i] else None for i in todo]
+            layer_bytes = self._layer_bytes.get(layer_name)
+            if layer_bytes is not None and any(in_place[i] for i in todo):
+                into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], runs[i]) if in_place[i]
+                        else None for i in todo]
                 records = self.store.get_many(keys, into=into)
             else:
                 records = self.store.get_many(keys)

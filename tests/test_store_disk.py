@@ -13,6 +13,7 @@ import torch
 
 from vllm_tiercache.shared.config import DiskTierConfig, GdsTierConfig
 from vllm_tiercache.shared.store import DiskTier, GdsTier, StoreKey
+from vllm_tiercache.shared.store.records import byte_view, joined_copy
 
 
 def _k(i: int | str) -> StoreKey:
@@ -226,21 +227,25 @@ def test_damaged_index_is_rebuilt_from_record_headers(tmp_path):
 
 def test_read_into_a_destination_lands_verified_bytes_in_place(tier):
     """`get_many_into`: a record of the destination's size is read straight into it (no buffer of its
-    own); one of another size comes back as usual, and the destination is left alone."""
+    own), also into several pieces; one of another size comes back as usual, the destination left alone."""
     t, small = _t(4096, 3), _t(1000, 4)
     tier.put_many([(_k("fit"), t.reshape(8, 512), {"blocks": 8}), (_k("other"), small, None)])
     place, spare = torch.zeros(8, 512, dtype=torch.bfloat16), torch.zeros(8, 512, dtype=torch.bfloat16)
-    fit, other, missing = tier.get_many_into([_k("fit"), _k("other"), _k("none")], [[place], [spare], [spare]])
-    assert fit.in_place and fit.tensor.data_ptr() == place.data_ptr() and fit.meta == {"blocks": 8}
-    assert torch.equal(place, t.reshape(8, 512)) and torch.equal(fit.tensor, place)
+    fit, other, missing = tier.get_many_into([_k("fit"), _k("other"), _k("none")],
+                                             [[byte_view(place)], [byte_view(spare)], [byte_view(spare)]])
+    assert fit.in_place and fit.meta == {"blocks": 8} and torch.equal(place, t.reshape(8, 512))
+    assert fit.tensor.shape == (8, 512) and fit.tensor.dtype == torch.bfloat16 and fit.tensor.is_meta
+    assert torch.equal(joined_copy(fit), t.reshape(8, 512))
     assert not other.in_place and torch.equal(other.tensor, small) and not spare.any()
     assert missing is None
     # several pieces, in the record's order (vLLM's blocks in reverse order): rows 0-2, 3, 4-7 of the record
     cache = torch.zeros(16, 512, dtype=torch.bfloat16)
-    pieces = [cache[10:13], cache[2:3], cache[5:9]]
+    rows = byte_view(cache)
+    row = 512 * 2
+    pieces = [rows[10 * row:13 * row], rows[2 * row:3 * row], rows[5 * row:9 * row]]
     (split,) = tier.get_many_into([_k("fit")], [pieces])
-    assert split.in_place and split.tensor.shape == (8, 512) and split.tensor.dtype == torch.bfloat16
-    assert torch.equal(torch.cat(pieces), t.reshape(8, 512)) and not cache[[0, 1, 3, 4, 9, 13, 14, 15]].any()
+    assert split.in_place and torch.equal(torch.cat([cache[10:13], cache[2:3], cache[5:9]]), t.reshape(8, 512))
+    assert not cache[[0, 1, 3, 4, 9, 13, 14, 15]].any()
 
 
 def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
@@ -257,6 +262,6 @@ def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
     head.write_bytes(raw)
     cut = tier.path_for(_k("cut"))  # truncated: the payload can no longer start where its size says
     cut.write_bytes(cut.read_bytes()[:-3])
-    places = [[torch.zeros(8, 512, dtype=torch.bfloat16)] for _ in range(3)]
+    places = [[byte_view(torch.zeros(8, 512, dtype=torch.bfloat16))] for _ in range(3)]
     assert tier.get_many_into([_k("flip"), _k("head"), _k("cut")], places) == [None, None, None]
     assert tier.counters.get("corrupt") == 3 and not p.exists() and not head.exists() and not cut.exists()

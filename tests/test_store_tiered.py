@@ -11,6 +11,7 @@ import torch
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import TieredStore, build_store, get_store
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.records import byte_view
 
 
 def _k(i: int | str) -> StoreKey:
@@ -295,7 +296,7 @@ def test_a_record_read_in_place_is_promoted_as_a_copy(tmp_path):
         only_disk.flush()
     with build_store({"tiers": [{"kind": "memory", "capacity": "16MiB"}, disk]}) as store:
         place = torch.zeros(4, 1024)
-        (record,) = store.get_many([key], into=[[place[2:], place[:2]]])  # two pieces, in the record's order
+        (record,) = store.get_many([key], into=[[byte_view(place[2:]), byte_view(place[:2])]])  # record's order
         assert record.in_place and torch.equal(torch.cat([place[2:], place[:2]]), value)
         place.fill_(-1)  # the caller reuses its memory
         (again,) = store.get_many([key])

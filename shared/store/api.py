@@ -67,10 +67,10 @@ class Record:
     meta: dict[str, Any] = field(default_factory=dict)
     #: True when the payload was read into the destination the caller gave `Store.get_many` (``into``):
     #: the bytes already sit where the caller wanted them, verified, and that memory stays the caller's.
-    #: ``pieces`` are that destination; ``tensor`` views it when it is one piece, and is a data-less
-    #: ("meta") tensor of the record's dtype and shape when it is several
+    #: ``pieces`` are that destination; ``tensor`` is then a data-less ("meta") tensor of the record's
+    #: dtype and shape (`vllm_tiercache.shared.store.records.joined_copy` gives the data as one tensor)
     in_place: bool = False
-    pieces: tuple[torch.Tensor, ...] = ()
+    pieces: tuple[memoryview, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -116,9 +116,9 @@ class Store(Protocol):
                       bounded: bool | None = None) -> list[bool]: ...
     def get(self, key: StoreKey) -> Record | None: ...
     def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[Sequence[torch.Tensor] | None] | None = None) -> list[Record | None]:
+                 into: Sequence[Sequence[memoryview] | None] | None = None) -> list[Record | None]:
         """Records for ``keys`` (None: a miss). ``into``: per key, where the caller wants the payload (or
-        None): contiguous CPU tensors whose bytes, one after the other, are the destination (the KV
+        None): writable byte views of CPU memory that, one after the other, are the destination (the KV
         connector gives a record's blocks in the paged cache, in the record's order). A tier that reads
         from a file lands a payload of exactly that many bytes there, verified, and returns a record with
         ``in_place`` set, saving a buffer and a copy; a record of another size comes back as usual. A miss

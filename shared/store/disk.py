@@ -183,7 +183,7 @@ class DiskTier:
         checksum = hasher.intdigest() if payload_start is not None else None
         return records.decode(buf, key, payload_checksum=checksum), st.st_size
 
-    def _read_record_into(self, path: str, key: StoreKey, pieces: Sequence[torch.Tensor]) -> tuple[Record, int]:
+    def _read_record_into(self, path: str, key: StoreKey, pieces: Sequence[memoryview]) -> tuple[Record, int]:
         """Read the payload straight into ``pieces`` (one after the other) when the record is exactly their
         size: one copy from the page cache into the caller's memory (the KV cache's blocks), no buffer to
         allocate and fault in.
@@ -194,7 +194,7 @@ class DiskTier:
         then hashed in one pass while it is still in the CPU cache. A record of another size or layout,
         or a short read, is read the usual way (`_read_record`).
         """
-        views = [records.byte_view(piece) for piece in pieces]
+        views = pieces
         want = sum(view.nbytes for view in views)
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -223,12 +223,12 @@ class DiskTier:
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
         return self._get_many(keys, None)
 
-    def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[Sequence[torch.Tensor] | None]
+    def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[Sequence[memoryview] | None]
                       ) -> list[Record | None]:
         """`get_many`, landing each payload of its destination's size in that destination (`Store.get_many`)."""
         return self._get_many(keys, into)
 
-    def _get_many(self, keys: Sequence[StoreKey], into: Sequence[Sequence[torch.Tensor] | None] | None
+    def _get_many(self, keys: Sequence[StoreKey], into: Sequence[Sequence[memoryview] | None] | None
                   ) -> list[Record | None]:
         out: list[Record | None] = []
         hits: list[tuple[bytes, int]] = []  # digest, size

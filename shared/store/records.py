@@ -192,39 +192,32 @@ def payload_start(head: Any) -> int | None:
     return payload_offset(hlen)
 
 
-def decode_into(header: Header, pieces: Sequence[torch.Tensor], checksum: int) -> Record:
-    """The record whose payload the caller read into ``pieces`` (their bytes, one after the other) after
-    checking ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those bytes. The record is
-    ``in_place``: its tensor views the one piece, or is a data-less tensor of the header's dtype and shape
-    when there are several (`vllm_tiercache.shared.store.api.Record`)."""
-    nbytes = sum(piece.numel() * piece.element_size() for piece in pieces)
+def decode_into(header: Header, pieces: Sequence[memoryview], checksum: int) -> Record:
+    """The record whose payload the caller read into ``pieces`` (writable byte views, one after the other)
+    after checking ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those bytes. The record is
+    ``in_place``: its tensor is a data-less ("meta") tensor of the header's dtype and shape, its data the
+    pieces (`vllm_tiercache.shared.store.api.Record`)."""
+    nbytes = sum(piece.nbytes for piece in pieces)
     if nbytes != header.nbytes:
         raise RecordError(f"payload of {header.nbytes} bytes read into a destination of {nbytes}")
     if checksum != header.checksum:
         raise RecordError("payload checksum mismatch")
-    try:
-        if len(pieces) != 1:
-            tensor = torch.empty(header.shape, dtype=header.dtype, device="meta")
-        elif pieces[0].dtype == header.dtype:
-            tensor = pieces[0].view(header.shape)
-        else:
-            tensor = pieces[0].reshape(-1).view(torch.uint8).view(header.dtype).reshape(header.shape)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise RecordError(f"cannot view {header.nbytes} bytes as {header.dtype} {header.shape}: {exc}") from exc
-    return Record(tensor, header.meta, in_place=True, pieces=tuple(pieces))
+    return Record(torch.empty(header.shape, dtype=header.dtype, device="meta"), header.meta, in_place=True,
+                  pieces=tuple(pieces))
 
 
 def joined_copy(record: Record) -> torch.Tensor:
     """A new contiguous tensor with a record's data, also when it lies in the caller's pieces (``in_place``):
     what a store keeps of a record the caller will reuse the memory of."""
-    if not record.pieces:
+    if not record.in_place:
         return record.tensor.clone()
-    flat = np.concatenate([piece.reshape(-1).view(torch.uint8).numpy() for piece in record.pieces])
+    flat = np.concatenate([np.frombuffer(piece, dtype=np.uint8) for piece in record.pieces])
     return torch.from_numpy(flat).view(record.tensor.dtype).reshape(record.tensor.shape)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (a destination of `decode_into`)."""
+    """A writable byte view of a contiguous CPU tensor's memory (destinations of in-place reads are
+    slices of one)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 

@@ -301,7 +301,7 @@ class TieredStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[Sequence[torch.Tensor] | None] | None = None) -> list[Record | None]:
+                 into: Sequence[Sequence[memoryview] | None] | None = None) -> list[Record | None]:
         """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers.
 
         ``into`` (`Store.get_many`) goes to the tiers that read into a destination (``get_many_into``);
