@@ -27,7 +27,7 @@ import torch
 from vllm_tiercache.kvcache.layout import PagedLayout
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.kvcache.transfer import BlockMover, block_runs, make_mover
+from vllm_tiercache.kvcache.transfer import BlockMover, block_spans, make_mover
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
@@ -76,19 +76,25 @@ class _LoadJob:
         self.done = threading.Event()
 
 
-def landing_place(layer_bytes: memoryview, block_bytes: int, load: ChunkLoad, runs: list[tuple[int, int, int]]
+def landing_place(layer_bytes: memoryview, block_bytes: int, load: ChunkLoad, spans: list[tuple[int, int, int, int]]
                   ) -> list[memoryview] | None:
     """Where a load's whole record can be read as it is stored: the bytes of its blocks in the layer's
-    paged cache (``layer_bytes``, contiguous), one piece per run of consecutive block ids, in the record's
-    order; None when the load does not take the record from its first block (its bytes then are not
-    exactly those blocks' bytes). A tier reading from a file lands the payload there and verifies it in
-    place, instead of filling a buffer that is copied again (`Store.get_many`'s ``into``). A record that
-    fails verification leaves garbage there, in blocks reported as failed loads, which vLLM recomputes
-    before any attention reads them. vLLM hands out freed blocks in reverse order, so a record often
-    lands in several pieces."""
+    paged cache (``layer_bytes``, contiguous), in the record's order: one piece per ascending span of
+    block ids, one per block of a descending one (`block_spans`); None when the load does not take the
+    record from its first block (its bytes then are not exactly those blocks' bytes). A tier reading
+    from a file lands the payload there and verifies it in place, instead of filling a buffer that is
+    copied again (`Store.get_many`'s ``into``). A record that fails verification leaves garbage there,
+    in blocks reported as failed loads, which vLLM recomputes before any attention reads them."""
     if load.first != load.chunk_start:
         return None
-    return [layer_bytes[first * block_bytes : (first + length) * block_bytes] for _, first, length in runs]
+    pieces = []
+    for _, first, length, step in spans:
+        if step == 1:
+            pieces.append(layer_bytes[first * block_bytes : (first + length) * block_bytes])
+        else:
+            pieces.extend(layer_bytes[(first - k) * block_bytes : (first - k + 1) * block_bytes]
+                          for k in range(length))
+    return pieces
 
 
 class KVWorkerSide:
@@ -272,7 +278,7 @@ class KVWorkerSide:
         per-record Python cost, not bytes, was what made a memory hit slow."""
         assert self.layout is not None and self.mover is not None
         expected_meta = self.layout.describe()
-        runs = [block_runs(load.block_ids) for load in job.loads]
+        spans = [block_spans(load.block_ids) for load in job.loads]
         # a tier that reads from a file can land a whole record in its blocks (CPU caches only)
         in_place = [self._reads_into and load.first == load.chunk_start for load in job.loads]
         for layer_name in self.layout.layer_names:
@@ -283,12 +289,12 @@ class KVWorkerSide:
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             if layer_bytes is not None and any(in_place[i] for i in todo):
-                into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], runs[i]) if in_place[i]
+                into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], spans[i]) if in_place[i]
                         else None for i in todo]
                 records = self.store.get_many(keys, into=into)
             else:
                 records = self.store.get_many(keys)
-            copies: list[tuple[list[tuple[int, int, int]], torch.Tensor]] = []
+            copies: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0
             for i, record in zip(todo, records, strict=True):
                 load = job.loads[i]
@@ -297,10 +303,10 @@ class KVWorkerSide:
                     job.failed.add(i)
                     continue
                 if not record.in_place:  # type: ignore[union-attr]
-                    copies.append((runs[i], blocks))
+                    copies.append((spans[i], blocks))
                 loaded_blocks += len(load.block_ids)
                 loaded_bytes += blocks.numel() * blocks.element_size()
-            self.mover.scatter_runs(kv_layer, copies)
+            self.mover.scatter_spans(kv_layer, copies)
             job.handles[layer_name] = self.mover.layer_ready()
             job.ready[layer_name].set()
             with self._counters_lock:

@@ -197,8 +197,8 @@ def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blo
         consumer = worker(store)
         consumer.register_kv_caches(target, NUM_BLOCKS)
         copied: list[int] = []  # records the loader had to copy itself, per layer
-        scatter_runs = consumer.mover.scatter_runs
-        consumer.mover.scatter_runs = lambda layer, items: (copied.append(len(items)), scatter_runs(layer, items))
+        scatter_spans = consumer.mover.scatter_spans
+        consumer.mover.scatter_spans = lambda layer, items: (copied.append(len(items)), scatter_spans(layer, items))
         errors = load(consumer, [ChunkLoad(b"run", 0, 0, 4, [9, 10, 11, 12]),
                                  ChunkLoad(b"bad", 0, 0, 4, [0, 1, 2, 3])])
         assert errors == {0, 1, 2, 3} and copied == [0] * LAYERS
@@ -214,3 +214,37 @@ def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blo
         for name in source:
             assert torch.equal(target[name][[2, 3, 5]], source[name][2:5])
         consumer.shutdown()
+
+
+def test_block_spans_follow_ascending_and_descending_ids() -> None:
+    from vllm_tiercache.kvcache.transfer import block_spans
+
+    assert block_spans([]) == []
+    assert block_spans([5, 6, 7, 2, 3, 9]) == [(0, 5, 3, 1), (3, 2, 2, 1), (5, 9, 1, 1)]
+    assert block_spans([9, 8, 7, 3, 2, 2, 1, 0]) == [(0, 9, 3, -1), (3, 3, 2, -1), (5, 2, 3, -1)]
+
+
+def test_loads_into_descending_blocks_are_exact(store) -> None:
+    """vLLM hands a request blocks in descending runs once its pool has cycled: such loads, from the memory
+    tier (strided copies) and from disk (in place, one piece per block), land exactly where asked."""
+    source, target = paged_caches(3), paged_caches(None)
+    producer = worker(store)
+    producer.register_kv_caches(source, NUM_BLOCKS)
+    save(producer, source, b"down", [1, 2, 3, 4])
+    consumer = worker(store)
+    consumer.register_kv_caches(target, NUM_BLOCKS)
+    loads = [ChunkLoad(b"down", 0, 0, 4, [15, 14, 13, 0]), ChunkLoad(b"down", 0, 0, 4, [7, 6, 9, 8])]
+    assert load(consumer, loads) == set()
+    for name in source:
+        assert torch.equal(target[name][[15, 14, 13, 0]], source[name][1:5])
+        assert torch.equal(target[name][[7, 6, 9, 8]], source[name][1:5])
+    producer.shutdown()
+    consumer.shutdown()
+    with build_store({"tiers": [{"kind": "disk", "path": str(store.tiers[1].root), "capacity": "64MiB"}]}) as disk:
+        again, fresh = worker(disk), paged_caches(None)
+        again.register_kv_caches(fresh, NUM_BLOCKS)
+        assert load(again, loads) == set()
+        for name in source:
+            assert torch.equal(fresh[name][[15, 14, 13, 0]], source[name][1:5])
+            assert torch.equal(fresh[name][[7, 6, 9, 8]], source[name][1:5])
+        again.shutdown()
