@@ -74,13 +74,19 @@ def load(side: KVWorkerSide, loads: list[ChunkLoad]) -> set[int]:
     return side.take_load_errors()
 
 
-def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
-    source, target = paged_caches(1), paged_caches(None)
+def saved_chunk(store, seed: int, chunk: bytes, block_ids: list[int]):
+    """(source caches, empty target caches, producer that saved ``chunk`` from ``block_ids``, consumer)."""
+    source, target = paged_caches(seed), paged_caches(None)
     producer = worker(store)
     producer.register_kv_caches(source, NUM_BLOCKS)
-    save(producer, source, b"chunk-a", [3, 7, 1, 9])
+    save(producer, source, chunk, block_ids)
     consumer = worker(store)
     consumer.register_kv_caches(target, NUM_BLOCKS)
+    return source, target, producer, consumer
+
+
+def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
+    source, target, producer, consumer = saved_chunk(store, 1, b"chunk-a", [3, 7, 1, 9])
     errors = load(consumer, [ChunkLoad(b"chunk-a", chunk_start=0, first=1, end=4, block_ids=[12, 13, 14])])
     assert errors == set()
     for name in source:
@@ -227,12 +233,7 @@ def test_block_spans_follow_ascending_and_descending_ids() -> None:
 def test_loads_into_descending_blocks_are_exact(store) -> None:
     """vLLM hands a request blocks in descending runs once its pool has cycled: such loads, from the memory
     tier (strided copies) and from disk (in place, one piece per block), land exactly where asked."""
-    source, target = paged_caches(3), paged_caches(None)
-    producer = worker(store)
-    producer.register_kv_caches(source, NUM_BLOCKS)
-    save(producer, source, b"down", [1, 2, 3, 4])
-    consumer = worker(store)
-    consumer.register_kv_caches(target, NUM_BLOCKS)
+    source, target, producer, consumer = saved_chunk(store, 3, b"down", [1, 2, 3, 4])
     loads = [ChunkLoad(b"down", 0, 0, 4, [15, 14, 13, 0]), ChunkLoad(b"down", 0, 0, 4, [7, 6, 9, 8])]
     assert load(consumer, loads) == set()
     for name in source:
