@@ -238,6 +238,13 @@ def test_read_into_a_destination_lands_verified_bytes_in_place(tier):
     assert torch.equal(joined_copy(fit), t.reshape(8, 512))
     assert not other.in_place and torch.equal(other.tensor, small) and not spare.any()
     assert missing is None
+    # a destination a little larger than a record (the guessed header start falls inside its header) or
+    # smaller: read the usual way, never taken for damage
+    for extra in (64, -1024):
+        wrong = torch.zeros(8 * 512 * 2 + extra, dtype=torch.uint8)
+        (again,) = tier.get_many_into([_k("fit")], [[byte_view(wrong)]])
+        assert not again.in_place and torch.equal(again.tensor, t.reshape(8, 512))
+    assert tier.counters.get("corrupt") == 0
     # several pieces, in the record's order (vLLM's blocks in reverse order): rows 0-2, 3, 4-7 of the record
     cache = torch.zeros(16, 512, dtype=torch.bfloat16)
     rows = byte_view(cache)

@@ -206,7 +206,9 @@ class DiskTier:
             got = os.preadv(fd, [head, *views], 0)
         finally:
             os.close(fd)
-        if got != size:
+        if got != size or records.payload_start(head) != start:
+            # a short read, or a record of another size than the destination (its header is not where the
+            # sizes put it): the usual read decides whether it is damaged, never this guess
             return self._read_record(path, key)
         header = records.decode_header(head, key)
         if header.payload_offset != start or header.nbytes != want:
