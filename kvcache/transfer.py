@@ -78,19 +78,21 @@ class BlockMover:
         if not items:
             return
         destinations, sources = [], []
-        rows = None  # the layer as numpy rows of block bytes, for descending spans
+        # the layer as numpy rows of block bytes, for descending spans (a view only of a contiguous layer)
+        rows = _block_rows(kv_layer) if kv_layer.is_contiguous() else None
         for spans, blocks in items:
             blocks = blocks.to(kv_layer.device)
             for position, first, length, step in spans:
                 if step == 1:
                     destinations.append(kv_layer[first : first + length])
                     sources.append(blocks[position : position + length])
-                    continue
-                if rows is None:
-                    rows = _block_rows(kv_layer)
-                stop = first - length
-                source = _block_rows(blocks[position : position + length])
-                np.copyto(rows[first : stop if stop >= 0 else None : -1], source)
+                elif rows is not None:
+                    stop = first - length
+                    np.copyto(rows[first : stop if stop >= 0 else None : -1],
+                              _block_rows(blocks[position : position + length]))
+                else:
+                    destinations.extend(kv_layer[first - k] for k in range(length))
+                    sources.extend(blocks[position + k] for k in range(length))
         if destinations:
             torch._foreach_copy_(destinations, sources)
 

@@ -249,3 +249,15 @@ def test_loads_into_descending_blocks_are_exact(store) -> None:
             assert torch.equal(fresh[name][[15, 14, 13, 0]], source[name][1:5])
             assert torch.equal(fresh[name][[7, 6, 9, 8]], source[name][1:5])
         again.shutdown()
+
+
+def test_descending_copies_into_a_strided_layer_land_too() -> None:
+    """A layer that is not one contiguous tensor (a view with strides) takes descending spans block by
+    block: a numpy view of it would be a copy, and the writes would be lost."""
+    from vllm_tiercache.kvcache.transfer import BlockMover, block_spans
+
+    both = torch.zeros(NUM_BLOCKS, 2, HEADS, BLOCK, HEAD)
+    layer = both[:, 0]  # every other half of each block: not contiguous
+    blocks = torch.randn(4, HEADS, BLOCK, HEAD)
+    BlockMover(torch.device("cpu")).scatter_spans(layer, [(block_spans([9, 8, 7, 2]), blocks)])
+    assert torch.equal(layer[[9, 8, 7, 2]], blocks) and not both[:, 1].any()
