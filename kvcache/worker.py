@@ -281,11 +281,17 @@ class KVWorkerSide:
         spans = [block_spans(load.block_ids) for load in job.loads]
         # a tier that reads from a file can land a whole record in its blocks (CPU caches only)
         in_place = [self._reads_into and load.first == load.chunk_start for load in job.loads]
+        keys_of = {(i, layer): self.key(load.chunk_hash, layer)
+                   for layer_name in self.layout.layer_names
+                   for layer in (self.layer_index[layer_name],)
+                   for i, load in enumerate(job.loads) if load.group == self.group_of_layer.get(layer, 0)}
+        if self._reads_into:  # the whole step's files read ahead while the first layer loads (cold disks)
+            self.store.prefetch(list(keys_of.values()))  # type: ignore[attr-defined]
         for layer_name in self.layout.layer_names:
             layer = self.layer_index[layer_name]
             group = self.group_of_layer.get(layer, 0)
             todo = [i for i in range(len(job.loads)) if i not in job.failed and job.loads[i].group == group]
-            keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
+            keys = [keys_of[i, layer] for i in todo]
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             if layer_bytes is not None and any(in_place[i] for i in todo):

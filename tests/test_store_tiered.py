@@ -302,3 +302,21 @@ def test_a_record_read_in_place_is_promoted_as_a_copy(tmp_path):
         (again,) = store.get_many([key])
         assert not again.in_place and torch.equal(again.tensor, value)
         assert store.tiers[0].counters.get("hits") == 1
+
+
+def test_prefetch_reads_ahead_only_what_the_memory_tier_lacks(tmp_path):
+    """`TieredStore.prefetch` hands the disk tier the keys the memory tier does not hold (no device reads
+    for memory hits); the disk tier advises the kernel of the files it has and skips the ones it lacks."""
+    disk = {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"}
+    with build_store({"tiers": [{"kind": "memory", "capacity": "16MiB"}, disk]}) as store:
+        store.put(_k("both"), _t(512))
+        store.flush()
+        store.tiers[0].clear()  # now only on disk
+        store.put(_k("memory"), _t(512))
+        asked: list[list[str]] = []
+        prefetch_many = store.tiers[1].prefetch_many
+        store.tiers[1].prefetch_many = lambda keys: (asked.append([k.text for k in keys]), prefetch_many(keys))
+        store.prefetch([_k("both"), _k("memory"), _k("nowhere")])
+        assert asked == [[_k("both").text, _k("nowhere").text]]
+        (record,) = store.get_many([_k("both")])
+        assert torch.equal(record.tensor, _t(512))

@@ -222,6 +222,27 @@ class DiskTier:
             checksum = hasher.intdigest()
         return records.decode_into(header, pieces, checksum), size
 
+    def prefetch_many(self, keys: Sequence[StoreKey]) -> None:
+        """Ask the kernel to start reading these records' files (``POSIX_FADV_WILLNEED``), without waiting.
+
+        Why: a load reads its records one after another; from a cold disk each read waited for the device
+        alone (0.17 of an ``O_DIRECT`` read's speed). Advised ahead, the reads of a whole step are queued
+        at once while the first layer loads. Files already in the page cache cost three cheap syscalls."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:
+            return
+        for key in keys:
+            try:
+                fd = os.open(self._path_text(key.digest), os.O_RDONLY)
+            except OSError:
+                continue  # not stored here: the read will miss
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
         return self._get_many(keys, None)
 

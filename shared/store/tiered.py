@@ -349,6 +349,20 @@ class TieredStore:
             self._promote(ti, items)
         return out
 
+    def prefetch(self, keys: Sequence[StoreKey]) -> None:
+        """Tell the tiers that can read ahead (``prefetch_many``: disk) that ``keys`` will be read soon;
+        keys a memory tier in front holds are left out (no device reads for memory hits)."""
+        readers = [tier for tier in self.tiers if hasattr(tier, "prefetch_many")]
+        if not readers or not keys:
+            return
+        held = self.tiers[0].contains_many(keys) if self.tiers[0].kind == "memory" else [False] * len(keys)
+        wanted = [key for key, h in zip(keys, held, strict=True) if not h]
+        for tier in readers:
+            try:
+                tier.prefetch_many(wanted)
+            except Exception as exc:  # a hint: never let it fail a load
+                self._tier_error(tier, "prefetch_many", exc)
+
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
         self._put_sync(self.tiers[0], items)
