@@ -68,6 +68,8 @@ class DiskTier:
 
     kind = "disk"
     shared_across_processes = True
+    #: records also carry the checksum a GPU verifies them with (the GDS tier's; `records.encode`)
+    writes_for_gpu_readers = False
 
     def __init__(self, config: DiskTierConfig, name: str = "disk") -> None:
         self.config = config
@@ -348,7 +350,7 @@ class DiskTier:
         pending: list[_Pending] = []
         refused = 0
         for key, tensor, meta in items:
-            enc = records.encode(key, tensor, meta)
+            enc = records.encode(key, tensor, meta, for_gpu_readers=self.writes_for_gpu_readers)
             if enc.nbytes > self.capacity:
                 refused += 1
                 continue

@@ -17,6 +17,7 @@ import torch
 
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.device_checksum import device_checksum
 from vllm_tiercache.shared.store.disk import DiskTier
 from vllm_tiercache.shared.store.disk_config import GdsTierConfig
 
@@ -36,33 +37,39 @@ def gds_unavailable_reason() -> str | None:
 
 
 class GdsTier(DiskTier):
-    """Disk tier whose reads land in GPU memory through cuFile when possible (POSIX otherwise)."""
+    """Disk tier whose reads land in GPU memory through cuFile when possible (POSIX otherwise).
+
+    Its records carry the checksum a GPU computes (`records.encode`'s ``for_gpu_readers``), so a payload
+    read into GPU memory is verified there; only a record written by a plain disk tier (which lacks it)
+    is copied back to the host for its xxh3.
+    """
 
     kind = "gds"
+    writes_for_gpu_readers = True
 
     def __init__(self, config: GdsTierConfig, name: str = "gds") -> None:
         super().__init__(config, name)
         global _warned_unavailable
         self.unavailable_reason = gds_unavailable_reason()
         self.gpu_direct = self.unavailable_reason is None
+        self.device = torch.device("cuda") if self.gpu_direct else torch.device("cpu")
+        #: payloads read into GPU memory and verified there, and those copied back to the host to verify
+        self.verified_on_device = 0
+        self.verified_on_host = 0
         if not self.gpu_direct and not _warned_unavailable:
             _warned_unavailable = True
             log.warning("tiercache gds tier: GPUDirect Storage unavailable (%s); using POSIX file I/O "
                         "under %s", self.unavailable_reason, self.root)
 
-    def _read_record(self, path: Path, key: StoreKey) -> tuple[Record, int]:
+    def _read_record(self, path: str | Path, key: StoreKey) -> tuple[Record, int]:
         if not self.gpu_direct:
             return super()._read_record(path, key)
-        return self._read_gpu(path, key)
+        return self._read_to_device(Path(path), key)
 
-    def _read_gpu(self, path: Path, key: StoreKey) -> tuple[Record, int]:
-        """Read the header with POSIX I/O and the payload with cuFile into a CUDA tensor.
-
-        The payload checksum is verified on a host copy: correctness first, until a GPU-side checksum
-        exists (this keeps the guarantee that corrupt data never reaches the model).
-        """
-        import kvikio
-
+    def _read_to_device(self, path: Path, key: StoreKey) -> tuple[Record, int]:
+        """Read the header with POSIX I/O and the payload into device memory (`_read_payload`), and verify
+        the payload there. A record that fails any check raises `records.RecordError` (a miss) before its
+        tensor is returned, so corrupt data never reaches the model."""
         size = os.stat(path).st_size
         with open(path, "rb", buffering=0) as f:
             head = f.read(records.FIXED_SIZE)
@@ -73,13 +80,29 @@ class GdsTier(DiskTier):
         if header.payload_offset + header.nbytes != size:
             raise records.RecordError(f"truncated or oversized file: {size} bytes, header says "
                                       f"{header.payload_offset + header.nbytes}")
-        dev = torch.empty(header.nbytes, dtype=torch.uint8, device="cuda")
-        if header.nbytes:
-            with kvikio.CuFile(str(path), "r") as cf:
-                got = cf.read(dev, header.nbytes, header.payload_offset)
-            if got != header.nbytes:
-                raise records.RecordError(f"short cuFile read: {got} of {header.nbytes} bytes")
-        host = dev.cpu().numpy()
-        rec = records.decode_split(head[: header.payload_offset], host, key)
-        tensor: Any = dev.view(header.dtype).reshape(header.shape) if header.nbytes else rec.tensor
+        payload = self._read_payload(path, header.payload_offset, header.nbytes)
+        if header.device_checksum is not None:
+            if device_checksum(payload) != header.device_checksum:
+                raise records.RecordError("payload checksum mismatch (verified in device memory)")
+            self.verified_on_device += 1
+            record = Record(payload.view(header.dtype).reshape(header.shape) if header.nbytes
+                            else torch.empty(header.shape, dtype=header.dtype, device=payload.device), header.meta)
+            return record, size
+        # written by a plain disk tier: no device checksum, so the payload's xxh3 is checked on the host
+        rec = records.decode_split(head[: header.payload_offset], payload.cpu().numpy(), key)
+        self.verified_on_host += 1
+        tensor: Any = payload.view(header.dtype).reshape(header.shape) if header.nbytes else rec.tensor
         return Record(tensor, rec.meta), size
+
+    def _read_payload(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the file from ``offset``, read by cuFile straight into a new uint8 tensor in GPU
+        memory."""
+        import kvikio
+
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if nbytes:
+            with kvikio.CuFile(str(path), "r") as cf:
+                got = cf.read(payload, nbytes, offset)
+            if got != nbytes:
+                raise records.RecordError(f"short cuFile read: {got} of {nbytes} bytes")
+        return payload

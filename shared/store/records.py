@@ -6,8 +6,11 @@ Layout (little endian)::
 
 The cbor header is ``{dtype, shape, key, nbytes, checksum, meta}``: ``key`` is the 16-byte digest of the
 record's StoreKey (so a file copied or renamed to another key's path is rejected), ``checksum`` is the
-xxh3_64 of the payload. The payload starts at a 64-byte aligned offset so tensors decoded in place from
-an aligned buffer are aligned for vectorized kernels.
+xxh3_64 of the payload. Records written for GPU readers (the GDS tier) also carry ``device_checksum``
+(`vllm_tiercache.shared.store.device_checksum`), which a GPU computes on the payload where it landed;
+readers that do not know the field ignore it, so it needs no new format version. The payload starts
+at a 64-byte aligned offset so tensors decoded in place from an aligned buffer are aligned for
+vectorized kernels.
 
 Why so strict: stores are shared between processes, hosts and versions; any mismatch (foreign data,
 truncation, bit flips, a swapped file) must become a cache miss, never wrong KV in a model.
@@ -30,6 +33,7 @@ import torch
 import xxhash
 
 from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, StoreKey
+from vllm_tiercache.shared.store.device_checksum import host_checksum
 
 MAGIC = b"TCRC"
 VERSION = 1
@@ -87,6 +91,8 @@ class Header:
     checksum: int
     meta: dict[str, Any]
     payload_offset: int
+    #: `device_checksum` of the payload, in records written for GPU readers (None in others)
+    device_checksum: int | None = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -115,17 +121,25 @@ def payload_offset(header_len: int) -> int:
     return -(-(FIXED_SIZE + header_len) // ALIGN) * ALIGN
 
 
-def encode(key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> Encoded:
-    """Encode without copying the tensor data: returns (header bytes, memoryview of the payload)."""
+def encode(key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
+           for_gpu_readers: bool = False) -> Encoded:
+    """Encode without copying the tensor data: returns (header bytes, memoryview of the payload).
+
+    ``for_gpu_readers``: also record the payload's `device_checksum` (about 0.4 ms per MiB on a CPU core),
+    so a GDS reader verifies the payload in GPU memory instead of copying it back to the host.
+    """
     payload = tensor_bytes(tensor)
-    header = cbor2.dumps({
+    fields: dict[str, Any] = {
         "dtype": _dtype_name(tensor.dtype),
         "shape": list(tensor.shape),
         "key": key.digest,
         "nbytes": payload.nbytes,
         "checksum": xxhash.xxh3_64_intdigest(payload),
         "meta": meta or {},
-    })
+    }
+    if for_gpu_readers:
+        fields["device_checksum"] = host_checksum(payload)
+    header = cbor2.dumps(fields)
     fixed = _FIXED.pack(MAGIC, VERSION, len(header), xxhash.xxh32_intdigest(header))
     pad = payload_offset(len(header)) - FIXED_SIZE - len(header)
     return Encoded(fixed + header + b"\0" * pad, payload)
@@ -154,6 +168,8 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
         dtype = _dtype_from_name(h["dtype"])
         shape = tuple(int(s) for s in h["shape"])
         key, nbytes, checksum, meta = h["key"], int(h["nbytes"]), int(h["checksum"]), h["meta"]
+        device_sum = h.get("device_checksum")
+        device_sum = None if device_sum is None else int(device_sum)
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(inf)
         raise RecordError(f"malformed header: {exc!r}") from exc
     if not isinstance(key, bytes) or len(key) != KEY_DIGEST_SIZE or not isinstance(meta, dict):
@@ -175,7 +191,7 @@ def decode_header(buf: Any, expected_key: StoreKey | None = None) -> Header:
     # flipped bit anywhere in a record is detected (and the record dropped), not silently tolerated.
     if any(mv[FIXED_SIZE + hlen:min(offset, mv.nbytes)].tobytes()):
         raise RecordError("corrupt padding after the header")
-    return Header(dtype, shape, key, nbytes, checksum, meta, offset)
+    return Header(dtype, shape, key, nbytes, checksum, meta, offset, device_sum)
 
 
 def payload_start(head: Any) -> int | None:

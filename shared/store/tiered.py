@@ -98,6 +98,17 @@ def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _promotable(record: Record) -> torch.Tensor:
+    """What a faster tier keeps of a record a slower one returned: the record's own tensor, or a host copy
+    when its data is the caller's (read in place) or lies in GPU memory (the GDS tier reads there; the
+    memory tier keeps host bytes and counts them against a host budget)."""
+    if record.in_place:
+        return records.joined_copy(record)
+    if record.tensor.device.type != "cpu":
+        return own_tensor(record.tensor)
+    return record.tensor
+
+
 def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """One contiguous CPU copy of ``tensor``: the store's private copy (one pass over the bytes).
 
@@ -339,7 +350,7 @@ class TieredStore:
                 out[i] = rec
                 nbytes += rec.nbytes
                 if ti > 0:
-                    promoted.append((keys[i], records.joined_copy(rec) if rec.in_place else rec.tensor, rec.meta))
+                    promoted.append((keys[i], _promotable(rec), rec.meta))
             tier.counters.add(hits=len(missing) - len(still), misses=len(still), bytes_read=nbytes,
                               read_seconds=elapsed)
             if promoted:
