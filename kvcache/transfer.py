@@ -1,14 +1,18 @@
 """Moving whole blocks between vLLM's paged KV cache and host tensors the store can keep.
 
 CPU: a gather is one `index_select` (a private copy the store may keep), a scatter one `index_copy_`.
-CUDA: copies run on the mover's own stream through pinned host buffers, so they overlap the forward
-pass; an event per layer tells the forward stream when a loaded layer is ready.
+CUDA: copies run on the mover's own stream through pinned host buffers reused from a pool, so they
+overlap the forward pass; an event per layer tells the forward stream when a loaded layer is ready.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+from vllm_tiercache.kvcache.pinned_pool import PinnedPool
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -108,37 +112,86 @@ class BlockMover:
 
 
 class CudaBlockMover(BlockMover):
-    """Side-stream copies with pinned staging buffers (used where the KV cache lives on a CUDA device)."""
+    """Copies on the mover's own CUDA stream, staged through reused pinned host buffers (`PinnedPool`).
 
-    def __init__(self, device: torch.device) -> None:
+    Gathers copy a layer's chunk blocks from the KV cache into a pinned buffer (ordered after the forward
+    stream's writes, overlapping what it computes next); `finish_gathers` waits for them and moves each
+    into a pageable tensor the store may keep, so pinned memory is reused step after step and never held
+    by a cache. Scatters copy the records' bytes into a pinned buffer and on to their blocks; the event
+    `layer_ready` records tells the forward stream when a layer's blocks have landed.
+    """
+
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
         super().__init__(device)
         self.stream = torch.cuda.Stream(device=device)
+        self.pool = pool or PinnedPool()
+        #: gathers issued and not yet finished: (pinned view being filled, the caller's tensor, its buffer)
+        self._staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._staged_bytes = 0
 
     def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-        # The forward stream wrote this layer's KV; order our read after it, then copy on our stream.
+        shape = (len(block_ids), *kv_layer.shape[1:])
+        nbytes = math.prod(shape) * kv_layer.element_size()
+        if self._staged and self._staged_bytes + nbytes > self.pool.limit_bytes:
+            self.finish_gathers()  # a step saving more than the pool holds: bound its pinned memory
+        buffer = self.pool.take(nbytes)
+        staging = buffer[:nbytes].view(kv_layer.dtype).view(shape)
+        # The forward stream wrote this layer's KV: order the copies after that, then run them on ours.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            on_device = kv_layer.index_select(0, index)
-            host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
-            host.copy_(on_device, non_blocking=True)
-            on_device.record_stream(self.stream)
-        return host
+            for position, first, length in block_runs(block_ids):
+                staging[position : position + length].copy_(kv_layer[first : first + length], non_blocking=True)
+        out = torch.empty(shape, dtype=kv_layer.dtype)
+        self._staged.append((staging, out, buffer))
+        self._staged_bytes += nbytes
+        return out
 
     def finish_gathers(self) -> None:
+        if not self._staged:
+            return
         self.stream.synchronize()
+        for staging, out, buffer in self._staged:
+            np.copyto(_host_bytes(out), _host_bytes(staging))
+            self.pool.give(buffer)
+        self._staged, self._staged_bytes = [], 0
 
     def scatter(self, kv_layer: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            source = blocks if blocks.is_pinned() or blocks.is_cuda else blocks.pin_memory()
-            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            kv_layer.index_copy_(0, index, source.to(self.device, non_blocking=True))
+        self.scatter_spans(kv_layer, [(block_spans(block_ids), blocks)])
 
     def scatter_spans(self, kv_layer: torch.Tensor, items: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]]
                       ) -> None:
-        for spans, blocks in items:
-            ids = [first + step * k for _, first, length, step in spans for k in range(length)]
-            self.scatter(kv_layer, ids, blocks)
+        """Host records go through one pinned buffer (a memcpy each, then asynchronous copies to their
+        blocks); records already in GPU memory (GDS reads) are copied device to device."""
+        if not items:
+            return
+        host = [(spans, blocks) for spans, blocks in items if not blocks.is_cuda]
+        sources = [(spans, blocks) for spans, blocks in items if blocks.is_cuda]
+        buffer = None
+        if host:
+            buffer = self.pool.take(sum(blocks.numel() * blocks.element_size() for _, blocks in host))
+            offset = 0
+            for spans, blocks in host:
+                nbytes = blocks.numel() * blocks.element_size()
+                piece = buffer[offset : offset + nbytes]
+                np.copyto(_host_bytes(piece), _host_bytes(blocks))
+                sources.append((spans, piece.view(blocks.dtype).view(blocks.shape)))
+                offset += nbytes
+        # device-resident sources were made on this thread's stream (a GDS read and its verification)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for spans, source in sources:
+                if source.is_cuda:
+                    source.record_stream(self.stream)
+                for position, first, length, step in spans:
+                    if step == 1:
+                        kv_layer[first : first + length].copy_(source[position : position + length], non_blocking=True)
+                    else:
+                        for k in range(length):
+                            kv_layer[first - k].copy_(source[position + k], non_blocking=True)
+        if buffer is not None:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self.pool.give_after(buffer, done)
 
     def finish_scatters(self) -> None:
         self.stream.synchronize()
@@ -151,6 +204,11 @@ class CudaBlockMover(BlockMover):
     def wait(self, handle: object | None) -> None:
         if handle is not None:
             torch.cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
+
+
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's bytes as a flat numpy array (a view; numpy has no bfloat16)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _block_rows(blocks: torch.Tensor) -> np.ndarray:
