@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiercache-setup-stamp
 
-.PHONY: setup test demo lint bench clean-venv redis docs
+.PHONY: setup test test-gpu demo lint bench clean-venv redis docs
 
 setup: $(STAMP) redis
 
@@ -25,6 +25,12 @@ redis:
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The CUDA suite (tests/gpu): not part of `test` (CI has no GPU). Without CUDA it says so and fails.
+# On a GPU machine without this venv, scripts/gpu-check.sh runs it with the system's torch.
+test-gpu: setup
+	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); print('tiercache test-gpu: CUDA device:', torch.cuda.get_device_name(0) if ok else 'none'); sys.exit(0 if ok else 'tiercache test-gpu: no CUDA device here (torch.cuda.is_available() is False); nothing ran. Run it on a machine with an NVIDIA GPU, e.g. scripts/gpu-check.sh')"
+	$(PY) -m pytest -q -p no:cacheprovider --confcutdir=tests/gpu tests/gpu
 
 demo: setup
 	$(VENV)/bin/tiercache demo
