@@ -105,10 +105,9 @@ def test_pinned_staging_is_reused_step_after_step(device):
             mover.layer_ready()
         mover.finish_scatters()
 
-    one_step()
-    one_step()
-    allocations, allocated = mover.pool.allocations, mover.pool.allocated_bytes
-    for _ in range(20):
+    for _ in range(22):
         one_step()
-    assert (mover.pool.allocations, mover.pool.allocated_bytes) == (allocations, allocated)
+    # 22 steps made 198 gathers and 66 scatter calls; at most 9 gathers (1 MiB buffers each) and 3 layers'
+    # scatters (3 MiB each) are ever in flight at once, and only those may have needed their own buffer
+    assert mover.pool.allocations <= 12 and mover.pool.allocated_bytes <= 18 << 20
     assert mover.pool.take(1).is_pinned()
