@@ -36,6 +36,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
     ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
                                         "throughput vs vLLM alone"),
+    ("bench", "gpu"): ("bench.gpu", "CUDA movers, layerwise overlap and GDS reads vs the hardware (torch only)"),
     ("demo",): ("demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
     ("precompute", "images"): ("precompute.ec", "store encoder outputs of an image corpus (ec_producer)"),
     ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),

@@ -1,0 +1,177 @@
+"""What `tiercache bench gpu` measures of the block movers: throughput against plain copies and the link,
+and how much of a layerwise load the forward pass still waits for.
+
+Torch alone (the GPU machines that run this have no vLLM). The KV layer is vLLM's standardized per-layer
+view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; records are whole blocks, as the store
+keeps them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_tiercache.kvcache.transfer import BlockMover, block_spans, make_mover
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A KV layer's shape and how much of it a measurement moves."""
+
+    num_kv_heads: int = 8
+    block_size: int = 16
+    head_size: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    #: bytes moved per measurement (records of one size until this many bytes)
+    moved_bytes: int = 256 << 20
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * self.dtype.itemsize
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], None], device: torch.device, rounds: int) -> float:
+    """Median wall time of ``fn`` (after one warm-up call), the device synchronized before and after."""
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(rounds):
+        synchronize(device)
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A pinned host buffer where a GPU is the other end (what a plain fast copy_ uses), else ordinary."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def link_limit(device: torch.device, nbytes: int, rounds: int) -> dict[str, float]:
+    """GB/s of one large pinned copy each way: the most the link gives a single copy."""
+    host = host_buffer(nbytes, device)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    to_device = median_seconds(lambda: on_device.copy_(host, non_blocking=True), device, rounds)
+    to_host = median_seconds(lambda: host.copy_(on_device, non_blocking=True), device, rounds)
+    return {"h2d_gbps": nbytes / to_device / 1e9, "d2h_gbps": nbytes / to_host / 1e9}
+
+
+def mover_throughput(device: torch.device, geometry: Geometry, blocks_per_record: int, rounds: int
+                     ) -> dict[str, float]:
+    """GB/s of the mover's gathers (device to host) and scatters (host to device) of records of
+    ``blocks_per_record`` blocks, and of plain pinned ``copy_`` calls of the same sizes."""
+    record_bytes = blocks_per_record * geometry.block_bytes
+    records = max(1, geometry.moved_bytes // record_bytes)
+    num_blocks = records * blocks_per_record
+    layer = torch.randn(num_blocks, geometry.num_kv_heads, geometry.block_size, 2 * geometry.head_size,
+                        device=device).to(geometry.dtype)
+    ids = [list(range(r * blocks_per_record, (r + 1) * blocks_per_record)) for r in range(records)]
+    mover: BlockMover = make_mover(device)
+
+    def gathers() -> None:
+        for block_ids in ids:
+            mover.gather(layer, block_ids)
+        mover.finish_gathers()
+
+    host_records = [layer[block_ids[0] : block_ids[-1] + 1].to("cpu", copy=True) for block_ids in ids]
+    items = [(block_spans(block_ids), record) for block_ids, record in zip(ids, host_records, strict=True)]
+
+    def scatters() -> None:
+        mover.scatter_spans(layer, items)
+        mover.finish_scatters()
+
+    pinned = host_buffer(records * record_bytes, device).view(geometry.dtype).view(layer.shape)
+
+    def plain_to_host() -> None:
+        for r in range(records):
+            part = slice(r * blocks_per_record, (r + 1) * blocks_per_record)
+            pinned[part].copy_(layer[part], non_blocking=True)
+
+    def plain_to_device() -> None:
+        for r in range(records):
+            part = slice(r * blocks_per_record, (r + 1) * blocks_per_record)
+            layer[part].copy_(pinned[part], non_blocking=True)
+
+    moved = records * record_bytes
+    result = {
+        "record_mib": record_bytes / (1 << 20),
+        "records": records,
+        "gather_gbps": moved / median_seconds(gathers, device, rounds) / 1e9,
+        "plain_d2h_gbps": moved / median_seconds(plain_to_host, device, rounds) / 1e9,
+        "scatter_gbps": moved / median_seconds(scatters, device, rounds) / 1e9,
+        "plain_h2d_gbps": moved / median_seconds(plain_to_device, device, rounds) / 1e9,
+    }
+    result["gather_share"] = result["gather_gbps"] / result["plain_d2h_gbps"]
+    result["scatter_share"] = result["scatter_gbps"] / result["plain_h2d_gbps"]
+    return result
+
+
+def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: int) -> dict[str, float]:
+    """A fake forward of ``num_layers`` layers (matmuls on the forward stream) with each layer's KV loaded
+    by a loader thread, as `kvcache/worker.py` does: the thread scatters layer i's records and marks it
+    ready; the forward waits for that mark and the mover's event before layer i. Returns the forward
+    alone, the loads alone, both together, and the load time left exposed."""
+    blocks = max(1, geometry.moved_bytes // num_layers // geometry.block_bytes)
+    shape = (blocks, geometry.num_kv_heads, geometry.block_size, 2 * geometry.head_size)
+    layers = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(num_layers)]
+    records = [torch.randn(shape).to(geometry.dtype) for _ in range(num_layers)]
+    spans = block_spans(list(range(blocks)))
+    mover = make_mover(device)
+
+    def load(ready: list[threading.Event] | None, handles: list[object | None]) -> None:
+        for i, layer in enumerate(layers):
+            mover.scatter_spans(layer, [(spans, records[i])])
+            handles[i] = mover.layer_ready()
+            if ready is not None:
+                ready[i].set()
+
+    def loads_alone() -> None:
+        load(None, [None] * num_layers)
+        mover.finish_scatters()
+
+    load_s = median_seconds(loads_alone, device, rounds)
+    size = 2048 if device.type == "cuda" else 256
+    weight = torch.randn(size, size, device=device, dtype=geometry.dtype if device.type == "cuda" else torch.float32)
+    activations = torch.randn(size, size, device=device, dtype=weight.dtype)
+    one = median_seconds(lambda: activations @ weight, device, rounds)
+    matmuls = max(1, round(load_s / num_layers / max(one, 1e-9)))  # one layer computes about one layer's load
+
+    def compute_layer() -> None:
+        x = activations
+        for _ in range(matmuls):
+            x = x @ weight
+
+    def forward_alone() -> None:
+        for _ in range(num_layers):
+            compute_layer()
+
+    def forward_with_loads() -> None:
+        ready = [threading.Event() for _ in range(num_layers)]
+        handles: list[object | None] = [None] * num_layers
+        loader = threading.Thread(target=load, args=(ready, handles), name="bench-gpu-loader")
+        loader.start()
+        for i in range(num_layers):
+            ready[i].wait()
+            mover.wait(handles[i])
+            compute_layer()
+        loader.join()
+        mover.finish_scatters()
+
+    compute_s = median_seconds(forward_alone, device, rounds)
+    together_s = median_seconds(forward_with_loads, device, rounds)
+    exposed = max(0.0, together_s - compute_s)
+    return {"layers": num_layers, "layer_mib": blocks * geometry.block_bytes / (1 << 20),
+            "compute_s": compute_s, "load_s": load_s, "together_s": together_s, "exposed_s": exposed,
+            "exposed_share": exposed / load_s if load_s else 0.0}
