@@ -151,7 +151,7 @@ class KVWorkerSide:
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
         self._threads = [
             background_thread(self._load_loop, "tiercache-kv-loader"),
-            background_thread(self._save_loop, "tiercache-kv-saver"),
+            background_thread(self._save_loop, "tiercache-kv-saver", beside_forward=True),
         ]
         for thread in self._threads:
             thread.start()

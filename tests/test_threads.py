@@ -18,6 +18,7 @@ def report(name):
     seen[name] = sorted(os.sched_getaffinity(0))
 plain = threading.Thread(target=report, args=("plain",)); plain.start(); plain.join()
 ours = background_thread(lambda: report("ours"), "t"); ours.start(); ours.join()
+beside = background_thread(lambda: report("beside"), "s", beside_forward=True); beside.start(); beside.join()
 print(json.dumps({**seen, "main": sorted(os.sched_getaffinity(0))}))
 """
 
@@ -28,3 +29,5 @@ def test_our_threads_run_on_the_cores_of_the_process_that_started_the_bound_one(
     mine = sorted(os.sched_getaffinity(0))
     assert seen["main"] == seen["plain"] == [mine[0]]  # what vLLM's binding gives every thread it starts
     assert seen["ours"] == mine  # ours widen to the parent's cores (all of them on a 2-core machine)
+    # save-side threads (saver, store writer) keep off the bound cores where the parent has others
+    assert seen["beside"] == (mine[1:] or mine)

@@ -37,7 +37,7 @@ class BackgroundWriter:
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
-        self._thread = background_thread(self._loop, name)
+        self._thread = background_thread(self._loop, name, beside_forward=True)
         self._thread.start()
 
     def submit(self, tiers: Sequence[Tier], items: Sequence[Item], on_done: DoneCallback | None = None) -> bool:
