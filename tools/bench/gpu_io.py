@@ -5,15 +5,13 @@ tier's own verification on the device against verification on the host."""
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from vllm_tiercache.shared.store.device_checksum import device_checksum
-from vllm_tiercache.tools.bench.gpu_movers import host_buffer, synchronize
+from vllm_tiercache.tools.bench.gpu_movers import host_buffer, median_seconds, synchronize
 
 #: bytes per POSIX read (a disk tier reads a record's payload in one call; 8 MiB is a large record)
 PIECE = 8 << 20
@@ -30,15 +28,7 @@ def drop_from_page_cache(path: Path) -> None:
 
 
 def _cold_seconds(path: Path, read: Callable[[], torch.Tensor], device: torch.device, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        drop_from_page_cache(path)
-        synchronize(device)
-        started = time.perf_counter()
-        read()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return median_seconds(read, device, rounds, before=lambda: drop_from_page_cache(path), warm_up=False)
 
 
 def kvikio_missing() -> str | None:
@@ -85,19 +75,11 @@ def reads_into_device(device: torch.device, directory: Path, nbytes: int, rounds
     else:
         rows.append({"path": "GDS (kvikio CuFile.read)", "gbps": None, "vs_posix": None, "note": missing})
 
-    verify_device_s = min(_timed(lambda: device_checksum(target), device) for _ in range(rounds))
-    verify_host_s = min(_timed(lambda: device_checksum(target.cpu()), device) for _ in range(rounds))
+    verify_device_s = median_seconds(lambda: device_checksum(target), device, rounds)
+    verify_host_s = median_seconds(lambda: device_checksum(target.cpu()), device, rounds)
     rows.append({"path": "verify on the device (device_checksum)", "gbps": nbytes / verify_device_s / 1e9,
                  "vs_posix": None})
     rows.append({"path": "verify on the host (copy back + checksum)", "gbps": nbytes / verify_host_s / 1e9,
                  "vs_posix": None})
     path.unlink()
     return rows
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    synchronize(device)
-    started = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - started

@@ -40,12 +40,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], None], device: torch.device, rounds: int) -> float:
-    """Median wall time of ``fn`` (after one warm-up call), the device synchronized before and after."""
-    fn()
-    synchronize(device)
+def median_seconds(fn: Callable[[], object], device: torch.device, rounds: int, *,
+                   before: Callable[[], None] | None = None, warm_up: bool = True) -> float:
+    """Median wall time of ``fn`` (after one warm-up call unless ``warm_up`` is false), the device
+    synchronized before and after; ``before`` runs ahead of each round, untimed (dropping a file from
+    the page cache)."""
+    if warm_up:
+        fn()
     times = []
     for _ in range(rounds):
+        if before is not None:
+            before()
         synchronize(device)
         started = time.perf_counter()
         fn()
