@@ -9,6 +9,7 @@ copies: pinned memory is never handed to a cache that may hold gigabytes of it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,8 @@ class PinnedPool:
         than the limit still gets its buffer)."""
         self.limit_bytes = limit_bytes
         self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+        #: the mover gathers on the forward thread and scatters on the loader thread, both through here
+        self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         #: buffers whose last copy may still be running, each with the event that says it is over
         self._busy: list[tuple[object, torch.Tensor]] = []
@@ -38,35 +41,40 @@ class PinnedPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``: the smallest free one that fits, else a new one while the pool
-        is under its limit, else the next busy one to finish (waiting for its copy)."""
+        is under its limit, else the next busy one to finish (waiting for its copy, outside the lock)."""
         size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
         while True:
-            self._reclaim()
-            fitting = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
-            if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-            if self.allocated_bytes + size <= self.limit_bytes or not self._busy:
-                break
-            event, buffer = self._busy.pop(0)
+            with self._lock:
+                self._reclaim()
+                fitting = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+                if fitting:
+                    return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+                if self.allocated_bytes + size <= self.limit_bytes or not self._busy:
+                    if self._free and self.allocated_bytes + size > self.limit_bytes:
+                        # free buffers too small for this request: let the largest go rather than grow
+                        largest = max(range(len(self._free)), key=lambda i: self._free[i].numel())
+                        self.allocated_bytes -= self._free.pop(largest).numel()
+                    self.allocations += 1
+                    self.allocated_bytes += size
+                    break
+                event, buffer = self._busy.pop(0)
             event.synchronize()  # type: ignore[attr-defined]
-            self._free.append(buffer)
-        if self._free and self.allocated_bytes + size > self.limit_bytes:
-            # free buffers too small for this request: let the largest go rather than grow past the limit
-            dropped = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
-            self.allocated_bytes -= dropped.numel()
-        self.allocations += 1
-        self.allocated_bytes += size
+            with self._lock:
+                self._free.append(buffer)
         return self._allocate(size)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer no copy uses any more."""
-        self._free.append(buffer)
+        with self._lock:
+            self._free.append(buffer)
 
     def give_after(self, buffer: torch.Tensor, event: object) -> None:
         """Return a buffer once ``event`` (a `torch.cuda.Event` recorded after its last copy) has passed."""
-        self._busy.append((event, buffer))
+        with self._lock:
+            self._busy.append((event, buffer))
 
     def _reclaim(self) -> None:
+        """Move buffers whose copies have finished to the free list (the caller holds the lock)."""
         still = []
         for event, buffer in self._busy:
             if event.query():  # type: ignore[attr-defined]
@@ -77,5 +85,6 @@ class PinnedPool:
 
     @property
     def free_buffers(self) -> int:
-        self._reclaim()
-        return len(self._free)
+        with self._lock:
+            self._reclaim()
+            return len(self._free)

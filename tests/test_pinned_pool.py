@@ -65,3 +65,32 @@ def test_a_request_larger_than_every_free_buffer_replaces_one_at_the_limit():
     big = pool.take(2 * GRANULE + 1)  # larger than the limit: still served, alone
     assert big.numel() == 3 * GRANULE
     assert (pool.allocated_bytes, pool.free_buffers) == (3 * GRANULE, 0)
+
+
+def test_two_threads_never_get_the_same_buffer():
+    """The CUDA mover takes buffers on the forward thread (gathers) and the loader thread (scatters)."""
+    import threading
+
+    pool = PinnedPool(pin=False)
+    in_use: set[int] = set()
+    guard = threading.Lock()
+    clashes = []
+
+    def churn() -> None:
+        for _ in range(3000):
+            buffer = pool.take(GRANULE)
+            with guard:
+                if buffer.data_ptr() in in_use:
+                    clashes.append(buffer.data_ptr())
+                in_use.add(buffer.data_ptr())
+            with guard:
+                in_use.discard(buffer.data_ptr())
+            pool.give(buffer)
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not clashes
+    assert pool.allocations <= 3 and pool.free_buffers == pool.allocations
