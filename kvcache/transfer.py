@@ -8,6 +8,7 @@ overlap the forward pass; an event per layer tells the forward stream when a loa
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,9 +122,12 @@ class CudaBlockMover(BlockMover):
     `layer_ready` records tells the forward stream when a layer's blocks have landed.
     """
 
-    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None, cuda: Any = torch.cuda) -> None:
+        """``cuda``: the stream and event API (`torch.cuda`; CPU tests pass a synchronous stand-in to run
+        this class's staging and copy logic on CPU tensors)."""
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device=device)
+        self._cuda = cuda
+        self.stream = cuda.Stream(device=device)
         self.pool = pool or PinnedPool()
         #: gathers issued and not yet finished: (pinned view being filled, the caller's tensor, its buffer)
         self._staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -137,8 +141,8 @@ class CudaBlockMover(BlockMover):
         buffer = self.pool.take(nbytes)
         staging = buffer[:nbytes].view(kv_layer.dtype).view(shape)
         # The forward stream wrote this layer's KV: order the copies after that, then run them on ours.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self._cuda.current_stream(self.device))
+        with self._cuda.stream(self.stream):
             for position, first, length in block_runs(block_ids):
                 staging[position : position + length].copy_(kv_layer[first : first + length], non_blocking=True)
         out = torch.empty(shape, dtype=kv_layer.dtype)
@@ -177,8 +181,8 @@ class CudaBlockMover(BlockMover):
                 sources.append((spans, piece.view(blocks.dtype).view(blocks.shape)))
                 offset += nbytes
         # device-resident sources were made on this thread's stream (a GDS read and its verification)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self._cuda.current_stream(self.device))
+        with self._cuda.stream(self.stream):
             for spans, source in sources:
                 if source.is_cuda:
                     source.record_stream(self.stream)
@@ -189,7 +193,7 @@ class CudaBlockMover(BlockMover):
                         for k in range(length):
                             kv_layer[first - k].copy_(source[position + k], non_blocking=True)
         if buffer is not None:
-            done = torch.cuda.Event()
+            done = self._cuda.Event()
             done.record(self.stream)
             self.pool.give_after(buffer, done)
 
@@ -197,13 +201,13 @@ class CudaBlockMover(BlockMover):
         self.stream.synchronize()
 
     def layer_ready(self) -> object | None:
-        event = torch.cuda.Event()
+        event = self._cuda.Event()
         event.record(self.stream)
         return event
 
     def wait(self, handle: object | None) -> None:
         if handle is not None:
-            torch.cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
+            self._cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
 
 
 def _host_bytes(tensor: torch.Tensor) -> np.ndarray:

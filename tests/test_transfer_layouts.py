@@ -54,3 +54,95 @@ def test_cpu_mover_moves_mla_latent_blocks_bit_for_bit():
     _, layers = layer_views("LBHNC", dtype=torch.bfloat16, device="cpu", mla=True, **GEOMETRY)
     assert layers[0].shape == (12, 1, 16, 8)
     check_gather_scatter_bit_for_bit(BlockMover(torch.device("cpu")), layers)
+
+
+class _SynchronousCuda:
+    """`torch.cuda`'s stream and event API, done at once: lets the CUDA mover's own logic (pinned staging,
+    copy-out, span copies, buffer reuse) run on CPU tensors. What it cannot show, asynchrony and event
+    ordering, tests/gpu checks on a GPU."""
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+        def wait_event(self, event) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    class Event:
+        def record(self, stream=None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    @staticmethod
+    def current_stream(device=None):
+        return _SynchronousCuda.Stream()
+
+    @staticmethod
+    def stream(stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _cuda_mover_on_cpu():
+    from vllm_tiercache.kvcache.pinned_pool import PinnedPool
+    from vllm_tiercache.kvcache.transfer import CudaBlockMover
+
+    return CudaBlockMover(torch.device("cpu"), PinnedPool(pin=False), cuda=_SynchronousCuda)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_mover_logic_moves_blocks_of_every_layout_bit_for_bit(layout, dtype):
+    _, layers = layer_views(layout, dtype=dtype, device="cpu", **GEOMETRY)
+    check_gather_scatter_bit_for_bit(_cuda_mover_on_cpu(), layers)
+
+
+def test_cuda_mover_logic_reuses_its_staging_and_hands_out_private_copies():
+    from tests.gpu.mover_checks import BLOCK_LISTS
+    from vllm_tiercache.kvcache.transfer import block_spans
+
+    _, layers = layer_views("LBNHC", dtype=torch.bfloat16, device="cpu", **GEOMETRY)
+    mover = _cuda_mover_on_cpu()
+    blocks = [torch.randn(len(ids), *layers[0].shape[1:]).to(torch.bfloat16) for ids in BLOCK_LISTS]
+    for _ in range(10):
+        copies = [(layer, ids, mover.gather(layer, ids)) for layer in layers for ids in BLOCK_LISTS]
+        mover.finish_gathers()
+        for layer, ids, host in copies:
+            assert torch.equal(bits(host), bits(layer)[ids])
+            assert host.untyped_storage().data_ptr() not in {
+                buf.untyped_storage().data_ptr() for buf in mover.pool._free}  # pageable, not staging
+        for layer in layers:
+            mover.scatter_spans(layer, [(block_spans(ids), b) for ids, b in zip(BLOCK_LISTS, blocks, strict=True)])
+        mover.finish_scatters()
+    # 15 gathers a step at most in flight; after the first step no step allocates
+    assert mover.pool.allocations <= len(layers) * len(BLOCK_LISTS)
+    allocations = mover.pool.allocations
+    mover.gather(layers[0], [1, 2])
+    mover.finish_gathers()
+    assert mover.pool.allocations == allocations
+
+
+def test_cuda_mover_logic_scatters_several_records_in_one_call():
+    from vllm_tiercache.kvcache.transfer import block_spans
+
+    _, layers = layer_views("BLHNC", dtype=torch.float16, device="cpu", **GEOMETRY)
+    mover = _cuda_mover_on_cpu()
+    lists = [[2, 3, 4, 5], [9, 8, 7, 6], [0, 11, 10]]
+    records = [torch.randn(len(ids), *layers[1].shape[1:]).to(torch.float16) for ids in lists]
+    mover.scatter_spans(layers[1], [(block_spans(ids), r) for ids, r in zip(lists, records, strict=True)])
+    mover.finish_scatters()
+    after = bits(layers[1])
+    for ids, record in zip(lists, records, strict=True):
+        assert torch.equal(after[ids], bits(record)), ids
