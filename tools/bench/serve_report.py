@@ -49,22 +49,33 @@ def summarize(results: list[RequestResult], wall_s: float, stats: dict[str, Any]
         row["kv_hit"] = loaded / prompt if prompt else 0.0
         row["kv_load_errors"] = int(stats.get("kv_load_errors", 0))
         row["tier_hits"] = dict(stats.get("tier_hits", {}))
+        # the encoder connector's lookups (vLLM asks it about an image whose encoder output it needs)
+        lookups = int(stats.get("ec_hits", 0)) + int(stats.get("ec_misses", 0))
+        row["ec_lookups"] = lookups
+        row["ec_saves"] = int(stats.get("ec_saves", 0))
+        row["ec_hit"] = int(stats.get("ec_hits", 0)) / lookups if lookups else None
     else:
         row["kv_loaded_tokens"] = None
         row["kv_hit"] = None
+        row["ec_hit"] = None
     return row
 
 
 def mismatches(results: list[RequestResult], reference: dict[tuple[int, int, int], str]) -> int:
-    """Requests that both runs answered whose answer text differs from vLLM alone's."""
+    """Requests that both runs answered whose answer text differs from the reference's (vLLM alone's)."""
     return sum(1 for r in results if r.error is None and r.key in reference and reference[r.key] != r.text)
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per row: TTFT p50/p90 and throughput divided by vLLM alone's at the same concurrency."""
-    base = {r["users"]: r for r in rows if r["case"] == BASELINE}
+def add_ratios(rows: list[dict[str, Any]], baselines: dict[str, str] | None = None) -> None:
+    """Per row: TTFT p50/p90 and throughput divided by vLLM alone's at the same concurrency.
+
+    `baselines` maps a case to the case it is compared with (vLLM alone on the same model and trace);
+    cases it does not name are compared with `BASELINE`.
+    """
+    baselines = baselines or {}
+    base = {(r["case"], r["users"]): r for r in rows}
     for row in rows:
-        ref = base.get(row["users"])
+        ref = base.get((baselines.get(row["case"], BASELINE), row["users"]))
 
         def ratio(key: str, row: dict[str, Any] = row, ref: dict[str, Any] | None = ref) -> float | None:
             if ref is None or row.get(key) is None or not ref.get(key):
@@ -87,22 +98,25 @@ def _x(value: float | None) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The stdout table: one line per case and concurrency."""
     head = (f"{'case':<18} {'users':>5} {'reqs':>5} {'fail':>4} {'mism':>4} {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
-            f"{'ITL p50':>7} {'req/s':>6} {'tok/s':>6} {'cached':>6} {'KV hit':>6} {'RSS GiB':>7} "
+            f"{'ITL p50':>7} {'req/s':>6} {'tok/s':>6} {'cached':>6} {'KV hit':>6} {'EC hit':>6} {'RSS GiB':>7} "
             f"{'TTFT50 x':>8} {'tput x':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         kv = f"{r['kv_hit']:.0%}" if r.get("kv_hit") is not None else "-"
+        ec = f"{r['ec_hit']:.0%}" if r.get("ec_hit") is not None else "-"
         lines.append(
             f"{r['case']:<18} {r['users']:>5} {r['requests']:>5} {r['failed']:>4} {r.get('mismatches', 0):>4} "
             f"{_ms(r['ttft_p50_s']):>6}ms {_ms(r['ttft_p90_s']):>5}ms {_ms(r['ttft_p99_s']):>5}ms "
             f"{_ms(r['itl_p50_s']):>5}ms {r['req_per_s'] or 0:>6.2f} {r['out_tok_per_s'] or 0:>6.1f} "
-            f"{r['cached_share']:>6.0%} {kv:>6} {r['peak_rss_bytes'] / 2**30:>7.2f} "
+            f"{r['cached_share']:>6.0%} {kv:>6} {ec:>6} {r['peak_rss_bytes'] / 2**30:>7.2f} "
             f"{_x(r.get('ttft_p50_ratio')):>8} {_x(r.get('throughput_ratio')):>6}")
     lines.append("")
     lines.append("mism = greedy answers that differ from vLLM alone's (same request); cached = prompt tokens served "
                  "from any cache (usage.cached_tokens: vLLM's prefix cache + the connector); KV hit = prompt tokens "
-                 "the connector loaded (its stats) / prompt tokens; RSS = peak sum over the server's process group; "
-                 "x = ratio to vLLM alone at the same users (TTFT p50: lower is better; tput = output tokens/s)")
+                 "the connector loaded (its stats) / prompt tokens; EC hit = the encoder connector's lookups that "
+                 "found the image's encoder output; RSS = peak sum over the server's process group; "
+                 "x = ratio to vLLM alone (mm- cases: to mm-vllm) at the same users (TTFT p50: lower is better; "
+                 "tput = output tokens/s)")
     return "\n".join(lines)
 
 

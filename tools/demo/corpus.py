@@ -62,7 +62,7 @@ def _words(rng: random.Random, n_chars: int) -> str:
     return text[: text.rfind(" ", 0, n_chars)] if len(text) > n_chars else text
 
 
-def _page_image(rng: random.Random, index: int, size: int):
+def page_image(rng: random.Random, index: int, size: int):
     """A 'scanned page': coloured header, text-like bars, a chart, and its number; distinct per document."""
     from PIL import Image, ImageDraw
 
@@ -96,6 +96,6 @@ def make_corpus(directory: Path, n_docs: int, *, chars: int = 800, image_size: i
         rng = random.Random(f"{seed}:{i}")
         text_path, image_path = directory / f"doc{i:03d}.txt", directory / f"doc{i:03d}.png"
         text_path.write_text(f"Document {i}. " + _words(rng, chars - 16))
-        _page_image(rng, i, image_size).save(image_path, format="PNG")
+        page_image(rng, i, image_size).save(image_path, format="PNG")
         docs.append(Document(i, text_path, image_path))
     return docs

@@ -58,13 +58,14 @@ def classify(results: list[Result]) -> dict[str, list[int]]:
 
 def connector_stats(stats_dir: Path) -> dict[str, Any]:
     """Sum what the consumer's processes wrote to `$TIERCACHE_STATS_DIR` (KV worker, EC processes)."""
-    out: dict[str, Any] = {"ec_hits": 0, "ec_misses": 0, "ec_loads": 0, "kv_loaded_blocks": 0,
+    out: dict[str, Any] = {"ec_hits": 0, "ec_misses": 0, "ec_loads": 0, "ec_saves": 0, "kv_loaded_blocks": 0,
                            "kv_load_errors": 0, "tier_hits": {}, "tier_bytes_read": {}}
     for entry in read_stats(str(stats_dir), "ec"):
         conn = entry.get("connector", {})
         out["ec_hits"] += int(conn.get("hits", 0))
         out["ec_misses"] += int(conn.get("misses", 0))
         out["ec_loads"] += int(conn.get("loads", 0))
+        out["ec_saves"] += int(conn.get("saves", 0))
     for entry in read_stats(str(stats_dir), "kv-worker"):
         counters = entry.get("counters", {})
         out["kv_loaded_blocks"] += int(counters.get("loaded_blocks", 0))
