@@ -272,3 +272,66 @@ def test_read_into_a_destination_never_returns_corrupt_bytes(tier):
     places = [[byte_view(torch.zeros(8, 512, dtype=torch.bfloat16))] for _ in range(3)]
     assert tier.get_many_into([_k("flip"), _k("head"), _k("cut")], places) == [None, None, None]
     assert tier.counters.get("corrupt") == 3 and not p.exists() and not head.exists() and not cut.exists()
+
+
+def _drop_from_page_cache(path) -> None:
+    """Evict a written (fsynced, so clean) file's pages. Not checked with a ``RWF_NOWAIT`` read: a read
+    that misses starts the kernel's read-ahead of the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_is_advised_only_when_a_read_finds_a_cold_file(tier):
+    """`prefetch_many` defers its advice: a step whose files are all in the page cache never pays for it;
+    the first in-place read that finds a file not in the page cache gives it for every key, once, and the
+    bytes still land verified."""
+    names = [f"r{i}" for i in range(6)]
+    values = {name: _t(4096, i).reshape(8, 512) for i, name in enumerate(names)}
+    tier.put_many([(_k(name), value, None) for name, value in values.items()])
+    advised: list[list[str]] = []
+    advise = tier._advise
+    tier._advise = lambda keys: (advised.append([k.text for k in keys]), advise(keys))
+
+    def step() -> dict[str, torch.Tensor]:
+        places = {name: torch.zeros(8, 512, dtype=torch.bfloat16) for name in names}
+        tier.prefetch_many([_k(name) for name in names])
+        for name in names:  # one read per layer call, as the KV loader does
+            (record,) = tier.get_many_into([_k(name)], [[byte_view(places[name])]])
+            assert record.in_place
+        return places
+
+    assert all(torch.equal(place, values[name]) for name, place in step().items())
+    assert advised == []  # just written: every file is in the page cache
+    for name in names[2:]:
+        _drop_from_page_cache(tier.path_for(_k(name)))
+    assert all(torch.equal(place, values[name]) for name, place in step().items())
+    assert advised == [[_k(name).text for name in names]]  # at the first cold read, for the whole step
+    advised.clear()
+    assert all(torch.equal(place, values[name]) for name, place in step().items())
+    assert advised == []  # read once, warm again
+
+
+def test_read_ahead_is_advised_at_once_where_reads_cannot_tell_a_cold_file(tier, monkeypatch):
+    """A filesystem that refuses ``RWF_NOWAIT``: the first read falls back to a plain one, and from then on
+    `prefetch_many` advises at once."""
+    tier.put_many([(_k(name), _t(4096, 1).reshape(8, 512), None) for name in ("a", "b")])
+    preadv = os.preadv
+
+    def refusing(fd, buffers, offset, flags=0):
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refusing)
+    advised: list[int] = []
+    advise = tier._advise
+    tier._advise = lambda keys: (advised.append(len(keys)), advise(keys))
+    tier.prefetch_many([_k("a"), _k("b")])
+    place = torch.zeros(8, 512, dtype=torch.bfloat16)
+    (record,) = tier.get_many_into([_k("a")], [[byte_view(place)]])
+    assert record.in_place and torch.equal(place, _t(4096, 1).reshape(8, 512)) and advised == [2]
+    tier.prefetch_many([_k("b")])
+    assert advised == [2, 1]
