@@ -128,10 +128,17 @@ class CaseResult:
     #: vLLM's KV capacity in blocks in this case's engine, and whether its hybrid KV cache manager ran
     kv_blocks: int | None = None
     hma: bool | None = None
+    #: vLLM's resident hit of the same prompts in the same engine, right after each hit (paired steps)
+    resident_ttft_s: list[float] = field(default_factory=list)
+    resident_cached_tokens: list[int] = field(default_factory=list)
 
     @property
     def median_s(self) -> float | None:
         return statistics.median(self.ttft_s) if self.ttft_s else None
+
+    @property
+    def own_resident_s(self) -> float | None:
+        return statistics.median(self.resident_ttft_s) if self.resident_ttft_s else None
 
     @property
     def min_s(self) -> float | None:
@@ -190,8 +197,12 @@ class Bench:
         *,
         prefix_caching: bool,
         kv_transfer_config: dict[str, Any] | None = None,
+        paired: tuple[str, ...] = (),
     ) -> dict[str, list[dict[str, Any]]]:
-        """Run one engine process; return its steps by name (raises RuntimeError with the log tail)."""
+        """Run one engine process; return its steps by name (raises RuntimeError with the log tail).
+
+        Steps named in ``paired`` empty vLLM's prefix cache before each prompt and resend it after
+        (`run_job`): the connector's hit and vLLM's resident hit of the same prompt in the same engine."""
         self.job_count += 1
         self._label = label
         spec = {
@@ -201,7 +212,7 @@ class Bench:
             "dtype": self.args.dtype,
             "enable_prefix_caching": prefix_caching,
             "kv_transfer_config": kv_transfer_config,
-            "steps": [{"name": name, "prompts": prompts} for name, prompts in steps],
+            "steps": [{"name": name, "prompts": prompts, "paired": name in paired} for name, prompts in steps],
         }
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.kv_space_gib)
@@ -220,7 +231,9 @@ class Bench:
     def record(self, name: str, step: dict[str, Any]) -> None:
         blocks, hma = self.engine_info.get(self._label, (None, None))
         self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]),
-                                        kv_blocks=blocks, hma=hma)
+                                        kv_blocks=blocks, hma=hma,
+                                        resident_ttft_s=list(step.get("resident_ttft_s", [])),
+                                        resident_cached_tokens=list(step.get("resident_cached_tokens", [])))
 
     def guarded(self, names: list[str], fn: Any) -> None:
         """Run a case's processes; a failure marks its rows instead of ending the whole benchmark."""
@@ -261,21 +274,25 @@ class Bench:
         self.record("tiered-cold", steps["cold"][0])
 
     def case_tiered_memory(self) -> None:
-        """Case 3: second send in the same engine, prefix caching off so only the connector can hit."""
+        """Case 3: second send in the same engine, vLLM's prefix cache emptied before each, so only the
+        connector can hit; each hit is followed by vLLM's own resident hit of the prompt (paired)."""
         short, full = self.warmups()
         measured = self.prompts(self.num_prompts)
         config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}])
         steps = self.job(
             "tiered-memory",
-            [("warmup", [short, full, full]), ("first", measured), ("hit", measured * self.hit_repeats)],
-            prefix_caching=False,
+            [("warmup", [short, full]), ("warmup-hit", [full]), ("first", measured),
+             ("hit", measured * self.hit_repeats)],
+            prefix_caching=True,
             kv_transfer_config=config,
+            paired=("warmup-hit", "hit"),
         )
         self.record("tiered-memory", steps["hit"][0])
 
     def _produce_then_consume(self, name: str, producer: dict[str, Any], consumer: dict[str, Any], *,
                               between: Any = None, repeats: int | None = None) -> None:
-        """Cases 4-6: a producer process stores the prompts and exits; a fresh consumer measures hits.
+        """Cases 4-6: a producer process stores the prompts and exits; a fresh consumer measures hits
+        (paired with vLLM's resident hit of each prompt in the consumer).
 
         The full-length warm-up prompt is stored by the producer too, so the consumer's warm-up takes
         the hit path (opening files, connecting to Redis) without touching any measured prompt.
@@ -289,8 +306,9 @@ class Bench:
         steps = self.job(
             f"{name}-consumer",
             [("warmup", [short, full]), ("hit", measured * (repeats or self.hit_repeats))],
-            prefix_caching=False,
+            prefix_caching=True,
             kv_transfer_config=consumer,
+            paired=("hit",),
         )
         self.record(name, steps["hit"][0])
 
@@ -455,20 +473,29 @@ class Bench:
                 "num_cached_tokens": res.num_cached_tokens,
                 "kv_blocks": res.kv_blocks,
                 "hma": res.hma,
+                # vLLM's resident hit in this case's own engine (paired steps), when every one really hit
+                "own_resident_s": (res.own_resident_s if res.resident_cached_tokens and status == "ok"
+                                   and min(res.resident_cached_tokens) >= self.min_hit_tokens else None),
             }
         resident, cold = median("resident"), median("cold")
         media = getattr(self, "media", {})
         for name, row in self.rows.items():
             own = median(name)
             row["ratio_to_resident"] = round(own / resident, 3) if own is not None and resident else None
+            own_resident = row["own_resident_s"]
+            row["ratio_to_own_resident"] = round(own / own_resident, 3) if own is not None and own_resident else None
+            # the price of the load over a resident hit: against the same engine's where measured
+            reference = own_resident or resident
             raw = media.get(MEDIUM_OF.get(name, ""))
             row["raw_medium_s"] = raw
-            row["share_of_raw"] = (round(raw / (own - resident), 3) if raw is not None and own is not None
-                                   and resident is not None and own > resident else None)
+            row["share_of_raw"] = (round(raw / (own - reference), 3) if raw is not None and own is not None
+                                   and reference is not None and own > reference else None)
             row["ratio_to_cold"] = round(own / cold, 3) if own is not None and cold and name == "tiered-cold" else None
         targets = []
         for case, ref, limit in TARGETS:
             own, base = median(case), median(ref)
+            if ref == "resident" and case in self.rows and self.rows[case]["own_resident_s"]:
+                base, ref = self.rows[case]["own_resident_s"], "resident (same engine)"
             ratio = own / base if own is not None and base else None
             targets.append(
                 {
@@ -518,13 +545,16 @@ def format_table(report: dict[str, Any]) -> str:
         f"(hit cases: each sent "
         f"{report['hit_repeats']}x), model {report['model']}; "
         f"hits need num_cached_tokens >= {report['min_hit_tokens']}",
-        f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'x cold':>7} {'cached tokens':>14}  note",
+        f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'own res (s)':>11} {'x own res':>9} "
+        f"{'x cold':>7} {'cached tokens':>14}  note",
     ]
     for row in report["rows"]:
         med = f"{row['ttft_median_s']:.4f}" if row["status"] == "ok" else "-"
         low = f"{row['ttft_min_s']:.4f}" if row["status"] == "ok" else "-"
         res = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] is not None else "-"
         cold = f"{row['ratio_to_cold']:.3f}" if row["ratio_to_cold"] is not None else ""
+        own_res = f"{row['own_resident_s']:.4f}" if row.get("own_resident_s") is not None else ""
+        x_own = f"{row['ratio_to_own_resident']:.2f}" if row.get("ratio_to_own_resident") is not None else ""
         cached = "/".join(str(c) for c in row["num_cached_tokens"]) if row["num_cached_tokens"] else "-"
         if len(cached) > 14:
             cached = f"{min(row['num_cached_tokens'])}..{max(row['num_cached_tokens'])}"
@@ -535,7 +565,8 @@ def format_table(report: dict[str, Any]) -> str:
             note = f"NO HIT (connector did not supply the prefix; TTFT {med_all:.4f}s is a prefill)"
         else:
             note = ""
-        lines.append(f"{row['label']:44} {med:>12} {low:>8} {res:>10} {cold:>7} {cached:>14}  {note}".rstrip())
+        lines.append(f"{row['label']:44} {med:>12} {low:>8} {res:>10} {own_res:>11} {x_own:>9} {cold:>7} {cached:>14}"
+                     f"  {note}".rstrip())
     capacity = [row for row in report["rows"] if row.get("kv_blocks") is not None]
     if capacity:
         lines.append("")
@@ -552,7 +583,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{ms(media.get('o_direct'))}, redis-py GET {ms(media.get('redis'))}")
         for row in report["rows"]:
             if row.get("share_of_raw") is not None:
-                lines.append(f"  {row['case']:14} share of the raw medium's speed (raw / (hit - resident)): "
+                where = " in the same engine" if row.get("own_resident_s") else ""
+                lines.append(f"  {row['case']:14} share of the raw medium's speed (raw / (hit - resident{where})): "
                              f"{row['share_of_raw']:.2f}")
     lines.append("")
     lines.append("targets:")

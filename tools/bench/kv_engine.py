@@ -28,11 +28,23 @@ PROGRESS_MARK = "tiercache-bench: "
 
 
 # ------------------------------------------------------------------------------------- engine process
+def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
+    """One request alone: its wall time (the TTFT, at ``max_tokens=1``) and vLLM's cached-token count."""
+    t0 = time.perf_counter()
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
+
+
 def run_job(spec_path: str, out_path: str) -> int:
     """Inside a fresh process: build one engine, send each step's prompts one at a time, write timings.
 
     Each prompt is its own `generate` call with ``max_tokens=1`` so its wall time is that request's
     TTFT and nothing else is in flight. Steps run in order; a step only warms up when `measure` is false.
+
+    A ``paired`` step (prefix caching on) empties vLLM's prefix cache before each prompt, so the connector
+    must supply it, then sends it again: vLLM's own resident hit of the same prompt in the same engine
+    (``resident_ttft_s``). Why: identical engines started one after the other differed by up to 50% in
+    their resident hits on the dev VMs (13.4 against 19.7 ms), more than the gaps being measured.
     """
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
@@ -61,15 +73,26 @@ def run_job(spec_path: str, out_path: str) -> int:
     result["num_gpu_blocks"] = engine_config.cache_config.num_gpu_blocks
     result["hma"] = not engine_config.scheduler_config.disable_hybrid_kv_cache_manager
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
     for step in spec["steps"]:
-        ttft, cached = [], []
+        ttft, cached, resident, resident_cached = [], [], [], []
         for prompt in step["prompts"]:
-            t0 = time.perf_counter()
-            (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            ttft.append(time.perf_counter() - t0)
-            cached.append(int(output.num_cached_tokens or 0))
-        result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached})
+            # vLLM's own cache emptied (not the connector's: reset_connector=False), outside the timing
+            if step.get("paired") and not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache between paired sends")
+            took, hit = _send(llm, TokensPrompt(prompt_token_ids=prompt), params)
+            ttft.append(took)
+            cached.append(hit)
+            if step.get("paired"):
+                took, hit = _send(llm, TokensPrompt(prompt_token_ids=prompt), params)
+                resident.append(took)
+                resident_cached.append(hit)
+        result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached,
+                                "resident_ttft_s": resident, "resident_cached_tokens": resident_cached})
         per_prompt = ", ".join(f"{t:.3f}s/{c}" for t, c in zip(ttft, cached, strict=True))
+        if resident:
+            per_prompt += "; vLLM's resident hit right after each: " + ", ".join(
+                f"{t:.3f}s/{c}" for t, c in zip(resident, resident_cached, strict=True))
         print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
     # Let a producer's background writes reach disk/Redis before the process ends (the connector's
     # shutdown flushes too; this makes it explicit and timed).
