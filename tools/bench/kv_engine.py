@@ -35,6 +35,11 @@ def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
     return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
 
 
+def _per_prompt(times: list[float], cached: list[int]) -> str:
+    """Progress text: each prompt's TTFT and cached-token count."""
+    return ", ".join(f"{t:.3f}s/{c}" for t, c in zip(times, cached, strict=True))
+
+
 def run_job(spec_path: str, out_path: str) -> int:
     """Inside a fresh process: build one engine, send each step's prompts one at a time, write timings.
 
@@ -73,7 +78,6 @@ def run_job(spec_path: str, out_path: str) -> int:
     result["num_gpu_blocks"] = engine_config.cache_config.num_gpu_blocks
     result["hma"] = not engine_config.scheduler_config.disable_hybrid_kv_cache_manager
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
     for step in spec["steps"]:
         ttft, cached, resident, resident_cached = [], [], [], []
         for prompt in step["prompts"]:
@@ -89,10 +93,9 @@ def run_job(spec_path: str, out_path: str) -> int:
                 resident_cached.append(hit)
         result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached,
                                 "resident_ttft_s": resident, "resident_cached_tokens": resident_cached})
-        per_prompt = ", ".join(f"{t:.3f}s/{c}" for t, c in zip(ttft, cached, strict=True))
+        per_prompt = _per_prompt(ttft, cached)
         if resident:
-            per_prompt += "; vLLM's resident hit right after each: " + ", ".join(
-                f"{t:.3f}s/{c}" for t, c in zip(resident, resident_cached, strict=True))
+            per_prompt += "; vLLM's resident hit right after each: " + _per_prompt(resident, resident_cached)
         print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
     # Let a producer's background writes reach disk/Redis before the process ends (the connector's
     # shutdown flushes too; this makes it explicit and timed).
