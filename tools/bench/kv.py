@@ -578,9 +578,14 @@ def format_table(report: dict[str, Any]) -> str:
             return "-" if value is None else f"{value * 1e3:.2f} ms"
 
         lines.append("")
-        lines.append(f"raw media for the {report['hit_bytes'] / 2**20:.1f} MiB a hit loads (1 MiB pieces): memory "
-                     f"copy {ms(media.get('memory'))}, page-cache read {ms(media.get('page_cache'))}, O_DIRECT read "
-                     f"{ms(media.get('o_direct'))}, redis-py GET {ms(media.get('redis'))}")
+        def hot(name: str) -> str:
+            value = media.get(f"{name}_hot")
+            return "" if value is None else f" (cache-hot {ms(value)})"
+
+        lines.append(f"raw media for the {report['hit_bytes'] / 2**20:.1f} MiB a hit loads (1 MiB pieces, from DRAM): "
+                     f"memory copy {ms(media.get('memory'))}{hot('memory')}, page-cache read "
+                     f"{ms(media.get('page_cache'))}{hot('page_cache')}, O_DIRECT read {ms(media.get('o_direct'))}, "
+                     f"redis-py GET {ms(media.get('redis'))}")
         for row in report["rows"]:
             if row.get("share_of_raw") is not None:
                 where = " in the same engine" if row.get("own_resident_s") else ""
