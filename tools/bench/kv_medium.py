@@ -66,10 +66,10 @@ def memory_copy_s(nbytes: int, *, cold: bool = True) -> float:
         slots = _slots(nbytes, cold)
         src = torch.ones(slots[-1] + nbytes, dtype=torch.uint8)
         dst = torch.ones(slots[-1] + nbytes, dtype=torch.uint8)  # written: its pages exist before the timing
-        rounds = itertools.count()
+        bases = itertools.cycle(slots)
 
         def copy() -> None:
-            base = slots[next(rounds) % len(slots)]
+            base = next(bases)
             for off in range(base, base + nbytes, PIECE):
                 end = min(off + PIECE, base + nbytes)
                 dst[off:end].copy_(src[off:end])
@@ -98,10 +98,10 @@ def page_cache_read_s(nbytes: int, work: Path, *, cold: bool = True) -> float:
         for path in paths:
             _write_file(path, nbytes, sync=False)
         buf = memoryview(torch.ones(slots[-1] + nbytes, dtype=torch.uint8).numpy())
-        rounds = itertools.count()
+        rounds = itertools.cycle(range(len(slots)))
 
         def read() -> None:
-            k = next(rounds) % len(slots)
+            k = next(rounds)
             with open(paths[k], "rb", buffering=0) as f:
                 for off in range(0, nbytes, PIECE):
                     f.readinto(buf[slots[k] + off : slots[k] + min(off + PIECE, nbytes)])
