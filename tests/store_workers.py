@@ -73,8 +73,22 @@ def digest_map(ids: Iterable[int], models: Iterable[str] = ("keep",)) -> dict[by
     return {fault_key(i, m).digest: (i, m) for i in ids for m in models}
 
 
+def _say(line: str) -> None:
+    """Write one whole line to stdout in a single ``write(2)``.
+
+    Why not ``print(..., flush=True)``: under ``PYTHONUNBUFFERED=1`` (set on the dev machines) stdout is
+    an unbuffered FileIO and ``print`` writes the text and the newline in two system calls. A writer
+    SIGKILLed between them leaves ``written 12`` without its newline; the zygote's ``exit`` line was glued
+    onto it and the kill test waited for an ``exit`` line that never came (a CI run failed that way). A
+    pipe write of at most PIPE_BUF bytes is atomic, so a line is now either all there or not at all.
+    """
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]
+
+
 def _emit(result: dict[str, Any]) -> None:
-    print(json.dumps(result), flush=True)
+    _say(json.dumps(result))
 
 
 def _disk_store(path: str, capacity: int, *, memory: bool, fsync: bool = True) -> Any:
@@ -139,7 +153,7 @@ def writer(opts: dict[str, Any]) -> None:
     start, count = int(opts.get("start", 0)), opts.get("count")
     deadline = time.monotonic() + float(opts["duration_s"]) if opts.get("duration_s") else None
     alternate = bool(opts.get("alternate_models", False))
-    print("ready", flush=True)
+    _say("ready")
     i = start
     while (count is None or i < start + count) and (deadline is None or time.monotonic() < deadline):
         ids = range(i, i + batch if count is None else min(i + batch, start + count))
@@ -147,7 +161,7 @@ def writer(opts: dict[str, Any]) -> None:
                          expected_meta(j)) for j in ids], owned=True)
         store.flush()
         i = ids[-1] + 1
-        print(f"written {i}", flush=True)
+        _say(f"written {i}")
     disk = store.stats()["tiers"]["disk"]
     store.close()
     _emit({"written_until": i, "start": start, "disk_puts": disk["puts"],
@@ -164,7 +178,7 @@ def reader(opts: dict[str, Any]) -> None:
     rng = random.Random(int(opts.get("seed", 0)))
     deadline = time.monotonic() + float(opts["duration_s"])
     reads = hits = mismatches = 0
-    print("ready", flush=True)
+    _say("ready")
     while True:  # at least one pass, however slow the machine
         listed = [(key_id(text), text) for _, _, _, text in disk.iter_index()]
         listed = [(i, text) for i, text in listed if i is not None]
@@ -194,7 +208,7 @@ def evictor(opts: dict[str, Any]) -> None:
                                                   "capacity": int(opts["capacity"])}]}
     deadline = time.monotonic() + float(opts["duration_s"])
     runs = removed = 0
-    print("ready", flush=True)
+    _say("ready")
     while runs == 0 or time.monotonic() < deadline:
         result = evict(config, model="evict")
         if any(t.get("error") for t in result["tiers"]):
@@ -247,7 +261,18 @@ def fill(opts: dict[str, Any]) -> None:
            "statvfs_total": os.statvfs(opts["path"]).f_blocks * os.statvfs(opts["path"]).f_frsize})
 
 
-MODES = {"writer": writer, "reader": reader, "evictor": evictor, "fill": fill}
+def half_line(_opts: dict[str, Any]) -> None:
+    """Say ``ready``, then leave a line without its newline and wait to be killed.
+
+    What a process killed between the two system calls of an unbuffered ``print`` leaves in the pipe;
+    the zygote's ``exit`` line after it must still be read as its own line.
+    """
+    _say("ready")
+    os.write(sys.stdout.fileno(), b"written 1")
+    time.sleep(600)
+
+
+MODES = {"writer": writer, "half_line": half_line, "reader": reader, "evictor": evictor, "fill": fill}
 
 
 def zygote(_opts: dict[str, Any]) -> None:
@@ -263,7 +288,7 @@ def zygote(_opts: dict[str, Any]) -> None:
     import vllm_tiercache.shared.store.disk
     import vllm_tiercache.shared.store.redis_tier  # noqa: F401
 
-    print("zygote ready", flush=True)
+    _say("zygote ready")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -274,14 +299,15 @@ def zygote(_opts: dict[str, Any]) -> None:
             try:
                 MODES[job["mode"]](job.get("opts", {}))
             except BaseException as exc:
-                print(f"worker failed: {exc!r}", flush=True)
+                _say(f"worker failed: {exc!r}")
                 code = 1
             finally:
                 sys.stdout.flush()
                 os._exit(code)
-        print(f"pid {pid}", flush=True)
+        _say(f"pid {pid}")
         _, status = os.waitpid(pid, 0)
-        print(f"exit {pid} {status}", flush=True)
+        # A leading newline ends whatever half line a killed child left, so ``exit`` always starts a line.
+        _say(f"\nexit {pid} {status}")
 
 
 def main(argv: list[str]) -> int:

@@ -63,22 +63,26 @@ class Zygote:
         assert self._line() == "zygote ready"
 
     def _line(self, timeout_s: float = 180.0) -> str:
-        """The zygote's next line; a stall fails with what the kernel says of both processes.
+        """The zygote's next non-blank line; a stall fails with the unread bytes and both processes' state.
 
-        Why bounded: one CI run sat 900 s here after a SIGKILL (the zygote never printed ``exit``), and
-        the test timeout said only where the test waited, not which process was stuck or in what.
+        Why bounded: two CI runs sat here after a SIGKILL. The second one's report showed the zygote
+        waiting for its next job, so it had written ``exit``: the line had been glued onto a killed
+        writer's half line (see `store_workers._say`). The unread bytes are now in the report too.
         """
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                pytest.fail(f"no line from the zygote in {timeout_s:.0f} s:\n{self.diagnose()}")
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            assert chunk, "zygote died"
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode().strip()
+        while True:
+            while b"\n" not in self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                    pytest.fail(f"no line from the zygote in {timeout_s:.0f} s; unread: {self._pending[-500:]!r}\n"
+                                f"{self.diagnose()}")
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                assert chunk, "zygote died"
+                self._pending += chunk
+            line, self._pending = self._pending.split(b"\n", 1)
+            if line.strip():
+                return line.decode().strip()
 
     def start(self, mode: str, opts: dict[str, Any]) -> int:
         """Fork a worker; return its pid once it said ``ready`` (it is then writing)."""
@@ -147,6 +151,19 @@ def _flip_payload_byte(path: Path, rng: random.Random) -> None:
     pos = rng.randrange(len(raw) - 512, len(raw))  # inside the payload (every payload is >= 1 KiB)
     raw[pos] ^= 1 << rng.randrange(8)
     path.write_bytes(bytes(raw))
+
+
+def test_a_child_killed_mid_line_does_not_hide_its_exit(zygote: Zygote) -> None:
+    """A child killed after writing half a line: the zygote's ``exit`` report is still read as a line.
+
+    The kill test below once waited out CI's timeout because a writer died between the text and the
+    newline of an unbuffered ``print`` and the ``exit`` line was glued onto ``written N``.
+    """
+    pid = zygote.start("half_line", {})
+    os.kill(pid, signal.SIGKILL)
+    status, lines = zygote.wait_exit(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (status, lines)
+    assert lines == ["written 1"], lines
 
 
 def test_writers_killed_with_sigkill_leave_a_consistent_store(tmp_path: Path, zygote: Zygote) -> None:
