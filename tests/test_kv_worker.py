@@ -96,6 +96,19 @@ def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
     consumer.shutdown()
 
 
+def test_remembered_keys_are_the_namings_keys(store) -> None:
+    """`KVWorkerSide.key` remembers keys (a hit rebuilt them per chunk and layer): the same objects the
+    second time, and always the naming's own key, layer by layer."""
+    side = worker(store)
+    first = [side.key(b"chunk-k", layer) for layer in range(LAYERS)]
+    assert [side.key(b"chunk-k", layer) for layer in range(LAYERS)] == first
+    assert all(a is b for a, b in zip(first, [side.key(b"chunk-k", layer) for layer in range(LAYERS)], strict=True))
+    assert first == [side.naming.record_key(b"chunk-k", layer) for layer in range(LAYERS)]
+    assert len({key.digest for key in first}) == LAYERS
+    assert side.key(b"chunk-j", 0) != first[0]
+    side.shutdown()
+
+
 def test_a_record_of_another_dtype_or_a_missing_layer_is_a_load_error(store) -> None:
     target = paged_caches(None)
     side = worker(store)
