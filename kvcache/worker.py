@@ -152,9 +152,9 @@ class KVWorkerSide:
         self._sent_save_queue = 0
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
-        #: `key`, remembered: a chunk's keys are built when it is saved and again on every hit, ~6 us each
-        #: (text, validation, blake2b), and a hit's loader needs one per chunk and layer before it can
-        #: read the first layer (a 2K-token hit of a 4-layer model: 32 keys, ~0.2 ms)
+        #: `key`, remembered: a chunk's keys are built when it is saved and were built again on every hit
+        #: (text, checks, blake2b: 1.5 us each alone, several in a busy engine), one per chunk and layer
+        #: (a 2K-token hit of a 4-layer model: 32; at 8K: 128)
         self.key = functools.lru_cache(maxsize=KEY_CACHE_SIZE)(self._build_key)
         self._threads = [
             background_thread(self._load_loop, "tiercache-kv-loader"),
