@@ -1,12 +1,16 @@
 """Moving whole blocks between vLLM's paged KV cache and host tensors the store can keep.
 
-CPU: a gather is one `index_select` (a private copy the store may keep), a scatter one `index_copy_`.
-CUDA: copies run on the mover's own stream through pinned host buffers reused from a pool, so they
-overlap the forward pass; an event per layer tells the forward stream when a loaded layer is ready.
+CPU: a gather is one slice copy per run of blocks (a private copy the store may keep), a scatter likewise.
+CUDA: copies run on the mover's own stream, so they overlap the forward pass; an event per layer tells the
+forward stream when a loaded layer is ready. A gather lands straight in a pinned tensor that becomes the
+record, so a memory-tier hit is one device copy from it too. Records the store made elsewhere (disk and
+Redis reads, pageable) go through pinned staging buffers reused from a pool.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from typing import Any
 
@@ -14,6 +18,8 @@ import numpy as np
 import torch
 
 from vllm_tiercache.kvcache.pinned_pool import PinnedPool
+
+log = logging.getLogger(__name__)
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -67,6 +73,10 @@ class BlockMover:
             out[position : position + length].copy_(kv_layer[first : first + length])
         return out
 
+    def gather_many(self, kv_layer: torch.Tensor, block_id_lists: list[list[int]]) -> list[torch.Tensor]:
+        """`gather` of several chunks of one layer (a step saves all of a layer's chunks at once)."""
+        return [self.gather(kv_layer, block_ids) for block_ids in block_id_lists]
+
     def finish_gathers(self) -> None:
         """Block until every gather issued so far has landed in host memory."""
 
@@ -111,81 +121,135 @@ class BlockMover:
     def wait(self, handle: object | None) -> None:
         """Make the forward pass wait for `handle`."""
 
+    def loading(self) -> contextlib.AbstractContextManager[object]:
+        """The context the loader thread reads and scatters in (CUDA: on the load stream, so GDS reads and
+        their checks never queue behind the forward pass)."""
+        return contextlib.nullcontext()
+
 
 class CudaBlockMover(BlockMover):
-    """Copies on the mover's own CUDA stream, staged through reused pinned host buffers (`PinnedPool`).
+    """Copies on the mover's own CUDA streams (`stream` loads, `save_stream` saves), so they overlap the
+    forward pass and each other (a GPU has a copy engine each way).
 
-    Gathers copy a layer's chunk blocks from the KV cache into a pinned buffer (ordered after the forward
-    stream's writes, overlapping what it computes next); `finish_gathers` waits for them and moves each
-    into a pageable tensor the store may keep, so pinned memory is reused step after step and never held
-    by a cache. Scatters copy the records' bytes into a pinned buffer and on to their blocks; the event
+    Gathers copy a layer's chunk blocks straight into a new pinned tensor (ordered after the forward
+    stream's writes) that becomes the store's record; `finish_gathers` only waits for them. Scatters copy
+    pinned records (what gathers made, kept by the memory tier) straight to their blocks, and other host
+    records (disk and Redis reads) through a pinned staging buffer reused from `pool`; the event
     `layer_ready` records tells the forward stream when a layer's blocks have landed.
+
+    Why records are pinned: only pinned memory moves at the link's speed. Staging through a pooled buffer
+    adds a host memcpy, and on an H100 host one thread copies 4.5-6.4 GB/s against the link's 48-53 GB/s
+    (`tiercache bench gpu`, docs/gpu.md): gathers into pageable records ran at 1.1-1.2 GB/s (fresh pages
+    fault in on the copy), scatters at 4.0-5.1 GB/s. Pinned records come from torch's caching host
+    allocator, which reuses what evicted records free; the memory tier's capacity bounds them. If pinned
+    memory cannot be had, gathers fall back to staging and pageable records, with one warning.
     """
 
-    def __init__(self, device: torch.device, pool: PinnedPool | None = None, cuda: Any = torch.cuda) -> None:
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None, cuda: Any = torch.cuda, *,
+                 pinned_records: bool = True) -> None:
         """``cuda``: the stream and event API (`torch.cuda`; CPU tests pass a synchronous stand-in to run
-        this class's staging and copy logic on CPU tensors)."""
+        this class's staging and copy logic on CPU tensors). ``pinned_records=False``: gathers stage through
+        the pool into pageable records (what they fall back to when pinned memory runs out)."""
         super().__init__(device)
         self._cuda = cuda
+        #: loads (host to device); `layer_ready` events are recorded here
         self.stream = cuda.Stream(device=device)
+        #: saves (device to host): each gather waits for the forward's writes, which loads must not do
+        self.save_stream = cuda.Stream(device=device)
         self.pool = pool or PinnedPool()
-        #: gathers issued and not yet finished: (pinned view being filled, the caller's tensor, its buffer)
+        self.pinned_records = pinned_records
+        #: staged gathers not yet finished: (pinned view being filled, the caller's tensor, its buffer)
         self._staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._staged_bytes = 0
+        #: gathers issued straight into pinned records since the last `finish_gathers`
+        self._direct = 0
 
     def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        return self.gather_many(kv_layer, [block_ids])[0]
+
+    def gather_many(self, kv_layer: torch.Tensor, block_id_lists: list[list[int]]) -> list[torch.Tensor]:
+        """One stream switch for all of a layer's chunks (per call, it cost more than a 1 MiB copy)."""
+        out: list[torch.Tensor] = []
+        # The forward stream wrote this layer's KV: order the copies after that, then run them on ours.
+        self.save_stream.wait_stream(self._cuda.current_stream(self.device))
+        with self._cuda.stream(self.save_stream):
+            for block_ids in block_id_lists:
+                out.append(self._gather_one(kv_layer, block_ids))
+        return out
+
+    def _gather_one(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """Issue one chunk's copies on the current (save) stream into its record, pinned or staged."""
         shape = (len(block_ids), *kv_layer.shape[1:])
+        record = self._pinned_record(shape, kv_layer.dtype)
+        if record is not None:
+            _copy_runs(record, kv_layer, block_ids)
+            self._direct += 1
+            return record
         nbytes = math.prod(shape) * kv_layer.element_size()
         if self._staged and self._staged_bytes + nbytes > self.pool.limit_bytes:
             self.finish_gathers()  # a step saving more than the pool holds: bound its pinned memory
         buffer = self.pool.take(nbytes)
         staging = buffer[:nbytes].view(kv_layer.dtype).view(shape)
-        # The forward stream wrote this layer's KV: order the copies after that, then run them on ours.
-        self.stream.wait_stream(self._cuda.current_stream(self.device))
-        with self._cuda.stream(self.stream):
-            for position, first, length in block_runs(block_ids):
-                staging[position : position + length].copy_(kv_layer[first : first + length], non_blocking=True)
+        _copy_runs(staging, kv_layer, block_ids)
         out = torch.empty(shape, dtype=kv_layer.dtype)
         self._staged.append((staging, out, buffer))
         self._staged_bytes += nbytes
         return out
 
+    def _pinned_record(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new pinned tensor for a gather, or None once pinned memory could not be had."""
+        if not self.pinned_records:
+            return None
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:  # cudaHostAlloc refused (the host's pinnable memory is spent)
+            self.pinned_records = False
+            log.warning("TieredKVConnector: no pinned host memory for saved records (%s); saves are staged "
+                        "into pageable memory from now on, and loads from the memory tier go through a "
+                        "staging copy", error)
+            return None
+
     def finish_gathers(self) -> None:
-        if not self._staged:
+        if not self._staged and not self._direct:
             return
-        self.stream.synchronize()
+        self.save_stream.synchronize()
         for staging, out, buffer in self._staged:
             np.copyto(_host_bytes(out), _host_bytes(staging))
             self.pool.give(buffer)
-        self._staged, self._staged_bytes = [], 0
+        self._staged, self._staged_bytes, self._direct = [], 0, 0
 
     def scatter(self, kv_layer: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
         self.scatter_spans(kv_layer, [(block_spans(block_ids), blocks)])
 
     def scatter_spans(self, kv_layer: torch.Tensor, items: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]]
                       ) -> None:
-        """Host records go through one pinned buffer (a memcpy each, then asynchronous copies to their
-        blocks); records already in GPU memory (GDS reads) are copied device to device."""
+        """Records already in GPU memory (GDS reads) are copied device to device and pinned records (the
+        memory tier's) host to device as they are; other host records go through one pinned buffer (a
+        memcpy each, then asynchronous copies to their blocks)."""
         if not items:
             return
-        host = [(spans, blocks) for spans, blocks in items if not blocks.is_cuda]
-        sources = [(spans, blocks) for spans, blocks in items if blocks.is_cuda]
+        staged = [(spans, blocks) for spans, blocks in items if not blocks.is_cuda and not blocks.is_pinned()]
+        sources = [(spans, blocks) for spans, blocks in items if blocks.is_cuda or blocks.is_pinned()]
         buffer = None
-        if host:
-            buffer = self.pool.take(sum(blocks.numel() * blocks.element_size() for _, blocks in host))
+        if staged:
+            buffer = self.pool.take(sum(blocks.numel() * blocks.element_size() for _, blocks in staged))
             offset = 0
-            for spans, blocks in host:
+            for spans, blocks in staged:
                 nbytes = blocks.numel() * blocks.element_size()
                 piece = buffer[offset : offset + nbytes]
                 np.copyto(_host_bytes(piece), _host_bytes(blocks))
                 sources.append((spans, piece.view(blocks.dtype).view(blocks.shape)))
                 offset += nbytes
-        # device-resident sources were made on this thread's stream (a GDS read and its verification)
-        self.stream.wait_stream(self._cuda.current_stream(self.device))
+        if any(source.is_cuda for _, source in sources):
+            # made on this thread's stream (a GDS read and its check); not waited for otherwise: the loader
+            # thread's stream may be the forward's, and waiting would queue each load behind the forward
+            self.stream.wait_stream(self._cuda.current_stream(self.device))
         with self._cuda.stream(self.stream):
             for spans, source in sources:
                 if source.is_cuda:
                     source.record_stream(self.stream)
+                # a pinned record from torch's caching host allocator is not reused before this copy is
+                # over even if the memory tier drops it meanwhile: the copy records an event for it
                 for position, first, length, step in spans:
                     if step == 1:
                         kv_layer[first : first + length].copy_(source[position : position + length], non_blocking=True)
@@ -208,6 +272,15 @@ class CudaBlockMover(BlockMover):
     def wait(self, handle: object | None) -> None:
         if handle is not None:
             self._cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
+
+    def loading(self) -> contextlib.AbstractContextManager[object]:
+        return self._cuda.stream(self.stream)  # type: ignore[no-any-return]
+
+
+def _copy_runs(destination: torch.Tensor, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
+    """Copy the blocks into ``destination`` (asynchronous where it is pinned), one copy per run of ids."""
+    for position, first, length in block_runs(block_ids):
+        destination[position : position + length].copy_(kv_layer[first : first + length], non_blocking=True)
 
 
 def _host_bytes(tensor: torch.Tensor) -> np.ndarray:

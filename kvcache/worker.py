@@ -14,6 +14,7 @@ that puts them in the store. Nothing in the forward pass waits for a disk, GDS o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -268,7 +269,8 @@ class KVWorkerSide:
         while (job := self._load_queue.get()) is not None:
             started = time.perf_counter()
             try:
-                self._run_load(job)
+                with self.mover.loading() if self.mover is not None else contextlib.nullcontext():
+                    self._run_load(job)
             except Exception:  # never let a store or copy problem kill the worker: recompute instead
                 log.exception("TieredKVConnector: load failed; the blocks will be recomputed")
                 job.failed.update(range(len(job.loads)))
@@ -356,14 +358,14 @@ class KVWorkerSide:
         layer = self.layer_index[layer_name]
         last_layer = layer == len(self.layout.layer_names) - 1
         group = self.group_of_layer.get(layer, 0)
-        for plan in meta.requests:
-            for save in plan.saves:
-                if save.group != group:
-                    continue
-                blocks = self.mover.gather(kv_layer, save.block_ids)
-                self._pending_saves.append(
-                    (self.key(save.chunk_hash, layer), blocks, save.chunk_hash, last_layer, save.first)
-                )
+        saves = [save for plan in meta.requests for save in plan.saves if save.group == group]
+        if not saves:
+            return
+        gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
+        for save, blocks in zip(saves, gathered, strict=True):
+            self._pending_saves.append(
+                (self.key(save.chunk_hash, layer), blocks, save.chunk_hash, last_layer, save.first)
+            )
 
     def wait_for_save(self) -> None:
         """Hand this step's gathered chunks to the saver thread (the copies are ours: no waiting)."""

@@ -99,7 +99,7 @@ def _cuda_mover_on_cpu():
     from vllm_tiercache.kvcache.pinned_pool import PinnedPool
     from vllm_tiercache.kvcache.transfer import CudaBlockMover
 
-    return CudaBlockMover(torch.device("cpu"), PinnedPool(pin=False), cuda=_SynchronousCuda)
+    return CudaBlockMover(torch.device("cpu"), PinnedPool(pin=False), cuda=_SynchronousCuda, pinned_records=False)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -146,3 +146,20 @@ def test_cuda_mover_logic_scatters_several_records_in_one_call():
     after = bits(layers[1])
     for ids, record in zip(lists, records, strict=True):
         assert torch.equal(after[ids], bits(record)), ids
+
+
+def test_cuda_mover_logic_falls_back_to_staging_when_pinned_memory_cannot_be_had(caplog):
+    """Without pinned memory (here: no CUDA, so `pin_memory=True` raises) gathers warn once and go on
+    through staging into pageable records, bit for bit."""
+    from vllm_tiercache.kvcache.pinned_pool import PinnedPool
+    from vllm_tiercache.kvcache.transfer import CudaBlockMover
+
+    _, layers = layer_views("LBHNC", dtype=torch.bfloat16, device="cpu", **GEOMETRY)
+    mover = CudaBlockMover(torch.device("cpu"), PinnedPool(pin=False), cuda=_SynchronousCuda)
+    assert mover.pinned_records
+    with caplog.at_level("WARNING", logger="vllm_tiercache.kvcache.transfer"):
+        check_gather_scatter_bit_for_bit(mover, layers)
+    assert not mover.pinned_records
+    warnings = [r for r in caplog.records if "no pinned host memory" in r.getMessage()]
+    assert len(warnings) == 1
+    assert mover.pool.allocations > 0  # the gathers were staged

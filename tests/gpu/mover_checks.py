@@ -30,6 +30,13 @@ def check_gather_scatter_bit_for_bit(mover: BlockMover, layers: list[torch.Tenso
             assert host.device.type == "cpu" and host.is_contiguous() and host.dtype == layer.dtype
             assert torch.equal(bits(host), reference[ids]), ids
 
+        # gathered records (pinned on CUDA: what the memory tier keeps) scattered back into other blocks
+        for ids, host in gathered:
+            target = ids[::-1]
+            mover.scatter_spans(layer, [(block_spans(target), host)])
+            mover.finish_scatters()
+            assert torch.equal(bits(layer)[target], bits(host)), target
+
         for ids in BLOCK_LISTS:
             before = bits(layer)
             new = torch.randint(-128, 128, (len(ids) * layer[0].numel() * layer.element_size(),),

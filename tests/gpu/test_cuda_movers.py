@@ -3,6 +3,8 @@ with the forward stream, private save copies, reused pinned staging."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -63,6 +65,36 @@ def test_a_loaded_layer_is_visible_to_the_forward_stream_only_after_its_event(de
     assert torch.equal(bits(seen_after), bits(new))
 
 
+def test_a_load_does_not_queue_behind_the_forward_or_the_saves(device):
+    """The loader thread's own stream is the forward's (the device's default): a load must not wait for
+    what the forward stream has queued, nor for a save that does. Once they did (each scatter waited for the
+    thread's current stream), and a layerwise load ran serialized with the forward: 0% of it hidden."""
+    _, layers = layer_views("LBHNC", dtype=torch.bfloat16, device=device, **GEOMETRY)
+    ids = list(range(8, 24))
+    record = torch.randn(len(ids), *layers[0].shape[1:]).to(torch.bfloat16).pin_memory()
+    mover = make_mover(device)
+    forward = torch.cuda.current_stream(device)
+    torch.cuda._sleep(LONG_SLEEP)  # the forward stream is busy (~0.1 s)
+    saved = mover.gather(layers[1], [1, 2, 3])  # a save: ordered after the forward, so pending too
+    outcome: dict[str, bool] = {}
+
+    def loader() -> None:
+        with mover.loading():
+            mover.scatter_spans(layers[0], [(block_spans(ids), record)])
+            handle = mover.layer_ready()
+        handle.synchronize()  # type: ignore[attr-defined]
+        outcome["forward still busy"] = not forward.query()
+        outcome["save still pending"] = not mover.save_stream.query()
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    thread.join()
+    mover.finish_gathers()
+    assert outcome == {"forward still busy": True, "save still pending": True}
+    assert torch.equal(bits(layers[0][ids]), bits(record))
+    assert saved.shape[0] == 3
+
+
 def test_a_gather_is_ordered_after_the_forward_streams_writes(device):
     _, layers = layer_views("LBNHC", dtype=torch.bfloat16, device=device, **GEOMETRY)
     layer = layers[1]
@@ -86,7 +118,52 @@ def test_a_saved_copy_survives_its_blocks_being_overwritten_right_after(device):
     layer[ids] = 0.0  # the next step writes other KV into them
     torch.cuda.synchronize(device)
     assert torch.equal(bits(host), reference)
-    assert not host.is_pinned()  # the store keeps pageable memory; pinned staging goes back to the pool
+    assert host.is_pinned()  # the record itself: the memory tier keeps it and a hit copies from it directly
+
+
+def test_a_memory_tier_record_goes_to_its_blocks_without_staging(device):
+    """A gather's pinned record, scattered back (a memory-tier hit), is one host-to-device copy: the staging
+    pool is never touched."""
+    _, layers = layer_views("LBNHC", dtype=torch.bfloat16, device=device, **GEOMETRY)
+    mover = make_mover(device)
+    record = mover.gather(layers[0], [4, 5, 6, 7])
+    mover.finish_gathers()
+    layers[0][4:8] = 0.0
+    mover.scatter_spans(layers[0], [(block_spans([4, 5, 6, 7]), record)])
+    mover.finish_scatters()
+    assert torch.equal(bits(layers[0][4:8]), bits(record))
+    assert mover.pool.allocations == 0
+
+
+def test_a_pinned_record_dropped_during_its_copy_is_not_reused_before_the_copy_ends(device):
+    """The memory tier may evict (drop) a record while its load is still pending on the mover's stream:
+    torch's caching host allocator must not hand its memory out again before the copy has read it."""
+    _, layers = layer_views("LBHNC", dtype=torch.float16, device=device, **GEOMETRY)
+    layer = layers[0]
+    ids = list(range(8, 24))
+    record = torch.randn(len(ids), *layer.shape[1:]).to(torch.float16).pin_memory()
+    expected = bits(record)
+    mover = make_mover(device)
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(LONG_SLEEP)  # the copy stays pending while the record is dropped and reallocated
+    mover.scatter_spans(layer, [(block_spans(ids), record)])
+    del record
+    others = [torch.zeros(len(ids), *layer.shape[1:], dtype=torch.float16, pin_memory=True) for _ in range(4)]
+    mover.finish_scatters()
+    assert torch.equal(bits(layer[ids]), expected)
+    assert all(not bool(other.any()) for other in others)
+
+
+def test_without_pinned_records_saves_are_staged_into_pageable_memory(device):
+    """What gathers fall back to when pinned memory cannot be had: the same bytes, pageable records."""
+    from vllm_tiercache.kvcache.transfer import CudaBlockMover
+
+    _, layers = layer_views("BLNHC", dtype=torch.bfloat16, device=device, **GEOMETRY)
+    mover = CudaBlockMover(device, pinned_records=False)
+    check_gather_scatter_bit_for_bit(mover, layers)
+    host = mover.gather(layers[0], [1, 2, 3])
+    mover.finish_gathers()
+    assert not host.is_pinned() and mover.pool.allocations > 0
 
 
 def test_pinned_staging_is_reused_step_after_step(device):
@@ -107,7 +184,8 @@ def test_pinned_staging_is_reused_step_after_step(device):
 
     for _ in range(22):
         one_step()
-    # 22 steps made 198 gathers and 66 scatter calls; at most 9 gathers (1 MiB buffers each) and 3 layers'
-    # scatters (3 MiB each) are ever in flight at once, and only those may have needed their own buffer
-    assert mover.pool.allocations <= 12 and mover.pool.allocated_bytes <= 18 << 20
+    # 22 steps made 198 gathers (into pinned records, no staging) and 66 scatter calls of pageable records;
+    # at most 3 layers' scatters (3 MiB each) are ever in flight at once, and only those may have needed
+    # their own buffer
+    assert mover.pool.allocations <= 3 and mover.pool.allocated_bytes <= 9 << 20
     assert mover.pool.take(1).is_pinned()
