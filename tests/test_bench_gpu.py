@@ -33,9 +33,12 @@ def test_smoke_run_on_cpu_measures_every_section():
     assert [round(row["record_mib"], 2) for row in results["movers"]] == [1.0, 8.0]
     for row in results["movers"]:
         assert row["gather_gbps"] > 0 and row["scatter_gbps"] > 0 and row["gather_share"] > 0
-    overlap = results["overlap"]
-    assert overlap["layers"] == 8 and overlap["load_s"] > 0 and overlap["compute_s"] > 0
-    assert overlap["together_s"] >= overlap["exposed_s"] >= 0
+        assert row["scatter_pageable_gbps"] > 0 and row["records_pinned"] is False  # no pinned memory on CPU
+    for key in ("overlap", "overlap_pageable"):
+        overlap = results[key]
+        assert overlap["layers"] == 8 and overlap["load_s"] > 0 and overlap["compute_s"] > 0
+        assert overlap["together_s"] >= overlap["exposed_s"] >= 0
+        assert 0 <= overlap["hidden_share"] <= 1
     paths = [row["path"] for row in results["reads"]]
     assert paths[0].startswith("POSIX") and results["reads"][0]["gbps"] > 0
     assert "no CUDA device" in results["reads"][1]["note"]

@@ -35,6 +35,10 @@ class Geometry:
         return self.num_kv_heads * self.block_size * 2 * self.head_size * self.dtype.itemsize
 
 
+#: chunks the worker gathers of one layer at once (`gather_many`): a 2K-token prefill of 256-token chunks
+CHUNKS_PER_LAYER_STEP = 8
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -75,8 +79,9 @@ def link_limit(device: torch.device, nbytes: int, rounds: int) -> dict[str, floa
 
 def mover_throughput(device: torch.device, geometry: Geometry, blocks_per_record: int, rounds: int
                      ) -> dict[str, float]:
-    """GB/s of the mover's gathers (device to host) and scatters (host to device) of records of
-    ``blocks_per_record`` blocks, and of plain pinned ``copy_`` calls of the same sizes."""
+    """GB/s of the mover's gathers (device to host), its scatters (host to device) of the records gathers
+    make (what the memory tier keeps: pinned on CUDA) and of pageable records (what disk and Redis reads
+    give), of records of ``blocks_per_record`` blocks, and of plain pinned ``copy_`` calls of the same sizes."""
     record_bytes = blocks_per_record * geometry.block_bytes
     records = max(1, geometry.moved_bytes // record_bytes)
     num_blocks = records * blocks_per_record
@@ -85,17 +90,21 @@ def mover_throughput(device: torch.device, geometry: Geometry, blocks_per_record
     ids = [list(range(r * blocks_per_record, (r + 1) * blocks_per_record)) for r in range(records)]
     mover: BlockMover = make_mover(device)
 
-    def gathers() -> None:
-        for block_ids in ids:
-            mover.gather(layer, block_ids)
+    def gathers() -> list[torch.Tensor]:
+        out = [record for step in range(0, records, CHUNKS_PER_LAYER_STEP)
+               for record in mover.gather_many(layer, ids[step : step + CHUNKS_PER_LAYER_STEP])]
         mover.finish_gathers()
+        return out
 
-    host_records = [layer[block_ids[0] : block_ids[-1] + 1].to("cpu", copy=True) for block_ids in ids]
-    items = [(block_spans(block_ids), record) for block_ids, record in zip(ids, host_records, strict=True)]
+    kept = [(block_spans(block_ids), record) for block_ids, record in zip(ids, gathers(), strict=True)]
+    pageable = [(block_spans(block_ids), layer[block_ids[0] : block_ids[-1] + 1].to("cpu", copy=True))
+                for block_ids in ids]
 
-    def scatters() -> None:
-        mover.scatter_spans(layer, items)
-        mover.finish_scatters()
+    def scatters_of(items: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]]) -> Callable[[], None]:
+        def scatters() -> None:
+            mover.scatter_spans(layer, items)
+            mover.finish_scatters()
+        return scatters
 
     pinned = host_buffer(records * record_bytes, device).view(geometry.dtype).view(layer.shape)
 
@@ -113,25 +122,33 @@ def mover_throughput(device: torch.device, geometry: Geometry, blocks_per_record
     result = {
         "record_mib": record_bytes / (1 << 20),
         "records": records,
+        "records_pinned": bool(kept[0][1].is_pinned()),
         "gather_gbps": moved / median_seconds(gathers, device, rounds) / 1e9,
         "plain_d2h_gbps": moved / median_seconds(plain_to_host, device, rounds) / 1e9,
-        "scatter_gbps": moved / median_seconds(scatters, device, rounds) / 1e9,
+        "scatter_gbps": moved / median_seconds(scatters_of(kept), device, rounds) / 1e9,
+        "scatter_pageable_gbps": moved / median_seconds(scatters_of(pageable), device, rounds) / 1e9,
         "plain_h2d_gbps": moved / median_seconds(plain_to_device, device, rounds) / 1e9,
     }
     result["gather_share"] = result["gather_gbps"] / result["plain_d2h_gbps"]
     result["scatter_share"] = result["scatter_gbps"] / result["plain_h2d_gbps"]
+    result["scatter_pageable_share"] = result["scatter_pageable_gbps"] / result["plain_h2d_gbps"]
     return result
 
 
-def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: int) -> dict[str, float]:
+def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: int, *, pinned: bool = True
+            ) -> dict[str, float]:
     """A fake forward of ``num_layers`` layers (matmuls on the forward stream) with each layer's KV loaded
     by a loader thread, as `kvcache/worker.py` does: the thread scatters layer i's records and marks it
-    ready; the forward waits for that mark and the mover's event before layer i. Returns the forward
-    alone, the loads alone, both together, and the load time left exposed."""
+    ready; the forward waits for that mark and the mover's event before layer i. ``pinned``: the records
+    are what the memory tier keeps (pinned on CUDA), else pageable (disk and Redis reads). Returns the
+    forward alone, the loads alone, both together, the time the forward lost to the loads (exposed), and
+    the share of the shorter of the two that ran hidden behind the other."""
     blocks = max(1, geometry.moved_bytes // num_layers // geometry.block_bytes)
     shape = (blocks, geometry.num_kv_heads, geometry.block_size, 2 * geometry.head_size)
     layers = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(num_layers)]
     records = [torch.randn(shape).to(geometry.dtype) for _ in range(num_layers)]
+    if pinned and device.type == "cuda":
+        records = [record.pin_memory() for record in records]
     spans = block_spans(list(range(blocks)))
     mover = make_mover(device)
 
@@ -150,7 +167,13 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
     size = 2048 if device.type == "cuda" else 256
     weight = torch.randn(size, size, device=device, dtype=geometry.dtype if device.type == "cuda" else torch.float32)
     activations = torch.randn(size, size, device=device, dtype=weight.dtype)
-    one = median_seconds(lambda: activations @ weight, device, rounds)
+    batch = 50  # timed as a batch: one matmul alone is mostly launch and synchronize
+
+    def calibration() -> None:
+        for _ in range(batch):
+            activations @ weight
+
+    one = median_seconds(calibration, device, rounds) / batch
     matmuls = max(1, round(load_s / num_layers / max(one, 1e-9)))  # one layer computes about one layer's load
 
     def compute_layer() -> None:
@@ -177,6 +200,9 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
     compute_s = median_seconds(forward_alone, device, rounds)
     together_s = median_seconds(forward_with_loads, device, rounds)
     exposed = max(0.0, together_s - compute_s)
+    shorter = min(compute_s, load_s)
+    hidden = min(1.0, max(0.0, (compute_s + load_s - together_s) / shorter)) if shorter else 0.0
     return {"layers": num_layers, "layer_mib": blocks * geometry.block_bytes / (1 << 20),
-            "compute_s": compute_s, "load_s": load_s, "together_s": together_s, "exposed_s": exposed,
-            "exposed_share": exposed / load_s if load_s else 0.0}
+            "records_pinned": bool(records[0].is_pinned()), "compute_s": compute_s, "load_s": load_s,
+            "together_s": together_s, "exposed_s": exposed, "exposed_share": exposed / load_s if load_s else 0.0,
+            "hidden_share": hidden}
