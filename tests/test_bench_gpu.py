@@ -38,7 +38,7 @@ def test_smoke_run_on_cpu_measures_every_section():
         overlap = results[key]
         assert overlap["layers"] == 8 and overlap["load_s"] > 0 and overlap["compute_s"] > 0
         assert overlap["together_s"] >= overlap["exposed_s"] >= 0
-        assert 0 <= overlap["hidden_share"] <= 1
+        assert 0 <= overlap["hidden_share"] <= 1 and overlap["loader_issue_s"] > 0
     paths = [row["path"] for row in results["reads"]]
     assert paths[0].startswith("POSIX") and results["reads"][0]["gbps"] > 0
     assert "no CUDA device" in results["reads"][1]["note"]

@@ -107,7 +107,8 @@ def format_report(results: dict[str, Any]) -> str:
                   f"  forward alone {ov['compute_s'] * 1e3:.2f} ms, loads alone {ov['load_s'] * 1e3:.2f} ms, together "
                   f"{ov['together_s'] * 1e3:.2f} ms: exposed {ov['exposed_s'] * 1e3:.2f} ms = "
                   f"{ov['exposed_share'] * 100:.1f}% of the loads; {ov.get('hidden_share', 0) * 100:.0f}% of the "
-                  "shorter ran hidden"]
+                  f"shorter ran hidden; the loader thread issued its copies in "
+                  f"{ov.get('loader_issue_s', 0) * 1e3:.2f} ms"]
     lines += ["", "reads into device memory, cold page cache (target GDS >= POSIX)"]
     for row in results["reads"]:
         note = f"  ({row['note']})" if row.get("note") else ""

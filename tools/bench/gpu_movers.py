@@ -185,10 +185,17 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
         for _ in range(num_layers):
             compute_layer()
 
+    issued: list[float] = []  # how long the loader thread took to issue every layer's copies, per round
+
+    def timed_load(ready: list[threading.Event], handles: list[object | None]) -> None:
+        started = time.perf_counter()
+        load(ready, handles)
+        issued.append(time.perf_counter() - started)
+
     def forward_with_loads() -> None:
         ready = [threading.Event() for _ in range(num_layers)]
         handles: list[object | None] = [None] * num_layers
-        loader = threading.Thread(target=load, args=(ready, handles), name="bench-gpu-loader")
+        loader = threading.Thread(target=timed_load, args=(ready, handles), name="bench-gpu-loader")
         loader.start()
         for i in range(num_layers):
             ready[i].wait()
@@ -205,4 +212,4 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
     return {"layers": num_layers, "layer_mib": blocks * geometry.block_bytes / (1 << 20),
             "records_pinned": bool(records[0].is_pinned()), "compute_s": compute_s, "load_s": load_s,
             "together_s": together_s, "exposed_s": exposed, "exposed_share": exposed / load_s if load_s else 0.0,
-            "hidden_share": hidden}
+            "hidden_share": hidden, "loader_issue_s": statistics.median(issued)}
