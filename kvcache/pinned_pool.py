@@ -1,10 +1,11 @@
 """Reusable pinned (page-locked) host buffers for the CUDA block mover's staging.
 
 Why a pool: only pinned memory copies to and from a GPU asynchronously, and allocating it
-(`cudaHostAlloc`) takes milliseconds and pins pages for good. The mover stages every gather and scatter
-through buffers taken here and given back once the copy that used them has finished, so a serving engine
-allocates pinned memory during its first steps and then reuses it. Records the store keeps are pageable
-copies: pinned memory is never handed to a cache that may hold gigabytes of it.
+(`cudaHostAlloc`) takes milliseconds and pins pages for good. The mover stages the scatters of pageable
+records (disk and Redis reads) through buffers taken here and given back once the copy that used them has
+finished, so a serving engine allocates staging during its first steps and then reuses it. Saves land in
+pinned records from torch's caching host allocator, and use this pool only when pinned records cannot be
+had (the fallback: staged, then copied into pageable records).
 """
 
 from __future__ import annotations

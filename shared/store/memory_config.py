@@ -45,7 +45,8 @@ class MemoryTierConfig:
         description="Bytes the tier may hold: an int or a size string such as \"8GiB\". Default: "
                     "$TIERCACHE_MEMORY_CAPACITY, else 2GiB. At least 256 bytes (a smaller tier holds no record "
                     "and would refuse every put without a word). More than the machine's memory is a WARNING, "
-                    "once per process (the config may be read on another machine than the one that serves).")
+                    "once per process (the config may be read on another machine than the one that serves). On "
+                    "a CUDA worker the KV connector's records here are pinned host memory (docs/gpu.md).")
     ] = DEFAULT_MEMORY_CAPACITY
     policy: Annotated[MemoryPolicy, Field(
         description="Eviction policy: lru, or wtinylfu (W-TinyLFU; may refuse a record by admission, counted "
