@@ -31,6 +31,9 @@ FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 #: What a chunk that fails to load costs when neither vLLM's setting nor our option says: a recompute,
 #: never a failed request (a bad or evicted record is a cache miss).
 DEFAULT_LOAD_FAILURE_POLICY = "recompute"
+#: Allowed values of ``load_mode``: when a step's hits are loaded (`vllm_tiercache.kvcache.worker`).
+LoadMode = Literal["auto", "layerwise", "before_forward"]
+LOAD_MODES: tuple[str, ...] = get_args(LoadMode)
 #: Env var that overrides ``chunk_size`` (applied last, over every config source).
 CHUNK_SIZE_ENV = "TIERCACHE_CHUNK_SIZE"
 
@@ -54,6 +57,12 @@ class KVConnectorOptions:
         "default). Only fills vLLM's kv_load_failure_policy when that is not set; with neither set the "
         "connector runs vLLM with recompute.")),
         Allowed(", ".join(FAILURE_POLICIES), path="kv_connector_extra_config.load_failure_policy")] = None
+    load_mode: Annotated[LoadMode, Field(description=(
+        "When a step's hits are loaded: layerwise (a loader thread, layer by layer while the forward runs; "
+        "each layer waits for its own), before_forward (all of them before the forward starts, on the "
+        "forward's thread), or auto: layerwise on a GPU, before_forward on a CPU, where the loader and the "
+        "forward share the cores and the GIL and overlap bought nothing (docs/benchmarks-kv.md).")),
+        Allowed(", ".join(LOAD_MODES), path="kv_connector_extra_config.load_mode")] = "auto"
     # Taken as truthy, as it always was (not a strict bool).
     warmup_cpu_attention: Annotated[bool, BeforeValidator(bool), Field(description=(
         "Run the CPU attention kernel once when the KV caches are registered (see "

@@ -111,10 +111,15 @@ class KVWorkerSide:
         naming: KVNaming,
         rank: int,
         use_mla: bool,
+        load_mode: str = "auto",
     ) -> None:
         """`naming` names the records (the scheduler side's naming); `rank`: this worker's tensor-parallel
-        rank, whose records it reads and writes."""
+        rank, whose records it reads and writes; `load_mode`: `KVConnectorOptions.load_mode` ("auto" is
+        resolved when the KV caches' device is known)."""
         self.store = store
+        self.load_mode = load_mode
+        #: a step's loads run in `start_load`, before the forward, instead of on the loader thread
+        self.loads_before_forward = load_mode == "before_forward"
         self.naming = naming
         self.rank = rank
         self.identity = naming.identities[rank]
@@ -196,6 +201,11 @@ class KVWorkerSide:
         self.kv_caches = dict(kv_caches)
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         self.mover = make_mover(layout.device)
+        # On a CPU the loader thread and the forward share the cores and the GIL: layerwise overlap bought
+        # nothing there, and the handoffs cost a page-cache disk hit of 2049 tokens 0.1-0.26x of vLLM's
+        # resident hit (docs/benchmarks-kv.md, "2026-11-25, fifth"). A GPU copies on its own engines.
+        self.loads_before_forward = self.load_mode == "before_forward" or (
+            self.load_mode == "auto" and layout.device.type == "cpu")
         self._reads_into = layout.device.type == "cpu" and any(
             hasattr(tier, "get_many_into") for tier in getattr(self.store, "tiers", ()))
         if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
@@ -226,7 +236,10 @@ class KVWorkerSide:
         owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
         job = _LoadJob(self.layout.layer_names, loads, owners, whole)
         self._job = job
-        self._load_queue.put(job)
+        if self.loads_before_forward:
+            self._do_load(job)
+        else:
+            self._load_queue.put(job)
 
     def wait_for_layer(self, layer_name: str) -> None:
         job = self._job
@@ -267,19 +280,23 @@ class KVWorkerSide:
 
     def _load_loop(self) -> None:
         while (job := self._load_queue.get()) is not None:
-            started = time.perf_counter()
-            try:
-                with self.mover.loading() if self.mover is not None else contextlib.nullcontext():
-                    self._run_load(job)
-            except Exception:  # never let a store or copy problem kill the worker: recompute instead
-                log.exception("TieredKVConnector: load failed; the blocks will be recomputed")
-                job.failed.update(range(len(job.loads)))
-            finally:
-                for event in job.ready.values():
-                    event.set()
-                job.done.set()
-            with self._counters_lock:
-                self.counters.load_seconds.append(time.perf_counter() - started)
+            self._do_load(job)
+
+    def _do_load(self, job: _LoadJob) -> None:
+        """Run one step's loads (on the loader thread, or in `start_load`); a failure fails its loads."""
+        started = time.perf_counter()
+        try:
+            with self.mover.loading() if self.mover is not None else contextlib.nullcontext():
+                self._run_load(job)
+        except Exception:  # never let a store or copy problem kill the worker: recompute instead
+            log.exception("TieredKVConnector: load failed; the blocks will be recomputed")
+            job.failed.update(range(len(job.loads)))
+        finally:
+            for event in job.ready.values():
+                event.set()
+            job.done.set()
+        with self._counters_lock:
+            self.counters.load_seconds.append(time.perf_counter() - started)
 
     def _run_load(self, job: _LoadJob) -> None:
         """Every layer in order: one batched store read of its chunks, then one batched copy of the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -52,10 +54,21 @@ def store(tmp_path):
     s.close()
 
 
-def worker(store) -> KVWorkerSide:
+#: the load mode `worker` builds workers with: every test here runs in both (`_both_load_modes`)
+_LOAD_MODE = ["layerwise"]
+
+
+@pytest.fixture(autouse=True, params=["layerwise", "before_forward"])
+def _both_load_modes(request):
+    _LOAD_MODE[0] = request.param
+    yield request.param
+    _LOAD_MODE[0] = "layerwise"
+
+
+def worker(store, load_mode: str | None = None) -> KVWorkerSide:
     naming = KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, 4 * BLOCK),
                       hash_algo="sha256")
-    return KVWorkerSide(store=store, naming=naming, rank=0, use_mla=False)
+    return KVWorkerSide(store=store, naming=naming, rank=0, use_mla=False, load_mode=load_mode or _LOAD_MODE[0])
 
 
 def save(side: KVWorkerSide, caches: dict[str, torch.Tensor], chunk: bytes, block_ids: list[int]) -> None:
@@ -92,6 +105,39 @@ def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
     for name in source:
         assert torch.equal(target[name][[12, 13, 14]], source[name][[7, 1, 9]])
         assert not target[name][[0, 3, 7, 15]].any()  # nothing else was written
+    producer.shutdown()
+    consumer.shutdown()
+
+
+@pytest.mark.parametrize("load_mode, before_forward", [("auto", True), ("before_forward", True),
+                                                        ("layerwise", False)])
+def test_load_mode_decides_whether_a_step_loads_before_its_forward(store, load_mode, before_forward) -> None:
+    """before_forward (and auto, on a CPU): `start_load` returns with every layer loaded, on the calling
+    thread; layerwise: the loader thread loads while the forward runs, each layer ready on its own."""
+    source, target, producer, _ = saved_chunk(store, 4, b"mode", [2, 3, 4, 5])
+    consumer = worker(store, load_mode)
+    consumer.register_kv_caches(target, NUM_BLOCKS)
+    assert consumer.loads_before_forward is before_forward
+    threads: set[str] = set()
+    run_load = consumer._run_load
+
+    def run_and_note(job):
+        threads.add(threading.current_thread().name)
+        run_load(job)
+
+    consumer._run_load = run_and_note  # type: ignore[method-assign]
+    consumer.start_load(TieredKVMetadata([RequestPlan("r", loads=[ChunkLoad(b"mode", 0, 0, 4, [8, 9, 10, 11])])]))
+    job = consumer._job
+    assert job is not None
+    if before_forward:
+        assert job.done.is_set() and threads == {threading.current_thread().name}
+    assert job.done.wait(10)
+    consumer.finish_load()
+    assert consumer.take_load_errors() == set()
+    for name in source:
+        assert torch.equal(target[name][[8, 9, 10, 11]], source[name][[2, 3, 4, 5]])
+    if not before_forward:
+        assert threads == {"tiercache-kv-loader"}
     producer.shutdown()
     consumer.shutdown()
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.kvcache.options import LOAD_MODES
 from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE, run_engine_process, run_job
 
 #: Tokens ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
@@ -112,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="model and KV cache dtype of every engine (default %(default)s)")
+    parser.add_argument("--load-mode", choices=LOAD_MODES, default="auto",
+                        help="the KV connector's load_mode in every tiered case (default %(default)s): compare "
+                             "layerwise loads with loads before the forward")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -184,7 +188,8 @@ class Bench:
         return {
             "kv_connector": "TieredKVConnector",
             "kv_role": role,
-            "kv_connector_extra_config": {"namespace": self.namespace, "tiers": tiers},
+            "kv_connector_extra_config": {"namespace": self.namespace, "tiers": tiers,
+                                          "load_mode": self.args.load_mode},
         }
 
     def disk_tier(self, name: str) -> dict[str, Any]:
