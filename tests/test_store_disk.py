@@ -25,11 +25,58 @@ def _t(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g).to(torch.bfloat16)
 
 
-@pytest.fixture
-def tier(tmp_path):
+class _Payloads:
+    """A `DiskTier.payload_allocator` that remembers what it gave (a CUDA worker gives pinned memory)."""
+
+    def __init__(self) -> None:
+        self.given: list[torch.Tensor] = []
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        self.given.append(torch.empty(nbytes, dtype=torch.uint8))
+        return self.given[-1]
+
+
+@pytest.fixture(params=["one buffer per file", "payload apart"])
+def tier(tmp_path, request):
+    """Every test of a tier runs with both whole-record read paths."""
     t = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20))
+    if request.param == "payload apart":
+        t.payload_allocator = _Payloads()
     yield t
     t.close()
+
+
+def test_payloads_land_in_the_memory_the_reader_gives(tmp_path):
+    """With a `payload_allocator` a record's tensor lies in the memory it gave, headers long or short; a
+    file longer or shorter than its header says, or with a flipped payload bit, is a miss, and a foreign
+    size never reaches the allocator."""
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20))
+    payloads = tier.payload_allocator = _Payloads()
+    long_meta = {"note": "x" * 10_000}  # a header longer than the first read
+    tier.put_many([(_k("short"), _t(3000, 1), {"tokens": 1}), (_k("long"), _t(700, 2), long_meta),
+                   (_k("empty"), torch.empty(0, dtype=torch.bfloat16), None)])
+    short, long, empty = tier.get_many([_k("short"), _k("long"), _k("empty")])
+    assert torch.equal(short.tensor, _t(3000, 1)) and short.meta == {"tokens": 1}
+    assert torch.equal(long.tensor, _t(700, 2)) and long.meta == long_meta
+    assert empty.tensor.numel() == 0
+    assert [p.numel() for p in payloads.given] == [6000, 1400, 0]
+    assert short.tensor.data_ptr() == payloads.given[0].data_ptr()
+    assert long.tensor.data_ptr() == payloads.given[1].data_ptr()
+
+    tier.put_many([(_k(n), _t(500, 3), None) for n in ("longer", "shorter", "flip")])
+    with open(tier.path_for(_k("longer")), "ab") as f:
+        f.write(b"\0" * 64)
+    shorter = tier.path_for(_k("shorter"))
+    shorter.write_bytes(shorter.read_bytes()[:-64])
+    flip = tier.path_for(_k("flip"))
+    raw = bytearray(flip.read_bytes())
+    raw[-3] ^= 0x10
+    flip.write_bytes(raw)
+    given = len(payloads.given)
+    assert tier.get_many([_k("longer"), _k("shorter"), _k("flip")]) == [None, None, None]
+    assert tier.counters.get("corrupt") == 3
+    assert len(payloads.given) == given + 1  # only the flipped file's size matched its header
+    tier.close()
 
 
 def test_put_get_contains_layout(tier, tmp_path):

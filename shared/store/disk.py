@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 #: Bytes read per call; the payload checksum follows each piece while it is hot in cache.
 READ_PIECE = 1 << 20
+#: Bytes a reader with its own payload memory (`DiskTier.payload_allocator`) reads first: the header and,
+#: for most records, all of it (a header is a few hundred bytes; longer ones take a second read).
+HEAD_READ = 4096
 #: Refresh a record's stored access time on read only when older than this: LRU order at one-minute
 #: granularity is plenty for a disk cache, and it keeps write transactions (an fsync each) off hot reads.
 ATIME_REFRESH_NS = 60_000_000_000
@@ -97,6 +100,10 @@ class DiskTier:
                 f"create the directory (mode 0700) and open its LMDB index {self._index_dir}. Give the "
                 f"tier a writable local directory (the 'path' of this tier in the store config)") from exc
         self._closed = False
+        #: where whole-record reads put payloads: None, one buffer per file (the default); else a callable
+        #: giving a uint8 host tensor of n bytes (a CUDA KV worker gives pinned memory, so a hit's record
+        #: goes to the GPU in one copy and, promoted, stays in the memory tier as it is)
+        self.payload_allocator: Callable[[int], torch.Tensor] | None = None
         self._remove_stale_tmp()
 
     def _open_index(self) -> None:
@@ -167,8 +174,11 @@ class DiskTier:
         """Read a whole file into one preallocated buffer and decode it in place. Returns (record, size).
 
         The payload checksum is computed piece by piece as the file is read, while each piece is still
-        in the CPU cache, instead of in a second pass over memory.
+        in the CPU cache, instead of in a second pass over memory. With a `payload_allocator` the payload
+        lands apart, in the memory it gives (`_read_payload_apart`).
         """
+        if self.payload_allocator is not None:
+            return self._read_payload_apart(str(path), key, self.payload_allocator)
         with open(path, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
             buf = torch.empty(st.st_size, dtype=torch.uint8).numpy() if st.st_size else bytearray()
@@ -191,6 +201,40 @@ class DiskTier:
                 raise records.RecordError(f"short read: {got} of {st.st_size} bytes")
         checksum = hasher.intdigest() if payload_start is not None else None
         return records.decode(buf, key, payload_checksum=checksum), st.st_size
+
+    def _read_payload_apart(self, path: str, key: StoreKey, allocate: Callable[[int], torch.Tensor]
+                            ) -> tuple[Record, int]:
+        """A whole record whose payload lands in ``allocate(payload bytes)``, the header in a small buffer:
+        the first `HEAD_READ` bytes, the header checked, then the rest of the payload in one ``preadv``. The
+        file's size must be exactly the header's offset plus payload (checked before anything is allocated,
+        so a foreign header cannot ask for a huge buffer); the payload is hashed in one pass afterwards."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            head = bytearray(min(size, HEAD_READ))
+            got = os.preadv(fd, [head], 0)
+            start = records.payload_start(memoryview(head)[:got])
+            if start is None:
+                raise records.RecordError(f"truncated or corrupt header ({size} bytes)")
+            if start > got:  # a long header: read the rest of it
+                more = bytearray(min(size, start) - got)
+                read = os.preadv(fd, [more], got)
+                head = head[:got] + more[:read]
+                got += read
+            header = records.decode_header(memoryview(head)[: min(got, start)], key)
+            if header.payload_offset != start or start + header.nbytes != size:
+                raise records.RecordError(f"truncated or oversized: {size} bytes, the header says "
+                                          f"{start + header.nbytes}")
+            payload = allocate(header.nbytes)
+            view = records.byte_view(payload) if header.nbytes else memoryview(b"")
+            already = max(0, min(got, size) - start)
+            if already:
+                view[:already] = memoryview(head)[start : start + already]
+            if already < header.nbytes and os.preadv(fd, [view[already:]], start + already) != header.nbytes - already:
+                raise records.RecordError(f"short read of {path}")
+        finally:
+            os.close(fd)
+        return records.decode_payload(header, payload, xxhash.xxh3_64_intdigest(view)), size
 
     def _read_record_into(self, path: str, key: StoreKey, pieces: Sequence[memoryview]) -> tuple[Record, int]:
         """Read the payload straight into ``pieces`` (one after the other) when the record is exactly their

@@ -222,6 +222,14 @@ def decode_into(header: Header, pieces: Sequence[memoryview], checksum: int) -> 
                   pieces=tuple(pieces))
 
 
+def decode_payload(header: Header, payload: torch.Tensor, checksum: int) -> Record:
+    """The record whose payload the caller read into ``payload`` (a contiguous uint8 host tensor of the
+    header's size, e.g. pinned memory) after checking ``header`` with `decode_header`; ``checksum``: the
+    xxh3-64 of those bytes. The record's tensor shares ``payload``'s memory."""
+    view = byte_view(payload) if payload.numel() else memoryview(b"")
+    return Record(_tensor_from(header, view, checksum), header.meta)
+
+
 def joined_copy(record: Record) -> torch.Tensor:
     """A new contiguous tensor with a record's data, also when it lies in the caller's pieces (``in_place``):
     what a store keeps of a record the caller will reuse the memory of."""
