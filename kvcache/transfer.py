@@ -163,6 +163,10 @@ class CudaBlockMover(BlockMover):
         self._staged_bytes = 0
         #: gathers issued straight into pinned records since the last `finish_gathers`
         self._direct = 0
+        #: pinned host records whose loads were issued since the last `finish_scatters`: held so that
+        #: their memory outlives the copies even if the memory tier drops them meanwhile (records read
+        #: from disk into `host_bytes` are views torch's host allocator cannot track)
+        self._held: list[torch.Tensor] = []
 
     def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         return self.gather_many(kv_layer, [block_ids])[0]
@@ -204,10 +208,16 @@ class CudaBlockMover(BlockMover):
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as error:  # cudaHostAlloc refused (the host's pinnable memory is spent)
             self.pinned_records = False
-            log.warning("TieredKVConnector: no pinned host memory for saved records (%s); saves are staged "
-                        "into pageable memory from now on, and loads from the memory tier go through a "
-                        "staging copy", error)
+            log.warning("TieredKVConnector: no pinned host memory for records (%s); saves are staged into "
+                        "pageable memory from now on, disk reads land in pageable memory, and their loads "
+                        "go through a staging copy", error)
             return None
+
+    def host_bytes(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory for a record read on its way to the GPU (`DiskTier.payload_allocator`):
+        pinned while it can be had, so its load is one copy and, promoted, the memory tier keeps it."""
+        pinned = self._pinned_record((nbytes,), torch.uint8)
+        return pinned if pinned is not None else torch.empty(nbytes, dtype=torch.uint8)
 
     def finish_gathers(self) -> None:
         if not self._staged and not self._direct:
@@ -230,6 +240,7 @@ class CudaBlockMover(BlockMover):
             return
         staged = [(spans, blocks) for spans, blocks in items if not blocks.is_cuda and not blocks.is_pinned()]
         sources = [(spans, blocks) for spans, blocks in items if blocks.is_cuda or blocks.is_pinned()]
+        self._held.extend(blocks for _, blocks in sources if not blocks.is_cuda)  # pinned records
         buffer = None
         if staged:
             buffer = self.pool.take(sum(blocks.numel() * blocks.element_size() for _, blocks in staged))
@@ -248,8 +259,7 @@ class CudaBlockMover(BlockMover):
             for spans, source in sources:
                 if source.is_cuda:
                     source.record_stream(self.stream)
-                # a pinned record from torch's caching host allocator is not reused before this copy is
-                # over even if the memory tier drops it meanwhile: the copy records an event for it
+                # a pinned record the memory tier drops meanwhile outlives this copy: `_held` keeps it
                 for position, first, length, step in spans:
                     if step == 1:
                         kv_layer[first : first + length].copy_(source[position : position + length], non_blocking=True)
@@ -263,6 +273,7 @@ class CudaBlockMover(BlockMover):
 
     def finish_scatters(self) -> None:
         self.stream.synchronize()
+        self._held.clear()
 
     def layer_ready(self) -> object | None:
         event = self._cuda.Event()

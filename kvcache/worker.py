@@ -29,7 +29,7 @@ import torch
 from vllm_tiercache.kvcache.layout import PagedLayout
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.kvcache.transfer import BlockMover, block_spans, make_mover
+from vllm_tiercache.kvcache.transfer import BlockMover, CudaBlockMover, block_spans, make_mover
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats
@@ -201,6 +201,12 @@ class KVWorkerSide:
         self.kv_caches = dict(kv_caches)
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         self.mover = make_mover(layout.device)
+        if isinstance(self.mover, CudaBlockMover):
+            # records read from disk land in pinned memory: their load is one copy, and promoted to the
+            # memory tier they stay pinned (a GDS tier reads into GPU memory itself)
+            for tier in getattr(self.store, "tiers", ()):
+                if getattr(tier, "kind", None) == "disk" and hasattr(tier, "payload_allocator"):
+                    tier.payload_allocator = self.mover.host_bytes
         # On a CPU the loader thread and the forward share the cores and the GIL: layerwise overlap bought
         # nothing there, and the handoffs cost a page-cache disk hit of 2049 tokens 0.1-0.26x of vLLM's
         # resident hit (docs/benchmarks-kv.md, "2026-11-25, fifth"). A GPU copies on its own engines.

@@ -154,6 +154,37 @@ def test_a_pinned_record_dropped_during_its_copy_is_not_reused_before_the_copy_e
     assert all(not bool(other.any()) for other in others)
 
 
+def test_a_disk_record_read_into_pinned_memory_loads_directly_and_outlives_its_pending_copy(device, tmp_path):
+    """A CUDA worker gives its disk tier `host_bytes`: a record read from disk is pinned, so its load is one
+    copy (no staging). A load of part of it copies from inside the allocation, which torch's host allocator
+    cannot tie to its block, so the mover holds the record until `finish_scatters`: dropping it mid-copy
+    and allocating pinned memory again cannot change what lands."""
+    from vllm_tiercache.shared.config import DiskTierConfig
+    from vllm_tiercache.shared.store import DiskTier, StoreKey
+
+    _, layers = layer_views("LBHNC", dtype=torch.float16, device=device, **GEOMETRY)
+    layer = layers[0]
+    ids = list(range(8, 24))
+    data = torch.randn(4 + len(ids), *layer.shape[1:]).to(torch.float16)  # the load skips its first 4 blocks
+    mover = make_mover(device)
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=64 << 20))
+    tier.payload_allocator = mover.host_bytes
+    key = StoreKey("gpu|disk|held")
+    tier.put_many([(key, data, None)])
+    record = tier.get_many([key])[0]
+    assert record is not None and record.tensor.is_pinned()
+    nbytes = record.tensor.numel() * record.tensor.element_size()
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(LONG_SLEEP)  # the copy stays pending while the record is dropped
+    mover.scatter_spans(layer, [(block_spans(ids), record.tensor[4:])])
+    del record
+    others = [torch.full((nbytes,), 0xAB, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
+    mover.finish_scatters()
+    assert torch.equal(bits(layer[ids]), bits(data[4:]))
+    assert mover.pool.allocations == 0 and len(others) == 4
+    tier.close()
+
+
 def test_without_pinned_records_saves_are_staged_into_pageable_memory(device):
     """What gathers fall back to when pinned memory cannot be had: the same bytes, pageable records."""
     from vllm_tiercache.kvcache.transfer import CudaBlockMover
