@@ -39,11 +39,13 @@ def test_smoke_run_on_cpu_measures_every_section():
         assert overlap["layers"] == 8 and overlap["load_s"] > 0 and overlap["compute_s"] > 0
         assert overlap["together_s"] >= overlap["exposed_s"] >= 0
         assert 0 <= overlap["hidden_share"] <= 1 and overlap["loader_issue_s"] > 0
+    assert [round(row["record_mib"], 2) for row in results["disk_hits"]] == [1.0, 8.0]
+    assert all(row["pageable_gbps"] > 0 and row["pinned_gbps"] > 0 for row in results["disk_hits"])
     paths = [row["path"] for row in results["reads"]]
     assert paths[0].startswith("POSIX") and results["reads"][0]["gbps"] > 0
     assert "no CUDA device" in results["reads"][1]["note"]
     assert all(math.isfinite(number) for number in _numbers(results))
-    for section in ("link limit", "movers", "layerwise overlap", "reads into device memory"):
+    for section in ("link limit", "movers", "layerwise overlap", "disk tier hits", "reads into device memory"):
         assert section in done.stderr  # progress lines
 
 

@@ -9,7 +9,9 @@
    the previous layer computes, as the connector's worker does, for memory-tier and pageable records.
    Target: the load time the forward still waits for is at most 10% of the loads' own time, when a
    layer computes about as long as it loads.
-3. Reads into GPU memory from a cold page cache: GDS (kvikio ``CuFile.read``) against a POSIX read into
+3. Disk-tier hits into GPU memory from the page cache: a disk tier's whole-record reads and the mover's
+   scatters, with payloads read into pageable memory against pinned memory (what a CUDA worker gives).
+4. Reads into GPU memory from a cold page cache: GDS (kvikio ``CuFile.read``) against a POSIX read into
    pinned memory and a copy to the device; and verifying the payload on the device against copying it
    back to the host. Target: GDS at least as fast as POSIX.
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vllm_tiercache.tools.bench.gpu_disk import disk_hits
 from vllm_tiercache.tools.bench.gpu_io import reads_into_device
 from vllm_tiercache.tools.bench.gpu_movers import Geometry, link_limit, mover_throughput, overlap
 from vllm_tiercache.tools.cli import UsageError, writable_directory
@@ -69,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
     progress("layerwise overlap")
     results["overlap"] = overlap(device, geometry, 8 if quick else 32, rounds)
     results["overlap_pageable"] = overlap(device, geometry, 8 if quick else 32, rounds, pinned=False)
-    progress("reads into device memory (cold page cache)")
     with tempfile.TemporaryDirectory(dir=writable_directory(args.dir, "--dir") if args.dir else None) as work:
+        progress("disk tier hits into device memory (page cache)")
+        results["disk_hits"] = [disk_hits(device, geometry, Path(work), blocks, rounds) for blocks in RECORD_BLOCKS]
+        progress("reads into device memory (cold page cache)")
         results["reads"] = reads_into_device(device, Path(work), (16 << 20) if quick else (1 << 30), rounds)
     print(json.dumps(results, indent=2) if args.json else format_report(results))
     return 0
@@ -109,6 +114,12 @@ def format_report(results: dict[str, Any]) -> str:
                   f"{ov['exposed_share'] * 100:.1f}% of the loads; {ov.get('hidden_share', 0) * 100:.0f}% of the "
                   f"shorter ran hidden; the loader thread issued its copies in "
                   f"{ov.get('loader_issue_s', 0) * 1e3:.2f} ms"]
+    if "disk_hits" in results:
+        lines += ["", "disk tier hits into device memory, page cache warm (GB/s): payloads read into pageable memory "
+                      "(staged) against pinned (a CUDA worker's)"]
+        for row in results["disk_hits"]:
+            lines.append(f"  records of {row['record_mib']:.2f} MiB: pageable {_num(row['pageable_gbps'])}, pinned "
+                         f"{_num(row['pinned_gbps'])}  x{_num(row['gain'])}")
     lines += ["", "reads into device memory, cold page cache (target GDS >= POSIX)"]
     for row in results["reads"]:
         note = f"  ({row['note']})" if row.get("note") else ""
