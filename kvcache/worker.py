@@ -361,16 +361,19 @@ class KVWorkerSide:
             return None
         assert self.layout is not None
         tensor = record.tensor
+        shape = tensor.shape
         if (
             record.meta.get("layout") != expected_meta
             or record.meta.get("start", load.chunk_start) != load.chunk_start
             or tensor.dtype != self.layout.dtype
-            or tuple(tensor.shape[1:]) != self.layout.block_shape
-            or tensor.shape[0] != record.meta.get("blocks")
-            or tensor.shape[0] < load.end - load.chunk_start
+            or shape[1:] != self.layout.block_shape
+            or shape[0] != record.meta.get("blocks")
+            or shape[0] < load.end - load.chunk_start
         ):
             log.warning("TieredKVConnector: chunk %s has another layout; recomputing", load.chunk_hash.hex())
             return None
+        if load.first == load.chunk_start and load.end - load.chunk_start == shape[0]:
+            return tensor  # the whole record (most loads): no view to build
         return tensor[load.source_slice]
 
     # ------------------------------------------------------------------------------------------ saves
