@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -167,6 +169,8 @@ class CudaBlockMover(BlockMover):
         #: their memory outlives the copies even if the memory tier drops them meanwhile (records read
         #: from disk into `host_bytes` are views torch's host allocator cannot track)
         self._held: list[torch.Tensor] = []
+        #: per thread: inside `loading`, where the load stream is already the current one
+        self._on_load_stream = threading.local()
 
     def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         return self.gather_many(kv_layer, [block_ids])[0]
@@ -238,8 +242,10 @@ class CudaBlockMover(BlockMover):
         memcpy each, then asynchronous copies to their blocks)."""
         if not items:
             return
-        staged = [(spans, blocks) for spans, blocks in items if not blocks.is_cuda and not blocks.is_pinned()]
-        sources = [(spans, blocks) for spans, blocks in items if blocks.is_cuda or blocks.is_pinned()]
+        staged: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
+        sources: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
+        for item in items:  # is_pinned asks the driver: once per record
+            (sources if item[1].is_cuda or item[1].is_pinned() else staged).append(item)
         self._held.extend(blocks for _, blocks in sources if not blocks.is_cuda)  # pinned records
         buffer = None
         if staged:
@@ -255,7 +261,7 @@ class CudaBlockMover(BlockMover):
             # made on this thread's stream (a GDS read and its check); not waited for otherwise: the loader
             # thread's stream may be the forward's, and waiting would queue each load behind the forward
             self.stream.wait_stream(self._cuda.current_stream(self.device))
-        with self._cuda.stream(self.stream):
+        with self._load_stream_context():
             for spans, source in sources:
                 if source.is_cuda:
                     source.record_stream(self.stream)
@@ -284,7 +290,20 @@ class CudaBlockMover(BlockMover):
         if handle is not None:
             self._cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
 
-    def loading(self) -> contextlib.AbstractContextManager[object]:
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        with self._cuda.stream(self.stream):
+            self._on_load_stream.active = True
+            try:
+                yield
+            finally:
+                self._on_load_stream.active = False
+
+    def _load_stream_context(self) -> contextlib.AbstractContextManager[object]:
+        """The load stream for this call's copies: already current inside `loading` (switching streams
+        costs ~20 us a call on an H100 host, against ~8 us to issue an 8 MiB copy), else entered now."""
+        if getattr(self._on_load_stream, "active", False):
+            return contextlib.nullcontext()
         return self._cuda.stream(self.stream)  # type: ignore[no-any-return]
 
 

@@ -39,6 +39,7 @@ def test_smoke_run_on_cpu_measures_every_section():
         assert overlap["layers"] == 8 and overlap["load_s"] > 0 and overlap["compute_s"] > 0
         assert overlap["together_s"] >= overlap["exposed_s"] >= 0
         assert 0 <= overlap["hidden_share"] <= 1 and overlap["loader_issue_s"] > 0
+        assert overlap["issued_first_s"] > 0 and overlap["issued_first_exposed_share"] >= 0
     assert [round(row["record_mib"], 2) for row in results["disk_hits"]] == [1.0, 8.0]
     assert all(row["pageable_gbps"] > 0 and row["pinned_gbps"] > 0 for row in results["disk_hits"])
     paths = [row["path"] for row in results["reads"]]

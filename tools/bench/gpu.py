@@ -114,6 +114,10 @@ def format_report(results: dict[str, Any]) -> str:
                   f"{ov['exposed_share'] * 100:.1f}% of the loads; {ov.get('hidden_share', 0) * 100:.0f}% of the "
                   f"shorter ran hidden; the loader thread issued its copies in "
                   f"{ov.get('loader_issue_s', 0) * 1e3:.2f} ms"]
+        if "issued_first_s" in ov:
+            lines.append(f"  issued before the forward on its own thread (load_mode=before_forward): "
+                         f"{ov['issued_first_s'] * 1e3:.2f} ms, exposed "
+                         f"{ov['issued_first_exposed_share'] * 100:.1f}% of the loads")
     if "disk_hits" in results:
         lines += ["", "disk tier hits into device memory, page cache warm (GB/s): payloads read into pageable memory "
                       "(staged) against pinned (a CUDA worker's)"]

@@ -153,11 +153,12 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
     mover = make_mover(device)
 
     def load(ready: list[threading.Event] | None, handles: list[object | None]) -> None:
-        for i, layer in enumerate(layers):
-            mover.scatter_spans(layer, [(spans, records[i])])
-            handles[i] = mover.layer_ready()
-            if ready is not None:
-                ready[i].set()
+        with mover.loading():  # as the worker loads
+            for i, layer in enumerate(layers):
+                mover.scatter_spans(layer, [(spans, records[i])])
+                handles[i] = mover.layer_ready()
+                if ready is not None:
+                    ready[i].set()
 
     def loads_alone() -> None:
         load(None, [None] * num_layers)
@@ -204,12 +205,25 @@ def overlap(device: torch.device, geometry: Geometry, num_layers: int, rounds: i
         loader.join()
         mover.finish_scatters()
 
+    def forward_after_issuing() -> None:
+        """`load_mode=before_forward`: the forward's own thread issues every layer's copies first (no
+        thread, no handoffs); the GPU still overlaps them with the layers, through the events."""
+        handles: list[object | None] = [None] * num_layers
+        load(None, handles)
+        for i in range(num_layers):
+            mover.wait(handles[i])
+            compute_layer()
+        mover.finish_scatters()
+
     compute_s = median_seconds(forward_alone, device, rounds)
     together_s = median_seconds(forward_with_loads, device, rounds)
+    issued_first_s = median_seconds(forward_after_issuing, device, rounds)
     exposed = max(0.0, together_s - compute_s)
     shorter = min(compute_s, load_s)
     hidden = min(1.0, max(0.0, (compute_s + load_s - together_s) / shorter)) if shorter else 0.0
     return {"layers": num_layers, "layer_mib": blocks * geometry.block_bytes / (1 << 20),
             "records_pinned": bool(records[0].is_pinned()), "compute_s": compute_s, "load_s": load_s,
             "together_s": together_s, "exposed_s": exposed, "exposed_share": exposed / load_s if load_s else 0.0,
-            "hidden_share": hidden, "loader_issue_s": statistics.median(issued)}
+            "hidden_share": hidden, "loader_issue_s": statistics.median(issued),
+            "issued_first_s": issued_first_s,
+            "issued_first_exposed_share": max(0.0, issued_first_s - compute_s) / load_s if load_s else 0.0}
