@@ -3,8 +3,9 @@
 CPU: a gather is one slice copy per run of blocks (a private copy the store may keep), a scatter likewise.
 CUDA: copies run on the mover's own stream, so they overlap the forward pass; an event per layer tells the
 forward stream when a loaded layer is ready. A gather lands straight in a pinned tensor that becomes the
-record, so a memory-tier hit is one device copy from it too. Records the store made elsewhere (disk and
-Redis reads, pageable) go through pinned staging buffers reused from a pool.
+record, so a memory-tier hit is one device copy from it too, and a disk tier reads payloads into pinned
+memory the mover gives (`host_bytes`). Pageable records (Redis reads) go through pinned staging buffers
+reused from a pool.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class BlockMover:
         their checks never queue behind the forward pass)."""
         return contextlib.nullcontext()
 
+    def order_after_queued_work(self) -> None:
+        """Order the loads issued from now on after the work already queued on the calling thread's stream
+        (called on the forward's thread when a step's loads start, before its forward is queued)."""
+
 
 class CudaBlockMover(BlockMover):
     """Copies on the mover's own CUDA streams (`stream` loads, `save_stream` saves), so they overlap the
@@ -246,7 +251,10 @@ class CudaBlockMover(BlockMover):
         sources: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
         for item in items:  # is_pinned asks the driver: once per record
             (sources if item[1].is_cuda or item[1].is_pinned() else staged).append(item)
-        self._held.extend(blocks for _, blocks in sources if not blocks.is_cuda)  # pinned records
+        # held until `finish_scatters`, even if the memory tier drops them meanwhile: pinned records (a
+        # disk payload's tensor is a view torch's host allocator cannot track) and GPU-memory records (a
+        # GDS read allocated on this stream: `record_stream` would not keep the next read out of it)
+        self._held.extend(blocks for _, blocks in sources)
         buffer = None
         if staged:
             buffer = self.pool.take(sum(blocks.numel() * blocks.element_size() for _, blocks in staged))
@@ -263,9 +271,6 @@ class CudaBlockMover(BlockMover):
             self.stream.wait_stream(self._cuda.current_stream(self.device))
         with self._load_stream_context():
             for spans, source in sources:
-                if source.is_cuda:
-                    source.record_stream(self.stream)
-                # a pinned record the memory tier drops meanwhile outlives this copy: `_held` keeps it
                 for position, first, length, step in spans:
                     if step == 1:
                         kv_layer[first : first + length].copy_(source[position : position + length], non_blocking=True)
@@ -289,6 +294,11 @@ class CudaBlockMover(BlockMover):
     def wait(self, handle: object | None) -> None:
         if handle is not None:
             self._cuda.current_stream(self.device).wait_event(handle)  # type: ignore[arg-type]
+
+    def order_after_queued_work(self) -> None:
+        # once per step: what the forward stream already holds (the previous step, still running with
+        # async scheduling, may write KV into blocks this step loads into), not the forward queued later
+        self.stream.wait_stream(self._cuda.current_stream(self.device))
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:

@@ -1,11 +1,13 @@
 """Worker side of TieredKVConnector: layerwise loads into, and saves out of, vLLM's paged KV cache.
 
-Loads: `start_load` hands the step's load plan to one loader thread that walks the layers in order,
-reading every chunk of layer i in one batched store call and copying it into its blocks; the forward
-pass waits in `wait_for_layer` only for the layer it is about to run, so layer i+1 is read while layer i
-computes. A record that is missing, corrupt or of another layout marks its destination blocks invalid;
-vLLM then recomputes them (with `kv_load_failure_policy=recompute`, the connector's default) or fails the
-request (`fail`, when the user set it).
+Loads: the step's load plan walks the layers in order, reading every chunk of layer i in one batched
+store call and copying it into its blocks. With `load_mode` layerwise (a GPU's default) `start_load` hands
+the plan to one loader thread and the forward pass waits in `wait_for_layer` only for the layer it is about
+to run, so layer i+1 is read while layer i computes; before_forward (a CPU's default) runs it in
+`start_load`, on the forward's thread, before the forward starts. A record that is missing, corrupt or
+of another layout marks its destination blocks invalid; vLLM then recomputes them (with
+`kv_load_failure_policy=recompute`, the connector's default) or fails the request (`fail`, when the user
+set it).
 
 Saves: `save_layer` gathers this step's chunk blocks of one layer right after the layer wrote them (a
 private copy, so vLLM may reuse the blocks at once); `wait_for_save` hands the copies to one saver thread
@@ -242,6 +244,10 @@ class KVWorkerSide:
         owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
         job = _LoadJob(self.layout.layer_names, loads, owners, whole)
         self._job = job
+        assert self.mover is not None
+        # before this step's forward is queued: the loads land after everything already queued (with
+        # async scheduling, the previous step may still write KV into blocks vLLM has handed on since)
+        self.mover.order_after_queued_work()
         if self.loads_before_forward:
             self._do_load(job)
         else:
