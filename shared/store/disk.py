@@ -230,8 +230,11 @@ class DiskTier:
             already = max(0, min(got, size) - start)
             if already:
                 view[:already] = memoryview(head)[start : start + already]
-            if already < header.nbytes and os.preadv(fd, [view[already:]], start + already) != header.nbytes - already:
-                raise records.RecordError(f"short read of {path}")
+            while already < header.nbytes:  # one call reads it all, unless a filesystem returns less
+                read = os.preadv(fd, [view[already:]], start + already)
+                if not read:  # the file ended before its fstat size: it changed under us
+                    raise records.RecordError(f"short read: {start + already} of {size} bytes")
+                already += read
         finally:
             os.close(fd)
         return records.decode_payload(header, payload, xxhash.xxh3_64_intdigest(view)), size
