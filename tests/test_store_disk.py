@@ -382,3 +382,23 @@ def test_read_ahead_is_advised_at_once_where_reads_cannot_tell_a_cold_file(tier,
     assert record.in_place and torch.equal(place, _t(4096, 1).reshape(8, 512)) and advised == [2]
     tier.prefetch_many([_k("b")])
     assert advised == [2, 1]
+
+
+def test_a_filesystem_that_reads_less_per_call_is_not_corruption(tmp_path, monkeypatch):
+    """Some filesystems (FUSE, network mounts) return fewer bytes per read than asked: a payload read apart
+    keeps reading, and the record is a hit, not a corrupt file to delete."""
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=1 << 20))
+    tier.payload_allocator = _Payloads()
+    tier.put_many([(_k("piecewise"), _t(50_000, 4), None)])
+    real_preadv = os.preadv
+    calls = []
+
+    def at_most_4k(fd, buffers, offset, *flags):
+        calls.append(offset)
+        return real_preadv(fd, [memoryview(buffers[0])[:4096]], offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", at_most_4k)
+    record = tier.get_many([_k("piecewise")])[0]
+    assert record is not None and torch.equal(record.tensor, _t(50_000, 4))
+    assert len(calls) > 20 and tier.counters.get("corrupt") == 0
+    tier.close()
