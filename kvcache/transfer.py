@@ -148,8 +148,9 @@ class CudaBlockMover(BlockMover):
     adds a host memcpy, and on an H100 host one thread copies 4.5-6.4 GB/s against the link's 48-53 GB/s
     (`tiercache bench gpu`, docs/gpu.md): gathers into pageable records ran at 1.1-1.2 GB/s (fresh pages
     fault in on the copy), scatters at 4.0-5.1 GB/s. Pinned records come from torch's caching host
-    allocator, which reuses what evicted records free; the memory tier's capacity bounds them. If pinned
-    memory cannot be had, gathers fall back to staging and pageable records, with one warning.
+    allocator, which reuses what evicted records free and never unpins it (docs/gpu.md: how much stays
+    pinned). If pinned memory cannot be had, gathers fall back to staging and pageable records, with one
+    warning.
     """
 
     def __init__(self, device: torch.device, pool: PinnedPool | None = None, cuda: Any = torch.cuda, *,
@@ -170,9 +171,8 @@ class CudaBlockMover(BlockMover):
         self._staged_bytes = 0
         #: gathers issued straight into pinned records since the last `finish_gathers`
         self._direct = 0
-        #: pinned host records whose loads were issued since the last `finish_scatters`: held so that
-        #: their memory outlives the copies even if the memory tier drops them meanwhile (records read
-        #: from disk into `host_bytes` are views torch's host allocator cannot track)
+        #: records (pinned or in GPU memory) whose loads were issued since the last `finish_scatters`,
+        #: held so that their memory outlives the copies even if the memory tier drops them meanwhile
         self._held: list[torch.Tensor] = []
         #: per thread: inside `loading`, where the load stream is already the current one
         self._on_load_stream = threading.local()
