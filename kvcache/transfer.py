@@ -72,8 +72,7 @@ class BlockMover:
     def gather(self, kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         """A host tensor [len(block_ids), *block_shape] the caller owns."""
         out = torch.empty((len(block_ids), *kv_layer.shape[1:]), dtype=kv_layer.dtype, device=kv_layer.device)
-        for position, first, length in block_runs(block_ids):
-            out[position : position + length].copy_(kv_layer[first : first + length])
+        _copy_runs(out, kv_layer, block_ids)
         return out
 
     def gather_many(self, kv_layer: torch.Tensor, block_id_lists: list[list[int]]) -> list[torch.Tensor]:

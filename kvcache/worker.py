@@ -16,7 +16,6 @@ that puts them in the store. Nothing in the forward pass waits for a disk, GDS o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -121,7 +120,8 @@ class KVWorkerSide:
         self.store = store
         self.load_mode = load_mode
         #: a step's loads run in `start_load`, before the forward, instead of on the loader thread
-        self.loads_before_forward = load_mode == "before_forward"
+        #: (`load_mode` resolved in `register_kv_caches`; no load runs before that)
+        self.loads_before_forward = False
         self.naming = naming
         self.rank = rank
         self.identity = naming.identities[rank]
@@ -296,9 +296,10 @@ class KVWorkerSide:
 
     def _do_load(self, job: _LoadJob) -> None:
         """Run one step's loads (on the loader thread, or in `start_load`); a failure fails its loads."""
+        assert self.mover is not None  # a job exists only once the KV caches are registered
         started = time.perf_counter()
         try:
-            with self.mover.loading() if self.mover is not None else contextlib.nullcontext():
+            with self.mover.loading():
                 self._run_load(job)
         except Exception:  # never let a store or copy problem kill the worker: recompute instead
             log.exception("TieredKVConnector: load failed; the blocks will be recomputed")

@@ -205,7 +205,7 @@ class DiskTier:
     def _read_payload_apart(self, path: str, key: StoreKey, allocate: Callable[[int], torch.Tensor]
                             ) -> tuple[Record, int]:
         """A whole record whose payload lands in ``allocate(payload bytes)``, the header in a small buffer:
-        the first `HEAD_READ` bytes, the header checked, then the rest of the payload in one ``preadv``. The
+        the first `HEAD_READ` bytes, the header checked, then the rest of the payload with ``preadv``. The
         file's size must be exactly the header's offset plus payload (checked before anything is allocated,
         so a foreign header cannot ask for a huge buffer); the payload is hashed in one pass afterwards."""
         fd = os.open(path, os.O_RDONLY)
@@ -225,8 +225,7 @@ class DiskTier:
             if header.payload_offset != start or start + header.nbytes != size:
                 raise records.RecordError(f"truncated or oversized: {size} bytes, the header says "
                                           f"{start + header.nbytes}")
-            payload = allocate(header.nbytes)
-            view = records.byte_view(payload) if header.nbytes else memoryview(b"")
+            view = records.byte_view(allocate(header.nbytes))
             already = max(0, min(got, size) - start)
             if already:
                 view[:already] = memoryview(head)[start : start + already]
@@ -237,7 +236,7 @@ class DiskTier:
                 already += read
         finally:
             os.close(fd)
-        return records.decode_payload(header, payload, xxhash.xxh3_64_intdigest(view)), size
+        return records.decode_payload(header, view, xxhash.xxh3_64_intdigest(view)), size
 
     def _read_record_into(self, path: str, key: StoreKey, pieces: Sequence[memoryview]) -> tuple[Record, int]:
         """Read the payload straight into ``pieces`` (one after the other) when the record is exactly their

@@ -222,12 +222,11 @@ def decode_into(header: Header, pieces: Sequence[memoryview], checksum: int) -> 
                   pieces=tuple(pieces))
 
 
-def decode_payload(header: Header, payload: torch.Tensor, checksum: int) -> Record:
-    """The record whose payload the caller read into ``payload`` (a contiguous uint8 host tensor of the
-    header's size, e.g. pinned memory) after checking ``header`` with `decode_header`; ``checksum``: the
-    xxh3-64 of those bytes. The record's tensor shares ``payload``'s memory."""
-    view = byte_view(payload) if payload.numel() else memoryview(b"")
-    return Record(_tensor_from(header, view, checksum), header.meta)
+def decode_payload(header: Header, payload: memoryview, checksum: int) -> Record:
+    """The record whose payload the caller read into ``payload`` (the byte view of memory it gave, e.g.
+    pinned: `byte_view`) after checking ``header`` with `decode_header`; ``checksum``: the xxh3-64 of those
+    bytes. The record's tensor shares that memory."""
+    return Record(_tensor_from(header, payload, checksum), header.meta)
 
 
 def joined_copy(record: Record) -> torch.Tensor:
