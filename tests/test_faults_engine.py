@@ -7,7 +7,8 @@ these start real engines on the project's tiny Llama (float32, so a server's gre
 offline engine's) and compare every answer with an engine that has no connector.
 
 - SIGKILL: a `kv_producer` engine in its own process group, killed once it has added a random number
-  (5-40) of records to the disk tier, KILLS times over on one directory; then a `kv_consumer` in a fresh
+  (5-40) of records to the disk tier, KILLS times over on one directory (each run ends with prompts of its
+  own, so it is always killed with writes ahead of it); then a `kv_consumer` in a fresh
   process on that directory must give the baseline's tokens, hit only complete chunks, and meet no
   corrupt record (writes are temp file + fsync + rename, so a kill leaves a whole record or none).
 - Redis: `api_server` with `TieredKVConnector` on a Redis-only store; redis-server is SIGKILLed while
@@ -110,6 +111,12 @@ def _start_engine(spec: dict[str, Any], work: Path, name: str) -> subprocess.Pop
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _run_own_rounds(run: int) -> list[list[list[int]]]:
+    """16 prompts of 1000 tokens that no other run and no consumer asks for (240 chunks of this run's own)."""
+    rng = random.Random(7000 + run)
+    return [[[rng.randrange(3, 259) for _ in range(1000)] for _ in range(4)] for _ in range(4)]
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -123,15 +130,17 @@ def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
         tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     rng = random.Random(2026)
-    # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole run.
-    spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
-            "rounds": [PROMPTS[i:i + 4] for i in range(0, len(PROMPTS), 4)],
-            "kv_transfer_config": _disk_kv("kv_producer", disk)}
     kills: list[dict[str, Any]] = []
     for k in range(KILLS):
+        # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole run,
+        # then prompts of this run's own: a run always has writes ahead of it, even when an earlier run left
+        # every record of PROMPTS on disk or this run's writer commits them in one burst (seen on a loaded
+        # CI machine: all 298 records between two polls, so the next run had nothing left to write).
+        spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
+                "rounds": [PROMPTS[i:i + 4] for i in range(0, len(PROMPTS), 4)] + _run_own_rounds(k),
+                "kv_transfer_config": _disk_kv("kv_producer", disk)}
         before = _records(disk)
-        # Kill once this run has added a random number of records: mid-write whatever the machine's speed
-        # (the full set is about 190 records, so every run still has writes ahead of it).
+        # Kill once this run has added a random number of records: mid-write whatever the machine's speed.
         target = before + rng.randint(5, 40)
         proc = _start_engine(spec, tmp_path, f"producer-{k}")
         try:
