@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.kvcache.layout import PagedLayout
+from vllm_tiercache.kvcache.load_trace import LoadTrace
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.transfer import BlockMover, CudaBlockMover, block_spans, make_mover
@@ -79,6 +80,10 @@ class _LoadJob:
         self.handles: dict[str, object | None] = {}
         self.failed: set[int] = set()  # indices into `loads`
         self.done = threading.Event()
+        #: where the load's time went (`LoadTrace`): the store's reads and the copies into the KV cache
+        self.fetch_seconds = 0.0
+        self.copy_seconds = 0.0
+        self.loaded_bytes = 0
 
 
 def landing_place(layer_bytes: memoryview, block_bytes: int, load: ChunkLoad, spans: list[tuple[int, int, int, int]]
@@ -160,6 +165,8 @@ class KVWorkerSide:
         self._sent_save_queue = 0
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
+        #: one line per load when $TIERCACHE_LOAD_TRACE names a file (`vllm_tiercache.kvcache.load_trace`)
+        self.trace = LoadTrace.from_env()
         #: `key`, remembered: a chunk's keys are built when it is saved and were built again on every hit
         #: (text, checks, blake2b: 1.5 us each alone, several in a busy engine), one per chunk and layer
         #: (a 2K-token hit of a 4-layer model: 32; at 8K: 128)
@@ -305,11 +312,16 @@ class KVWorkerSide:
             log.exception("TieredKVConnector: load failed; the blocks will be recomputed")
             job.failed.update(range(len(job.loads)))
         finally:
+            elapsed = time.perf_counter() - started
+            if self.trace is not None:  # before the job is done: a reader that saw the step end sees its line
+                self.trace.record(rank=self.rank, device=self.mover.device.type, chunks=len(job.loads),
+                                  failed=len(job.failed), bytes=job.loaded_bytes, load_s=elapsed,
+                                  fetch_s=job.fetch_seconds, copy_s=job.copy_seconds)
             for event in job.ready.values():
                 event.set()
             job.done.set()
         with self._counters_lock:
-            self.counters.load_seconds.append(time.perf_counter() - started)
+            self.counters.load_seconds.append(elapsed)
 
     def _run_load(self, job: _LoadJob) -> None:
         """Every layer in order: one batched store read of its chunks, then one batched copy of the
@@ -334,12 +346,14 @@ class KVWorkerSide:
             keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
+            fetch_started = time.perf_counter()
             if layer_bytes is not None and any(in_place[i] for i in todo):
                 into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], spans[i]) if in_place[i]
                         else None for i in todo]
                 records = self.store.get_many(keys, into=into)
             else:
                 records = self.store.get_many(keys)
+            job.fetch_seconds += time.perf_counter() - fetch_started
             copies: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0
             for i, record in zip(todo, records, strict=True):
@@ -352,7 +366,10 @@ class KVWorkerSide:
                     copies.append((spans[i], blocks))
                 loaded_blocks += len(load.block_ids)
                 loaded_bytes += blocks.numel() * blocks.element_size()
+            copy_started = time.perf_counter()
             self.mover.scatter_spans(kv_layer, copies)
+            job.copy_seconds += time.perf_counter() - copy_started
+            job.loaded_bytes += loaded_bytes
             job.handles[layer_name] = self.mover.layer_ready()
             job.ready[layer_name].set()
             with self._counters_lock:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
 from vllm_tiercache.kvcache.layout import PagedLayout, UnsupportedLayoutError
+from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
 from vllm_tiercache.kvcache.worker import KVWorkerSide
@@ -107,6 +109,36 @@ def test_layerwise_save_then_load_into_other_blocks_is_exact(store) -> None:
         assert not target[name][[0, 3, 7, 15]].any()  # nothing else was written
     producer.shutdown()
     consumer.shutdown()
+
+
+def test_load_trace_accounts_for_each_load(store, tmp_path, monkeypatch) -> None:
+    """$TIERCACHE_LOAD_TRACE: one line per step's load with its bytes, reads and copies (`bench kv` splits a
+    hit's time with it); a load that fails is traced too, and a trace that cannot be written never fails
+    a load."""
+    trace = tmp_path / "loads.jsonl"
+    monkeypatch.setenv(LOAD_TRACE_ENV, str(trace))
+    source, target, producer, _ = saved_chunk(store, 5, b"traced", [2, 3, 4, 5])
+    consumer = worker(store)
+    consumer.register_kv_caches(target, NUM_BLOCKS)
+    assert load(consumer, [ChunkLoad(b"traced", chunk_start=0, first=0, end=4, block_ids=[8, 9, 10, 11])]) == set()
+    assert load(consumer, [ChunkLoad(b"never-saved", chunk_start=0, first=0, end=4, block_ids=[12, 13, 14, 15])]
+                ) == {12, 13, 14, 15}
+    lines, _ = read_load_trace(str(trace))
+    hit, miss = (line for line in lines if line["pid"] == os.getpid() and line["chunks"] == 1)
+    record_bytes = 4 * source["model.layers.0.self_attn.attn"][0].nbytes
+    assert hit["bytes"] == LAYERS * record_bytes and hit["failed"] == 0 and hit["device"] == "cpu"
+    assert 0 < hit["fetch_s"] and 0 <= hit["copy_s"] and hit["fetch_s"] + hit["copy_s"] <= hit["load_s"]
+    assert miss["bytes"] == 0 and miss["failed"] == 1
+    assert torch.equal(target["model.layers.0.self_attn.attn"][8:12], source["model.layers.0.self_attn.attn"][2:6])
+
+    (tmp_path / "gone").mkdir()
+    monkeypatch.setenv(LOAD_TRACE_ENV, str(tmp_path / "gone"))  # a directory: every write fails
+    unwritable = worker(store)
+    unwritable.register_kv_caches(paged_caches(None), NUM_BLOCKS)
+    assert load(unwritable, [ChunkLoad(b"traced", chunk_start=0, first=0, end=4, block_ids=[8, 9, 10, 11])]) == set()
+    assert unwritable.trace is not None and unwritable.trace.broken
+    for side in (producer, consumer, unwritable):
+        side.shutdown()
 
 
 @pytest.mark.parametrize("load_mode, before_forward", [("auto", True), ("before_forward", True),

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV
 from vllm_tiercache.kvcache.options import LOAD_MODES
 from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE, run_engine_process, run_job
 
@@ -135,6 +136,8 @@ class CaseResult:
     #: vLLM's resident hit of the same prompts in the same engine, right after each hit (paired steps)
     resident_ttft_s: list[float] = field(default_factory=list)
     resident_cached_tokens: list[int] = field(default_factory=list)
+    #: the connector's own account of each hit's load (`vllm_tiercache.kvcache.load_trace`; None: no load)
+    loads: list[dict[str, float] | None] = field(default_factory=list)
 
     @property
     def median_s(self) -> float | None:
@@ -226,6 +229,8 @@ class Bench:
         # on a 2-core machine that silently gives connector engines twice the compute threads of the
         # baseline (its reservation no longer fits, so none is made). Pin it for every engine.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
+        if kv_transfer_config:  # each load's reads and copies, for the breakdown of a hit's time
+            env[LOAD_TRACE_ENV] = str(self.work / f"load-trace-{self.job_count}.jsonl")
         result = run_engine_process(spec, self.work, self.job_count, env, self.progress)
         self.engine_info[label] = (result.get("num_gpu_blocks"), result.get("hma"))
         out: dict[str, list[dict[str, Any]]] = {}
@@ -238,7 +243,8 @@ class Bench:
         self.results[name] = CaseResult(name, list(step["ttft_s"]), list(step["num_cached_tokens"]),
                                         kv_blocks=blocks, hma=hma,
                                         resident_ttft_s=list(step.get("resident_ttft_s", [])),
-                                        resident_cached_tokens=list(step.get("resident_cached_tokens", [])))
+                                        resident_cached_tokens=list(step.get("resident_cached_tokens", [])),
+                                        loads=list(step.get("loads", [])))
 
     def guarded(self, names: list[str], fn: Any) -> None:
         """Run a case's processes; a failure marks its rows instead of ending the whole benchmark."""
@@ -482,6 +488,8 @@ class Bench:
                 "own_resident_s": (res.own_resident_s if res.resident_cached_tokens and status == "ok"
                                    and min(res.resident_cached_tokens) >= self.min_hit_tokens else None),
             }
+            if status == "ok":
+                self.rows[name]["breakdown"] = hit_breakdown(res)
         resident, cold = median("resident"), median("cold")
         media = getattr(self, "media", {})
         for name, row in self.rows.items():
@@ -523,6 +531,33 @@ class Bench:
             "rows": list(self.rows.values()),
             "targets": targets,
         }
+
+
+def hit_breakdown(res: CaseResult) -> dict[str, float] | None:
+    """Where a hit's time over vLLM's resident hit of the same prompt (same engine) goes, medians over the
+    paired hits, in seconds: the connector's load (its store reads and checks, its copies into the KV cache,
+    its other work) and the rest, outside the load (vLLM's own work for an external hit, the connector's
+    plumbing, and on a GPU the forward's waits for layers). None without paired hits and load traces."""
+    if not res.resident_ttft_s or not len(res.ttft_s) == len(res.resident_ttft_s) == len(res.loads):
+        return None
+    pairs = [(hit, resident, load) for hit, resident, load
+             in zip(res.ttft_s, res.resident_ttft_s, res.loads, strict=True) if load is not None]
+    if not pairs:
+        return None
+
+    def median(values: list[float]) -> float:
+        return round(statistics.median(values), 6)
+
+    return {
+        "over_resident_s": median([hit - resident for hit, resident, _ in pairs]),
+        "load_s": median([load["load_s"] for _, _, load in pairs]),
+        "fetch_s": median([load["fetch_s"] for _, _, load in pairs]),
+        "copy_s": median([load["copy_s"] for _, _, load in pairs]),
+        "loader_other_s": median([load["load_s"] - load["fetch_s"] - load["copy_s"] for _, _, load in pairs]),
+        "outside_load_s": median([hit - resident - load["load_s"] for hit, resident, load in pairs]),
+        "bytes": median([load["bytes"] for _, _, load in pairs]),
+        "hits": len(pairs),
+    }
 
 
 def drop_page_cache(directory: Path) -> int:
@@ -596,6 +631,18 @@ def format_table(report: dict[str, Any]) -> str:
                 where = " in the same engine" if row.get("own_resident_s") else ""
                 lines.append(f"  {row['case']:14} share of the raw medium's speed (raw / (hit - resident{where})): "
                              f"{row['share_of_raw']:.2f}")
+    broken_down = [row for row in report["rows"] if row.get("breakdown")]
+    if broken_down:
+        lines.append("")
+        lines.append("where a hit's time over vLLM's resident hit (same engine) goes, medians per hit in ms "
+                     "(the connector's load trace):")
+        lines.append(f"  {'case':16} {'over resident':>13} {'load':>7} {'store reads':>11} {'copies':>7} "
+                     f"{'loader other':>12} {'outside load':>12} {'MiB':>6}")
+        for row in broken_down:
+            b = row["breakdown"]
+            lines.append(f"  {row['case']:16} {b['over_resident_s'] * 1e3:>13.2f} {b['load_s'] * 1e3:>7.2f} "
+                         f"{b['fetch_s'] * 1e3:>11.2f} {b['copy_s'] * 1e3:>7.2f} {b['loader_other_s'] * 1e3:>12.2f} "
+                         f"{b['outside_load_s'] * 1e3:>12.2f} {b['bytes'] / 2**20:>6.1f}")
     lines.append("")
     lines.append("targets:")
     for t in report["targets"]:

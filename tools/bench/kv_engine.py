@@ -12,6 +12,7 @@ and a new consumer, whose memory holds nothing, measures the hit.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
 
 BLOCK_SIZE = 32
 #: Seconds one engine process may take, start-up included.
@@ -33,6 +36,13 @@ def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
     t0 = time.perf_counter()
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
+
+
+def _load_of(lines: list[dict[str, Any]]) -> dict[str, float] | None:
+    """One send's loads from the connector's load trace, summed (None: the send loaded nothing)."""
+    if not lines:
+        return None
+    return {name: sum(float(line[name]) for line in lines) for name in ("load_s", "fetch_s", "copy_s", "bytes")}
 
 
 def _per_prompt(times: list[float], cached: list[int]) -> str:
@@ -78,21 +88,30 @@ def run_job(spec_path: str, out_path: str) -> int:
     result["num_gpu_blocks"] = engine_config.cache_config.num_gpu_blocks
     result["hma"] = not engine_config.scheduler_config.disable_hybrid_kv_cache_manager
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    # the connector's own account of each load (`vllm_tiercache.kvcache.load_trace`), when the runner set it
+    trace, trace_at = os.environ.get(LOAD_TRACE_ENV), 0
     for step in spec["steps"]:
         ttft, cached, resident, resident_cached = [], [], [], []
+        loads: list[dict[str, float] | None] = []
         for prompt in step["prompts"]:
             # vLLM's own cache emptied (not the connector's: reset_connector=False), outside the timing
             if step.get("paired") and not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache between paired sends")
+            if trace:
+                _, trace_at = read_load_trace(trace, trace_at)
             took, hit = _send(llm, TokensPrompt(prompt_token_ids=prompt), params)
             ttft.append(took)
             cached.append(hit)
+            if trace:
+                lines, trace_at = read_load_trace(trace, trace_at)
+                loads.append(_load_of(lines))
             if step.get("paired"):
                 took, hit = _send(llm, TokensPrompt(prompt_token_ids=prompt), params)
                 resident.append(took)
                 resident_cached.append(hit)
         result["steps"].append({"name": step["name"], "ttft_s": ttft, "num_cached_tokens": cached,
-                                "resident_ttft_s": resident, "resident_cached_tokens": resident_cached})
+                                "resident_ttft_s": resident, "resident_cached_tokens": resident_cached,
+                                "loads": loads})
         per_prompt = _per_prompt(ttft, cached)
         if resident:
             per_prompt += "; vLLM's resident hit right after each: " + _per_prompt(resident, resident_cached)

@@ -1,0 +1,80 @@
+"""One JSON line per step's load, for finding where a hit's time goes on a given machine.
+
+Set ``TIERCACHE_LOAD_TRACE=/path/loads.jsonl`` in the environment vLLM starts with (its worker processes
+inherit it) and every worker appends one line per step that loads KV:
+
+    {"pid": 123, "rank": 0, "device": "cpu", "chunks": 32, "failed": 0, "bytes": 8388608,
+     "load_s": 0.00105, "fetch_s": 0.00021, "copy_s": 0.00061}
+
+- ``load_s``: the whole load, from the job's start to its last layer (on the thread that ran it);
+- ``fetch_s``: the store's reads, checks included (a disk read lands in the KV cache itself, so its copy
+  out of the page cache is here too);
+- ``copy_s``: the copies into the KV cache of what the store returned (CUDA: the time to issue them);
+- the rest of ``load_s`` is the loader's own work: planning, keys, checks of each record's layout.
+
+Why: a hit costs more than vLLM's resident hit of the same prompt, and only part of that is the load.
+`tiercache bench kv` reads these lines to split the difference into the store's reads, the copies, the
+loader's other work and what happens outside the loader (vLLM's own work for an external hit, the
+connector's plumbing). Before this, each such split needed a throw-away patch (docs/benchmarks-kv.md).
+
+Off unless the variable is set; a line is one ``O_APPEND`` write, so several workers may share a file.
+A trace that cannot be written is turned off with one warning: it never fails a load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOAD_TRACE_ENV = "TIERCACHE_LOAD_TRACE"
+
+
+class LoadTrace:
+    """Appends one JSON line per load to a file (`from_env`: None unless ``TIERCACHE_LOAD_TRACE`` is set)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        #: a write failed: tracing is off for this process
+        self.broken = False
+
+    @classmethod
+    def from_env(cls) -> LoadTrace | None:
+        path = os.environ.get(LOAD_TRACE_ENV)
+        return cls(path) if path else None
+
+    def record(self, **fields: Any) -> None:
+        """Append one line with ``fields`` and this process's pid; errors turn the trace off, once."""
+        if self.broken:
+            return
+        line = (json.dumps({"pid": os.getpid(), **fields}) + "\n").encode()
+        with self._lock:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self.broken = True
+                log.warning("tiercache: %s=%s cannot be written (%s); load tracing is off",
+                            LOAD_TRACE_ENV, self.path, exc)
+
+
+def read_load_trace(path: str, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The complete lines of a trace file from byte ``offset`` on, and the offset after them (a reader
+    polling a file that workers still append to; a half-written last line waits for the next call)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    lines = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return lines, offset + end
