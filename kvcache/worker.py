@@ -314,7 +314,8 @@ class KVWorkerSide:
         finally:
             elapsed = time.perf_counter() - started
             if self.trace is not None:  # before the job is done: a reader that saw the step end sees its line
-                self.trace.record(rank=self.rank, device=self.mover.device.type, chunks=len(job.loads),
+                self.trace.record(rank=self.rank, device=self.mover.device.type,
+                                  before_forward=self.loads_before_forward, chunks=len(job.loads),
                                   failed=len(job.failed), bytes=job.loaded_bytes, load_s=elapsed,
                                   fetch_s=job.fetch_seconds, copy_s=job.copy_seconds)
             for event in job.ready.values():
@@ -526,3 +527,5 @@ class KVWorkerSide:
         self._save_queue.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        if self.trace is not None:
+            self.trace.close()

@@ -117,9 +117,7 @@ def test_load_trace_accounts_for_each_load(store, tmp_path, monkeypatch) -> None
     a load."""
     trace = tmp_path / "loads.jsonl"
     monkeypatch.setenv(LOAD_TRACE_ENV, str(trace))
-    source, target, producer, _ = saved_chunk(store, 5, b"traced", [2, 3, 4, 5])
-    consumer = worker(store)
-    consumer.register_kv_caches(target, NUM_BLOCKS)
+    source, target, producer, consumer = saved_chunk(store, 5, b"traced", [2, 3, 4, 5])
     assert load(consumer, [ChunkLoad(b"traced", chunk_start=0, first=0, end=4, block_ids=[8, 9, 10, 11])]) == set()
     assert load(consumer, [ChunkLoad(b"never-saved", chunk_start=0, first=0, end=4, block_ids=[12, 13, 14, 15])]
                 ) == {12, 13, 14, 15}
@@ -127,6 +125,7 @@ def test_load_trace_accounts_for_each_load(store, tmp_path, monkeypatch) -> None
     hit, miss = (line for line in lines if line["pid"] == os.getpid() and line["chunks"] == 1)
     record_bytes = 4 * source["model.layers.0.self_attn.attn"][0].nbytes
     assert hit["bytes"] == LAYERS * record_bytes and hit["failed"] == 0 and hit["device"] == "cpu"
+    assert hit["before_forward"] is consumer.loads_before_forward
     assert 0 < hit["fetch_s"] and 0 <= hit["copy_s"] and hit["fetch_s"] + hit["copy_s"] <= hit["load_s"]
     assert miss["bytes"] == 0 and miss["failed"] == 1
     assert torch.equal(target["model.layers.0.self_attn.attn"][8:12], source["model.layers.0.self_attn.attn"][2:6])

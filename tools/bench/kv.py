@@ -137,7 +137,7 @@ class CaseResult:
     resident_ttft_s: list[float] = field(default_factory=list)
     resident_cached_tokens: list[int] = field(default_factory=list)
     #: the connector's own account of each hit's load (`vllm_tiercache.kvcache.load_trace`; None: no load)
-    loads: list[dict[str, float] | None] = field(default_factory=list)
+    loads: list[dict[str, Any] | None] = field(default_factory=list)
 
     @property
     def median_s(self) -> float | None:
@@ -230,7 +230,9 @@ class Bench:
         # baseline (its reservation no longer fits, so none is made). Pin it for every engine.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
         if kv_transfer_config:  # each load's reads and copies, for the breakdown of a hit's time
-            env[LOAD_TRACE_ENV] = str(self.work / f"load-trace-{self.job_count}.jsonl")
+            trace = self.work / f"load-trace-{self.job_count}.jsonl"
+            trace.unlink(missing_ok=True)  # a reused --work-dir: this engine's lines only
+            env[LOAD_TRACE_ENV] = str(trace)
         result = run_engine_process(spec, self.work, self.job_count, env, self.progress)
         self.engine_info[label] = (result.get("num_gpu_blocks"), result.get("hma"))
         out: dict[str, list[dict[str, Any]]] = {}
@@ -533,30 +535,36 @@ class Bench:
         }
 
 
-def hit_breakdown(res: CaseResult) -> dict[str, float] | None:
+def hit_breakdown(res: CaseResult) -> dict[str, Any] | None:
     """Where a hit's time over vLLM's resident hit of the same prompt (same engine) goes, medians over the
-    paired hits, in seconds: the connector's load (its store reads and checks, its copies into the KV cache,
-    its other work) and the rest, outside the load (vLLM's own work for an external hit, the connector's
-    plumbing, and on a GPU the forward's waits for layers). None without paired hits and load traces."""
+    paired hits whose load failed nowhere, in seconds: the connector's load (its store reads and checks,
+    its copies into the KV cache, its other work) and, where the load ran before the forward (a CPU's
+    default), the rest outside it: vLLM's own work for an external hit and the connector's plumbing. A
+    layerwise load overlaps the forward, so there the rest is not the difference (None). None without
+    paired hits and load traces."""
     if not res.resident_ttft_s or not len(res.ttft_s) == len(res.resident_ttft_s) == len(res.loads):
         return None
     pairs = [(hit, resident, load) for hit, resident, load
-             in zip(res.ttft_s, res.resident_ttft_s, res.loads, strict=True) if load is not None]
+             in zip(res.ttft_s, res.resident_ttft_s, res.loads, strict=True) if load is not None and not load["failed"]]
     if not pairs:
         return None
 
     def median(values: list[float]) -> float:
         return round(statistics.median(values), 6)
 
+    before_forward = all(load["before_forward"] for _, _, load in pairs)
     return {
         "over_resident_s": median([hit - resident for hit, resident, _ in pairs]),
         "load_s": median([load["load_s"] for _, _, load in pairs]),
         "fetch_s": median([load["fetch_s"] for _, _, load in pairs]),
         "copy_s": median([load["copy_s"] for _, _, load in pairs]),
         "loader_other_s": median([load["load_s"] - load["fetch_s"] - load["copy_s"] for _, _, load in pairs]),
-        "outside_load_s": median([hit - resident - load["load_s"] for hit, resident, load in pairs]),
+        "outside_load_s": (median([hit - resident - load["load_s"] for hit, resident, load in pairs])
+                           if before_forward else None),
         "bytes": median([load["bytes"] for _, _, load in pairs]),
         "hits": len(pairs),
+        "failed_hits": sum(1 for load in res.loads if load is not None and load["failed"]),
+        "before_forward": before_forward,
     }
 
 
@@ -640,9 +648,11 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{'loader other':>12} {'outside load':>12} {'MiB':>6}")
         for row in broken_down:
             b = row["breakdown"]
+            outside = "overlapped" if b["outside_load_s"] is None else f"{b['outside_load_s'] * 1e3:.2f}"
+            failed = f"  ({b['failed_hits']} hits with a failed load left out)" if b["failed_hits"] else ""
             lines.append(f"  {row['case']:16} {b['over_resident_s'] * 1e3:>13.2f} {b['load_s'] * 1e3:>7.2f} "
                          f"{b['fetch_s'] * 1e3:>11.2f} {b['copy_s'] * 1e3:>7.2f} {b['loader_other_s'] * 1e3:>12.2f} "
-                         f"{b['outside_load_s'] * 1e3:>12.2f} {b['bytes'] / 2**20:>6.1f}")
+                         f"{outside:>12} {b['bytes'] / 2**20:>6.1f}{failed}")
     lines.append("")
     lines.append("targets:")
     for t in report["targets"]:

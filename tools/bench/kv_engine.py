@@ -24,6 +24,8 @@ from typing import Any
 from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
 
 BLOCK_SIZE = 32
+#: the load trace's times (`vllm_tiercache.kvcache.load_trace`)
+_TIMES = ("load_s", "fetch_s", "copy_s")
 #: Seconds one engine process may take, start-up included.
 JOB_TIMEOUT_S = 1800
 #: Lines an engine process writes with this prefix are echoed by the runner as progress.
@@ -38,11 +40,24 @@ def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
     return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
 
 
-def _load_of(lines: list[dict[str, Any]]) -> dict[str, float] | None:
-    """One send's loads from the connector's load trace, summed (None: the send loaded nothing)."""
+def _load_of(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One send's loads from the connector's load trace (None: the send loaded nothing).
+
+    Each worker's steps are summed; with several workers (tensor parallel) every one loads its own share of
+    each step at the same time, so a time is the slowest worker's and the bytes are everyone's."""
     if not lines:
         return None
-    return {name: sum(float(line[name]) for line in lines) for name in ("load_s", "fetch_s", "copy_s", "bytes")}
+    per_worker: dict[tuple[Any, Any], dict[str, float]] = {}
+    for line in lines:
+        sums = per_worker.setdefault((line.get("pid"), line.get("rank")), dict.fromkeys((*_TIMES, "bytes"), 0.0))
+        for name in sums:
+            sums[name] += float(line.get(name, 0.0))
+    out: dict[str, Any] = {name: max(sums[name] for sums in per_worker.values()) for name in _TIMES}
+    out["bytes"] = sum(sums["bytes"] for sums in per_worker.values())
+    out["failed"] = sum(int(line.get("failed", 0)) for line in lines)
+    # a layerwise load runs while the forward does: the hit's time is then not the load plus the rest
+    out["before_forward"] = all(bool(line.get("before_forward")) for line in lines)
+    return out
 
 
 def _per_prompt(times: list[float], cached: list[int]) -> str:
@@ -92,7 +107,7 @@ def run_job(spec_path: str, out_path: str) -> int:
     trace, trace_at = os.environ.get(LOAD_TRACE_ENV), 0
     for step in spec["steps"]:
         ttft, cached, resident, resident_cached = [], [], [], []
-        loads: list[dict[str, float] | None] = []
+        loads: list[dict[str, Any] | None] = []
         for prompt in step["prompts"]:
             # vLLM's own cache emptied (not the connector's: reset_connector=False), outside the timing
             if step.get("paired") and not llm.reset_prefix_cache():
