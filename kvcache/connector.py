@@ -286,6 +286,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         data = self._worker.take_counters()
         data.update(self._store.take_counter_deltas())
         data.update(self._worker.gauge_reports())
+        if not data:  # most decode steps: nothing built, nothing for vLLM to send
+            return None
+        data.setdefault("block_size", self._worker.block_size)
         stats = TieredKVStats(data=data)
         if stats.is_empty() and not any(data.get(name) for name in ("gauges", "save_queue")):
             return None

@@ -376,7 +376,6 @@ class KVSchedulerSide:
                 else:
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(state.chunk_hash(end), None)
-                state.saved_until = end
         return plan
 
     def _group_loads(self, state: _RequestState, group: KVGroup, block_ids: list[int]) -> list[ChunkLoad]:
@@ -407,6 +406,11 @@ class KVSchedulerSide:
         whose drafter KV is not materialized yet), and with `volatile_decode_tail` a decoding request's
         last full chunk past the prompt waits for the next one (the rule vLLM's OffloadingConnector
         follows for EAGLE groups).
+
+        Runs for every scheduled request on every step, decode steps included, so it only looks at chunk
+        ends past `saved_until` (constant time once a request's chunks are planned: a scan of every chunk
+        end cost a 64-chunk request 9 us a step). Chunks found stored at lookup are passed over for good:
+        `saved_until` moves past them here, and past every chunk it returns.
         """
         request = state.request
         block_size = self.geometry.block_size
@@ -415,32 +419,30 @@ class KVSchedulerSide:
         limit = len(request.block_hashes) if self.save_decode else prompt_blocks
         limit = min(limit, publishable_block_count(request))
         computed_blocks = min(computed_after // block_size, limit)
-        ends = [
-            end
-            for end in self.geometry.chunk_ends(computed_blocks)
-            if end > state.saved_until and end % per_chunk == 0
-        ]
-        if self.volatile_decode_tail and computed_after > request.num_prompt_tokens:
+        first_full = (state.saved_until // per_chunk + 1) * per_chunk
+        ends = list(range(first_full, computed_blocks + 1, per_chunk))
+        if ends and self.volatile_decode_tail and computed_after > request.num_prompt_tokens:
             volatile_end = computed_blocks // per_chunk * per_chunk
             ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
-        prefill_done = computed_after >= request.num_prompt_tokens
         # The partial last chunk, if the naming stores one, once the whole prompt is computed.
-        stored = self.naming.stored_chunk_ends(prompt_blocks)
-        partial = stored[-1] if stored and stored[-1] % per_chunk else None
+        partial = prompt_blocks if prompt_blocks % per_chunk and self.naming.save_partial_chunks else None
         if (
             partial is not None
-            and prefill_done
-            and partial > state.saved_until
-            and partial <= computed_blocks
+            and computed_after >= request.num_prompt_tokens
+            and state.saved_until < partial <= computed_blocks
             and partial not in ends
         ):
             ends.append(partial)
-        chunk_of_end = {end: i for i, end in enumerate(self.geometry.chunk_ends(prompt_blocks))}
-        return [
-            end
-            for end in ends
-            if not (end in chunk_of_end and chunk_of_end[end] < len(state.stored) and state.stored[chunk_of_end[end]])
-        ]
+        if not ends:
+            return []
+        stored = state.stored
+        to_save = []
+        for end in ends:
+            index = (end - 1) // per_chunk  # the chunk's index among the prompt's chunk ends
+            if not (end <= prompt_blocks and index < len(stored) and stored[index]):
+                to_save.append(end)
+        state.saved_until = max(state.saved_until, *ends)
+        return to_save
 
     # ----------------------------------------------------------------------------------------- reset
     def reset_cache(self) -> bool:

@@ -62,6 +62,9 @@ class WorkerCounters:
     save_seconds: list[float] = field(default_factory=list)
 
     def take(self) -> dict[str, Any]:
+        """The numbers since the last call, then zero; ``{}`` when none moved (most decode steps)."""
+        if not any(self.__dict__.values()):
+            return {}
         data = dict(self.__dict__)
         self.__init__()  # type: ignore[misc]
         return data
@@ -486,12 +489,14 @@ class KVWorkerSide:
         return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
 
     def take_counters(self) -> dict[str, Any]:
+        """This worker's counters since the last call, with its block size; ``{}`` when none moved."""
         with self._counters_lock:
             data = self.counters.take()
-        data["block_size"] = self.block_size
-        for name, value in data.items():
-            if isinstance(value, int) and name != "block_size":
-                self.totals[name] = self.totals.get(name, 0) + value
+        if data:
+            for name, value in data.items():
+                if isinstance(value, int):
+                    self.totals[name] = self.totals.get(name, 0) + value
+            data["block_size"] = self.block_size
         self.dump_totals()
         return data
 

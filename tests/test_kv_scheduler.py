@@ -122,6 +122,31 @@ def test_full_chunks_during_chunked_prefill_and_the_partial_one_only_at_the_end(
     assert decode.requests == []  # save_decode is off
 
 
+def test_chunks_found_stored_are_passed_over_for_good(side) -> None:
+    """A stored chunk between two missing ones is not saved again, the others are, and no later step
+    looks at any of them: `saved_until` moves past every chunk considered, so a decode step's planning
+    costs the same whatever the prompt's length (it scanned every chunk end before)."""
+    request = make_request("s", tokens(330))  # chunks [0,4) [4,8) and the partial [8,10)
+    store_chunk(side, request.block_hashes[7], 4)  # only the middle one
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # no prefix hit
+    side.update_state_after_alloc(request, 0)
+    (plan,) = side.build_connector_meta(step([("s", 0)], [], {"s": 330})).requests
+    assert [s.chunk_hash for s in plan.saves] == [request.block_hashes[3], request.block_hashes[9]]
+    assert side._requests["s"].saved_until == 10
+    for computed in range(330, 340):
+        request.append_output_token_ids(7)
+        assert side.build_connector_meta(step([], [("s", computed)], {"s": 1})).requests == []
+    # A full hit: every chunk stored, none saved, and the request's state says so at once.
+    hit = make_request("h", tokens(330))
+    for end in (4, 8, 10):
+        store_chunk(side, hit.block_hashes[end - 1], 4 if end % 4 == 0 else 2)
+    assert side.get_num_new_matched_tokens(hit, 0) == (10 * BLOCK, False)
+    side.update_state_after_alloc(hit, 10 * BLOCK)
+    (plan,) = side.build_connector_meta(step([("h", 10 * BLOCK)], [], {"h": 330 - 10 * BLOCK})).requests
+    assert len(plan.loads) == 3 and plan.saves == []
+    assert side._requests["h"].saved_until == 10
+
+
 def test_hit_stops_one_token_short_and_loads_only_beyond_local_hits(side) -> None:
     prompt = tokens(256)  # exactly 2 chunks
     request = make_request("b", prompt)

@@ -93,6 +93,35 @@ def test_background_writes_in_an_otherwise_empty_step_are_reported(tmp_path: Pat
         store.close()
 
 
+def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -> None:
+    """Every engine step asks for stats, decode steps included, and most count nothing: such a step must
+    return None outright (it used to snapshot and difference every tier's counters: ~70 us a step), and
+    skipping the snapshot must never lose or repeat an increment that comes later."""
+    store = build_store({"tiers": _tiers(tmp_path)[:2]})
+    try:
+        side = worker(store)
+        conn = _kv_connector(side, store)
+        store.put_many([_record(i) for i in range(2)], owned=True)
+        assert store.flush(10.0)
+        conn.get_kv_connector_stats()  # the writes above, and the first gauge report
+        time.sleep(0.05)
+        conn.get_kv_connector_stats()  # a usage refresh may have changed the gauges meanwhile
+        assert [conn.get_kv_connector_stats() for _ in range(50)] == [None] * 50
+        assert store.take_counter_deltas() == {}
+        store.get_many([_record(0)[0]])  # a read in the memory tier, after many idle steps
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and stats.data["tiers"]["memory"]["hits"] == 1
+        assert stats.data["block_size"] == side.block_size  # the worker's, though it counted nothing itself
+        assert conn.get_kv_connector_stats() is None
+        with side._counters_lock:
+            side.counters.loaded_blocks += 3
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and stats.data["loaded_blocks"] == 3 and stats.data["tiers"] == {}
+        assert side.totals["loaded_blocks"] == 3 and conn.get_kv_connector_stats() is None
+    finally:
+        store.close()
+
+
 def test_aggregate_keeps_tier_counts_and_the_latest_gauges() -> None:
     a = TieredKVStats(data={"tiers": {"disk": {"bytes_written": 10}},
                             "gauges": {"p1": {"tiers": {"disk": {"bytes_used": 1}}}}})

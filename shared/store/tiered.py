@@ -234,6 +234,8 @@ class TieredStore:
         self._reported_lock = threading.Lock()
         self._reported: dict[str, dict[str, Any]] = {}
         self._reported_write_behind = 0
+        #: every tier's `Counters.version` when `_reported` was taken (None: not known, take a snapshot)
+        self._reported_versions: tuple[int | None, ...] | None = None
         #: The background usage refresh (`gauge_report`): its latest snapshot and its thread.
         self._usage_lock = threading.Lock()
         self._usage: dict[str, dict[str, Any]] = {}
@@ -522,12 +524,18 @@ class TieredStore:
         One baseline per store: a store two connectors share hands each increment to one of them.
         """
         with self._reported_lock:  # the snapshot too: two callers must not swap baselines
-            now = {tier.name: tier.counters.snapshot() for tier in self.tiers}
+            # Every engine step asks, and most steps count nothing: the counters' versions, read before
+            # the snapshot (an add in between is in it, and moves the version again), say so for free.
+            versions = tuple(getattr(tier.counters, "version", None) for tier in self.tiers)
             with self._in_flight_lock:
                 write_behind = self._write_behind_hits
+            if (versions == self._reported_versions and None not in versions
+                    and write_behind == self._reported_write_behind):
+                return {}
+            now = {tier.name: tier.counters.snapshot() for tier in self.tiers}
             names = {name for numbers in now.values() for name in numbers}
             deltas = counter_deltas(now, self._reported, sorted(names))
-            self._reported = now
+            self._reported, self._reported_versions = now, versions
             hits, self._reported_write_behind = write_behind - self._reported_write_behind, write_behind
         out: dict[str, Any] = {}
         moved = {tier: {k: v for k, v in numbers.items() if v > 0} for tier, numbers in deltas.items()}
