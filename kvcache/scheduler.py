@@ -27,6 +27,7 @@ before are never read again by this engine, and stay for the engines still runni
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,9 @@ class _RequestState:
     load_chunks: list[tuple[int, bool]] = field(default_factory=list)
     #: end block of the last chunk already planned for saving
     saved_until: int = 0
+    #: no chunk can be saved before the request has this many computed blocks (0: not known yet);
+    #: lets a decode step pass over the request without planning (`KVSchedulerSide._plan`)
+    next_save_block: int = 0
     #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
     cacheable: bool = True
     #: content digest of the request's LoRA adapter, None without one (`vllm_tiercache.kvcache.adapters`)
@@ -336,7 +340,7 @@ class KVSchedulerSide:
                 continue
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             plan = self._plan(state, before, before + scheduled)
-            if plan.loads or plan.saves:
+            if plan is not None:
                 meta.requests.append(plan)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
@@ -347,14 +351,20 @@ class KVSchedulerSide:
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
-    def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan:
+    def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan | None:
+        """The request's loads and saves this step; None when it has neither (most decode steps, which
+        leave after two comparisons: no load planned, and fewer computed blocks than the next chunk
+        end that could be saved)."""
+        if not state.cacheable:
+            return None
+        loading = state.load_end > state.load_first
+        if not loading and (not self.can_save or computed_after // self.geometry.block_size < state.next_save_block):
+            return None
         request = state.request
         plan = RequestPlan(req_id=request.request_id)
-        if not state.cacheable:
-            return plan
         block_ids: tuple[list[int], ...] | None = None
         geometry = self.geometry
-        if state.load_end > state.load_first:
+        if loading:
             block_ids = self._block_ids(request.request_id)
             for group in self.groups.groups:
                 plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
@@ -376,7 +386,7 @@ class KVSchedulerSide:
                 else:
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(state.chunk_hash(end), None)
-        return plan
+        return plan if plan.loads or plan.saves else None
 
     def _group_loads(self, state: _RequestState, group: KVGroup, block_ids: list[int]) -> list[ChunkLoad]:
         """One group's loads for the planned hit: full attention every block of [load_first, load_end), a
@@ -433,15 +443,20 @@ class KVSchedulerSide:
             and partial not in ends
         ):
             ends.append(partial)
-        if not ends:
-            return []
         stored = state.stored
         to_save = []
         for end in ends:
             index = (end - 1) // per_chunk  # the chunk's index among the prompt's chunk ends
             if not (end <= prompt_blocks and index < len(stored) and stored[index]):
                 to_save.append(end)
-        state.saved_until = max(state.saved_until, *ends)
+        state.saved_until = max(state.saved_until, *ends) if ends else state.saved_until
+        # The next chunk end past saved_until that could ever be saved (a volatile tail left for the
+        # next step is one: it is not past the computed blocks, so the next step plans again).
+        next_full = (state.saved_until // per_chunk + 1) * per_chunk
+        if next_full > request.num_prompt_tokens // block_size and not self.save_decode:
+            next_full = sys.maxsize  # the prompt's full chunks are all planned or stored
+        pending_partial = partial is not None and partial > state.saved_until
+        state.next_save_block = min(next_full, partial) if pending_partial else next_full
         return to_save
 
     # ----------------------------------------------------------------------------------------- reset
@@ -481,7 +496,7 @@ class KVSchedulerSide:
                 state.cacheable = False
                 kept += 1
             else:
-                state.saved_until = 0
+                state.saved_until = state.next_save_block = 0
         self._unreported_resets += 1
         log.warning("TieredKVConnector: vLLM reset the connector cache (e.g. after a weight update): started "
                     "weights generation %d; records stored before are no longer used by this engine (they stay "

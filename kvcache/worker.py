@@ -166,6 +166,9 @@ class KVWorkerSide:
         self._queued_lock = threading.Lock()
         self._gauges = GaugeChanges(store)
         self._sent_save_queue = 0
+        #: `$TIERCACHE_STATS_DIR` is set when the process starts (tests, precompute jobs): read once, not
+        #: on every step
+        self._dumps_totals = bool(os.environ.get(STATS_DIR_ENV))
         self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
         self._load_queue: queue.Queue[_LoadJob | None] = queue.Queue()
         #: one line per load when $TIERCACHE_LOAD_TRACE names a file (`vllm_tiercache.kvcache.load_trace`)
@@ -518,7 +521,7 @@ class KVWorkerSide:
 
         Nothing is built without that directory; per step the store's usage is the cached one (no Redis
         round trip on the step), at shutdown (``force``) a fresh one."""
-        if not os.environ.get(STATS_DIR_ENV):
+        if not self._dumps_totals:
             return
         stats = self.store.stats(cached_usage=not force) if hasattr(self.store, "gauge_report") else self.store.stats()
         dump_stats("kv-worker", {"counters": dict(self.totals), "store": stats, "groups": self.groups.to_json()},

@@ -7,6 +7,7 @@ scheduler fills. Everything the plan is computed from (block hashes, the store) 
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -133,6 +134,7 @@ def test_chunks_found_stored_are_passed_over_for_good(side) -> None:
     (plan,) = side.build_connector_meta(step([("s", 0)], [], {"s": 330})).requests
     assert [s.chunk_hash for s in plan.saves] == [request.block_hashes[3], request.block_hashes[9]]
     assert side._requests["s"].saved_until == 10
+    assert side._requests["s"].next_save_block == sys.maxsize  # save_decode is off: nothing more, ever
     for computed in range(330, 340):
         request.append_output_token_ids(7)
         assert side.build_connector_meta(step([], [("s", computed)], {"s": 1})).requests == []

@@ -27,7 +27,7 @@ from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.stats import TieredKVStats
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
-from vllm_tiercache.shared.store.counters import STORE_COUNTER_HELP
+from vllm_tiercache.shared.store.counters import GAUGE_CHECK_INTERVAL_S, STORE_COUNTER_HELP, GaugeChanges
 
 LABELS = ["model_name", "engine"]
 ENGINE = {"model_name": "m", "engine": "0"}
@@ -104,8 +104,12 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         store.put_many([_record(i) for i in range(2)], owned=True)
         assert store.flush(10.0)
         conn.get_kv_connector_stats()  # the writes above, and the first gauge report
-        time.sleep(0.05)
-        conn.get_kv_connector_stats()  # a usage refresh may have changed the gauges meanwhile
+        for _ in range(100):  # the usage refresh's first pass, which changes the gauges once
+            if store._cached_usage():
+                break
+            time.sleep(0.02)
+        time.sleep(GAUGE_CHECK_INTERVAL_S)
+        conn.get_kv_connector_stats()  # the gauges as they stay
         assert [conn.get_kv_connector_stats() for _ in range(50)] == [None] * 50
         assert store.take_counter_deltas() == {}
         store.get_many([_record(0)[0]])  # a read in the memory tier, after many idle steps
@@ -120,6 +124,27 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         assert side.totals["loaded_blocks"] == 3 and conn.get_kv_connector_stats() is None
     finally:
         store.close()
+
+
+def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
+    """Every step asks; the report is built and compared at most once per interval, and a change made
+    meanwhile is sent at the first look after it (never lost, never sent twice)."""
+    used = [0]
+
+    class Store:
+        source = "w1"
+
+        def gauge_report(self) -> dict[str, Any]:
+            return {"tiers": {"memory": {"bytes_used": used[0], "up": 1, "shared": 0}}, "write_queue": 0}
+
+    changes = GaugeChanges(Store(), interval_s=0.2)
+    assert changes.take() == {}  # nothing held yet: what /metrics shows from registration on
+    used[0] = 10
+    assert changes.take() == {}  # within the interval: not looked at
+    time.sleep(0.25)
+    assert changes.take()["w1"]["tiers"]["memory"]["bytes_used"] == 10
+    time.sleep(0.25)
+    assert changes.take() == {}  # looked at, unchanged
 
 
 def test_aggregate_keeps_tier_counts_and_the_latest_gauges() -> None:
@@ -221,9 +246,10 @@ def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, r
                 time.sleep(0.05)
             client.config_resetstat()
             reports = []
-            for i in range(40):  # 40 engine steps, half of them with writes
+            for i in range(40):  # 40 engine steps, half of them with writes, over 4 gauge intervals
                 if i % 2:
                     store.put_many([_record(i)], owned=True)
+                time.sleep(GAUGE_CHECK_INTERVAL_S / 10)
                 stats = conn.get_kv_connector_stats()
                 if stats is not None and stats.data.get("gauges"):
                     reports.append(stats.data["gauges"])

@@ -32,6 +32,8 @@ DISTRIBUTION = "vllm-tiercache"
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
     ("bench", "kv"): ("bench.kv", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
+    ("bench", "kv-step"): ("bench.kv_step", "the KV connector's own time per engine step while decoding, "
+                                            "against the step"),
     ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
     ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "

@@ -14,8 +14,10 @@ vLLM builds the connector's metrics, so a scrape shows zeros, not nothing, befor
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -243,6 +245,10 @@ def gauges_as_registered(report: Mapping[str, Any]) -> bool:
                for numbers in (report.get("tiers") or {}).values())
 
 
+#: Seconds between two looks at a store's gauges by one sender (`GaugeChanges`).
+GAUGE_CHECK_INTERVAL_S = 0.25
+
+
 class GaugeChanges:
     """A store's gauge report (`TieredStore.gauge_report`), handed on by one sender only when it changed.
 
@@ -250,14 +256,25 @@ class GaugeChanges:
     path, and each must send a change once. A first report that shows only what the series show from
     registration on is not sent. In-process reads only: the store's usage comes from its background
     refresh. A store without gauge reports (a test stand-in) gives nothing.
+
+    Looked at no more than every `GAUGE_CHECK_INTERVAL_S`: vLLM asks on every engine step, decode steps
+    included, and building and comparing the report cost ~20 us of a step in an engine (its caches cold
+    after the forward), for gauges that Prometheus scrapes every few seconds and whose usage part is
+    refreshed every `vllm_tiercache.shared.store.tiered.USAGE_REFRESH_S` anyway.
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, interval_s: float = GAUGE_CHECK_INTERVAL_S) -> None:
         self._store = store
         self._sent: dict[str, Any] | None = None
+        self._interval_s = interval_s
+        self._checked = -math.inf
 
     def take(self) -> dict[str, Any]:
-        """``{store source: report}`` when the report changed since the last `take`, else ``{}``."""
+        """``{store source: report}`` when the report changed since the last look, else ``{}``."""
+        now = time.monotonic()
+        if now - self._checked < self._interval_s:
+            return {}
+        self._checked = now
         report = getattr(self._store, "gauge_report", None)
         if report is None:
             return {}

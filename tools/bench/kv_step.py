@@ -1,0 +1,177 @@
+"""`tiercache bench kv-step`: what the KV connector's own code costs each engine step, beside the step.
+
+Why: vLLM calls the connector on every step, decode steps included (build the step's plan, report stats,
+once per layer at save time, ...). On a step that loads and saves nothing, that is pure overhead on every
+token of every request, and it grows with what the connector keeps per request. A hit's or a miss's TTFT
+(`tiercache bench kv`) never shows it. Timings of two engines, one with the connector and one without,
+differ by more than this overhead between engine starts on the dev VMs, so the connector's own time is
+measured instead, inside one engine: every `TieredKVConnector` method is timed, the time is summed per
+engine step, and the step's own time in the same run is the baseline it is a share of.
+
+How: one engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler and the
+worker are here, with their connector objects). ``--requests`` random prompts are sent once (their
+prefill stores their chunks), then again with ``--new-tokens`` to generate: vLLM's prefix cache supplies
+the prompts, so the measured steps are decode steps with the whole batch running. A step is counted once
+per scheduler-side `build_connector_meta` call. The timer itself adds about a microsecond per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from vllm_tiercache.tools.bench.kv import TOKEN_RANGE
+from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE
+
+#: connector methods vLLM calls per step or per request (the KVConnectorBase_V1 surface the connector has)
+TIMED_METHODS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+    "request_finished", "request_finished_all_groups", "get_kv_connector_stats", "start_load_kv",
+    "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
+    "get_block_ids_with_load_errors", "build_connector_worker_meta",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the CI smoke size: 2 requests, 16 new tokens")
+    parser.add_argument("--model", help="a model directory (default: a generated tiny Llama)")
+    parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--requests", type=int, default=8, help="requests decoding together (default %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt (default %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates (default "
+                        "%(default)s): the measured decode steps")
+    parser.add_argument("--chunk-size", type=int, default=256, help="the connector's chunk_size in tokens "
+                        "(default %(default)s): smaller chunks, more chunks per request")
+    parser.add_argument("--disk", action="store_true", help="a disk tier below the memory tier")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+class MethodTimer:
+    """Wraps `TieredKVConnector`'s methods on the class (both roles live in this process) and sums their
+    time per method while `on` is set."""
+
+    def __init__(self, connector_cls: Any) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+        self._cls = connector_cls
+        self._originals = {name: getattr(connector_cls, name) for name in TIMED_METHODS if hasattr(connector_cls, name)}
+        for name, method in self._originals.items():
+            setattr(connector_cls, name, self._timed(name, method))
+
+    def _timed(self, name: str, method: Any) -> Any:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return method(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+        return timed
+
+    def restore(self) -> None:
+        for name, method in self._originals.items():
+            setattr(self._cls, name, method)
+
+
+def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
+    """Run the engine and return the report (see the module docstring)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from vllm_tiercache.kvcache.connector import TieredKVConnector
+
+    tiers: list[dict[str, Any]] = [{"kind": "memory", "capacity": "2GiB"}]
+    if args.disk:
+        tiers.append({"kind": "disk", "path": str(work / "disk"), "capacity": "4GiB"})
+    extra = {"namespace": f"kv-step-{os.getpid()}", "tiers": tiers, "chunk_size": args.chunk_size}
+    max_len = args.prompt_len + args.new_tokens + BLOCK_SIZE
+    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=max_len,
+              max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(args.requests, 1),
+              enable_prefix_caching=True, seed=0,
+              kv_transfer_config=KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both",
+                                                  kv_connector_extra_config=extra))
+    rng = random.Random(20261126)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(*TOKEN_RANGE) for _ in range(args.prompt_len)])
+               for _ in range(args.requests)]
+    print(f"tiercache-bench: storing {args.requests} prompts of {args.prompt_len} tokens", file=sys.stderr)
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    timer = MethodTimer(TieredKVConnector)
+    try:
+        print(f"tiercache-bench: decoding {args.new_tokens} tokens each", file=sys.stderr)
+        timer.on = True
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        wall = time.perf_counter() - started
+        timer.on = False
+    finally:
+        timer.restore()
+    steps = timer.calls.get("build_connector_meta", 0)
+    cached = [int(out.num_cached_tokens or 0) for out in outputs]
+    methods = [{"method": name, "calls_per_step": timer.calls[name] / steps if steps else None,
+                "us_per_step": timer.seconds[name] / steps * 1e6 if steps else None}
+               for name in sorted(timer.seconds, key=lambda n: -timer.seconds[n])]
+    total = sum(timer.seconds.values())
+    return {
+        "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "chunk_size": args.chunk_size, "tiers": [t["kind"] for t in tiers], "steps": steps,
+        "prefix_cached_tokens": statistics.median(cached) if cached else 0,
+        "step_ms": wall / steps * 1e3 if steps else None,
+        "connector_us_per_step": total / steps * 1e6 if steps else None,
+        "connector_share": total / wall if wall else None,
+        "methods": methods,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"the KV connector's own time per engine step: {report['requests']} requests x {report['prompt_len']} "
+             f"prompt tokens (from vLLM's prefix cache), {report['new_tokens']} new tokens each, chunk_size "
+             f"{report['chunk_size']}, tiers {'+'.join(report['tiers'])}; {report['steps']} steps",
+             f"  {'method':32s} {'calls/step':>10s} {'us/step':>9s}"]
+    for row in report["methods"]:
+        lines.append(f"  {row['method']:32s} {row['calls_per_step']:10.1f} {row['us_per_step']:9.1f}")
+    lines.append(f"  {'connector, all methods':32s} {'':10s} {report['connector_us_per_step']:9.1f}")
+    lines.append(f"engine step (wall / steps, same run): {report['step_ms']:.3f} ms; the connector's share of it: "
+                 f"{report['connector_share'] * 100:.1f}%")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `tiercache bench kv-step`."""
+    if args.quick:
+        args.requests, args.prompt_len, args.new_tokens = 2, 512, 16
+    for name in ("requests", "prompt_len", "new_tokens", "chunk_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    work = Path(tempfile.mkdtemp(prefix="tiercache-bench-kv-step-"))
+    try:
+        model = args.model
+        if model is None:
+            from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
+
+            spec = TinyLlamaSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                                 dtype=args.dtype, max_position_embeddings=max(4096, args.prompt_len + 1024))
+            model = str(make_tiny_llama(work / "model", spec))
+        report = measure(args, model, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
