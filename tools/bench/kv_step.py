@@ -18,6 +18,7 @@ per scheduler-side `build_connector_meta` call. The timer itself adds about a mi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +156,20 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """The engine runs in this process and vLLM logs to stdout: keep stdout for the report (``--json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `tiercache bench kv-step`."""
     if args.quick:
@@ -170,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             spec = TinyLlamaSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                                  dtype=args.dtype, max_position_embeddings=max(4096, args.prompt_len + 1024))
             model = str(make_tiny_llama(work / "model", spec))
-        report = measure(args, model, work)
+        with _stdout_to_stderr():
+            report = measure(args, model, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
