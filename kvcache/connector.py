@@ -285,7 +285,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return TieredKVStats(data=moved) if moved else None
         data = self._worker.take_counters()
         data.update(self._store.take_counter_deltas())
-        data.update(self._worker.gauge_reports())
+        data.update(self._worker.gauge_reports(force=bool(data)))  # a step that did something looks now
         if not data:  # most decode steps: nothing built, nothing for vLLM to send
             return None
         data.setdefault("block_size", self._worker.block_size)

@@ -71,8 +71,11 @@ class _RequestState:
     load_end: int = 0
     #: end block of every stored chunk the load reads from, and whether the workers' memory holds it
     load_chunks: list[tuple[int, bool]] = field(default_factory=list)
-    #: end block of the last chunk already planned for saving
+    #: no chunk ending at or before this block is considered for saving again: planned, or found stored
     saved_until: int = 0
+    #: end block of the last chunk planned for saving; a new lookup, which may find the chunks passed over
+    #: as stored gone (evicted while the request was preempted), moves `saved_until` back here
+    planned_until: int = 0
     #: no chunk can be saved before the request has this many computed blocks (0: not known yet);
     #: lets a decode step pass over the request without planning (`KVSchedulerSide._plan`)
     next_save_block: int = 0
@@ -263,6 +266,7 @@ class KVSchedulerSide:
         full_ok, window_ok, resident = self._lookup(state)
         stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
+        state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
         state.load_first = state.load_end = 0
         state.load_chunks = []
         if not self.can_load:
@@ -450,6 +454,7 @@ class KVSchedulerSide:
             if not (end <= prompt_blocks and index < len(stored) and stored[index]):
                 to_save.append(end)
         state.saved_until = max(state.saved_until, *ends) if ends else state.saved_until
+        state.planned_until = max(state.planned_until, *to_save) if to_save else state.planned_until
         # The next chunk end past saved_until that could ever be saved (a volatile tail left for the
         # next step is one: it is not past the computed blocks, so the next step plans again).
         next_full = (state.saved_until // per_chunk + 1) * per_chunk
@@ -496,7 +501,7 @@ class KVSchedulerSide:
                 state.cacheable = False
                 kept += 1
             else:
-                state.saved_until = state.next_save_block = 0
+                state.saved_until = state.planned_until = state.next_save_block = 0
         self._unreported_resets += 1
         log.warning("TieredKVConnector: vLLM reset the connector cache (e.g. after a weight update): started "
                     "weights generation %d; records stored before are no longer used by this engine (they stay "

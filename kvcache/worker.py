@@ -503,12 +503,13 @@ class KVWorkerSide:
         self.dump_totals()
         return data
 
-    def gauge_reports(self) -> dict[str, Any]:
+    def gauge_reports(self, force: bool = False) -> dict[str, Any]:
         """The store's gauge report and this worker's save-queue depth, each only when it changed since
         the last call (a first report that shows only what `/metrics` shows from the start is not sent);
-        in-process reads only (the store's usage comes from its background refresh)."""
+        in-process reads only (the store's usage comes from its background refresh). The report is looked
+        at every `GAUGE_CHECK_INTERVAL_S`, or now with ``force``."""
         out: dict[str, Any] = {}
-        if gauges := self._gauges.take():
+        if gauges := self._gauges.take(force=force):
             out["gauges"] = gauges
         depth = self._queued_saves
         if depth != self._sent_save_queue:

@@ -149,6 +149,25 @@ def test_chunks_found_stored_are_passed_over_for_good(side) -> None:
     assert side._requests["h"].saved_until == 10
 
 
+def test_chunks_passed_over_as_stored_are_saved_after_a_lookup_finds_them_gone(side) -> None:
+    """Preempted after a full hit, the request recomputes its prompt; if its chunks were evicted meanwhile,
+    the new lookup finds them gone and the recompute saves them again (passing a chunk over as stored
+    holds only until the next lookup)."""
+    request = make_request("p", tokens(256))  # chunks [0,4) [4,8)
+    for end in (4, 8):
+        store_chunk(side, request.block_hashes[end - 1], 4)
+    assert side.get_num_new_matched_tokens(request, 0) == (7 * BLOCK, False)
+    side.update_state_after_alloc(request, 7 * BLOCK)
+    (plan,) = side.build_connector_meta(step([("p", 7 * BLOCK)], [], {"p": BLOCK})).requests
+    assert len(plan.loads) == 2 and plan.saves == []
+    (disk,) = side.store.tiers
+    assert disk.delete_stored(lambda record: True)[0] == 2 * IDENTITY.num_layers  # evicted while preempted
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # rescheduled from scratch
+    side.update_state_after_alloc(request, 0)
+    (plan,) = side.build_connector_meta(step([("p", 0)], [], {"p": 256})).requests
+    assert [s.chunk_hash for s in plan.saves] == [request.block_hashes[3], request.block_hashes[7]]
+
+
 def test_hit_stops_one_token_short_and_loads_only_beyond_local_hits(side) -> None:
     prompt = tokens(256)  # exactly 2 chunks
     request = make_request("b", prompt)
@@ -196,6 +215,23 @@ def test_save_decode_saves_chunks_completed_while_decoding(tmp_path) -> None:
         request.append_output_token_ids(7)
     meta = side.build_connector_meta(step([], [("e", 120)], {"e": 8}))
     assert [s.chunk_hash for s in meta.requests[0].saves] == [request.block_hashes[3]]
+    side.store.close()
+
+
+def test_a_recompute_past_the_prompt_saves_each_chunk_once(tmp_path) -> None:
+    """A request recomputed with its output (after a preemption or a weights reset) completes, in one step,
+    the prompt's partial chunk and a full chunk past it: both saved once (the partial one, planned last,
+    once moved the saved mark back and the full chunk was saved again on the next step)."""
+    side = make_side(tmp_path, save_decode=True)
+    request = make_request("r", tokens(330))  # 10 prompt blocks: chunks [0,4) [4,8), partial [8,10)
+    for _ in range(60):
+        request.append_output_token_ids(7)  # 390 tokens: 12 full blocks, a full chunk [8,12) past the prompt
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_state_after_alloc(request, 0)
+    (plan,) = side.build_connector_meta(step([("r", 0)], [], {"r": 390})).requests
+    assert sorted(s.chunk_hash for s in plan.saves) == sorted(request.block_hashes[end - 1] for end in (4, 8, 10, 12))
+    request.append_output_token_ids(7)
+    assert side.build_connector_meta(step([], [("r", 390)], {"r": 1})).requests == []
     side.store.close()
 
 

@@ -145,6 +145,8 @@ def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
     assert changes.take()["w1"]["tiers"]["memory"]["bytes_used"] == 10
     time.sleep(0.25)
     assert changes.take() == {}  # looked at, unchanged
+    used[0] = 20
+    assert changes.take(force=True)["w1"]["tiers"]["memory"]["bytes_used"] == 20  # a step that counted something
 
 
 def test_aggregate_keeps_tier_counts_and_the_latest_gauges() -> None:

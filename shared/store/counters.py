@@ -269,10 +269,12 @@ class GaugeChanges:
         self._interval_s = interval_s
         self._checked = -math.inf
 
-    def take(self) -> dict[str, Any]:
-        """``{store source: report}`` when the report changed since the last look, else ``{}``."""
+    def take(self, force: bool = False) -> dict[str, Any]:
+        """``{store source: report}`` when the report changed since the last look, else ``{}``; ``force``:
+        look now, whenever the last look was (a step that counted something: the last step before the
+        engine goes idle must not leave a change behind)."""
         now = time.monotonic()
-        if now - self._checked < self._interval_s:
+        if not force and now - self._checked < self._interval_s:
             return {}
         self._checked = now
         report = getattr(self._store, "gauge_report", None)

@@ -18,7 +18,6 @@ per scheduler-side `build_connector_meta` call. The timer itself adds about a mi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -29,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +66,10 @@ class MethodTimer:
         self.calls: dict[str, int] = defaultdict(int)
         self.on = False
         self._cls = connector_cls
-        self._originals = {name: getattr(connector_cls, name) for name in TIMED_METHODS if hasattr(connector_cls, name)}
-        for name, method in self._originals.items():
-            setattr(connector_cls, name, self._timed(name, method))
+        #: the class's own entries (None: inherited, removed again by `restore`)
+        self._own = {name: connector_cls.__dict__.get(name) for name in TIMED_METHODS if hasattr(connector_cls, name)}
+        for name in self._own:
+            setattr(connector_cls, name, self._timed(name, getattr(connector_cls, name)))
 
     def _timed(self, name: str, method: Any) -> Any:
         @functools.wraps(method)
@@ -86,8 +85,11 @@ class MethodTimer:
         return timed
 
     def restore(self) -> None:
-        for name, method in self._originals.items():
-            setattr(self._cls, name, method)
+        for name, method in self._own.items():
+            if method is None:
+                delattr(self._cls, name)
+            else:
+                setattr(self._cls, name, method)
 
 
 def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
@@ -126,6 +128,7 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
         timer.on = False
     finally:
         timer.restore()
+        llm.llm_engine.engine_core.shutdown()  # the store flushed, before the caller removes its files
     steps = timer.calls.get("build_connector_meta", 0)
     cached = [int(out.num_cached_tokens or 0) for out in outputs]
     methods = [{"method": name, "calls_per_step": timer.calls[name] / steps if steps else None,
@@ -156,18 +159,15 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """The engine runs in this process and vLLM logs to stdout: keep stdout for the report (``--json``)."""
+def _report_stream() -> Any:
+    """A stream on the process's stdout for the report; stdout itself then goes to stderr for good.
+
+    The engine runs in this process and vLLM (and C++ code, with its own buffers) logs to stdout: only the
+    report may reach it (``--json`` is read by other programs)."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    report = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("requests", "prompt_len", "new_tokens", "chunk_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    out = _report_stream()
     work = Path(tempfile.mkdtemp(prefix="tiercache-bench-kv-step-"))
     try:
         model = args.model
@@ -186,9 +187,9 @@ def run(args: argparse.Namespace) -> int:
             spec = TinyLlamaSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                                  dtype=args.dtype, max_position_embeddings=max(4096, args.prompt_len + 1024))
             model = str(make_tiny_llama(work / "model", spec))
-        with _stdout_to_stderr():
-            report = measure(args, model, work)
+        report = measure(args, model, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    with out:
+        print(json.dumps(report, indent=2) if args.json else format_table(report), file=out)
     return 0
