@@ -151,7 +151,9 @@ class KVWorkerSide:
         self._layer_bytes: dict[str, memoryview] = {}
         self._block_bytes = 0
         self.counters = WorkerCounters()
-        self.totals: dict[str, Any] = {}
+        #: cumulative counters for the stats file: every count of `WorkerCounters`, 0 until it moves
+        self.totals: dict[str, Any] = {name: value for name, value in vars(WorkerCounters()).items()
+                                       if isinstance(value, int)}
         self._counters_lock = threading.Lock()
         self._job: _LoadJob | None = None
         self._load_errors: set[int] = set()

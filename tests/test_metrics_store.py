@@ -25,6 +25,7 @@ from tests.test_kv_worker import worker
 from vllm_tiercache.eccache.connector import TieredECConnector, TieredECStats
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.stats import TieredKVStats
+from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.counters import GAUGE_CHECK_INTERVAL_S, STORE_COUNTER_HELP, GaugeChanges
@@ -124,6 +125,25 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         assert side.totals["loaded_blocks"] == 3 and conn.get_kv_connector_stats() is None
     finally:
         store.close()
+
+
+def test_a_worker_that_counted_nothing_still_writes_every_counter(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stats file of a worker that never loaded nor saved (a consumer that missed everything) lists
+    every counter at 0: readers (tests, operators' scripts) look them up by name. Steps that count nothing
+    return nothing to vLLM, which must not leave the totals without those names."""
+    monkeypatch.setenv("TIERCACHE_STATS_DIR", str(tmp_path / "stats"))
+    store = build_store({"tiers": _tiers(tmp_path)[:1]})
+    try:
+        side = worker(store)
+        conn = _kv_connector(side, store)
+        assert [conn.get_kv_connector_stats() for _ in range(3)] == [None] * 3
+        side.shutdown()
+    finally:
+        store.close()
+    (stats,) = read_stats(str(tmp_path / "stats"), "kv-worker")
+    assert stats["counters"]["load_errors"] == 0 and stats["counters"]["loaded_blocks"] == 0, stats["counters"]
+    assert stats["counters"]["saved_chunks"] == 0 and stats["counters"]["dropped_saves"] == 0, stats["counters"]
 
 
 def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
