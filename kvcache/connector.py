@@ -288,7 +288,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         data.update(self._worker.gauge_reports(force=bool(data)))  # a step that did something looks now
         if not data:  # most decode steps: nothing built, nothing for vLLM to send
             return None
-        data.setdefault("block_size", self._worker.block_size)
+        data["block_size"] = self._worker.block_size  # hit tokens = loaded blocks x block size
         stats = TieredKVStats(data=data)
         if stats.is_empty() and not any(data.get(name) for name in ("gauges", "save_queue")):
             return None

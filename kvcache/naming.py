@@ -56,6 +56,10 @@ class ChunkGeometry:
         """End block (exclusive) of every chunk over `num_full_blocks`; the last one may be partial."""
         return chunk_boundaries(num_full_blocks, self.blocks_per_chunk)
 
+    def next_full_end(self, after_block: int) -> int:
+        """End block of the first full chunk that ends past ``after_block``."""
+        return (after_block // self.blocks_per_chunk + 1) * self.blocks_per_chunk
+
 
 @dataclass(frozen=True)
 class KVNaming:
@@ -141,6 +145,12 @@ class KVNaming:
         if ends and ends[-1] % self.geometry.blocks_per_chunk and not self.save_partial_chunks:
             ends = ends[:-1]
         return ends
+
+    def stored_partial_end(self, num_full_blocks: int) -> int | None:
+        """End block of the partial last chunk `stored_chunk_ends` includes for ``num_full_blocks`` blocks
+        (None: the blocks end on a chunk boundary, or partial chunks are not saved); constant time."""
+        partial = num_full_blocks % self.geometry.blocks_per_chunk and self.save_partial_chunks
+        return num_full_blocks if partial else None
 
     def prompt_block_hashes(self, request: Any) -> list[bytes]:
         """vLLM's block hashes of a request's prompt, computed offline as the engine's scheduler does.

@@ -433,31 +433,29 @@ class KVSchedulerSide:
         limit = len(request.block_hashes) if self.save_decode else prompt_blocks
         limit = min(limit, publishable_block_count(request))
         computed_blocks = min(computed_after // block_size, limit)
-        first_full = (state.saved_until // per_chunk + 1) * per_chunk
-        ends = list(range(first_full, computed_blocks + 1, per_chunk))
+        ends = list(range(self.geometry.next_full_end(state.saved_until), computed_blocks + 1, per_chunk))
         if ends and self.volatile_decode_tail and computed_after > request.num_prompt_tokens:
             volatile_end = computed_blocks // per_chunk * per_chunk
             ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
         # The partial last chunk, if the naming stores one, once the whole prompt is computed.
-        partial = prompt_blocks if prompt_blocks % per_chunk and self.naming.save_partial_chunks else None
-        if (
-            partial is not None
-            and computed_after >= request.num_prompt_tokens
-            and state.saved_until < partial <= computed_blocks
-            and partial not in ends
+        partial = self.naming.stored_partial_end(prompt_blocks)
+        if partial is not None and computed_after >= request.num_prompt_tokens and (
+            state.saved_until < partial <= computed_blocks
         ):
-            ends.append(partial)
+            ends.append(partial)  # never among the full chunk ends above
         stored = state.stored
         to_save = []
         for end in ends:
             index = (end - 1) // per_chunk  # the chunk's index among the prompt's chunk ends
             if not (end <= prompt_blocks and index < len(stored) and stored[index]):
                 to_save.append(end)
-        state.saved_until = max(state.saved_until, *ends) if ends else state.saved_until
-        state.planned_until = max(state.planned_until, *to_save) if to_save else state.planned_until
+        if ends:
+            state.saved_until = max(state.saved_until, *ends)
+        if to_save:
+            state.planned_until = max(state.planned_until, *to_save)
         # The next chunk end past saved_until that could ever be saved (a volatile tail left for the
         # next step is one: it is not past the computed blocks, so the next step plans again).
-        next_full = (state.saved_until // per_chunk + 1) * per_chunk
+        next_full = self.geometry.next_full_end(state.saved_until)
         if next_full > request.num_prompt_tokens // block_size and not self.save_decode:
             next_full = sys.maxsize  # the prompt's full chunks are all planned or stored
         pending_partial = partial is not None and partial > state.saved_until

@@ -494,14 +494,12 @@ class KVWorkerSide:
         return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
 
     def take_counters(self) -> dict[str, Any]:
-        """This worker's counters since the last call, with its block size; ``{}`` when none moved."""
+        """This worker's counters since the last call; ``{}`` when none moved."""
         with self._counters_lock:
             data = self.counters.take()
-        if data:
-            for name, value in data.items():
-                if isinstance(value, int):
-                    self.totals[name] = self.totals.get(name, 0) + value
-            data["block_size"] = self.block_size
+        for name, value in data.items():
+            if isinstance(value, int):
+                self.totals[name] = self.totals.get(name, 0) + value
         self.dump_totals()
         return data
 

@@ -44,7 +44,8 @@ TIMED_METHODS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="the CI smoke size: 2 requests, 16 new tokens")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke size: 2 requests of 512 tokens,"
+                        " 16 new tokens")
     parser.add_argument("--model", help="a model directory (default: a generated tiny Llama)")
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--requests", type=int, default=8, help="requests decoding together (default %(default)s)")
