@@ -146,6 +146,44 @@ def test_a_worker_that_counted_nothing_still_writes_every_counter(tmp_path: Path
     assert stats["counters"]["saved_chunks"] == 0 and stats["counters"]["dropped_saves"] == 0, stats["counters"]
 
 
+@pytest.mark.redis
+def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Path, redis_url: str,
+                                                                    redis_server: Any) -> None:
+    """Redis stops answering (SIGSTOP, a hang): the step whose read hung counted it, so that step looks at
+    the gauges at once, whatever the interval, and reports the tier down; its return reaches them with
+    the next step that does work. (An interval no step reaches here: only that rule can report.)"""
+    store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"},
+                                   {"kind": "redis", "url": redis_url, "timeout_s": 0.5, "retry_after_s": 0.2}]})
+    try:
+        side = worker(store)
+        side._gauges = GaugeChanges(store, interval_s=3600.0)
+        conn = _kv_connector(side, store)
+        key, tensor, meta = _record(1)
+        store.tiers[1].put_many([(key, tensor, meta)])  # in Redis only: a later read asks Redis
+        conn.get_kv_connector_stats()  # the write, and the one look of this interval
+
+        def redis_up(stats: TieredKVStats | None) -> Any:
+            assert stats is not None
+            (report,) = stats.data["gauges"].values()
+            return report["tiers"]["redis"]["up"]
+
+        redis_server.pause()
+        try:
+            store.get_many([StoreKey("m|kv|x|f|tp1r0|9999|L0")])  # hangs for timeout_s: a miss, tier down
+            assert redis_up(conn.get_kv_connector_stats()) == 0
+        finally:
+            redis_server.resume()
+        deadline = time.monotonic() + 10.0
+        while store.tiers[1].down:  # the prober brings it back; no step counts that
+            assert time.monotonic() < deadline, "the Redis tier did not come back after SIGCONT"
+            time.sleep(0.05)
+        assert conn.get_kv_connector_stats() is None  # an idle step within the interval: not looked at
+        assert store.get_many([key])[0] is not None  # read from Redis
+        assert redis_up(conn.get_kv_connector_stats()) == 1
+    finally:
+        store.close()
+
+
 def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
     """Every step asks; the report is built and compared at most once per interval, and a change made
     meanwhile is sent at the first look after it (never lost, never sent twice)."""
