@@ -41,7 +41,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check vllm_tiercache shared kvcache eccache tools tests
 
-# the generated tables of docs/configuration.md, from the config classes (tests/test_config_schema.py checks)
+# the generated tables of docs/configuration.md, from the config classes (tests/config/test_config_schema.py checks)
 docs: $(STAMP)
 	$(VENV)/bin/tiercache config schema --update-docs docs/configuration.md
 

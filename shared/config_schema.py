@@ -3,7 +3,7 @@
 Why generated: every key's type, bounds, default and meaning are declared once, on the config sections
 (`StoreConfig`, the tier configs, the connectors' options: see `vllm_tiercache.shared.store.tier_config`);
 the schema and the tables of docs/configuration.md are written from them, so the docs cannot drift from
-the code (``tests/test_config_schema.py`` fails when they differ; ``make docs`` rewrites them).
+the code (``tests/config/test_config_schema.py`` fails when they differ; ``make docs`` rewrites them).
 
 This module knows the store; the connectors' option classes are passed in by the caller
 (`vllm_tiercache.tools.config_cmd`), as the layers import only downward.

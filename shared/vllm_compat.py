@@ -3,7 +3,7 @@
 Why one module: the connectors lean on vLLM interfaces that are not stable API (the KV connector
 `base.py`, `CacheHitSource`, worker-metadata channels, the encoder cache manager). When a release moves
 one of them, the change belongs here, next to the range it was verified for, instead of as a `getattr`
-scattered through `kvcache/` and `eccache/`. `tests/test_vllm_contract.py` checks the other half of the
+scattered through `kvcache/` and `eccache/`. `tests/engine/test_vllm_contract.py` checks the other half of the
 contract: the connectors implement every abstract method of the installed base classes with compatible
 signatures.
 

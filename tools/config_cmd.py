@@ -3,7 +3,7 @@
 Why here: the whole config is the store's keys and both connectors' options in one dict, and only this
 layer may import both connectors' option classes (`vllm_tiercache.shared.config_schema` knows the store).
 ``make docs`` runs ``tiercache config schema --update-docs docs/configuration.md``;
-``tests/test_config_schema.py`` fails when the docs differ from what this writes.
+``tests/config/test_config_schema.py`` fails when the docs differ from what this writes.
 """
 
 from __future__ import annotations

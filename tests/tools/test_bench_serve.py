@@ -1,0 +1,142 @@
+"""`tiercache bench serve --quick` end to end: the real CLI entry in a subprocess, real servers, real client.
+
+Why a subprocess: the benchmark starts and kills whole process groups of vLLM servers; run from here it
+proves the command line, the exit status and the clean-up, not only the functions. Only counts are
+checked (every case ran, nothing failed, answers identical to vLLM alone, the connector hit), never
+timings: this machine's cores are shared with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_tiercache.tools.bench.serve_report import add_ratios
+from vllm_tiercache.tools.bench.serve_trace import (
+    kv_budget_tokens,
+    make_workload,
+    messages_for,
+    render,
+    working_set_tokens,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_is_deterministic_and_levels_share_no_prefix() -> None:
+    a = make_workload(1, n_docs=5, doc_tokens=100, sessions=6, turns=2, zipf_alpha=1.1, seed=3)
+    b = make_workload(1, n_docs=5, doc_tokens=100, sessions=6, turns=2, zipf_alpha=1.1, seed=3)
+    other = make_workload(4, n_docs=5, doc_tokens=100, sessions=6, turns=2, zipf_alpha=1.1, seed=3)
+    assert a == b
+    assert not set(a.docs) & set(other.docs)
+    assert all(doc.isascii() for doc in a.docs)
+
+
+def test_working_set_counts_shared_prefixes_once() -> None:
+    # one document, two sessions of one turn: the document is counted once, each question once
+    w = make_workload(0, n_docs=1, doc_tokens=200, sessions=2, turns=1, zipf_alpha=1.0, seed=0)
+    total, longest = working_set_tokens(w, answer_tokens=4)
+    one = render([{"role": "user", "content": f"{w.docs[0]}\n\nQuestion: {w.sessions[0].questions[0]}"}])
+    assert longest >= len(one)
+    assert len(one) + 4 < total < 2 * (len(one) + 4)
+
+
+def test_multimodal_trace_sends_each_page_image_first_and_asks_about_some_pages_alone() -> None:
+    images = ("data:image/png;base64,AAAA", "data:image/png;base64,BBBB")
+    w = make_workload(2, n_docs=2, doc_tokens=50, sessions=4, turns=2, zipf_alpha=1.0, seed=1, images=images,
+                      image_tokens=8, page_only_every=2)
+    assert [s.page_only for s in w.sessions] == [False, True, False, True]
+    for session in w.sessions:
+        first = messages_for(w, session, 1, ["answer one"])[0]["content"]
+        # the image comes with the first message, resent with the history on the next turn
+        assert first[0] == {"type": "image_url", "image_url": {"url": images[session.doc]}}
+        assert (w.docs[session.doc] in first[1]["text"]) is not session.page_only
+    # the template sees only the text parts
+    text_only = make_workload(2, n_docs=2, doc_tokens=50, sessions=4, turns=2, zipf_alpha=1.0, seed=1)
+    session = text_only.sessions[0]
+    assert render(messages_for(w, session, 1, ["a"])) == render(messages_for(text_only, session, 1, ["a"]))
+    # each distinct image counts its tokens once in the working set, in front of its prompts
+    plain, longest_plain = working_set_tokens(text_only, 4)
+    no_page_only = make_workload(2, n_docs=2, doc_tokens=50, sessions=4, turns=2, zipf_alpha=1.0, seed=1,
+                                 images=images, image_tokens=8)
+    with_pages, longest = working_set_tokens(no_page_only, 4)
+    assert longest == longest_plain + 8
+    distinct_docs = len({s.doc for s in no_page_only.sessions})
+    # (and the documents' common opening, shared as text, is not shared behind different images)
+    assert plain + 8 * distinct_docs <= with_pages < plain + 8 * distinct_docs + 40
+    with pytest.raises(ValueError, match="one image per document"):
+        make_workload(2, n_docs=3, doc_tokens=50, sessions=1, turns=1, zipf_alpha=1.0, seed=1, images=images)
+
+
+def test_ratios_compare_each_case_with_its_own_baseline() -> None:
+    rows = [{"case": c, "users": 4, "ttft_p50_s": t, "ttft_p90_s": t, "out_tok_per_s": tput}
+            for c, t, tput in (("vllm", 2.0, 10.0), ("memory", 1.0, 20.0), ("mm-vllm", 4.0, 5.0),
+                               ("mm-kv-ec", 1.0, 10.0))]
+    add_ratios(rows, {"mm-vllm": "mm-vllm", "mm-kv-ec": "mm-vllm"})
+    assert [r["ttft_p50_ratio"] for r in rows] == [1.0, 0.5, 1.0, 0.25]
+    assert [r["throughput_ratio"] for r in rows] == [1.0, 2.0, 1.0, 2.0]
+
+
+def test_budget_rounds_to_blocks_and_respects_the_minimum() -> None:
+    assert kv_budget_tokens(4000, 4.0, 100, 32) == 992  # floor(1000 / 32) blocks: the ratio stays >= 4
+    assert kv_budget_tokens(4000, 4.0, 1500, 32) == 1504  # one max_model_len request must fit
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_bench_serve_quick_end_to_end(tmp_path: Path) -> None:
+    out_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TIERCACHE_STATS_DIR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "serve", "--quick", "--work-dir",
+         str(tmp_path / "work"), "--json", str(out_json), "--plot", str(plot)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=580,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench serve failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-4000:]}"
+
+    # progress while it ran, then the table
+    assert "vllm x1 users:" in out and "memory-disk x4 users:" in out and "mm-kv-ec x4 users:" in out
+    assert "TTFT p50" in out and "tok/s" in out and "working set / budget" in out
+
+    report = json.loads(out_json.read_text())
+    assert report["working_set_ratio"] >= 4.0
+    assert {name: f["working_set_ratio"] >= 4.0 for name, f in report["families"].items()} == {
+        "text": True, "multimodal": True}
+    assert report["case_errors"] == {}
+    rows = {(r["case"], r["users"]): r for r in report["rows"]}
+    cases = ("vllm", "memory", "memory-disk", "mm-vllm", "mm-kv-ec")
+    assert set(rows) == {(case, users) for case in cases for users in (1, 4)}
+    for (case, users), row in rows.items():
+        assert row["requests"] == 16 and row["failed"] == 0, (case, users, row["errors"])
+        assert row["ttft_p50_s"] is not None and row["out_tok_per_s"] > 0
+        assert row["peak_rss_bytes"] > 0
+        if case in ("vllm", "mm-vllm"):
+            assert row["kv_hit"] is None and row["ec_hit"] is None
+            continue
+        # every answer compared with vLLM alone's on the same model, and identical (greedy)
+        assert row["compared"] == 16 and row["mismatches"] == 0, (case, users)
+        assert row["kv_load_errors"] == 0
+        assert row["cached_share_later_turns"] > 0, (case, users)
+        assert row["ttft_p50_ratio"] is not None and row["throughput_ratio"] is not None
+    # with 4 users the working set no longer fits vLLM's cache and the connector loads what it evicted
+    for case in ("memory", "memory-disk"):
+        assert rows[(case, 4)]["kv_hit"] > 0, case
+        assert rows[(case, 4)]["kv_loaded_tokens"] > 0, case
+    # the multimodal case: the encoder connector saved the page images and was asked for them, and the KV
+    # connector loaded evicted prefixes. (Its hits are not asserted: on this small trace KV hits and vLLM's
+    # own encoder cache cover the repeats first; test_ec_connector proves hits beside the KV connector.)
+    mm = rows[("mm-kv-ec", 4)]
+    assert mm["ec_saves"] > 0 and mm["ec_lookups"] > 0, mm
+    assert mm["kv_loaded_tokens"] > 0, mm
+
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "work") not in ps

@@ -1,0 +1,176 @@
+"""`tiercache` mistakes, as an operator makes them: one line on stderr (`tiercache: error: ...`), exit
+status 2, never a traceback; and `tiercache --version`.
+
+Why subprocesses: what the operator sees is the process's stderr and exit status; an exception that
+`main` lets through shows as a traceback and status 1 there, which an in-process call would hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from vllm_tiercache.tools import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiercache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *pieces: str) -> str:
+    """Exit status 2 and exactly one line on stderr, ``tiercache: error: ...`` holding every piece."""
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tiercache: error: "), lines[0]
+    for piece in pieces:
+        assert piece in lines[0], (piece, lines[0])
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------ --version
+def test_version_prints_the_installed_distribution_version(capsys) -> None:
+    expected = metadata.version("vllm-tiercache")
+    proc = tiercache("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"tiercache {expected}"
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tiercache {expected}"
+    assert "--version" in tiercache("--help").stdout
+
+
+# ----------------------------------------------------------------------------------------- bench tiers
+@pytest.mark.parametrize(("args", "pieces"), [
+    (["--repeat", "0"], ["--repeat", "invalid value '0'", "allowed: an integer from 1"]),
+    (["--repeat", "many"], ["--repeat", "invalid value 'many'"]),
+    (["--sizes", "1XB"], ["--sizes", "'1XB'", "allowed: comma-separated sizes"]),
+    (["--sizes", ""], ["--sizes", "allowed: comma-separated sizes"]),
+    (["--sizes", "0"], ["--sizes", "'0'", "from 1KiB to 1GiB"]),
+    (["--tiers", "ssd"], ["--tiers", "'ssd'", "allowed: a comma-separated list of memory, disk, redis"]),
+    (["--tiers", ""], ["--tiers", "allowed: a comma-separated list of memory, disk, redis"]),
+    (["--tiers", "memory,nvme"], ["'nvme'", "memory, disk, redis"]),
+    (["--redis-url", "http://cache:6379"], ["--redis-url", "redis://"]),
+    (["--tiers", "memory", "--redis-cluster"], ["--redis-cluster", "allowed: with redis in --tiers"]),
+], ids=["repeat-0", "repeat-many", "sizes-1XB", "sizes-empty", "sizes-0", "tiers-ssd", "tiers-empty",
+        "tiers-nvme", "redis-url-http", "cluster-without-redis"])
+def test_bench_tiers_bad_arguments(args: list[str], pieces: list[str]) -> None:
+    assert_one_line_error(tiercache("bench", "tiers", *args), *pieces)
+
+
+def test_bench_tiers_unusable_dir_and_unreachable_redis(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert_one_line_error(tiercache("bench", "tiers", "--tiers", "disk", "--dir", str(blocker / "sub")),
+                          "--dir: cannot use", str(blocker / "sub"), "allowed: a writable directory")
+    assert_one_line_error(tiercache("bench", "tiers", "--tiers", "redis", "--redis-url", "redis://127.0.0.1:1"),
+                          "--redis-url: cannot reach redis://127.0.0.1:1")
+
+
+# ------------------------------------------------------------------------------- other benchmarks, jobs
+@pytest.mark.parametrize("args", [
+    ["bench", "policy", "--requests", "100", "--images", "10", "--capacities", "0"],
+    ["bench", "policy", "--requests", "3", "--images", "10"],
+    ["bench", "policy", "--requests", "100", "--images", "10", "--exponents", "nan"],
+    ["bench", "policy", "--requests", "100", "--images", "10", "--max-overlap", "0"],
+    ["bench", "ec", "--repeats", "0", "--skip-policies"],
+    ["precompute", "images", "--model", "m", "--images", "x", "--config", "{}", "--batch-size", "0"],
+    ["precompute", "docs", "--model", "m", "--docs", "x", "--config", "{}", "--block-size", "-16"],
+], ids=["policy-capacities-0", "policy-requests-3", "policy-exponents-nan", "policy-max-overlap-0",
+        "ec-repeats-0", "images-batch-size-0", "docs-block-size-negative"])
+def test_numeric_options_are_bounded(args: list[str]) -> None:
+    assert_one_line_error(tiercache(*args), "invalid value", "allowed:")
+
+
+def test_unknown_and_incomplete_commands() -> None:
+    assert_one_line_error(tiercache(), "the following arguments are required", "see tiercache --help")
+    assert_one_line_error(tiercache("bench", "nope"), "invalid choice: 'nope'", "see tiercache bench --help")
+    assert_one_line_error(tiercache("stats", "--bogus", "1", "--config", "{}"), "unrecognized arguments: --bogus")
+
+
+# -------------------------------------------------------------------------------------- stats, evict
+def _unusable_disk(tmp_path: Path) -> str:
+    """A store config whose disk tier's directory cannot be created (its parent is a regular file)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return json.dumps({"tiers": [{"kind": "disk", "path": str(blocker / "disk"), "capacity": "1GiB"}]})
+
+
+def test_stats_and_evict_with_an_unusable_disk_path(tmp_path: Path) -> None:
+    config = _unusable_disk(tmp_path)
+    for command in (["stats"], ["evict", "--namespace", "a"], ["evict", "--older-than", "7d", "--dry-run"]):
+        assert_one_line_error(tiercache(*command, "--config", config), "disk tier: cannot use",
+                              str(tmp_path / "a-file" / "disk"))
+
+
+@pytest.mark.parametrize(("args", "pieces"), [
+    (["stats", "--config", '{"tiers": [{"kind": "memory", "capasity": "1GiB"}]}'],
+     ["tiers[0].capasity: unknown key for a memory tier; did you mean 'capacity'?"]),
+    (["stats", "--config", '{"tiers": [{"kind": "memory", "capacity": 0}]}'],
+     ["tiers[0].capacity: invalid value 0", "at least 256 bytes"]),
+    (["stats", "--config", "{not json"], ["--config: inline JSON is invalid"]),
+    (["stats", "--config", "/nonexistent/store.yaml"], ["--config: cannot read"]),
+    (["stats", "--config", '{"tiers": [{"kind": "memory"}]}', "--stats-dir", "/nonexistent/stats"],
+     ["--stats-dir: '/nonexistent/stats' is not a directory"]),
+    (["evict", "--config", '{"tiers": [{"kind": "memory"}]}'], ["give at least one of --namespace"]),
+    (["evict", "--config", '{"tiers": [{"kind": "memory"}]}', "--older-than", "5x"],
+     ["invalid duration '5x'; use e.g. 30m, 12h, 7d"]),
+    (["evict", "--config", '{"tiers": [{"kind": "memory"}]}', "--namespace", ""], ["--namespace", "non-empty"]),
+])
+def test_stats_and_evict_usage_and_config_errors(args: list[str], pieces: list[str]) -> None:
+    assert_one_line_error(tiercache(*args), *pieces)
+
+
+# ------------------------------------------------------------------------------------ the one handler
+def test_main_turns_the_user_errors_into_one_line_and_status_2(monkeypatch, capsys) -> None:
+    """Every command's user errors (config, job, tier, usage) are caught in one place, `cli.main`."""
+    import types
+
+    from vllm_tiercache.shared.config import ConfigError
+    from vllm_tiercache.shared.store.disk import DiskTierError
+    from vllm_tiercache.tools.jobs import JobError
+
+    raised: list[BaseException] = []
+    fake = types.ModuleType("vllm_tiercache.tools.fake_cmd")
+    fake.add_arguments = lambda parser: None  # type: ignore[attr-defined]
+
+    def run(_args: argparse.Namespace) -> int:
+        raise raised[-1]
+
+    fake.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm_tiercache.tools.fake_cmd", fake)
+    monkeypatch.setitem(cli.COMMANDS, ("fake",), ("fake_cmd", "a test command"))
+    for exc in (ConfigError("tiers[0].capacity: invalid value 0; allowed: ..."), JobError("no engine"),
+                DiskTierError("tiercache disk tier: cannot use /x"), cli.UsageError("two\nlines")):
+        raised.append(exc)
+        assert cli.main(["fake"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("tiercache: error: "), err
+    assert "tiercache: error: two lines" in err
+    raised.append(RuntimeError("a bug"))  # anything else is a bug: it keeps its traceback
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fake"])
+
+
+def test_type_validators() -> None:
+    at_least_one = cli.int_at_least(1)
+    assert at_least_one("3") == 3
+    for bad in ("0", "-1", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="allowed: an integer of at least 1"):
+            at_least_one(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="from 1 to 10"):
+        cli.int_at_least(1, 10)("11")
+    fraction = cli.float_in(0.0, 1.0, low_open=True)
+    assert fraction("1") == 1.0 and fraction("0.05") == 0.05
+    for bad in ("0", "1.01", "nan", "inf", "-0.1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"allowed: a number in \(0, 1\]"):
+            fraction(bad)

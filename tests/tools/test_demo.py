@@ -1,0 +1,59 @@
+"""End to end: `tiercache demo --quick` in a subprocess, as `make demo` runs it (real servers, real client).
+
+Why a subprocess: the demo starts and kills whole process groups of vLLM servers and producer jobs; run
+from here it proves the command line, the exit code and the clean-up, not just the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_demo_quick_end_to_end(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TIERCACHE_STATS_DIR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_tiercache.tools.cli", "demo", "--quick", "--work-dir", str(work)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=580,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
+
+    # The table, with the baseline and the tiercache rows.
+    assert "run / served by" in out and "TTFT p50" in out
+    assert "no cache (vLLM alone)" in out and "tiercache, all queries" in out
+
+    # The plot: a real PNG in the work dir, whose path was printed.
+    plot = work / "demo-ttft.png"
+    assert f"plot:    {plot}" in out
+    data = plot.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+
+    results = json.loads((work / "results.json").read_text())
+    for run in ("no_cache", "tiercache"):
+        assert len(results[run]) == results["queries"]
+        assert all(r["error"] is None for r in results[run]), f"failed requests in {run}"
+    # Hits: the consumer loaded KV for RAG queries (per-request cached tokens), and the worker's store
+    # and the EC connector counted reads.
+    assert sum(r["cached_tokens"] for r in results["tiercache"]) > 0
+    assert all(r["cached_tokens"] == 0 for r in results["no_cache"])
+    rows = {r["label"].strip(): r for r in results["rows"]}
+    assert rows["tiercache, all queries"]["kv_hit"] > 0
+    assert results["stats"]["kv_loaded_blocks"] > 0 and results["stats"]["kv_load_errors"] == 0
+    assert results["stats"]["ec_hits"] > 0
+
+    # Clean-up: no server of this demo left behind.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(work) not in ps
