@@ -19,7 +19,7 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import RedisTier, StoreKey
-from vllm_tiercache.shared.store.redis_tier import BUG, DOWN, ERROR, classify
+from vllm_tiercache.shared.store.redis_errors import BUG, DOWN, ERROR, classify
 from vllm_tiercache.shared.store.tiered import TieredStore
 from vllm_tiercache.tools.redis_server import LocalRedisCluster
 
@@ -448,12 +448,12 @@ def test_a_batch_racing_close_is_a_quiet_miss(redis_url, caplog):
     tier = _tier(redis_url)
     with caplog.at_level(logging.DEBUG):
         tier.close()
-        tier._failed("get (some records)", AttributeError("'NoneType' object has no attribute 'nodes_manager'"))
+        tier._calls.failures.failed("get (some records)", AttributeError("'NoneType' object has no attribute 'nodes_manager'"))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert tier.counters.get("errors") == 1
     live = _tier(redis_url)
     with caplog.at_level(logging.ERROR):
-        live._failed("get", AttributeError("boom"))
+        live._calls.failures.failed("get", AttributeError("boom"))
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
     live.close()
 
@@ -464,17 +464,18 @@ def test_a_stale_map_reported_before_the_tier_went_down_is_re_read(redis_cluster
     asked, and the probe that finds the cluster back re-reads the map (it used to be dropped)."""
     tier = _tier(redis_cluster.url)
     rereads: list[int] = []
-    monkeypatch.setattr(tier, "_refresh_slots", lambda client: rereads.append(1))
+    monkeypatch.setattr(tier._calls.router, "refresh_slots", lambda client: rereads.append(1))
 
     class Away:
         def ping(self, **_: object) -> None:
             raise redis.exceptions.ConnectionError("refused")
 
-    with tier._lock:
-        tier._down, tier._refresh_asked = True, True
+    health, router = tier._health, tier._calls.router
+    with health.lock:
+        health._down, health.refresh_asked = True, True
     with pytest.raises(redis.exceptions.ConnectionError):
-        tier._probe_cluster(Away())
-    assert tier._refresh_asked and not rereads
-    assert tier._probe_cluster(tier._client) is True
-    assert rereads == [1] and not tier._refresh_asked and not tier.down
+        router.probe(Away(), health)
+    assert health.refresh_asked and not rereads
+    assert router.probe(tier._calls.client, health) is True
+    assert rereads == [1] and not health.refresh_asked and not tier.down
     tier.close()

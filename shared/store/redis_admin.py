@@ -1,0 +1,120 @@
+"""The Redis tier's admin operations (`tiercache stats`, `tiercache evict`): list and delete whole records.
+
+Unlike the tier's reads and writes, these must say when Redis is unreachable (they raise ConnectionError)
+instead of reporting an empty store. They SCAN (never KEYS, so a big server is not blocked) and read
+heads, key texts and idle times in one pipelined round trip per batch.
+
+Why apart from the tier: they walk the whole key space with a client of their own making, and share with
+the serving path only the record layout (`redis_records`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from vllm_tiercache.shared.store.api import StoredRecord
+from vllm_tiercache.shared.store.redis_records import RecordNames, head_part_count, head_record_size
+
+#: Heads listed or deleted per pipelined round trip.
+ADMIN_BATCH = 500
+#: The most parts a head's part count may make a delete remove (a damaged head must not run away).
+MAX_ADMIN_PARTS = 1 << 20
+
+
+class RedisAdmin:
+    """`iter_stored` and `delete_stored` of the Redis tier (the `Tier` admin contract)."""
+
+    def __init__(self, names: RecordNames, cluster: bool, client_or_raise: Callable[[], Any]) -> None:
+        self.names = names
+        self.cluster = cluster
+        #: The client, or ConnectionError when Redis is unreachable.
+        self._client_or_raise = client_or_raise
+
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Every record under ``key_prefix``; ConnectionError when unreachable."""
+        for _, size, idle_s, text in self.scan_records():
+            yield StoredRecord(text, size, idle_s)
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """Delete the records ``predicate`` accepts.
+
+        Returns (records deleted, bytes matched): a record whose head vanished between the SCAN and the
+        delete is not counted as deleted; its bytes, read at SCAN time, still are. With ``dry_run`` the
+        count is what matched.
+        """
+        matches = [(hex_digest, size or 0) for hex_digest, size, idle_s, text in self.scan_records()
+                   if predicate(StoredRecord(text, size, idle_s))]
+        matched_bytes = sum(size for _, size in matches)
+        if dry_run:
+            return len(matches), matched_bytes
+        return self.delete_records([hex_digest for hex_digest, _ in matches]), matched_bytes
+
+    def scan_records(self, batch: int = ADMIN_BATCH) -> Iterator[tuple[str, int | None, float | None, str]]:
+        """(digest hex, record bytes, idle seconds, key text) of every record under ``key_prefix``.
+
+        SCANs the heads, then one pipelined round trip per batch for the heads, key texts and OBJECT
+        IDLETIME. Size is header + payload as the head says (None when the head is unreadable); key text
+        is ``""`` for records written before texts were stored; idle time is seconds since the head was
+        last read or written.
+        """
+        client = self._client_or_raise()
+        heads: list[str] = []
+
+        def flush() -> Iterator[tuple[str, int | None, float | None, str]]:
+            pipe = client.pipeline(transaction=False)
+            for name in heads:
+                pipe.object("idletime", name)  # before the GET, which resets the idle time
+                pipe.get(name)
+                pipe.get(self.names.text_of(name))
+            res = pipe.execute(raise_on_error=False)
+            for i, name in enumerate(heads):
+                idle, head, text = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                if head is None or isinstance(head, Exception):
+                    continue  # expired or deleted between SCAN and GET
+                text_str = text.decode(errors="replace") if isinstance(text, bytes) else ""
+                idle_s = float(idle) if isinstance(idle, int) else None
+                yield self.names.digest_of(name), head_record_size(head), idle_s, text_str
+            heads.clear()
+
+        for raw in client.scan_iter(match=self.names.scan_pattern, count=batch):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if not self.names.is_head(name):
+                continue  # a part or a key text
+            heads.append(name)
+            if len(heads) >= batch:
+                yield from flush()
+        if heads:
+            yield from flush()
+
+    def delete_records(self, hex_digests: Sequence[str]) -> int:
+        """Delete whole records (head first, so readers see a miss, then parts and key text); returns count.
+
+        The part count comes from each head; a head that vanished meanwhile counts as not deleted.
+        """
+        client = self._client_or_raise()
+        deleted = 0
+        for lo in range(0, len(hex_digests), ADMIN_BATCH):
+            names = [self.names.head_of(h) for h in hex_digests[lo:lo + ADMIN_BATCH]]
+            heads = self._mget(client, names)
+            pipe = client.pipeline(transaction=False)
+            for name, head in zip(names, heads, strict=True):
+                if head is None:
+                    continue
+                pipe.delete(name)
+                for p in range(min(head_part_count(head), MAX_ADMIN_PARTS)):
+                    pipe.delete(self.names.part_of(name, p))
+                pipe.delete(self.names.text_of(name))
+                deleted += 1
+            pipe.execute()
+        return deleted
+
+    def _mget(self, client: Any, names: list[str]) -> list[Any]:
+        """Values of ``names``: raises when unreachable (the admin commands must say so)."""
+        if not self.cluster:
+            return client.mget(names)
+        pipe = client.pipeline(transaction=False)  # names of many slots: pipelined GETs
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
