@@ -448,7 +448,8 @@ def test_a_batch_racing_close_is_a_quiet_miss(redis_url, caplog):
     tier = _tier(redis_url)
     with caplog.at_level(logging.DEBUG):
         tier.close()
-        tier._calls.failures.failed("get (some records)", AttributeError("'NoneType' object has no attribute 'nodes_manager'"))
+        tier._calls.failures.failed("get (some records)",
+                                    AttributeError("'NoneType' object has no attribute 'nodes_manager'"))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert tier.counters.get("errors") == 1
     live = _tier(redis_url)
