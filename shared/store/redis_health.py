@@ -5,7 +5,8 @@ marked down: reads are misses, writes are skipped (counted), one warning names t
 exception reaches the caller. While down, every call returns at once, without touching the network.
 Health is learned off the hot path: marking the tier down starts one daemon thread (the prober) that
 calls the tier's probe (a PING; on a cluster: to every primary) every ``retry_after_s``, and marks the
-tier up, with one line, when it answers; then the thread ends. No request ever pays for a probe.
+tier up, with one line, when it answers; then the thread ends. No request ever pays for a probe, so a
+server that hangs stalls only the call that found it hanging.
 
 On a cluster, health is per shard (a primary and the slots it serves), not per tier: a shard whose node
 failed in a call is marked down (one warning) and its keys miss while the other shards keep serving; the

@@ -21,7 +21,8 @@ No request fails because Redis is down or slow. The tier is a thin layer over it
 - `redis_health.TierHealth`: up, shards down or down, and the prober thread that finds the tier back
   (no request ever pays for a probe; `TieredStore` bounds even a hung call for the schedulers' lookups:
   ``lookup_budget_ms``). A cluster unreachable when the tier is built gives a tier that is down (the
-  engine starts without it, and the prober builds the client once the cluster answers).
+  engine starts without it, and the prober builds the client once the cluster answers); one that goes
+  away while running marks the tier down with one warning, not a traceback per call.
 - `redis_cluster.ClusterRouter`: a cluster batch routed per shard by the tier itself; one failed master
   costs its own keys only.
 - `redis_errors`: what each exception means (`classify`: ``down``, ``error``, ``bug``) and how it is

@@ -2,13 +2,13 @@
 
 Why: with hiredis installed, redis-py packs every command with `hiredis.pack_command`, which first turns a
 memoryview argument into bytes (one copy of the payload) and then writes the whole command into one new
-bytes object (another); a 64 MiB put spent 100 ms packing against 31 ms for one memcpy. A raw `SET` of
+bytes object (another; docs/benchmarks.md has the figures). A raw `SET` of
 bytes pays that packing too, so the tier's put (which hands redis-py memoryviews over the record it
 built) could not reach the speed of a raw `SET`. redis-py's pure-Python packer sends any argument longer
 than its buffer cutoff as a separate buffer, as it is; `BufferPacker` uses it for commands that carry a
 payload and keeps hiredis for the small ones (keys, heads, lookups), where it is faster.
 
-`connection_class(url)` gives the connection class `make_client` passes to redis-py (a public keyword of
+`connection_class(url)` gives the connection class `redis_client.make_client` passes to redis-py (a public keyword of
 `Redis.from_url` and `RedisCluster.from_url`; `command_packer` is a public keyword of redis-py's
 connections). On a TLS cluster URL redis-py picks its own TLS connection class, so commands there are
 packed as redis-py does by default: correct, one copy more.
