@@ -116,14 +116,14 @@ def test_lru_capacity_and_oversized(tmp_path):
     try:
         for i in range(3):
             t.put_many([(_k(i), _t(2048, i), None)])
-        import vllm_tiercache.shared.store.disk as disk_mod
+        import vllm_tiercache.shared.store.disk_bookkeeping as bookkeeping
 
-        old = disk_mod.ATIME_REFRESH_NS
-        disk_mod.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
+        old = bookkeeping.ATIME_REFRESH_NS
+        bookkeeping.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
         try:
             t.get_many([_k(0)])
         finally:
-            disk_mod.ATIME_REFRESH_NS = old
+            bookkeeping.ATIME_REFRESH_NS = old
         t.put_many([(_k(3), _t(2048, 3), None)])
         assert t.contains_many([_k(i) for i in range(4)]) == [True, False, True, True]
         assert not t.path_for(_k(1)).exists()
@@ -339,8 +339,8 @@ def test_read_ahead_is_advised_only_when_a_read_finds_a_cold_file(tier):
     values = {name: _t(4096, i).reshape(8, 512) for i, name in enumerate(names)}
     tier.put_many([(_k(name), value, None) for name, value in values.items()])
     advised: list[list[str]] = []
-    advise = tier._advise
-    tier._advise = lambda keys: (advised.append([k.text for k in keys]), advise(keys))
+    advise = tier._read_ahead.advise
+    tier._read_ahead.advise = lambda keys: (advised.append([k.text for k in keys]), advise(keys))
 
     def step() -> dict[str, torch.Tensor]:
         places = {name: torch.zeros(8, 512, dtype=torch.bfloat16) for name in names}
@@ -374,8 +374,8 @@ def test_read_ahead_is_advised_at_once_where_reads_cannot_tell_a_cold_file(tier,
 
     monkeypatch.setattr(os, "preadv", refusing)
     advised: list[int] = []
-    advise = tier._advise
-    tier._advise = lambda keys: (advised.append(len(keys)), advise(keys))
+    advise = tier._read_ahead.advise
+    tier._read_ahead.advise = lambda keys: (advised.append(len(keys)), advise(keys))
     tier.prefetch_many([_k("a"), _k("b")])
     place = torch.zeros(8, 512, dtype=torch.bfloat16)
     (record,) = tier.get_many_into([_k("a")], [[byte_view(place)]])
