@@ -107,6 +107,8 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------------------ reads
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether each key is indexed; from the index alone, so a lookup opens no file (a read of a record
+        whose file has gone since is a miss that drops the entry)."""
         try:
             with self._index.env.begin() as txn:
                 return [self._index.get(txn, k.digest) is not None for k in keys]
@@ -131,6 +133,7 @@ class DiskTier:
         self._read_ahead.prefetch(keys)
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        """Each key's record, verified, or None (missing, corrupt, another build's format, an I/O error)."""
         return self._get_many(keys, None)
 
     def get_many_into(self, keys: Sequence[StoreKey], into: Sequence[Sequence[memoryview] | None]
@@ -185,6 +188,8 @@ class DiskTier:
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+        """Store every record, then evict to the capacity (`RecordWriter.put_many`); never raises for a
+        full filesystem or a failed write, which are counted instead."""
         self._writer.put_many(items, for_gpu_readers=self.writes_for_gpu_readers)
 
     # ------------------------------------------------------------------------------------------ admin
@@ -213,9 +218,12 @@ class DiskTier:
         return self._admin.delete_stored(predicate, dry_run=dry_run)
 
     def usage(self) -> dict[str, Any]:
+        """Entries, bytes used, capacity and path, from the index (`DiskAdmin.usage`)."""
         return self._admin.usage()
 
     def close(self) -> None:
+        """Release this tier's hold on the index (the environment stays open while another tier of this
+        process uses the same directory)."""
         if not self._closed:
             self._closed = True
             self._index.close()
