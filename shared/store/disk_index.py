@@ -2,9 +2,10 @@
 
 Why a module of its own: the index is the disk tier's cross-process state, with its own binary layout,
 its own per-process environment cache (LMDB forbids opening one environment twice in a process) and its
-own crash story (commits without fsync; a damaged index is moved aside and rebuilt by the tier from the
-record headers). `vllm_tiercache.shared.store.disk` does files and records and calls only what is here,
-so the entry layout below is written and read in one place.
+own crash story (commits without fsync; a damaged index is moved aside and rebuilt from the record
+headers, `disk_bookkeeping.rebuild_index`). The disk tier's other modules (`disk`, `disk_writes`,
+`disk_capacity`, `disk_bookkeeping`, `disk_admin`) do files and records and call only what is here, so
+the entry layout below is written and read in one place.
 
 Databases of the environment:
 

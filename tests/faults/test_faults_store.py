@@ -35,6 +35,7 @@ from tests.support.store_workers import (
 )
 from vllm_tiercache.shared.config import DiskTierConfig
 from vllm_tiercache.shared.store import DiskTier, build_store
+from vllm_tiercache.shared.store.disk_index import DiskIndex
 
 REPO = Path(__file__).resolve().parents[2]
 #: SIGKILLs injected into disk writers (the issue asks for at least 20).
@@ -337,14 +338,19 @@ def test_a_read_does_not_resurrect_a_record_evicted_meanwhile(tmp_path: Path) ->
         size = reader.path_for(key).stat().st_size
         # the reader has just read the file (a hit) when the evictor removes entry and file
         assert reader.delete_where(lambda text, size, atime: True) == (1, size)
-        reader._after_read([(key.digest, size)], [])
+        reader._bookkeeping.after_read([(key.digest, size)], [])
         assert reader.contains_many([key]) == [False]
         assert reader.usage()["entries"] == 0 and reader.usage()["bytes_used"] == 0
         # a real orphan (file present, entry lost) is still adopted
         reader.put_many([(key, expected_tensor(1), expected_meta(1))])
-        with reader._env.begin(write=True) as txn:
-            reader._index_delete(txn, key.digest)
-        reader._refreshed.clear()  # as in a process that has not read it yet
+        # the entry lost, the file kept (as after a killed writer), through the index module's own delete
+        index = DiskIndex(str(tmp_path / "d" / "index.lmdb"))
+        try:
+            with index.env.begin(write=True) as txn:
+                index.delete(txn, key.digest)
+        finally:
+            index.close()
+        reader._bookkeeping.refreshed.clear()  # as in a process that has not read it yet
         rec = reader.get_many([key])[0]
         assert rec is not None and matches(1, rec) and reader.contains_many([key]) == [True]
     finally:

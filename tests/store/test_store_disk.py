@@ -12,7 +12,17 @@ import pytest
 import torch
 
 from vllm_tiercache.shared.config import DiskTierConfig, GdsTierConfig
-from vllm_tiercache.shared.store import DiskTier, GdsTier, StoreKey
+from vllm_tiercache.shared.store import DiskTier, GdsTier, StoreKey, records
+from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.disk_admin import DiskAdmin
+from vllm_tiercache.shared.store.disk_bookkeeping import ReadBookkeeping, rebuild_index
+from vllm_tiercache.shared.store.disk_capacity import evict_over_capacity
+from vllm_tiercache.shared.store.disk_index import DiskIndex
+from vllm_tiercache.shared.store.disk_paths import RecordPaths, key_named_by
+from vllm_tiercache.shared.store.disk_problems import ProblemReporter
+from vllm_tiercache.shared.store.disk_readahead import ReadAhead
+from vllm_tiercache.shared.store.disk_reads import read_payload_apart, read_record_into, read_whole_record
+from vllm_tiercache.shared.store.disk_writes import RecordWriter
 from vllm_tiercache.shared.store.records import byte_view, joined_copy
 
 
@@ -116,14 +126,14 @@ def test_lru_capacity_and_oversized(tmp_path):
     try:
         for i in range(3):
             t.put_many([(_k(i), _t(2048, i), None)])
-        import vllm_tiercache.shared.store.disk as disk_mod
+        import vllm_tiercache.shared.store.disk_bookkeeping as bookkeeping
 
-        old = disk_mod.ATIME_REFRESH_NS
-        disk_mod.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
+        old = bookkeeping.ATIME_REFRESH_NS
+        bookkeeping.ATIME_REFRESH_NS = 0  # make this read refresh the access time right away
         try:
             t.get_many([_k(0)])
         finally:
-            disk_mod.ATIME_REFRESH_NS = old
+            bookkeeping.ATIME_REFRESH_NS = old
         t.put_many([(_k(3), _t(2048, 3), None)])
         assert t.contains_many([_k(i) for i in range(4)]) == [True, False, True, True]
         assert not t.path_for(_k(1)).exists()
@@ -339,8 +349,8 @@ def test_read_ahead_is_advised_only_when_a_read_finds_a_cold_file(tier):
     values = {name: _t(4096, i).reshape(8, 512) for i, name in enumerate(names)}
     tier.put_many([(_k(name), value, None) for name, value in values.items()])
     advised: list[list[str]] = []
-    advise = tier._advise
-    tier._advise = lambda keys: (advised.append([k.text for k in keys]), advise(keys))
+    advise = tier._read_ahead.advise
+    tier._read_ahead.advise = lambda keys: (advised.append([k.text for k in keys]), advise(keys))
 
     def step() -> dict[str, torch.Tensor]:
         places = {name: torch.zeros(8, 512, dtype=torch.bfloat16) for name in names}
@@ -374,8 +384,8 @@ def test_read_ahead_is_advised_at_once_where_reads_cannot_tell_a_cold_file(tier,
 
     monkeypatch.setattr(os, "preadv", refusing)
     advised: list[int] = []
-    advise = tier._advise
-    tier._advise = lambda keys: (advised.append(len(keys)), advise(keys))
+    advise = tier._read_ahead.advise
+    tier._read_ahead.advise = lambda keys: (advised.append(len(keys)), advise(keys))
     tier.prefetch_many([_k("a"), _k("b")])
     place = torch.zeros(8, 512, dtype=torch.bfloat16)
     (record,) = tier.get_many_into([_k("a")], [[byte_view(place)]])
@@ -402,3 +412,100 @@ def test_a_filesystem_that_reads_less_per_call_is_not_corruption(tmp_path, monke
     assert record is not None and torch.equal(record.tensor, _t(50_000, 4))
     assert len(calls) > 20 and tier.counters.get("corrupt") == 0
     tier.close()
+
+
+# ------------------------------------------------------------------ the disk tier's parts, each alone
+@pytest.fixture
+def parts(tmp_path):
+    """A directory's paths, index and problem reporter, without a `DiskTier` over them."""
+    paths = RecordPaths(tmp_path / "d")
+    index, _ = DiskIndex.open(str(tmp_path / "d" / "index.lmdb"))
+    counters = TierCounters()
+    yield paths, index, ProblemReporter("disk", paths.root, counters, logging.getLogger(__name__)), counters
+    index.close()
+
+
+def _write_record(paths: RecordPaths, key: StoreKey, tensor: torch.Tensor) -> int:
+    """One record file as a writer leaves it (no index entry); returns its size."""
+    path = paths.path(key.digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(records.encode(key, tensor).tobytes())
+    return path.stat().st_size
+
+
+def test_record_paths_name_files_by_digest_only(tmp_path):
+    paths = RecordPaths(tmp_path)
+    key = _k("../../etc/passwd")
+    assert paths.path(key.digest) == tmp_path / key.digest.hex()[:2] / f"{key.digest.hex()}.rec"
+    assert paths.path_text(key.digest) == str(paths.path(key.digest))
+    assert paths.temp_path(paths.path(key.digest)).parent == paths.path(key.digest).parent
+    assert key_named_by(paths.path(key.digest)) == key.digest
+    assert key_named_by(tmp_path / "ab" / "nothex.rec") is None and key_named_by(tmp_path / "ab.rec") is None
+
+
+def test_the_three_reads_of_one_file_agree(parts):
+    """Whole, payload apart and in place, with the read-ahead asked first: the same verified tensor."""
+    paths, _, _, _ = parts
+    value = _t(4096, 3).reshape(8, 512)
+    _write_record(paths, _k("r"), value)
+    path = paths.path_text(_k("r").digest)
+    whole, size = read_whole_record(path, _k("r"))
+    apart, apart_size = read_payload_apart(path, _k("r"), lambda n: torch.empty(n, dtype=torch.uint8))
+    read_ahead = ReadAhead(paths)
+    read_ahead.prefetch([_k("r")])
+    place = torch.zeros(8, 512, dtype=torch.bfloat16)
+    into, into_size = read_record_into(path, _k("r"), [byte_view(place)], read_ahead, read_whole_record)
+    assert size == apart_size == into_size == os.path.getsize(path)
+    assert torch.equal(whole.tensor, value) and torch.equal(apart.tensor, value)
+    assert into.in_place and torch.equal(place, value)
+    wrong_size = torch.zeros(4, 512, dtype=torch.bfloat16)  # read the usual way, not in place
+    other, _ = read_record_into(path, _k("r"), [byte_view(wrong_size)], read_ahead, read_whole_record)
+    assert not other.in_place and torch.equal(other.tensor, value)
+    with pytest.raises(records.RecordError):
+        read_whole_record(path, _k("another key"))
+
+
+def test_eviction_alone_unlinks_the_least_recently_used(parts):
+    paths, index, _, _ = parts
+    sizes = {}
+    with index.env.begin(write=True) as txn:
+        for i in range(3):
+            sizes[i] = _write_record(paths, _k(i), _t(1000, i))
+            index.put(txn, _k(i).digest, sizes[i], _k(i).text, 1_000 + i)
+        assert evict_over_capacity(index, txn, sizes[1] + sizes[2], paths) == 1
+        assert index.get(txn, _k(0).digest) is None and index.total(txn) == sizes[1] + sizes[2]
+        assert evict_over_capacity(index, txn, sizes[1] + sizes[2], paths) == 0
+    assert not paths.path(_k(0).digest).exists() and paths.path(_k(1).digest).exists()
+
+
+def test_bookkeeping_alone_adopts_orphans_and_drops_dead_entries(parts):
+    """A hit with no entry is adopted only while its file is there; a missing file's entry is dropped."""
+    paths, index, problems, _ = parts
+    bookkeeping = ReadBookkeeping(index, paths, problems)
+    size = _write_record(paths, _k("orphan"), _t(100))
+    bookkeeping.after_read([(_k("orphan").digest, size), (_k("evicted").digest, 123)], [])
+    with index.env.begin() as txn:
+        assert index.get(txn, _k("orphan").digest).size == size and index.get(txn, _k("evicted").digest) is None
+    paths.path(_k("orphan").digest).unlink()
+    bookkeeping.after_read([], [(_k("orphan").digest, None)])
+    with index.env.begin() as txn:
+        assert index.count(txn) == 0 and index.total(txn) == 0
+    _write_record(paths, _k("kept"), _t(100))
+    assert rebuild_index(index, paths) == 1
+
+
+def test_writer_and_admin_alone(parts):
+    paths, index, problems, counters = parts
+    writer = RecordWriter(index, paths, 1 << 20, False, counters, problems)
+    admin = DiskAdmin(index, paths, 1 << 20, problems)
+    writer.put_many([(_k(i), _t(100, i), None) for i in range(4)] + [(_k("huge"), _t(1 << 20), None)],
+                    for_gpu_readers=False)
+    assert counters.get("puts") == 4 and counters.get("refused") == 1
+    sizes = admin.sizes_many([_k(i) for i in range(5)])
+    assert sizes[:4] == [paths.path(_k(i).digest).stat().st_size for i in range(4)] and sizes[4] is None
+    assert sorted(r.text for r in admin.iter_stored()) == sorted(_k(i).text for i in range(4))
+    assert admin.delete_where(lambda text, size, atime: text == _k(0).text, dry_run=True) == (1, sizes[0])
+    assert admin.delete_stored(lambda r: r.text == _k(0).text) == (1, sizes[0])
+    assert not paths.path(_k(0).digest).exists()
+    assert admin.usage() == {"entries": 3, "bytes_used": sum(sizes[1:4]), "capacity": 1 << 20,
+                             "path": str(paths.root)}
