@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiercache-setup-stamp
 
-.PHONY: setup test test-gpu demo lint bench clean-venv redis docs
+.PHONY: setup test test-fast test-gpu demo lint bench clean-venv redis docs
 
 setup: $(STAMP) redis
 
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml
 redis:
 	@bash scripts/ensure_redis.sh
 
+# The whole suite (what CI runs): scripts/run_tests.sh says how it is split over workers and passes.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	PY=$(PY) bash scripts/run_tests.sh
+
+# The inner loop: every test that starts no vLLM engine (about a minute or two on 2 cores).
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n $${TEST_WORKERS:-2} -m "not engine" tests
 
 # The CUDA suite (tests/gpu): not part of `test` (CI has no GPU). Without CUDA it says so and fails.
 # On a GPU machine without this venv, scripts/gpu-check.sh runs it with the system's torch.
