@@ -30,11 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
+from vllm_tiercache.kvcache.metrics import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
-from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.hashing import check_seed_is_stable
