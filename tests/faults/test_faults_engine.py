@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 
 from tests.fixtures.models import REPO, run_engine
-from vllm_tiercache.kvcache.connector import tier_counter_deltas
 from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
 from vllm_tiercache.tools.redis_server import RedisServer
@@ -352,7 +352,7 @@ def test_tier_deltas_survive_a_redis_tier_that_was_down() -> None:
     """
     down = {"redis": {"hits": 3, "misses": 5, "entries": None, "bytes_used": None, "down": True}}
     up = {"redis": {"hits": 4, "misses": 9, "entries": None, "bytes_used": 1024, "down": False}}
-    assert tier_counter_deltas(up, down) == {"redis": {**dict.fromkeys(tier_counter_deltas(up, {})["redis"], 0),
-                                                       "hits": 1, "misses": 4}}
+    assert counter_deltas(up, down) == {"redis": {**dict.fromkeys(counter_deltas(up, {})["redis"], 0),
+                                                  "hits": 1, "misses": 4}}
     shrunk = {"redis": {"hits": 4, "misses": 9, "bytes_used": 10}}
-    assert all(v >= 0 for v in tier_counter_deltas(shrunk, up)["redis"].values())
+    assert all(v >= 0 for v in counter_deltas(shrunk, up)["redis"].values())
