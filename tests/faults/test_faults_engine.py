@@ -275,11 +275,11 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
     """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests: the one server,
     or one master of a 3 + 3 cluster (a hung shard; the others keep answering).
 
-    Seen before the lookup budget (issue "The shared tier at fleet scale", part 3): requests of 8 s and 4 s
-    against a 56 ms median, because every new request's lookup ran on the engine's scheduling thread and
-    waited the socket timeout. Now no request is slower than before the pause by more than the budget plus
-    noise, every answer is the baseline's, and after SIGCONT the tier comes back by itself (new records
-    reach Redis again) without a request paying for a probe.
+    What it guards: a lookup that runs on the engine's scheduling thread and waits the socket timeout, so
+    every new request stalls for seconds (docs/reliability.md has the figures from before the lookup budget).
+    No request may be slower than before the pause by more than the budget plus noise, every answer is the
+    baseline's, and after SIGCONT the tier comes back by itself (new records reach Redis again) without a
+    request paying for a probe.
     """
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
