@@ -19,6 +19,8 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
 
+from vllm_tiercache.eccache.options import ECConnectorOptions
+from vllm_tiercache.shared.metric_families import configured_tiers, counter_families
 from vllm_tiercache.shared.store.counters import store_series
 
 #: Counter -> help text. Names match `vllm_tiercache.eccache.connector.COUNTER_NAMES` (the keys of the stats data).
@@ -50,20 +52,21 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            name: self._counter_cls(
-                name=f"vllm:tiercache_ec_{name}_total", documentation=f"TieredECConnector: {doc}",
-                labelnames=labelnames,
-            )
-            for name, doc in EC_METRICS.items()
-        }
+        self._counters = counter_families(
+            self._counter_cls, "vllm:tiercache_ec_",
+            {name: f"TieredECConnector: {doc}" for name, doc in EC_METRICS.items()}, labelnames,
+        )
         # Every series exists from the start (a scrape shows 0, not nothing, before the first image).
         self._bound = {
             idx: {name: counter.labels(*labels) for name, counter in self._counters.items()}
             for idx, labels in per_engine_labelvalues.items()
         }
         self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
-        self.store.add_configured_tiers(lambda: _configured_tiers(vllm_config), "TieredECConnector")
+        self.store.add_configured_tiers(
+            lambda: configured_tiers(vllm_config, "ec_transfer_config", "ec_connector_extra_config",
+                                     ECConnectorOptions.load),
+            "TieredECConnector",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         bound = self._bound.get(engine_idx)
@@ -77,17 +80,6 @@ class TieredECPromMetrics(ECConnectorPromMetrics):
                                     transfer_stats_data.get("write_queue_hits", 0))
         if transfer_stats_data.get("gauges"):
             self.store.observe_gauges(transfer_stats_data["gauges"], engine_idx)
-
-
-def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
-    """(tier specs, store config key, workers per engine) of the EC connector's config; no tiers if unknown."""
-    ec = getattr(vllm_config, "ec_transfer_config", None)
-    if ec is None:
-        return [], "", 1
-    from vllm_tiercache.eccache.options import ECConnectorOptions
-    from vllm_tiercache.shared.store.tiered import series_spec
-
-    return series_spec(ECConnectorOptions.load(dict(ec.ec_connector_extra_config or {}))[1], vllm_config)
 
 
 class PendingCounts:

@@ -30,17 +30,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
+from vllm_tiercache.kvcache.metrics import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
-from vllm_tiercache.kvcache.stats import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.hashing import check_seed_is_stable
 from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.store import describe_tiers, get_store
-from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,
     TransferResults,
@@ -368,11 +367,3 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> TieredKVPromMetrics:
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def tier_counter_deltas(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
-                        ) -> dict[str, dict[str, float]]:
-    """Per tier, how much each monotonic counter grew between two `stats()["tiers"]` snapshots (see
-    `vllm_tiercache.shared.store.counters.counter_deltas`; gauges such as `bytes_used` are never
-    differenced)."""
-    return counter_deltas(now, before)

@@ -1,6 +1,6 @@
 """KV cache groups under vLLM's hybrid KV cache manager (HMA): what each group stores, loads and needs.
 
-The design (issue 15), in vLLM's own terms (`vllm/v1/core/single_type_kv_cache_manager.py`,
+The design, in vLLM's own terms (`vllm/v1/core/single_type_kv_cache_manager.py`,
 `.../kv_connector/v1/offloading/scheduler.py`):
 
 * Groups. vLLM gives every KV cache group its own block table. A full-attention group (`FullAttentionSpec`

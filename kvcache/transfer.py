@@ -29,7 +29,7 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(position in `block_ids`, first block id, length) of every run of consecutive block ids.
 
     vLLM usually hands a request consecutive blocks, and one slice copy per run is far cheaper on the CPU
-    than `index_select`/`index_copy_` over the same blocks (measured: ~0.01 ms against 0.2-4 ms per chunk).
+    than `index_select`/`index_copy_` over the same blocks (docs/benchmarks-kv.md has the figures).
     """
     runs: list[tuple[int, int, int]] = []
     for position, block in enumerate(block_ids):
@@ -144,12 +144,11 @@ class CudaBlockMover(BlockMover):
     `layer_ready` records tells the forward stream when a layer's blocks have landed.
 
     Why records are pinned: only pinned memory moves at the link's speed. Staging through a pooled buffer
-    adds a host memcpy, and on an H100 host one thread copies 4.5-6.4 GB/s against the link's 48-53 GB/s
-    (`tiercache bench gpu`, docs/gpu.md): gathers into pageable records ran at 1.1-1.2 GB/s (fresh pages
-    fault in on the copy), scatters at 4.0-5.1 GB/s. Pinned records come from torch's caching host
-    allocator, which reuses what evicted records free and never unpins it (docs/gpu.md: how much stays
-    pinned). If pinned memory cannot be had, gathers fall back to staging and pageable records, with one
-    warning.
+    adds a host memcpy on one thread, several times slower than the link, and gathers into pageable
+    records are slower still (fresh pages fault in on the copy); `tiercache bench gpu` measures both
+    (figures in docs/gpu.md). Pinned records come from torch's caching host allocator, which reuses what
+    evicted records free and never unpins it (docs/gpu.md: how much stays pinned). If pinned memory cannot
+    be had, gathers fall back to staging and pageable records, with one warning.
     """
 
     def __init__(self, device: torch.device, pool: PinnedPool | None = None, cuda: Any = torch.cuda, *,
@@ -310,7 +309,7 @@ class CudaBlockMover(BlockMover):
 
     def _load_stream_context(self) -> contextlib.AbstractContextManager[object]:
         """The load stream for this call's copies: already current inside `loading` (switching streams
-        costs ~20 us a call on an H100 host, against ~8 us to issue an 8 MiB copy), else entered now."""
+        costs about as much as issuing the copy itself, docs/gpu.md), else entered now."""
         if getattr(self._on_load_stream, "active", False):
             return contextlib.nullcontext()
         return self._cuda.stream(self.stream)  # type: ignore[no-any-return]

@@ -3,16 +3,16 @@
 vLLM's CPU worker binds its process to the cores its OpenMP threads compute on, and leaves
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core process. Every thread started in the worker
 inherits that binding, so the KV loader and saver and the store's writer time-shared the forward's own
-core. Seen on the 2-core VM (2026-11-24): ``VLLM::Worker`` and every thread in it allowed on core 0 only,
-the engine core on 0-1. A load could not overlap the forward, and a miss's saves slowed its own prefill.
+core. On a 2-core machine, for instance, ``VLLM::Worker`` and every thread in it are allowed on core 0
+only, the engine core on 0-1: a load could not overlap the forward, and a miss's saves slowed its own
+prefill.
 
 Each of our threads therefore widens its own affinity when it starts: to the cores of this process and
 of its parent (the engine core, which vLLM leaves unbound: its busy-wait yields to us there). The kernel
 then runs the thread where a core is free. vLLM's own threads keep their binding. Threads whose work
 nothing in the step waits for (the KV saver, the store's writer) go further and keep off the forward's
 cores altogether where the parent has others: given both, they still took turns with the prefill they
-were saving (a 2049-token miss that stores: 1.06-1.49x a miss without the connector, then 1.02-1.06x;
-2026-11-25, 2-core VM, 12 prompts a run, three runs each).
+were saving (the figures of a miss that stores, before and after: docs/benchmarks-kv.md).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_tiercache.shared.counters import Counters
+from vllm_tiercache.shared.metric_families import counter_families, gauge_family
 
 log = logging.getLogger(__name__)
 
@@ -120,29 +121,30 @@ class StoreSeries:
         tier_labels = [*labelnames, "tier"]
         self._engines = dict(per_engine_labelvalues)
         self._lock = threading.Lock()
-        self.counters = {}
-        for name, doc in STORE_COUNTER_HELP.items():
-            full = f"vllm:tiercache_store_{name}_total"
-            if first is not None and name == "hits":
-                self.counters[name] = first
-            else:
-                self.counters[name] = counter_cls(name=full, documentation=f"Tiered store: {doc}",
-                                                  labelnames=tier_labels)
+        self.counters = counter_families(
+            counter_cls, "vllm:tiercache_store_",
+            {name: f"Tiered store: {doc}" for name, doc in STORE_COUNTER_HELP.items()
+             if first is None or name != "hits"},
+            tier_labels)
+        if first is not None:  # the hits family `store_series` registered: first, as in STORE_COUNTER_HELP
+            self.counters = {"hits": first, **self.counters}
         self.write_queue_hits = counter_cls(
             name="vllm:tiercache_store_write_queue_hits_total",
             documentation="Tiered store: reads served from records still queued for the slower tiers.",
             labelnames=labelnames)
-        gauge = _gauge_factory(gauge_cls)
-        self.bytes_used = gauge("vllm:tiercache_store_bytes_used", "Tiered store: bytes a tier holds (memory: "
-                                "summed over the engine's workers; Redis: the server's used_memory).", tier_labels)
-        self.capacity = gauge("vllm:tiercache_store_capacity_bytes", "Tiered store: configured capacity of a "
-                              "tier (memory: summed over the engine's workers).", tier_labels)
-        self.tier_up = gauge("vllm:tiercache_store_tier_up", "Tiered store: 1 while the tier is reachable, 0 "
-                             "while a process of the engine finds it down (Redis); on a Redis Cluster with "
-                             "shards down, the share of its shards that answer.", tier_labels)
-        self.write_queue = gauge("vllm:tiercache_store_write_queue_pending", "Tiered store: background writes "
-                                 "(batches of records) queued for the slower tiers, summed over processes.",
-                                 labelnames)
+        self.bytes_used = gauge_family(
+            gauge_cls, "vllm:tiercache_store_bytes_used", "Tiered store: bytes a tier holds (memory: "
+            "summed over the engine's workers; Redis: the server's used_memory).", tier_labels)
+        self.capacity = gauge_family(
+            gauge_cls, "vllm:tiercache_store_capacity_bytes", "Tiered store: configured capacity of a "
+            "tier (memory: summed over the engine's workers).", tier_labels)
+        self.tier_up = gauge_family(
+            gauge_cls, "vllm:tiercache_store_tier_up", "Tiered store: 1 while the tier is reachable, 0 "
+            "while a process of the engine finds it down (Redis); on a Redis Cluster with "
+            "shards down, the share of its shards that answer.", tier_labels)
+        self.write_queue = gauge_family(
+            gauge_cls, "vllm:tiercache_store_write_queue_pending", "Tiered store: background writes "
+            "(batches of records) queued for the slower tiers, summed over processes.", labelnames)
         #: engine -> tier -> (shared, capacity) of the tiers pre-registered for it
         self._tiers: dict[int, dict[str, tuple[bool, int]]] = {idx: {} for idx in self._engines}
         self._configs: set[str] = set()
@@ -285,15 +287,6 @@ class GaugeChanges:
             return {}
         self._sent = current
         return {getattr(self._store, "source", str(os.getpid())): current}
-
-
-def _gauge_factory(gauge_cls: Any) -> Any:
-    def make(name: str, doc: str, labelnames: list[str]) -> Any:
-        try:  # vLLM's gauges say how to merge the API server processes' values (multiprocess mode)
-            return gauge_cls(name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
-        except TypeError:
-            return gauge_cls(name=name, documentation=doc, labelnames=labelnames)
-    return make
 
 
 _SHARED_LOCK = threading.Lock()

@@ -1,6 +1,6 @@
 """TieredECConnector's scheduler side driven by vLLM's real `Scheduler` (no model runs here).
 
-What these pin down (issue 11, parts 2 and 3):
+What these pin down:
 - answers are re-checked when vLLM asks: an item evicted from the store while its request was preempted
   is not promised on resume, vLLM encodes it instead;
 - `ensure_cache_available` looks up only what a request still needs (a decoding request costs nothing);

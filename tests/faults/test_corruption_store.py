@@ -20,7 +20,7 @@ from vllm_tiercache.shared.store import build_store, records
 from vllm_tiercache.shared.store.redis_tier import RedisTier
 from vllm_tiercache.tools.redis_server import RedisServer
 
-#: Records corrupted on disk per kind; 8 kinds -> 144 corrupted records (the issue asks for 100).
+#: Records corrupted on disk per kind; 8 kinds -> 144 corrupted records (at least 100 were asked for).
 PER_KIND_DISK = 18
 GOOD_DISK = 40
 

@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 
 from tests.fixtures.models import REPO, run_engine
-from vllm_tiercache.kvcache.connector import tier_counter_deltas
 from vllm_tiercache.shared.stats_dump import read_stats
+from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
 from vllm_tiercache.tools.redis_server import RedisServer
@@ -275,11 +275,11 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
     """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests: the one server,
     or one master of a 3 + 3 cluster (a hung shard; the others keep answering).
 
-    Seen before the lookup budget (issue "The shared tier at fleet scale", part 3): requests of 8 s and 4 s
-    against a 56 ms median, because every new request's lookup ran on the engine's scheduling thread and
-    waited the socket timeout. Now no request is slower than before the pause by more than the budget plus
-    noise, every answer is the baseline's, and after SIGCONT the tier comes back by itself (new records
-    reach Redis again) without a request paying for a probe.
+    What it guards: a lookup that runs on the engine's scheduling thread and waits the socket timeout, so
+    every new request stalls for seconds (docs/reliability.md has the figures from before the lookup budget).
+    No request may be slower than before the pause by more than the budget plus noise, every answer is the
+    baseline's, and after SIGCONT the tier comes back by itself (new records reach Redis again) without a
+    request paying for a probe.
     """
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -352,7 +352,7 @@ def test_tier_deltas_survive_a_redis_tier_that_was_down() -> None:
     """
     down = {"redis": {"hits": 3, "misses": 5, "entries": None, "bytes_used": None, "down": True}}
     up = {"redis": {"hits": 4, "misses": 9, "entries": None, "bytes_used": 1024, "down": False}}
-    assert tier_counter_deltas(up, down) == {"redis": {**dict.fromkeys(tier_counter_deltas(up, {})["redis"], 0),
-                                                       "hits": 1, "misses": 4}}
+    assert counter_deltas(up, down) == {"redis": {**dict.fromkeys(counter_deltas(up, {})["redis"], 0),
+                                                  "hits": 1, "misses": 4}}
     shrunk = {"redis": {"hits": 4, "misses": 9, "bytes_used": 10}}
-    assert all(v >= 0 for v in tier_counter_deltas(shrunk, up)["redis"].values())
+    assert all(v >= 0 for v in counter_deltas(shrunk, up)["redis"].values())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from vllm_tiercache.kvcache.connector import TieredKVConnector
-from vllm_tiercache.kvcache.stats import TieredKVStats
+from vllm_tiercache.kvcache.metrics import TieredKVStats
 
 
 def test_aggregate_sums_counters_and_concatenates_latencies() -> None:

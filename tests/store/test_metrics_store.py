@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tests.kv.test_kv_worker import worker
 from vllm_tiercache.eccache.connector import TieredECConnector, TieredECStats
 from vllm_tiercache.kvcache.connector import TieredKVConnector
-from vllm_tiercache.kvcache.stats import TieredKVStats
+from vllm_tiercache.kvcache.metrics import TieredKVStats
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey

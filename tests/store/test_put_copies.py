@@ -1,4 +1,4 @@
-"""How many copies a put and a get make (issue 18, part 4).
+"""How many copies a put and a get make.
 
 A put copies the caller's tensor once (`own_tensor`), unless the caller hands it over (``owned=True``):
 then the memory tier keeps that very tensor and the slower tiers write from it. A default put survives

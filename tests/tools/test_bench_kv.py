@@ -43,8 +43,8 @@ def test_breakdown_takes_the_slowest_worker_and_leaves_out_what_it_cannot_split(
     """Tensor-parallel workers load their shares of a step at once (the slowest one's time, everyone's
     bytes); a hit whose load failed somewhere is left out; a layerwise load overlaps the forward, so the
     time outside it is not reported."""
-    from vllm_tiercache.tools.bench.kv import CaseResult, hit_breakdown
     from vllm_tiercache.tools.bench.kv_engine import _load_of
+    from vllm_tiercache.tools.bench.kv_report import CaseResult, hit_breakdown
 
     def line(rank: int, load_s: float, failed: int = 0, before_forward: bool = True) -> dict:
         return {"pid": 100 + rank, "rank": rank, "load_s": load_s, "fetch_s": load_s / 4, "copy_s": load_s / 2,

@@ -73,8 +73,8 @@ def run_job(spec_path: str, out_path: str) -> int:
 
     A ``paired`` step (prefix caching on) empties vLLM's prefix cache before each prompt, so the connector
     must supply it, then sends it again: vLLM's own resident hit of the same prompt in the same engine
-    (``resident_ttft_s``). Why: identical engines started one after the other differed by up to 50% in
-    their resident hits on the dev VMs (13.4 against 19.7 ms), more than the gaps being measured.
+    (``resident_ttft_s``). Why: identical engines started one after the other can differ in their resident
+    hits by more than the gaps being measured (docs/benchmarks-kv.md, "Paired hits").
     """
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams

@@ -13,8 +13,8 @@ Memory and page-cache reads are measured twice. *From DRAM* (``memory``, ``page_
 the shares): each round moves bytes that were last touched more than `COLD_SPAN` ago, as a hit's are (its
 record was written seconds before, and the forward pass ran since; the KV blocks it lands in are a few
 of a pool of gigabytes). *Cache-hot* (``memory_hot``, ``page_cache_hot``): the same buffers every round,
-so on a CPU whose last-level cache holds them the copy never leaves it (seen: 8 MiB in 0.19 ms on a VM
-with a 32 MiB L3, against 0.45 ms from DRAM), a speed no hit meets; printed for reference.
+so on a CPU whose last-level cache holds them the copy never leaves it, at a speed no hit meets (figures of
+both in docs/benchmarks-kv.md); printed for reference.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why: vLLM calls the connector on every step, decode steps included (build the st
 once per layer at save time, ...). On a step that loads and saves nothing, that is pure overhead on every
 token of every request, and it grows with what the connector keeps per request. A hit's or a miss's TTFT
 (`tiercache bench kv`) never shows it. Timings of two engines, one with the connector and one without,
-differ by more than this overhead between engine starts on the dev VMs, so the connector's own time is
+differ by more than this overhead between engine starts, so the connector's own time is
 measured instead, inside one engine: every `TieredKVConnector` method is timed, the time is summed per
 engine step, and the step's own time in the same run is the baseline it is a share of.
 

@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from vllm_tiercache.kvcache.options import KVConnectorOptions
+from vllm_tiercache.shared.metric_families import configured_tiers, counter_families, gauge_family
 from vllm_tiercache.shared.store.counters import add_nested, store_series
 
 _COUNTERS = (
@@ -97,17 +99,6 @@ class TieredKVStats(KVConnectorStats):
         return out
 
 
-def _configured_tiers(vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
-    """(tier specs, store config key, workers per engine) of the KV connector's config; no tiers if unknown."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None:
-        return [], "", 1
-    from vllm_tiercache.kvcache.options import KVConnectorOptions
-    from vllm_tiercache.shared.store.tiered import series_spec
-
-    return series_spec(KVConnectorOptions.load(dict(transfer.kv_connector_extra_config or {}))[1], vllm_config)
-
-
 class TieredKVPromMetrics(KVConnectorPromMetrics):
     """`vllm:tiercache_kv_*` series, labelled per engine, and the store's `vllm:tiercache_store_*` series
     (per tier; shared with the EC connector's metrics, see `vllm_tiercache.shared.store.counters`).
@@ -126,14 +117,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             documentation="Prompt tokens whose KV TieredKVConnector loaded instead of computing.",
             labelnames=labelnames,
         )
-        self._counters = {
-            name: self._counter_cls(
-                name=f"vllm:tiercache_kv_{name}_total",
-                documentation=f"TieredKVConnector {name.replace('_', ' ')}.",
-                labelnames=labelnames,
-            )
-            for name in _COUNTERS
-        }
+        self._counters = counter_families(
+            self._counter_cls, "vllm:tiercache_kv_",
+            {name: f"TieredKVConnector {name.replace('_', ' ')}." for name in _COUNTERS}, labelnames,
+        )
         buckets = [1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
         self._latency = {
             name: self._histogram_cls(
@@ -144,19 +131,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             )
             for name in _SERIES
         }
-        try:
-            save_queue = self._gauge_cls(
-                name="vllm:tiercache_kv_save_queue_records",
-                documentation="TieredKVConnector: gathered KV records waiting for the workers' saver threads.",
-                labelnames=labelnames, multiprocess_mode="mostrecent",
-            )
-        except TypeError:
-            save_queue = self._gauge_cls(
-                name="vllm:tiercache_kv_save_queue_records",
-                documentation="TieredKVConnector: gathered KV records waiting for the workers' saver threads.",
-                labelnames=labelnames,
-            )
-        self._save_queue = save_queue
+        self._save_queue = gauge_family(
+            self._gauge_cls, "vllm:tiercache_kv_save_queue_records",
+            "TieredKVConnector: gathered KV records waiting for the workers' saver threads.", labelnames,
+        )
         self._save_queue_by_source: dict[int, dict[str, float]] = {idx: {} for idx in per_engine_labelvalues}
         for labels in per_engine_labelvalues.values():
             self._hit_tokens.labels(*labels)
@@ -166,7 +144,11 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
                 histogram.labels(*labels)
             self._save_queue.labels(*labels).set(0)
         self.store = store_series(metric_types, labelnames, per_engine_labelvalues)
-        self.store.add_configured_tiers(lambda: _configured_tiers(vllm_config), "TieredKVConnector")
+        self.store.add_configured_tiers(
+            lambda: configured_tiers(vllm_config, "kv_transfer_config", "kv_connector_extra_config",
+                                     KVConnectorOptions.load),
+            "TieredKVConnector",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues.get(engine_idx)
