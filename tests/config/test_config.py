@@ -21,6 +21,7 @@ from vllm_tiercache.shared.config import (
     StoreConfig,
     parse_size,
 )
+from vllm_tiercache.shared.eviction import memory_tier_policies, policy_names
 
 EXAMPLE = {
     "namespace": "prod",
@@ -83,9 +84,11 @@ def test_sizes(text, value):
 @pytest.mark.parametrize(("raw", "field", "allowed"), [
     ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis"),
     ({"tiers": [{"kind": "memory"}, {"kind": "disk", "capacity": "lots"}]}, "tiers[1].capacity", "8GiB"),
-    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy", "allowed: lru, wtinylfu"),
+    # every policy registered for the memory tier (lru, wtinylfu, ...), every registered one (lru, lfu, wtinylfu, ...)
+    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy",
+     f"allowed: {', '.join(memory_tier_policies())}"),
     ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
-    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", "allowed: lru, lfu, wtinylfu or null"),
+    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", f"allowed: {', '.join(policy_names())} or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": -1}]}, "tiers[0].ttl_s", "positive"),
     ({"tiers": [{"kind": "disk", "fsync": "yes"}]}, "tiers[0].fsync", "true or false"),
