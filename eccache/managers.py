@@ -42,6 +42,7 @@ from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.eviction import (
     DEFAULT_POLICY,
     make_policy,
+    policy_class_path,
     policy_entry,
     policy_names,
     policy_options,
@@ -165,8 +166,7 @@ def _fixed_policy_manager(policy: str) -> type[PolicyEncoderCacheManager]:
     name = manager_class_name(policy)
     options = policy_options(policy)
     takes = f"Options: {', '.join(f'`{o}`' for o in options)}." if options else "Takes no options."
-    doc = (f"Evicts by the {policy_entry(policy).label} policy (`{policy}`, "
-           f"`vllm_tiercache.shared.eviction{policy_entry(policy).class_path}`). {takes}")
+    doc = f"Evicts by the {policy_entry(policy).label} policy (`{policy}`, `{policy_class_path(policy)}`). {takes}"
     return type(name, (PolicyEncoderCacheManager,),
                 {"policy_name": policy, "__doc__": doc, "__module__": __name__, "__qualname__": name})
 

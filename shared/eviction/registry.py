@@ -87,10 +87,16 @@ def policy_class_name(name: str) -> str:
     return policy_entry(name).class_path.rpartition(".")[2]
 
 
+def policy_class_path(name: str) -> str:
+    """The absolute dotted path of policy ``name``'s class (``vllm_tiercache.shared.eviction.lru.LRUPolicy``)."""
+    path = policy_entry(name).class_path
+    return f"{__package__}{path}" if path.startswith(".") else path
+
+
 def policy_class(name: str) -> type[EvictionPolicy]:
     """The class of policy ``name`` (imports its module)."""
-    module, _, attr = policy_entry(name).class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module, __package__ if module.startswith(".") else None), attr)
+    module, _, attr = policy_class_path(name).rpartition(".")
+    cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise TypeError(f"policy {name!r}: {cls!r} is not an EvictionPolicy")
     return cls
