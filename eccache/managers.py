@@ -1,4 +1,4 @@
-"""Encoder cache managers for vLLM 0.32's `--ec-manager-config` extension point: LRU, LFU, W-TinyLFU.
+"""Encoder cache managers for vLLM 0.32's `--ec-manager-config` extension point: one per eviction policy.
 
 vLLM's own `EncoderCacheManager` evicts unreferenced entries in the order they *became* unreferenced, so
 an image a short request just hit can be evicted before one a long request last touched much earlier;
@@ -9,10 +9,13 @@ store's memory tier uses):
 
 - `PolicyEncoderCacheManager`: the policy named by config (`manager_config["policy"]`, else the EC
   connector's `encoder_cache_policy`, else `vllm_tiercache.shared.eviction.DEFAULT_POLICY`).
-- `LRUEncoderCacheManager`: the least recently *accessed* (every hit and every allocation refreshes).
-- `LFUEncoderCacheManager`: the least frequently accessed, ties broken by recency; counts survive
-  eviction in a bounded history and are halved every `aging_period` accesses.
-- `WTinyLFUEncoderCacheManager`: W-TinyLFU (Caffeine's policy), size-aware in embeddings.
+- one class per registered policy (`vllm_tiercache.shared.eviction.registry`) that fixes it, named after the
+  policy class (`manager_class_name`): `LRUEncoderCacheManager` (the least recently *accessed*; every hit
+  and every allocation refreshes), `LFUEncoderCacheManager` (the least frequently accessed, ties broken by
+  recency; counts survive eviction in a bounded history and are halved every `aging_period` accesses),
+  `WTinyLFUEncoderCacheManager` (W-TinyLFU, Caffeine's policy, size-aware in embeddings). They are made
+  from the registry when this module is imported, because vLLM names a manager by its class path
+  (``encoder_cache_manager_cls``), so each must be an attribute of this module.
 
 Every `manager_config` key is checked when the manager is built (`check_manager_options`): a key the
 chosen policy does not take, a bad value, or a ``policy`` other than the one a fixed-policy class uses is
@@ -29,21 +32,20 @@ entries in `freeable` are candidates). Enable with::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from vllm_tiercache.eccache.options import check_manager_option
+from vllm_tiercache.eccache.options import check_manager_option, manager_class_name
 from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.eviction import (
     DEFAULT_POLICY,
-    POLICIES,
-    LFUPolicy,
-    LRUPolicy,
-    WTinyLFUPolicy,
     make_policy,
+    policy_class_path,
+    policy_entry,
+    policy_names,
+    policy_options,
 )
 from vllm_tiercache.shared.store.tier_config import did_you_mean, invalid
 
@@ -158,45 +160,30 @@ def _connector_policy(vllm_config: Any) -> str | None:
     return options.encoder_cache_policy
 
 
-class LRUEncoderCacheManager(PolicyEncoderCacheManager):
-    """Evicts the unreferenced entry whose last hit or allocation is oldest (takes no options)."""
-
-    policy_name = "lru"
-
-
-class WTinyLFUEncoderCacheManager(PolicyEncoderCacheManager):
-    """W-TinyLFU (window LRU, frequency-sketch admission, segmented LRU), size-aware in embeddings.
-
-    Options: `window_fraction`, `protected_fraction`, `victim_sample`, `size_aware`.
-    """
-
-    policy_name = "wtinylfu"
+def _fixed_policy_manager(policy: str) -> type[PolicyEncoderCacheManager]:
+    """A `PolicyEncoderCacheManager` subclass that always uses ``policy`` (another ``manager_config["policy"]``
+    is an error), as a named class of this module so that vLLM can load it by its path."""
+    name = manager_class_name(policy)
+    options = policy_options(policy)
+    takes = f"Options: {', '.join(f'`{o}`' for o in options)}." if options else "Takes no options."
+    doc = f"Evicts by the {policy_entry(policy).label} policy (`{policy}`, `{policy_class_path(policy)}`). {takes}"
+    return type(name, (PolicyEncoderCacheManager,),
+                {"policy_name": policy, "__doc__": doc, "__module__": __name__, "__qualname__": name})
 
 
-class LFUEncoderCacheManager(PolicyEncoderCacheManager):
-    """Evicts the unreferenced entry with the lowest aged access count (then the least recent).
+#: policy name -> the manager class that fixes it, one per registered policy
+FIXED_POLICY_MANAGERS: Mapping[str, type[PolicyEncoderCacheManager]] = {
+    policy: _fixed_policy_manager(policy) for policy in policy_names()}
+globals().update({cls.__name__: cls for cls in FIXED_POLICY_MANAGERS.values()})
 
-    Args:
-        aging_period: accesses between two halvings of every count (0 disables aging).
-        history_size: how many evicted hashes keep their count (a bounded "ghost" table).
-        size_aware: compare counts per embedding (true) or per entry.
-    """
 
-    policy_name = "lfu"
+def manager_class(policy: str) -> type[PolicyEncoderCacheManager]:
+    """The manager class that fixes ``policy`` (e.g. `LFUEncoderCacheManager` for lfu)."""
+    policy_entry(policy, "encoder_cache_policy")
+    return FIXED_POLICY_MANAGERS[policy]
 
 
 # ------------------------------------------------------------------------------------ manager_config
-
-#: The policy class behind each name of `make_policy`: its constructor's keyword parameters (after
-#: ``capacity``) are the `manager_config` options that policy takes.
-_POLICY_CLASSES: Mapping[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "wtinylfu": WTinyLFUPolicy}
-
-
-def policy_options(policy: str) -> tuple[str, ...]:
-    """The `manager_config` options policy ``policy`` takes (read off its class's constructor)."""
-    params = inspect.signature(_POLICY_CLASSES[policy].__init__).parameters
-    return tuple(name for name in params if name not in ("self", "capacity"))
-
 
 def check_manager_options(cls: type, policy: Any, options: Mapping[str, Any]) -> str:
     """The policy name a manager of class ``cls`` uses, after checking ``policy`` and every option.
@@ -211,8 +198,8 @@ def check_manager_options(cls: type, policy: Any, options: Mapping[str, Any]) ->
                       f"{fixed!r} or no policy: {cls.__name__} always uses {fixed!r}; to choose the policy, set "
                       "encoder_cache_manager_cls to vllm_tiercache.eccache.managers.PolicyEncoderCacheManager")
     name = fixed or policy or DEFAULT_POLICY
-    if not isinstance(name, str) or name not in _POLICY_CLASSES:  # the message make_policy gives too
-        raise invalid("encoder_cache_policy", name, ", ".join(POLICIES))
+    if not isinstance(name, str) or name not in policy_names():  # the message make_policy gives too
+        raise invalid("encoder_cache_policy", name, ", ".join(policy_names()))
     allowed = policy_options(name)
     for key, value in options.items():
         if key not in allowed:

@@ -25,11 +25,29 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, with_config
 from typing_extensions import TypedDict
 
 from vllm_tiercache.shared.config import CONNECTOR_KEYS, StoreConfig, split_connector_config
-from vllm_tiercache.shared.eviction import POLICIES, LFUPolicy, WTinyLFUPolicy
+from vllm_tiercache.shared.eviction import (
+    DEFAULT_POLICY,
+    policy_class,
+    policy_class_name,
+    policy_names,
+    policy_options,
+)
 from vllm_tiercache.shared.store.tier_config import Allowed, Bool, validate
 
-#: the encoder cache's eviction policies (`vllm_tiercache.shared.eviction.POLICIES`)
-EncoderCachePolicy = Literal[POLICIES]  # type: ignore[valid-type]
+#: the encoder cache's eviction policies: every one registered (`vllm_tiercache.shared.eviction.registry`)
+EncoderCachePolicy = Literal[policy_names()]  # type: ignore[valid-type]
+
+
+def manager_class_name(policy: str) -> str:
+    """The encoder cache manager class that fixes ``policy`` (`vllm_tiercache.eccache.managers` makes one per
+    registered policy): the policy class's name with ``Policy`` replaced, ``LRUPolicy`` -> ``LRUEncoderCacheManager``.
+    Here, not in `managers`, so that these texts need no vLLM import."""
+    return policy_class_name(policy).removesuffix("Policy") + "EncoderCacheManager"
+
+
+def _one_of(names: tuple[str, ...] | list[str]) -> str:
+    """``"lru, lfu or wtinylfu"``."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def _as_given(path: Any) -> str | None:
@@ -43,9 +61,9 @@ class ECConnectorOptions:
     __pydantic_config__ = ConfigDict(extra="forbid")
 
     encoder_cache_policy: Annotated[EncoderCachePolicy | None, Field(description=(
-        "Eviction policy of vllm_tiercache.eccache.managers.PolicyEncoderCacheManager: lru, lfu or wtinylfu; "
-        "null means the default, lfu. manager_config['policy'] wins over it.")),
-        Allowed(", ".join(POLICIES) + " or null")] = None
+        f"Eviction policy of vllm_tiercache.eccache.managers.PolicyEncoderCacheManager: {_one_of(policy_names())}; "
+        f"null means the default, {DEFAULT_POLICY}. manager_config['policy'] wins over it.")),
+        Allowed(", ".join(policy_names()) + " or null")] = None
     #: ``x_ec_stats_path`` as given (``{pid}`` not yet replaced); None: no legacy stats file
     stats_path: Annotated[str | None, BeforeValidator(_as_given), Field(
         alias="x_ec_stats_path", description=(
@@ -76,9 +94,26 @@ class ECConnectorOptions:
 _FRACTION = "a number strictly between 0 and 1"
 
 
-def _default(policy: type, option: str) -> dict[str, Any]:
-    """The schema's default of an option: the policy class's own (unset options keep it)."""
-    return {"default": inspect.signature(policy.__init__).parameters[option].default}
+def _takers(option: str) -> list[str]:
+    """The registered policies whose constructor takes ``option``, in registration order."""
+    takers = [name for name in policy_names() if option in policy_options(name)]
+    if not takers:
+        raise TypeError(f"manager_config option {option!r}: no registered policy takes it")
+    return takers
+
+
+def _for(option: str, meaning: str) -> str:
+    """An option's description: the policies that take it, then what it means (``"lfu, wtinylfu: ..."``)."""
+    return f"{', '.join(_takers(option))}: {meaning}"
+
+
+def _default(option: str) -> dict[str, Any]:
+    """The schema's default of an option: the class's own default of the first policy that takes it (unset
+    options keep their policy's default)."""
+    return {"default": inspect.signature(policy_class(_takers(option)[0]).__init__).parameters[option].default}
+
+
+_FIXED_MANAGERS = "/".join(manager_class_name(name).removesuffix("EncoderCacheManager") for name in policy_names())
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -89,29 +124,29 @@ class ManagerOptions(TypedDict, total=False):
     the policy's defaults. `vllm_tiercache.eccache.managers.check_manager_options` checks them."""
 
     policy: Annotated[EncoderCachePolicy, Field(description=(
-        "lru, lfu or wtinylfu; with PolicyEncoderCacheManager, else the EC connector's encoder_cache_policy, "
-        "else lfu. The LRU/LFU/WTinyLFU managers fix it: another value is an error."))]
-    aging_period: Annotated[int, Strict(), Field(ge=0, description=(
-        "lfu: accesses between two halvings of every count (0: no aging)."),
-        json_schema_extra=_default(LFUPolicy, "aging_period")),
+        f"{_one_of(policy_names())}; with PolicyEncoderCacheManager, else the EC connector's encoder_cache_policy, "
+        f"else {DEFAULT_POLICY}. The {_FIXED_MANAGERS} managers fix it: another value is an error."))]
+    aging_period: Annotated[int, Strict(), Field(ge=0, description=_for(
+        "aging_period", "accesses between two halvings of every count (0: no aging)."),
+        json_schema_extra=_default("aging_period")),
         Allowed("an int >= 0 (accesses between two halvings; 0: no aging)")]
-    history_size: Annotated[int, Strict(), Field(ge=0, description=(
-        "lfu: how many evicted keys keep their count, a bounded ghost table."),
-        json_schema_extra=_default(LFUPolicy, "history_size")),
+    history_size: Annotated[int, Strict(), Field(ge=0, description=_for(
+        "history_size", "how many evicted keys keep their count, a bounded ghost table."),
+        json_schema_extra=_default("history_size")),
         Allowed("an int >= 0 (evicted hashes that keep their count)")]
-    size_aware: Annotated[Bool, Field(description=(
-        "lfu, wtinylfu: compare counts per embedding (true) or per entry."),
-        json_schema_extra=_default(LFUPolicy, "size_aware"))]
-    window_fraction: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False, description=(
-        "wtinylfu: share of the capacity in the LRU window that takes every new entry."),
-        json_schema_extra=_default(WTinyLFUPolicy, "window_fraction")),
+    size_aware: Annotated[Bool, Field(description=_for(
+        "size_aware", "compare counts per embedding (true) or per entry."),
+        json_schema_extra=_default("size_aware"))]
+    window_fraction: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False, description=_for(
+        "window_fraction", "share of the capacity in the LRU window that takes every new entry."),
+        json_schema_extra=_default("window_fraction")),
         Allowed(_FRACTION)]
-    protected_fraction: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False, description=(
-        "wtinylfu: share of the main area in its protected segment."),
-        json_schema_extra=_default(WTinyLFUPolicy, "protected_fraction")), Allowed(_FRACTION)]
-    victim_sample: Annotated[int, Strict(), Field(ge=1, description=(
-        "wtinylfu: the victim is the least frequent of this many oldest probation entries."),
-        json_schema_extra=_default(WTinyLFUPolicy, "victim_sample")),
+    protected_fraction: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False, description=_for(
+        "protected_fraction", "share of the main area in its protected segment."),
+        json_schema_extra=_default("protected_fraction")), Allowed(_FRACTION)]
+    victim_sample: Annotated[int, Strict(), Field(ge=1, description=_for(
+        "victim_sample", "the victim is the least frequent of this many oldest probation entries."),
+        json_schema_extra=_default("victim_sample")),
         Allowed("an int >= 1")]
 
 

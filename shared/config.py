@@ -29,6 +29,10 @@ Anything prefixed ``x_`` (and not a connector's own key) is kept in ``StoreConfi
 every other unknown key is an error (typos must not be silently ignored) that names the nearest known key
 (``chunksize: unknown key; did you mean 'chunk_size'? known keys: ...``).
 
+Each `StoreConfig` field also says whether it shapes the store (`SHAPES_STORE`: it is part of
+`StoreConfig.cache_key`, so configs that differ in it get two stores) or only what a reader does with it
+(`NOT_STORE_SHAPING`); a field without either fails the import (`StoreIdentity`).
+
 Environment overrides (applied last, over every source above):
 
 - ``TIERCACHE_CONFIG``: config file used when ``extra`` is empty (no default).
@@ -47,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, WrapValidator
 
@@ -70,10 +74,11 @@ from vllm_tiercache.shared.store.tier_config import invalid as _err
 # The tier config classes live beside their tiers (see `vllm_tiercache.shared.store.registry`); these
 # names stay importable from here.
 __all__ = [
-    "CONNECTOR_KEYS", "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "POLICIES",
-    "REDIS_SCHEMES", "STORE_KEYS", "TIER_KINDS", "ConfigError", "DiskTierConfig", "GdsTierConfig",
-    "MemoryTierConfig", "RedisTierConfig", "StoreConfig", "TierConfig", "default_cache_dir", "default_tiers",
-    "load_file", "parse_size", "read_sources", "split_connector_config",
+    "CONNECTOR_KEYS", "DEFAULT_DISK_CAPACITY", "DEFAULT_MEMORY_CAPACITY", "DEFAULT_PART_SIZE", "NOT_STORE_SHAPING",
+    "POLICIES", "REDIS_SCHEMES", "SHAPES_STORE", "STORE_KEYS", "STORE_SHAPING_FIELDS", "TIER_KINDS", "ConfigError",
+    "DiskTierConfig", "GdsTierConfig", "MemoryTierConfig", "RedisTierConfig", "StoreConfig", "StoreIdentity",
+    "TierConfig", "default_cache_dir", "default_tiers", "load_file", "parse_size", "read_sources",
+    "split_connector_config", "store_shaping_fields",
 ]
 
 #: the most writes the background queue may hold (each holds a record, often MiBs, until it is written)
@@ -134,6 +139,28 @@ def _x_keys_only(extra: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class StoreIdentity:
+    """Annotation metadata that every `StoreConfig` field carries: whether it shapes the store itself.
+
+    Why every field says so: `vllm_tiercache.shared.store.get_store` hands every caller in a process the
+    one store built for an equal `StoreConfig.cache_key`, which holds exactly the fields marked
+    `SHAPES_STORE`. A field that changes what the store holds or how it behaves (its tiers, its write
+    queue, its lookup budget) must give another store; a field that only changes what a reader does with
+    the store (the keys it builds: namespace, model version, uuid trust) must not, or two connectors with
+    different namespaces would split one memory budget into two stores. A field without a marking is an
+    error when this module is imported (`store_shaping_fields`), so that no one has to remember a list.
+    """
+
+    shapes_store: bool
+
+
+#: marks a `StoreConfig` field that makes two stores different (part of `StoreConfig.cache_key`)
+SHAPES_STORE = StoreIdentity(shapes_store=True)
+#: marks a `StoreConfig` field that shapes only what a reader does with the store, not the store
+NOT_STORE_SHAPING = StoreIdentity(shapes_store=False)
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The store: the tiers and how keys are built, shared by both connectors and the tools."""
 
@@ -141,10 +168,11 @@ class StoreConfig:
 
     namespace: Annotated[str, Strict(), Field(min_length=1, pattern=r"^[^|]+$", description=(
         "First field of every key: deployments with different namespaces never share entries. "
-        "$TIERCACHE_NAMESPACE overrides it.")), Allowed("a non-empty string without '|'")] = "default"
+        "$TIERCACHE_NAMESPACE overrides it.")), Allowed("a non-empty string without '|'"),
+        NOT_STORE_SHAPING] = "default"
     write_queue_size: Annotated[int, Strict(), Field(gt=0, le=MAX_WRITE_QUEUE_SIZE, description=(
         "Bound of the background queue for slower-tier writes; when it is full, writes are dropped and "
-        "counted.")), Allowed(f"a positive int, at most {MAX_WRITE_QUEUE_SIZE}")] = 256
+        "counted.")), Allowed(f"a positive int, at most {MAX_WRITE_QUEUE_SIZE}"), SHAPES_STORE] = 256
     lookup_budget_ms: Annotated[float, Strict(), Field(
         ge=MIN_LOOKUP_BUDGET_MS, le=MAX_LOOKUP_BUDGET_MS, allow_inf_nan=False, description=(
             "The longest a scheduler's lookup (contains_many with shared_only, made for every new request on "
@@ -154,27 +182,28 @@ class StoreConfig:
             "are long (one lookup asks for every layer and rank of every chunk) and "
             "store.stats()['lookup']['past_budget'] grows while Redis is healthy. Below 1 ms a "
             "healthy server rarely answers in time; beyond a minute the budget no longer protects the engine.")),
-        Allowed(f"a number of milliseconds, at least {MIN_LOOKUP_BUDGET_MS:g}, at most {MAX_LOOKUP_BUDGET_MS:g}")
-    ] = DEFAULT_LOOKUP_BUDGET_MS
+        Allowed(f"a number of milliseconds, at least {MIN_LOOKUP_BUDGET_MS:g}, at most {MAX_LOOKUP_BUDGET_MS:g}"),
+        SHAPES_STORE] = DEFAULT_LOOKUP_BUDGET_MS
     model_version: Annotated[Annotated[str, Strict(), Field(pattern=r"^[^|\n\r\t]*[^|\s][^|\n\r\t]*$")] | None,
                              Field(description=(
         "Names the served weights in every key instead of a digest of the model's files (no file is read): "
         "you vouch that new weights get a new value. Without it, weights rewritten in place are detected by "
         "content. `tiercache identity` prints what a config uses.")),
-        Allowed("null, or a non-empty string without '|' or line breaks naming the weights' version")] = None
+        Allowed("null, or a non-empty string without '|' or line breaks naming the weights' version"),
+        NOT_STORE_SHAPING] = None
     trust_multi_modal_uuids: Annotated[Bool, Field(description=(
         "The operator vouches that user-supplied multi_modal_uuids name their items' content: records may "
         "then be stored and served under them; without it, items named by a uuid are never cached. Required "
         "in vLLM's counter-naming mode (mm_processor_cache_gb=0 with prefix caching off): see "
-        "docs/architecture.md, modes the connectors refuse."))] = False
+        "docs/architecture.md, modes the connectors refuse.")), NOT_STORE_SHAPING] = False
     tiers: Annotated[tuple[TierConfig, ...], WrapValidator(_parse_tiers), Field(
         json_schema_extra={"minItems": 1, "default": [{"kind": "memory"}, {"kind": "disk"}]}, description=(
             "The tiers, fastest first; each item's kind picks its keys (see the tier tables). Default: a "
-            "memory tier, then a disk tier in the user cache dir."))] = ()
+            "memory tier, then a disk tier in the user cache dir.")), SHAPES_STORE] = ()
     extra: Annotated[Mapping[str, Any], BeforeValidator(_x_keys_only), Field(
         json_schema_extra={"propertyNames": {"pattern": "^x_"}}, description=(
             "Kept for experiments (StoreConfig.extra), keys prefixed x_ only; a top-level key prefixed x_ "
-            "lands here too."))] = field(default_factory=dict)
+            "lands here too.")), NOT_STORE_SHAPING] = field(default_factory=dict)
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None) -> StoreConfig:
@@ -218,12 +247,30 @@ class StoreConfig:
     def cache_key(self) -> str:
         """Stable identity of the store itself: two configs with equal keys share one store per process.
 
-        The namespace, the uuid trust and ``extra`` only shape the keys a reader builds, not the store.
+        It holds the fields marked `SHAPES_STORE`, normalized (`to_dict`); the others (the namespace, the
+        uuid trust, ``extra``...) only shape what a reader does with the store (see `StoreIdentity`).
         """
         d = self.to_dict()
-        store_part = {"tiers": d["tiers"], "write_queue_size": d["write_queue_size"],
-                      "lookup_budget_ms": d["lookup_budget_ms"]}
-        return json.dumps(store_part, sort_keys=True, default=str)
+        return json.dumps({name: d[name] for name in STORE_SHAPING_FIELDS}, sort_keys=True, default=str)
+
+
+def store_shaping_fields(cls: type) -> tuple[str, ...]:
+    """The fields of the dataclass ``cls`` marked `SHAPES_STORE`, in declaration order; a field with no
+    `StoreIdentity` marking, or with two, is a `TypeError` naming it (each field must say which it is)."""
+    hints = get_type_hints(cls, include_extras=True)
+    shaping = []
+    for f in fields(cls):
+        marks = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, StoreIdentity)]
+        if len(marks) != 1:
+            raise TypeError(f"{cls.__name__}.{f.name}: {len(marks)} StoreIdentity markings; give it exactly one, "
+                            "SHAPES_STORE (two configs that differ in it need two stores) or NOT_STORE_SHAPING")
+        if marks[0].shapes_store:
+            shaping.append(f.name)
+    return tuple(shaping)
+
+
+#: The fields `StoreConfig.cache_key` holds (checked here, at import: an unmarked field fails at once).
+STORE_SHAPING_FIELDS = store_shaping_fields(StoreConfig)
 
 
 #: The store's own top-level keys (``config_file`` is read by `read_sources`, before the store sees the dict).

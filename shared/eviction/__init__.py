@@ -10,7 +10,8 @@ asks the policy for victims with `evict(need, can_evict, incoming)`. `can_evict`
 entries: vLLM's encoder cache must never evict an entry a running request references, so the policy
 skips those and never returns them.
 
-Policies:
+Which policies exist is `registry` (one entry per policy: its class by dotted path, its label, whether the
+memory tier may use it); every list of policy names elsewhere is derived from it. The built-in policies:
 
 - `lru`: least recently accessed first.
 - `wtinylfu`: W-TinyLFU as in Caffeine (Einziger, Friedman, Manes, "TinyLFU: A Highly Efficient Cache
@@ -36,34 +37,43 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_tiercache.shared.eviction.base import EvictionPolicy
-from vllm_tiercache.shared.eviction.lfu import LFUPolicy
-from vllm_tiercache.shared.eviction.lru import LRUPolicy
+from vllm_tiercache.shared.eviction.registry import (
+    DEFAULT_POLICY,
+    make_policy,
+    memory_tier_policies,
+    policy_class,
+    policy_class_name,
+    policy_class_path,
+    policy_entry,
+    policy_names,
+    policy_options,
+)
 from vllm_tiercache.shared.eviction.sketch import FrequencySketch
-from vllm_tiercache.shared.eviction.wtinylfu import WTinyLFUPolicy
 
-__all__ = [
+__all__ = [  # the policy classes at the end come from `__getattr__`
     "DEFAULT_POLICY",
     "POLICIES",
     "EvictionPolicy",
     "FrequencySketch",
-    "LFUPolicy",
-    "LRUPolicy",
-    "WTinyLFUPolicy",
     "make_policy",
+    "memory_tier_policies",
+    "policy_class",
+    "policy_class_name",
+    "policy_class_path",
+    "policy_entry",
+    "policy_names",
+    "policy_options",
+    *(policy_class_name(name) for name in policy_names()),
 ]
 
-#: Every policy name the encoder cache managers accept (the memory tier: lru and wtinylfu).
-POLICIES = ("lru", "lfu", "wtinylfu")
-#: The best measured policy on the encoder-cache benchmark (`tiercache bench policy`).
-DEFAULT_POLICY = "lfu"
+#: Every policy name the encoder cache managers accept (the memory tier: `memory_tier_policies()`).
+POLICIES = policy_names()
 
 
-def make_policy(name: str, capacity: int, field: str = "policy", **options: Any) -> EvictionPolicy:
-    """Build policy `name`; an unknown name is a `ValueError` naming `field`, the value and the choices."""
-    if name == "lru":
-        return LRUPolicy(capacity)
-    if name == "wtinylfu":
-        return WTinyLFUPolicy(capacity, **options)
-    if name == "lfu":
-        return LFUPolicy(capacity, **options)
-    raise ValueError(f"{field}: invalid value {name!r}; allowed: {', '.join(POLICIES)}")
+def __getattr__(attr: str) -> Any:
+    """Each registered policy's class by its name (``from vllm_tiercache.shared.eviction import LFUPolicy``),
+    imported on first use as the registry imports it."""
+    for name in policy_names():
+        if policy_class_name(name) == attr:
+            return policy_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

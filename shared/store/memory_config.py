@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import ConfigDict, Field
 
+from vllm_tiercache.shared.eviction.registry import memory_tier_policies, policy_entry
 from vllm_tiercache.shared.store.tier_config import (
     Capacity,
     EnvDefault,
@@ -29,9 +30,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MEMORY_CAPACITY = 2 << 30
 #: (capacity, machine memory) already warned about in this process: one line per process, not per parse
 _WARNED: set[tuple[int, int]] = set()
-#: eviction policies (shared.eviction); "lfu" scans every entry per eviction, fine for the encoder cache,
-#: too slow for a memory tier of many thousand records
-MemoryPolicy = Literal["lru", "wtinylfu"]
+#: the eviction policies registered for the memory tier (`vllm_tiercache.shared.eviction.registry`: a
+#: policy whose eviction scans every entry, as lfu, serves only the encoder cache)
+MemoryPolicy = Literal[memory_tier_policies()]  # type: ignore[valid-type]
+
+
+def _policy_description() -> str:
+    """The ``policy`` field's text, from the registry: ``lru, or wtinylfu (W-TinyLFU; may refuse ...)``."""
+    names = [name + (f" ({policy_entry(name).label}; may refuse a record by admission, counted as "
+                     "admission_refused)" if policy_entry(name).admission else "")
+             for name in memory_tier_policies()]
+    return "Eviction policy: " + (", ".join(names[:-1]) + ", or " if len(names) > 1 else "") + names[-1] + "."
 
 
 @dataclass(frozen=True)
@@ -48,9 +57,7 @@ class MemoryTierConfig:
                     "once per process (the config may be read on another machine than the one that serves). On "
                     "a CUDA worker the KV connector's records here are pinned host memory (docs/gpu.md).")
     ] = DEFAULT_MEMORY_CAPACITY
-    policy: Annotated[MemoryPolicy, Field(
-        description="Eviction policy: lru, or wtinylfu (W-TinyLFU; may refuse a record by admission, counted "
-                    "as admission_refused).")] = "lru"
+    policy: Annotated[MemoryPolicy, Field(description=_policy_description())] = "lru"
     kind: Annotated[Literal["memory"], Field(description="The tier kind.")] = "memory"
 
     @classmethod

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from typing import Annotated, get_type_hints
 
 import pytest
 
@@ -14,13 +15,19 @@ from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import (
     CONNECTOR_KEYS,
+    NOT_STORE_SHAPING,
+    SHAPES_STORE,
+    STORE_SHAPING_FIELDS,
     ConfigError,
     DiskTierConfig,
     MemoryTierConfig,
     RedisTierConfig,
     StoreConfig,
+    StoreIdentity,
     parse_size,
+    store_shaping_fields,
 )
+from vllm_tiercache.shared.eviction import memory_tier_policies, policy_names
 
 EXAMPLE = {
     "namespace": "prod",
@@ -83,9 +90,11 @@ def test_sizes(text, value):
 @pytest.mark.parametrize(("raw", "field", "allowed"), [
     ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis"),
     ({"tiers": [{"kind": "memory"}, {"kind": "disk", "capacity": "lots"}]}, "tiers[1].capacity", "8GiB"),
-    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy", "allowed: lru, wtinylfu"),
+    # every policy registered for the memory tier (lru, wtinylfu, ...), every registered one (lru, lfu, wtinylfu, ...)
+    ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy",
+     f"allowed: {', '.join(memory_tier_policies())}"),
     ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
-    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", "allowed: lru, lfu, wtinylfu or null"),
+    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", f"allowed: {', '.join(policy_names())} or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": -1}]}, "tiers[0].ttl_s", "positive"),
     ({"tiers": [{"kind": "disk", "fsync": "yes"}]}, "tiers[0].fsync", "true or false"),
@@ -173,6 +182,71 @@ def test_cache_key_is_normalized():
     a = StoreConfig.load({"tiers": [{"kind": "memory", "capacity": "1GiB"}], "namespace": "a"})
     b = StoreConfig.load({"tiers": [{"kind": "memory", "capacity": 1 << 30}], "namespace": "b"})
     assert a.cache_key() == b.cache_key()
+
+
+def test_every_store_field_says_whether_it_shapes_the_store():
+    """A `StoreConfig` field without a marking would silently join (or split) stores: each carries one."""
+    hints = get_type_hints(StoreConfig, include_extras=True)
+    for f in dataclasses.fields(StoreConfig):
+        marks = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, StoreIdentity)]
+        assert len(marks) == 1, f"StoreConfig.{f.name} needs exactly one of SHAPES_STORE, NOT_STORE_SHAPING"
+    assert STORE_SHAPING_FIELDS == store_shaping_fields(StoreConfig) == ("write_queue_size", "lookup_budget_ms",
+                                                                          "tiers")
+
+    @dataclasses.dataclass(frozen=True)
+    class Unmarked:
+        marked: Annotated[int, SHAPES_STORE] = 1
+        forgotten: int = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class Undecided:
+        both: Annotated[int, SHAPES_STORE, NOT_STORE_SHAPING] = 1
+
+    with pytest.raises(TypeError, match=r"^Unmarked\.forgotten: 0 StoreIdentity markings"):
+        store_shaping_fields(Unmarked)
+    with pytest.raises(TypeError, match=r"^Undecided\.both: 2 StoreIdentity markings"):
+        store_shaping_fields(Undecided)
+
+
+#: for every StoreConfig field, a raw config that differs from `_BASE` in that field only
+_BASE = {"tiers": [{"kind": "memory"}]}
+_CHANGED = {
+    "namespace": {"namespace": "other"},
+    "write_queue_size": {"write_queue_size": 64},
+    "lookup_budget_ms": {"lookup_budget_ms": 5.0},
+    "model_version": {"model_version": "v2"},
+    "trust_multi_modal_uuids": {"trust_multi_modal_uuids": True},
+    "tiers": {"tiers": [{"kind": "memory", "capacity": "1GiB"}]},
+    "extra": {"extra": {"x_note": 1}},
+}
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(StoreConfig)])
+def test_cache_key_differs_exactly_in_the_store_shaping_fields(name, monkeypatch):
+    """Configs that differ in a store-shaping field get two stores; in any other field, one."""
+    monkeypatch.delenv("TIERCACHE_NAMESPACE", raising=False)
+    assert name in _CHANGED, f"give StoreConfig.{name} a changed value in _CHANGED"
+    base, changed = StoreConfig.from_dict(_BASE), StoreConfig.from_dict({**_BASE, **_CHANGED[name]})
+    assert getattr(base, name) != getattr(changed, name)
+    assert (base.cache_key() != changed.cache_key()) is (name in STORE_SHAPING_FIELDS)
+
+
+def test_cache_keys_of_existing_configs_are_unchanged():
+    """The key text of the hand-written key this replaced, for a default and a full config."""
+    assert StoreConfig.from_dict(_BASE).cache_key() == (
+        '{"lookup_budget_ms": 100.0, "tiers": [{"capacity": 2147483648, "kind": "memory", "policy": "lru"}], '
+        '"write_queue_size": 256}')
+    full = StoreConfig.from_dict({
+        "namespace": "n", "write_queue_size": 64, "lookup_budget_ms": 5.0, "model_version": "v",
+        "trust_multi_modal_uuids": True, "x_a": 1,
+        "tiers": [{"kind": "memory", "capacity": "1GiB", "policy": "wtinylfu"},
+                  {"kind": "disk", "path": "/tmp/d", "capacity": "1GiB"}, {"kind": "redis", "url": "redis://h:6379/0"}]})
+    assert full.cache_key() == (
+        '{"lookup_budget_ms": 5.0, "tiers": [{"capacity": 1073741824, "kind": "memory", "policy": "wtinylfu"}, '
+        '{"capacity": 1073741824, "fsync": true, "kind": "disk", "path": "/tmp/d", "policy": "lru"}, '
+        '{"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, "password": null, "policy": "lru", '
+        '"retry_after_s": 5.0, "ssl": {}, "timeout_s": 2.0, "ttl_s": null, "url": "redis://h:6379/0"}], '
+        '"write_queue_size": 64}')
 
 
 def test_duplicate_disk_path_rejected(tmp_path):

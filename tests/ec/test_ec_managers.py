@@ -7,12 +7,14 @@ Requests are minimal stand-ins carrying exactly what the managers read (`request
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 import pytest
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
 from vllm_tiercache.eccache.managers import (
+    FIXED_POLICY_MANAGERS,
     LFUEncoderCacheManager,
     LRUEncoderCacheManager,
     PolicyEncoderCacheManager,
@@ -85,8 +87,29 @@ def test_lfu_keeps_frequent_entry() -> None:
     assert mgr.get_freed_mm_hashes() == ["Q"]  # Q is newer, but P is used 5x more
 
 
-@pytest.mark.parametrize("cls", [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager,
-                                 WTinyLFUEncoderCacheManager])
+#: vLLM's manager and one manager per registered policy (LRU, LFU, W-TinyLFU and any policy added later)
+FIXED_MANAGERS = [EncoderCacheManager, *FIXED_POLICY_MANAGERS.values()]
+
+
+def test_each_registered_policy_has_its_manager_class_loadable_by_vllm() -> None:
+    """One class per policy, made from the registry, at the path vLLM resolves; the public names stay."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_tiercache.eccache import managers
+    from vllm_tiercache.shared.eviction import policy_class_name, policy_names
+
+    assert list(FIXED_POLICY_MANAGERS) == list(policy_names())
+    for policy, cls in FIXED_POLICY_MANAGERS.items():
+        name = policy_class_name(policy).removesuffix("Policy") + "EncoderCacheManager"
+        assert cls.__name__ == cls.__qualname__ == name and cls.__module__ == managers.__name__
+        assert resolve_obj_by_qualname(f"{managers.__name__}.{name}") is cls is managers.manager_class(policy)
+        assert issubclass(cls, PolicyEncoderCacheManager) and cls.policy_name == policy and cls.__doc__
+        assert cls(cache_size=8).policy_name == policy
+    assert (LRUEncoderCacheManager.policy_name, LFUEncoderCacheManager.policy_name,
+            WTinyLFUEncoderCacheManager.policy_name) == ("lru", "lfu", "wtinylfu")
+
+
+@pytest.mark.parametrize("cls", FIXED_MANAGERS)
 def test_invariants_under_random_traffic(cls: type[EncoderCacheManager]) -> None:
     """Capacity is never exceeded, referenced entries are never evicted, counters stay consistent."""
     rng = random.Random(0)
@@ -145,8 +168,7 @@ def test_managers_load_through_vllm_ec_manager_config() -> None:
 
 # ------------------------------------------------------------------------------ vllm_tiercache.shared.eviction policies
 
-POLICY_MANAGERS = [EncoderCacheManager, LRUEncoderCacheManager, LFUEncoderCacheManager,
-                   WTinyLFUEncoderCacheManager, PolicyEncoderCacheManager]
+POLICY_MANAGERS = [*FIXED_MANAGERS, PolicyEncoderCacheManager]
 
 
 @pytest.mark.parametrize("cls", POLICY_MANAGERS)
@@ -206,7 +228,10 @@ def test_policy_manager_selected_by_config(tmp_path, monkeypatch) -> None:
     mgr = build({"window_fraction": 0.05}, {"encoder_cache_policy": "wtinylfu"})
     assert isinstance(mgr.policy, WTinyLFUPolicy) and mgr.policy.window_max == 3
     assert build({}, None).policy_name == DEFAULT_POLICY
-    with pytest.raises(ValueError, match=r"encoder_cache_policy: invalid value 'fifo'; allowed: lru, lfu, wtinylfu"):
+    from vllm_tiercache.shared.eviction import policy_names
+
+    allowed = re.escape(", ".join(policy_names()))  # every registered policy: lru, lfu, wtinylfu, ...
+    with pytest.raises(ValueError, match=rf"encoder_cache_policy: invalid value 'fifo'; allowed: {allowed}$"):
         build({"policy": "fifo"}, None)
     mgr = build({}, None)
     mgr.reset()  # reset rebuilds the same policy, empty

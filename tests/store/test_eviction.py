@@ -1,20 +1,40 @@
-"""shared.eviction on its own: policy invariants under random traffic, admission, scan resistance, sketch aging."""
+"""shared.eviction on its own: the policy registry, policy invariants under random traffic, admission, scan
+resistance, sketch aging.
+
+Tests that take every policy read them from the registry, so a new policy is tested here by registering it.
+"""
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import vllm_tiercache.shared.eviction as eviction
 from vllm_tiercache.shared.eviction import (
     DEFAULT_POLICY,
     POLICIES,
+    EvictionPolicy,
     FrequencySketch,
     LRUPolicy,
     WTinyLFUPolicy,
     make_policy,
+    memory_tier_policies,
+    policy_class,
+    policy_class_name,
+    policy_entry,
+    policy_names,
 )
+
+REPO = Path(__file__).resolve().parents[2]
+#: the policies this package ships, in the order errors list them (a new policy may come after them)
+BUILT_IN = ["lru", "lfu", "wtinylfu"]
 
 
 class _Owner:
@@ -151,6 +171,37 @@ def test_sketch_counts_and_halves() -> None:
 
 
 def test_unknown_policy_names_field_value_and_choices() -> None:
-    with pytest.raises(ValueError, match=r"encoder_cache_policy: invalid value 'arc'; allowed: lru, lfu, wtinylfu"):
+    allowed = re.escape(", ".join(policy_names()))
+    with pytest.raises(ValueError, match=rf"^encoder_cache_policy: invalid value 'arc'; allowed: {allowed}$"):
         make_policy("arc", 10, "encoder_cache_policy")
     assert DEFAULT_POLICY in POLICIES
+
+
+def test_the_built_in_policies_are_registered_in_order() -> None:
+    """The names configs accept, and where: lfu scans every entry per eviction, so not in the memory tier."""
+    assert [name for name in policy_names() if name in BUILT_IN] == BUILT_IN
+    assert POLICIES == policy_names()
+    assert [name for name in memory_tier_policies() if name in BUILT_IN] == ["lru", "wtinylfu"]
+    assert [(name, policy_entry(name).label) for name in BUILT_IN] == [
+        ("lru", "LRU"), ("lfu", "LFU"), ("wtinylfu", "W-TinyLFU")]
+    assert [name for name in BUILT_IN if policy_entry(name).admission] == ["wtinylfu"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_registered_policy_loads_by_its_dotted_path(name: str) -> None:
+    """The entry names an `EvictionPolicy` whose class name ends in Policy (the manager's name is made from
+    it), whose ``name`` is the registered one, and which the package exports under that class name."""
+    cls = policy_class(name)
+    assert issubclass(cls, EvictionPolicy) and cls.name == name
+    assert cls.__name__ == policy_class_name(name) and cls.__name__.endswith("Policy")
+    assert getattr(eviction, cls.__name__) is cls and cls.__name__ in eviction.__all__
+    assert isinstance(make_policy(name, 10), cls)
+
+
+def test_importing_the_package_imports_no_policy_module() -> None:
+    """The registry imports a policy's module on first use, as the tier registry does."""
+    code = ("import json, sys, vllm_tiercache.shared.eviction; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('vllm_tiercache.shared.eviction.'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == ["vllm_tiercache.shared.eviction.base", "vllm_tiercache.shared.eviction.registry",
+                         "vllm_tiercache.shared.eviction.sketch"]

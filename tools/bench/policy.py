@@ -1,9 +1,11 @@
 """`tiercache bench policy`: encoder-cache eviction policies against vLLM's manager and Belady's optimum.
 
 Every trace is replayed through the REAL manager classes: vLLM 0.32's `EncoderCacheManager` (evicts in
-the order entries became unreferenced), `LRUEncoderCacheManager`, `LFUEncoderCacheManager` and
-`WTinyLFUEncoderCacheManager`. Requests overlap (each lives 1..16 steps, like a running batch), so
-referenced entries cannot be evicted and capacity is counted in embeddings, as in vLLM.
+the order entries became unreferenced) and the manager of every registered policy
+(`vllm_tiercache.shared.eviction.registry`: `LRUEncoderCacheManager`, `LFUEncoderCacheManager`,
+`WTinyLFUEncoderCacheManager`, one column each, headed by the policy's label). Requests overlap (each
+lives 1..16 steps, like a running batch), so referenced entries cannot be evicted and capacity is counted
+in embeddings, as in vLLM.
 
 Belady's optimum runs through the same manager code (`PolicyEncoderCacheManager` with an oracle policy
 that knows the trace): it evicts the unreferenced entry whose next use is farthest. With unit sizes that
@@ -24,14 +26,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_tiercache.shared.eviction import DEFAULT_POLICY, EvictionPolicy
+from vllm_tiercache.shared.eviction import (
+    DEFAULT_POLICY,
+    EvictionPolicy,
+    memory_tier_policies,
+    policy_entry,
+    policy_names,
+)
 from vllm_tiercache.tools.cli import float_in, int_at_least
 
 EMBEDS_PER_IMAGE = 32  # BLIP-2's query tokens
 VARIABLE_SIZES = (16, 64, 144, 256, 576)  # image token counts of common vision towers (576 = LLaVA 336 px)
-POLICY_CLASSES = {"LRU": "LRUEncoderCacheManager", "LFU": "LFUEncoderCacheManager",
-                  "W-TinyLFU": "WTinyLFUEncoderCacheManager"}
-DEFAULT_LABEL = {"wtinylfu": "W-TinyLFU", "lru": "LRU", "lfu": "LFU"}[DEFAULT_POLICY]
+#: column label -> policy name: one column per registered policy, in registration order
+POLICY_COLUMNS = {policy_entry(name).label: name for name in policy_names()}
+DEFAULT_LABEL = policy_entry(DEFAULT_POLICY).label
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,8 +235,8 @@ def managers(capacity: int, trace: list[int], size_aware: bool) -> dict[str, Any
     from vllm_tiercache.eccache import managers as ours
 
     out: dict[str, Any] = {"vLLM": EncoderCacheManager(cache_size=capacity)}
-    for label, cls_name in POLICY_CLASSES.items():
-        out[label] = getattr(ours, cls_name)(cache_size=capacity)
+    for label, policy in POLICY_COLUMNS.items():
+        out[label] = ours.manager_class(policy)(cache_size=capacity)
     for label, cls in (("top-k oracle", TopKPolicy), ("Belady", BeladyPolicy)):
         oracle = ours.PolicyEncoderCacheManager(cache_size=capacity, policy="lru")
         oracle.policy = cls(capacity, trace, size_aware)
@@ -282,7 +290,7 @@ def scan_recovery(hits: list[bool], start: int, end: int, cap_entries: int, wind
 
 
 def print_report(cases: list[dict[str, Any]], window: int) -> list[tuple[str, bool]]:
-    labels = ["vLLM", *POLICY_CLASSES, "top-k oracle", "Belady"]
+    labels = ["vLLM", *POLICY_COLUMNS, "top-k oracle", "Belady"]
     header = ["trace, capacity", *labels]
     lines = []
     for c in cases:
@@ -290,7 +298,7 @@ def print_report(cases: list[dict[str, Any]], window: int) -> list[tuple[str, bo
         cells = [c["trace"]]
         for label in labels:
             cell = f"{r[label]:.3f}"
-            if label in POLICY_CLASSES or label == "top-k oracle":
+            if label in POLICY_COLUMNS or label == "top-k oracle":
                 cell += f" ({gap(r[label], r['vLLM'], r['Belady']):.0%})"
             cells.append(cell)
         lines.append(cells)
@@ -315,12 +323,13 @@ def print_report(cases: list[dict[str, Any]], window: int) -> list[tuple[str, bo
     sh = by.get("shifting 1.0, 5%")
     if sh:
         r = sh["rates"]
-        checks.append((f"shifting trace: default {r[d]:.3f} vs LRU {r['LRU']:.3f} (target >= LRU - 0.05)",
-                       r[d] >= r["LRU"] - 0.05))
+        lru = policy_entry("lru").label  # the recency baseline the target is stated against
+        checks.append((f"shifting trace: default {r[d]:.3f} vs LRU {r[lru]:.3f} (target >= LRU - 0.05)",
+                       r[d] >= r[lru] - 0.05))
     sc = next((c for c in cases if "scan" in c), None)
     if sc:
         start, end, cap_entries = sc["scan"]
-        for label in POLICY_CLASSES:
+        for label in POLICY_COLUMNS:
             before, after = scan_recovery(sc["hits"][label], start, end, cap_entries, window)
             print(f"scan: {label:10s} hit rate {before:.3f} in the {window} requests before the scan, {after:.3f} "
                   f"in the {window} after one capacity ({cap_entries} requests) past its end")
@@ -355,7 +364,7 @@ def memory_tier_rows(args: argparse.Namespace) -> list[list[str]]:
     rows = []
     for name, trace in traces.items():
         row = [name]
-        for policy in ("lru", "wtinylfu"):
+        for policy in memory_tier_policies():
             tier = MemoryTier(MemoryTierConfig(capacity=capacity, policy=policy))
             hits = 0
             for image in trace:
@@ -364,7 +373,7 @@ def memory_tier_rows(args: argparse.Namespace) -> list[list[str]]:
                 else:
                     tier.put_many([(keys[image], blobs[sizes[image]], None)])
             refused = int(tier.counters.get("admission_refused"))
-            row.append(f"{hits / len(trace):.3f}" + (f" ({refused} refused)" if policy != "lru" else ""))
+            row.append(f"{hits / len(trace):.3f}" + (f" ({refused} refused)" if policy_entry(policy).admission else ""))
         rows.append(row)
     return rows
 
@@ -378,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
     cases = build_cases(args)
     print_report(cases, window=max(500, args.requests // 10))
     print("\n== memory tier (real MemoryTier, variable-size records, capacity 5% of the corpus bytes) ==")
-    header = ["trace, capacity", "lru", "wtinylfu (admission refusals)"]
+    header = ["trace, capacity", *(name + (" (admission refusals)" if policy_entry(name).admission else "")
+                                   for name in memory_tier_policies())]
     rows = memory_tier_rows(args)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     for line in [header, *rows]:
