@@ -4,8 +4,9 @@
 (`vllm_tiercache.kvcache.loader`: a step's hits, layer by layer, and what failed) and a `KVSaver`
 (`vllm_tiercache.kvcache.saver`: the per-layer gathers and the saver thread), routes each step's plan to
 them, and reports for both: the counters and gauges vLLM's stats carry, the residency changes and failed
-chunks the scheduler side hears of, the stats file, and the shutdown. The connector's per-layer calls go
-to the loader and the saver directly (`TieredKVConnector`): a step should enter as few functions as it can.
+chunks the scheduler side hears of, the stats file, and the shutdown. The connector asks the loader
+directly for what it calls on every layer or step without work for the coordinator (`wait_for_layer_load`,
+the load results): a step should enter as few functions as it can.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class KVWorkerSide:
         #: `$TIERCACHE_STATS_DIR` is set when the process starts (tests, precompute jobs): read once, not
         #: on every step
         self._dumps_totals = bool(os.environ.get(STATS_DIR_ENV))
-        #: `key`, remembered: a chunk's keys are built when it is saved and were built again on every hit
-        #: (text, checks, blake2b: several in a busy engine), one per chunk and layer
+        #: `key`, remembered: a chunk's keys are built when it is saved, and a hit needs them again, one per
+        #: chunk and layer; building one (text, checks, blake2b) costs more than finding it here
+        #: (docs/benchmarks-kv.md, "the loader's keys"). The loader and the saver share them.
         self.key = functools.lru_cache(maxsize=KEY_CACHE_SIZE)(self._build_key)
         self.loader = KVLoader(
             store=store,
