@@ -232,7 +232,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.wait_for_layer(layer_name)
+        self._worker.loader.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -250,20 +250,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Whole-request loads (models with several KV cache groups) that are over, failed ones included."""
         assert self._worker is not None
-        finished, _ = self._worker.take_transfer_results()
+        finished, _ = self._worker.loader.take_transfer_results()
         return None, finished or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM's receive results: whole-request loads that are over, and those that failed (vLLM then
         recomputes or fails the request, by `kv_load_failure_policy`)."""
         assert self._worker is not None
-        finished, failed = self._worker.take_transfer_results()
+        finished, failed = self._worker.loader.take_transfer_results()
         return TransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        self._worker.finish_load()
-        return self._worker.take_load_errors()
+        self._worker.loader.finish_load()
+        return self._worker.loader.take_load_errors()
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.worker_meta() if self._worker is not None else None

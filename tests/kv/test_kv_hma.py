@@ -275,7 +275,7 @@ def test_a_worker_with_layers_in_no_group_fails_the_loads_it_cannot_place(tiny_g
               for i in range(SPEC.num_layers + 1)}  # one layer more than the groups hold
     assert worker.register_kv_caches(caches, 200) is None
     worker.start_load(meta)
-    assert worker.take_transfer_results() == ({"b"}, {"b"})
+    assert worker.loader.take_transfer_results() == ({"b"}, {"b"})
     assert all(not t.any() for t in caches.values()), "nothing was written into the KV cache"
     worker.shutdown()
     connector._store.close()

@@ -10,8 +10,11 @@ import torch
 
 from vllm_tiercache.kvcache.layout import PagedLayout, UnsupportedLayoutError
 from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
+from vllm_tiercache.kvcache.loader import KVLoader
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
+from vllm_tiercache.kvcache.saver import MAX_PENDING_SAVES, GatheredRecord, KVSaver
+from vllm_tiercache.kvcache.transfer import BlockMover
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
@@ -67,10 +70,18 @@ def _both_load_modes(request):
     _LOAD_MODE[0] = "layerwise"
 
 
+def naming() -> KVNaming:
+    return KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, 4 * BLOCK),
+                    hash_algo="sha256")
+
+
 def worker(store, load_mode: str | None = None) -> KVWorkerSide:
-    naming = KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, 4 * BLOCK),
-                      hash_algo="sha256")
-    return KVWorkerSide(store=store, naming=naming, rank=0, use_mla=False, load_mode=load_mode or _LOAD_MODE[0])
+    return KVWorkerSide(store=store, naming=naming(), rank=0, use_mla=False, load_mode=load_mode or _LOAD_MODE[0])
+
+
+def layout_of(caches: dict[str, torch.Tensor]) -> PagedLayout:
+    return PagedLayout.learn(caches, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+                             use_mla=False)
 
 
 def save(side: KVWorkerSide, caches: dict[str, torch.Tensor], chunk: bytes, block_ids: list[int]) -> None:
@@ -78,15 +89,15 @@ def save(side: KVWorkerSide, caches: dict[str, torch.Tensor], chunk: bytes, bloc
     for name, tensor in caches.items():
         side.save_layer(name, tensor, meta)
     side.wait_for_save()
-    side.flush_saves()
+    side.saver.flush()
 
 
 def load(side: KVWorkerSide, loads: list[ChunkLoad]) -> set[int]:
     side.start_load(TieredKVMetadata([RequestPlan("r", loads=loads)]))
     for name in side.layout.layer_names:  # what the attention layers do, in order
-        side.wait_for_layer(name)
-    side.finish_load()
-    return side.take_load_errors()
+        side.loader.wait_for_layer(name)
+    side.loader.finish_load()
+    return side.loader.take_load_errors()
 
 
 def saved_chunk(store, seed: int, chunk: bytes, block_ids: list[int]):
@@ -135,7 +146,7 @@ def test_load_trace_accounts_for_each_load(store, tmp_path, monkeypatch) -> None
     unwritable = worker(store)
     unwritable.register_kv_caches(paged_caches(None), NUM_BLOCKS)
     assert load(unwritable, [ChunkLoad(b"traced", chunk_start=0, first=0, end=4, block_ids=[8, 9, 10, 11])]) == set()
-    assert unwritable.trace is not None and unwritable.trace.broken
+    assert unwritable.loader.trace is not None and unwritable.loader.trace.broken
     for side in (producer, consumer, unwritable):
         side.shutdown()
 
@@ -150,21 +161,21 @@ def test_load_mode_decides_whether_a_step_loads_before_its_forward(store, load_m
     consumer.register_kv_caches(target, NUM_BLOCKS)
     assert consumer.loads_before_forward is before_forward
     threads: set[str] = set()
-    run_load = consumer._run_load
+    run_load = consumer.loader._run_load
 
     def run_and_note(job):
         threads.add(threading.current_thread().name)
         run_load(job)
 
-    consumer._run_load = run_and_note  # type: ignore[method-assign]
+    consumer.loader._run_load = run_and_note  # type: ignore[method-assign]
     consumer.start_load(TieredKVMetadata([RequestPlan("r", loads=[ChunkLoad(b"mode", 0, 0, 4, [8, 9, 10, 11])])]))
-    job = consumer._job
+    job = consumer.loader._job
     assert job is not None
     if before_forward:
         assert job.done.is_set() and threads == {threading.current_thread().name}
     assert job.done.wait(10)
-    consumer.finish_load()
-    assert consumer.take_load_errors() == set()
+    consumer.loader.finish_load()
+    assert consumer.loader.take_load_errors() == set()
     for name in source:
         assert torch.equal(target[name][[8, 9, 10, 11]], source[name][[2, 3, 4, 5]])
     if not before_forward:
@@ -351,3 +362,85 @@ def test_descending_copies_into_a_strided_layer_land_too() -> None:
     blocks = torch.randn(4, HEADS, BLOCK, HEAD)
     BlockMover(torch.device("cpu")).scatter_spans(layer, [(block_spans([9, 8, 7, 2]), blocks)])
     assert torch.equal(layer[[9, 8, 7, 2]], blocks) and not both[:, 1].any()
+
+
+def test_the_saver_alone_stores_every_layers_record_and_reports_the_chunk_resident(store) -> None:
+    """`KVSaver` without a worker: a gather per layer keeps named records (key, blocks, chunk, whether it
+    is the chunk's last layer, its first block), the hand-off stores them with their layout and start,
+    and the chunk, whole in the memory tier, is reported resident."""
+    source = paged_caches(6)
+    layout = layout_of(source)
+    record_key = naming().record_key
+    saver = KVSaver(store=store, key=record_key)
+    saver.attach(layout, BlockMover(torch.device("cpu")))
+    for layer, name in enumerate(layout.layer_names):
+        saver.gather(layer, source[name], [ChunkSave(b"alone", [5, 2], first=1)])
+    assert [record.last_layer for record in saver.gathered] == [False] * (LAYERS - 1) + [True]
+    first = saver.gathered[0]
+    assert isinstance(first, GatheredRecord)
+    assert (first.key, first.chunk_hash, first.first_block) == (record_key(b"alone", 0), b"alone", 1)
+    saver.hand_off()
+    assert saver.gathered == []
+    saver.flush()
+    assert saver.queued == 0
+    for layer, name in enumerate(layout.layer_names):
+        (record,) = store.get_many([record_key(b"alone", layer)])
+        assert record is not None and torch.equal(record.tensor, source[name][[5, 2]])
+        assert record.meta["layout"] == layout.describe() and record.meta["blocks"] == 2
+        assert record.meta["start"] == 1
+    block_bytes = source[layout.layer_names[0]][0].nbytes
+    assert saver.counters.saved_chunks == 1 and saver.counters.saved_bytes == LAYERS * 2 * block_bytes
+    changes = saver.residency.take()
+    assert changes is not None and changes.added == {b"alone"}
+    saver.shutdown()
+
+
+def test_the_saver_drops_a_hand_off_past_its_backlog(store) -> None:
+    """A saver thread that is MAX_PENDING_SAVES records behind gets no more: the step's records are dropped
+    and counted, and the step never waits."""
+    source = paged_caches(7)
+    layout = layout_of(source)
+    saver = KVSaver(store=store, key=naming().record_key)
+    saver.attach(layout, BlockMover(torch.device("cpu")))
+    saver.gather(0, source[layout.layer_names[0]], [ChunkSave(b"late", [1, 2]), ChunkSave(b"later", [3])])
+    saver.queued = MAX_PENDING_SAVES - 1  # as if the thread were that far behind
+    saver.hand_off()
+    assert saver.gathered == [] and saver.counters.dropped_saves == 2 and saver.queued == MAX_PENDING_SAVES - 1
+    saver.queued = 0
+    saver.shutdown()
+    assert store.get_many([naming().record_key(b"late", 0)]) == [None]
+
+
+def test_the_loader_alone_lands_what_is_stored_and_fails_what_is_not(store) -> None:
+    """`KVLoader` without a worker, in either load mode: a stored chunk lands in the blocks it is given,
+    layer by layer; a missing one fails its blocks, which vLLM then recomputes."""
+    source, target = paged_caches(8), paged_caches(None)
+    layout = layout_of(target)
+    record_key = naming().record_key
+    for layer, name in enumerate(layout.layer_names):
+        store.put(record_key(b"kept", layer), source[name][[4, 5, 6]].clone(),
+                  {"layout": layout.describe(), "blocks": 3})
+    loader = KVLoader(store=store, key=record_key, group_of_layer=dict.fromkeys(range(LAYERS), 0), counted_layer=0)
+    loader.attach(layout, target, {name: i for i, name in enumerate(layout.layer_names)},
+                  BlockMover(torch.device("cpu")), before_forward=_LOAD_MODE[0] == "before_forward")
+    loader.start([ChunkLoad(b"kept", 0, 0, 3, [10, 11, 12]), ChunkLoad(b"gone", 0, 0, 2, [1, 2])], ["r", "r"], set())
+    for name in layout.layer_names:
+        loader.wait_for_layer(name)
+        assert torch.equal(target[name][[10, 11, 12]], source[name][[4, 5, 6]])
+    loader.finish_load()
+    assert loader.take_load_errors() == {1, 2} and loader.take_transfer_results() == (set(), set())
+    assert not any(t[[1, 2]].any() for t in target.values())
+    assert loader.counters.loaded_blocks == 3 and loader.counters.load_errors == 1
+    loader.shutdown()
+
+
+def test_an_idle_loader_fails_every_load_it_is_given(store) -> None:
+    """A loader never attached to KV caches (an idle worker) fails its loads: whole-request loads as failed
+    receiving, their chunks reported to the scheduler, the other loads' blocks as load errors."""
+    loader = KVLoader(store=store, key=naming().record_key, group_of_layer={}, counted_layer=0)
+    loader.start([ChunkLoad(b"a", 0, 0, 2, [3, 4]), ChunkLoad(b"b", 0, 0, 1, [7])], ["part", "whole"], {"whole"})
+    loader.finish_load()
+    assert loader.take_transfer_results() == ({"whole"}, {"whole"})
+    assert loader.take_load_errors() == {3, 4}
+    assert loader.take_failed_chunks() == set()  # idle: no job ran, so no chunk was found unusable
+    loader.shutdown()

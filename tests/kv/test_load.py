@@ -42,16 +42,15 @@ NEW_PER_ROUND = 30
 MAX_TOKENS = 4
 #: How much more the group's anonymous RSS may grow from round 2 to the last round with the connectors than
 #: without, measured once the connector server's disk writes are done (`wait_for_disk_writes`).
-#: What grew that is not a leak, and how the test takes it out (measured in the worker with mallinfo2 and a
-#: gc walk of live tensors, 2026-11-23):
-#: - oneDNN's primitive cache: vLLM's own worker grew 27-113 MiB over rounds 2-10, differently in every run,
-#:   because every new batch shape compiles and caches kernels (up to 1,024 of them). With
-#:   ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 on both servers, vLLM alone grew 3-22 MiB and malloc's in-use bytes in
-#:   the connectors' worker stayed flat (266-267 MiB from round 2 to 10), so any growth left is ours.
+#: What grows that is not a leak, and how the test takes it out (the figures: docs/operations.md, "Process
+#: memory beyond the memory tier", and the load row of docs/reliability.md):
+#: - oneDNN's primitive cache: every new batch shape compiles and caches kernels (up to 1,024 of them), so
+#:   vLLM's own worker grows, differently in every run. With ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 on both
+#:   servers vLLM alone grows a little and malloc's in-use bytes in the connectors' worker stay flat from
+#:   round 2 on, so any growth left is ours.
 #: - glibc's per-thread arenas keep the freed tensor memory of the loader, saver and writer threads, so both
-#:   servers run with MALLOC_ARENA_MAX=1. What remains is freed memory glibc keeps in its one arena
-#:   (+20 MiB over rounds 2-10 in that run, with flat in-use bytes).
-#: - records still queued for the disk when a round ended (~40 MiB): the measurement waits for the disk.
+#:   servers run with MALLOC_ARENA_MAX=1. What remains is freed memory glibc keeps in its one arena.
+#: - records still queued for the disk when a round ended: the measurement waits for the disk.
 #: A leak of one 64-token chunk copy per request (128 KiB x 100 requests = 12.5 MiB a round) gives
 #: 100 MiB over the 8 rounds measured, twice this bound.
 RSS_GROWTH_BOUND = 48 << 20
@@ -92,9 +91,9 @@ def group_rss(pgid: int, field: str = "RssAnon") -> int:
 def wait_for_disk_writes(disk: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
     """Return once the disk tier's files stopped changing for `quiet_s` (the store's writer is idle).
 
-    Why: the write-behind queue holds the tensors of records not yet on disk (the worker was seen with
-    ~1,250 queued 32 KiB records, ~40 MiB, when a round's last answer came back). Measured then, RSS says
-    how far the disk lags behind, which varies from run to run, not what the connectors keep.
+    Why: the write-behind queue holds the tensors of records not yet on disk (tens of MiB when a round's
+    last answer comes back: docs/operations.md). Measured then, RSS says how far the disk lags behind,
+    which varies from run to run, not what the connectors keep.
     """
     def snapshot() -> tuple[int, int]:
         files = [p for p in disk.rglob("*") if p.is_file()]
