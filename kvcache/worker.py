@@ -220,17 +220,14 @@ class KVWorkerSide:
         self.mover = make_mover(layout.device)
         if isinstance(self.mover, CudaBlockMover):
             # records read from disk land in pinned memory: their load is one copy, and promoted to the
-            # memory tier they stay pinned (a GDS tier reads into GPU memory itself)
-            for tier in getattr(self.store, "tiers", ()):
-                if getattr(tier, "kind", None) == "disk" and hasattr(tier, "payload_allocator"):
-                    tier.payload_allocator = self.mover.host_bytes
+            # memory tier they stay pinned (a GDS tier reads into GPU memory itself and declines)
+            self.store.set_payload_allocator(self.mover.host_bytes)
         # On a CPU the loader thread and the forward share the cores and the GIL: layerwise overlap bought
         # nothing there, and the handoffs cost a page-cache disk hit of 2049 tokens 0.1-0.26x of vLLM's
         # resident hit (docs/benchmarks-kv.md, "2026-11-25, fifth"). A GPU copies on its own engines.
         self.loads_before_forward = self.load_mode == "before_forward" or (
             self.load_mode == "auto" and layout.device.type == "cpu")
-        self._reads_into = layout.device.type == "cpu" and any(
-            hasattr(tier, "get_many_into") for tier in getattr(self.store, "tiers", ()))
+        self._reads_into = layout.device.type == "cpu" and self.store.reads_into
         if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
             first = next(iter(kv_caches.values()))
             self._block_bytes = first[0].numel() * first.element_size()

@@ -31,7 +31,15 @@ import torch
 import xxhash
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, StoredRecord, StoreKey
+from vllm_tiercache.shared.store.api import (
+    KEY_DIGEST_SIZE,
+    Prefetches,
+    ReadsInto,
+    Record,
+    StoredRecord,
+    StoreKey,
+    TakesPayloadAllocator,
+)
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.disk_config import DiskTierConfig
 from vllm_tiercache.shared.store.disk_index import DiskIndex
@@ -69,7 +77,7 @@ class _Pending:
         self.digest, self.tmp, self.final, self.size, self.text = digest, tmp, final, size, text
 
 
-class DiskTier:
+class DiskTier(ReadsInto, Prefetches, TakesPayloadAllocator):
     """A byte-bounded LRU directory of record files, shared safely by several processes."""
 
     kind = "disk"

@@ -73,7 +73,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store.api import Record, RemoteTier, ReportsHealth, StoredRecord, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_config import RedisTierConfig
 from vllm_tiercache.shared.store.redis_wire import connection_class
@@ -180,14 +180,12 @@ def make_client(config: RedisTierConfig) -> Any:
                                 **kwargs)
 
 
-class RedisTier:
+class RedisTier(RemoteTier, ReportsHealth):
     """Pipelined, part-splitting Redis tier that degrades to misses when the server is down."""
 
     kind = "redis"
     shared_across_processes = True
-    #: Its calls cross the network and may hang up to ``timeout_s`` (twice, with the retry): `TieredStore`
-    #: runs the schedulers' lookups of such a tier on a thread of its own and waits at most its budget.
-    remote = True
+    # `RemoteTier`: one call may hang up to ``timeout_s`` twice (with the retry), so the store bounds lookups.
 
     def __init__(self, config: RedisTierConfig, name: str = "redis") -> None:
         self.config = config
