@@ -288,6 +288,11 @@ class InProcessTier(ReportsEvictions):
     leaves out the keys it holds."""
 
 
+class FileTier:
+    """Keeps its records in files (disk, GDS): a KV hit served from such tiers alone is what vLLM counts as a
+    disk hit (`CacheHitSource.DISK`, `vllm_tiercache.kvcache.scheduler`). A declaration with no members."""
+
+
 class TakesPayloadAllocator:
     """Reads whole records into memory it is given when one is given (disk: a CUDA worker's pinned memory,
     so a hit reaches the GPU in one copy). Set through `Store.set_payload_allocator`, never by a connector."""
@@ -302,4 +307,4 @@ class TakesPayloadAllocator:
 
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
-    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, TakesPayloadAllocator)
+    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator)

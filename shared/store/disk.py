@@ -33,6 +33,7 @@ import xxhash
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     KEY_DIGEST_SIZE,
+    FileTier,
     Prefetches,
     ReadsInto,
     Record,
@@ -77,7 +78,7 @@ class _Pending:
         self.digest, self.tmp, self.final, self.size, self.text = digest, tmp, final, size, text
 
 
-class DiskTier(ReadsInto, Prefetches, TakesPayloadAllocator):
+class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator):
     """A byte-bounded LRU directory of record files, shared safely by several processes."""
 
     kind = "disk"
