@@ -134,8 +134,7 @@ class KVLoader:
         self.layer_index = layer_index
         self.mover = mover
         self.before_forward = before_forward
-        self._reads_into = layout.device.type == "cpu" and any(
-            hasattr(tier, "get_many_into") for tier in getattr(self.store, "tiers", ()))
+        self._reads_into = layout.device.type == "cpu" and self.store.reads_into
         if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
             first = next(iter(kv_caches.values()))
             self._block_bytes = first[0].numel() * first.element_size()

@@ -45,7 +45,7 @@ from vllm_tiercache.kvcache.plan import (
 from vllm_tiercache.shared.generations import Generation, generation_chunk_hash
 from vllm_tiercache.shared.hashing import assert_engine_seed_matches
 from vllm_tiercache.shared.residency import ResidentSet
-from vllm_tiercache.shared.store.api import Store
+from vllm_tiercache.shared.store.api import FileTier, Store
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count, waiting_for_remote_kv
 
 if TYPE_CHECKING:
@@ -124,10 +124,10 @@ class KVSchedulerSide:
         self.save_decode = save_decode
         self.request_cacheable = request_cacheable
         self.volatile_decode_tail = volatile_decode_tail
-        shared_kinds = {t.kind for t in store.tiers if t.shared_across_processes}
+        shared_tiers = [t for t in store.tiers if t.shared_across_processes]
         self.shared_source = (
             CacheHitSource.DISK
-            if shared_kinds and shared_kinds <= {"disk", "gds"}
+            if shared_tiers and all(isinstance(t, FileTier) for t in shared_tiers)
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
         self._checked_engine_hashing = False

@@ -129,10 +129,8 @@ class KVWorkerSide:
         self.mover = make_mover(layout.device)
         if isinstance(self.mover, CudaBlockMover):
             # records read from disk land in pinned memory: their load is one copy, and promoted to the
-            # memory tier they stay pinned (a GDS tier reads into GPU memory itself)
-            for tier in getattr(self.store, "tiers", ()):
-                if getattr(tier, "kind", None) == "disk" and hasattr(tier, "payload_allocator"):
-                    tier.payload_allocator = self.mover.host_bytes
+            # memory tier they stay pinned (a GDS tier reads into GPU memory itself and declines)
+            self.store.set_payload_allocator(self.mover.host_bytes)
         # On a CPU the loader thread and the forward share the cores and the GIL: layerwise overlap bought
         # nothing there, and its hand-offs made a disk hit slower than loading before the forward
         # (docs/benchmarks-kv.md, "loads before the forward on a CPU"). A GPU copies on its own engines.

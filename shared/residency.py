@@ -72,7 +72,9 @@ class ResidencyReporter(Generic[Name]):
             self._changes.evicted.discard(name)
 
     def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
-        if tier_kind != "memory":
+        """An eviction from a tier that reports them (`Store.add_eviction_listener`); residency reports
+        are about `Store.memory_tier` alone."""
+        if self._memory is None or tier_kind != self._memory.kind:
             return
         with self._lock:
             name = self._name_of_digest.pop(digest, None)

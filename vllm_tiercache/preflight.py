@@ -116,13 +116,13 @@ def check_tier_directories(store: Any) -> None:
     ancestor is one this user can create it in: what the tier would otherwise find out when it opens,
     after the weights loaded. Nothing is created here (building a config has no side effects), and a
     path with no existing ancestor at all (a mount not there yet) is left to the tier."""
-    for i, tier in enumerate(store.tiers):
-        path = getattr(tier, "path", None)
+    for i, tier_config in enumerate(store.tiers):
+        path = getattr(tier_config, "path", None)
         if not isinstance(path, str) or not path:
             continue
         reason = _unusable_directory(path)
         if reason is not None:
-            raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier.kind} tier's directory "
+            raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier_config.kind} tier's directory "
                               f"({reason}); allowed: a local directory this user can create and write")
 
 

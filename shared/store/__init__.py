@@ -113,16 +113,16 @@ def describe_tiers(config: StoreConfig) -> str:
     from vllm_tiercache.shared.store.tier_config import format_bytes
 
     parts = []
-    for tier in config.tiers:
-        words = [tier.kind]
+    for tier_config in config.tiers:  # configs, not tiers: each kind's config class has its own fields
+        words = [tier_config.kind]
         for name in ("path", "address"):
-            value = getattr(tier, name, None)
+            value = getattr(tier_config, name, None)
             if isinstance(value, str) and value:
                 words.append(value)
-        capacity = getattr(tier, "capacity", None)
+        capacity = getattr(tier_config, "capacity", None)
         if isinstance(capacity, int):
             words.append(format_bytes(capacity))
-        policy = getattr(tier, "policy", None)
+        policy = getattr(tier_config, "policy", None)
         if isinstance(policy, str):
             words.append(policy)
         parts.append(" ".join(words))

@@ -3,11 +3,18 @@
 Connectors never touch a tier directly. They build keys with `vllm_tiercache.shared.keys`, turn them into `StoreKey`s,
 and talk to one `TieredStore` per process (see `vllm_tiercache.shared.store.get_store`). Keeping this file tiny and
 dependency-free lets the scheduler side, the worker side and the offline jobs agree on one interface.
+
+A tier is `Tier` plus the optional capabilities below it (`TIER_CAPABILITIES`), each declared by naming
+its class among the tier class's bases: `class DiskTier(ReadsInto, Prefetches, TakesPayloadAllocator)`.
+The store asks ``isinstance(tier, Capability)`` and nothing else; it never probes a tier for an attribute
+nor branches on a tier's kind (`tests/store/test_tier_contract.py` enforces both), so what a tier does
+is what its class line says. A tier that declares nothing is served by the plain `Tier` operations.
 """
 
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -130,18 +137,40 @@ class Store(Protocol):
             owned: bool = False) -> None: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
                  owned: bool = False) -> None: ...
+    def prefetch(self, keys: Sequence[StoreKey]) -> None:
+        """A hint that ``keys`` will be read soon, for the tiers declaring `Prefetches`."""
+        ...
+
     def flush(self, timeout: float | None = None) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
     @property
     def tiers(self) -> list[Tier]: ...
     @property
-    def memory_tier(self) -> Tier | None: ...
-    def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None: ...
+    def memory_tier(self) -> Tier | None:
+        """The first tier declaring `InProcessTier` (what a worker's residency reports describe), if any."""
+        ...
+
+    def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
+        """``listener(tier_kind, digest)`` whenever a tier declaring `ReportsEvictions` drops a record."""
+        ...
+
+    @property
+    def reads_into(self) -> bool:
+        """True when some tier declares `ReadsInto`: ``get_many(..., into=...)`` may then save a copy."""
+        ...
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        """Hand ``allocator`` to every tier declaring `TakesPayloadAllocator` (None: their own buffers again)."""
+        ...
 
 
 class Tier(Protocol):
     """One level of a `TieredStore` (memory, disk, gds, redis). Connectors never use tiers directly.
+
+    What every tier has; the optional capabilities follow (`TIER_CAPABILITIES`). ``kind`` is the name it
+    is registered under (`vllm_tiercache.shared.store.registry`), for logs, stats and tier names only:
+    nothing outside the registry decides anything by it.
 
     Tiers must be thread-safe. The serving operations never raise into the caller for a data or backend
     problem: corrupt or foreign data is a miss, an unreachable backend is a miss or a skipped write
@@ -157,8 +186,6 @@ class Tier(Protocol):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None: ...
-    # Optional: ``get_many_into(keys, into)`` (same contract as `Store.get_many` with ``into``), for a tier
-    # that can read a payload straight into the caller's memory (disk); the store uses it when present.
     def usage(self) -> dict[str, Any]:
         """``{"entries": int | None, "bytes_used": int | None, ...}``; ``"capacity"`` (bytes) when bounded.
 
@@ -184,3 +211,100 @@ class Tier(Protocol):
         """Delete every record ``predicate`` accepts; returns (records, bytes), or what would be, with
         ``dry_run``. Safe beside serving processes (a later read is a miss). Raises as `iter_stored`."""
         ...
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Optional capabilities. A tier class declares one by naming it among its bases; `TieredStore` uses a capability
+# only through ``isinstance(tier, Capability)``. Why classes, not attributes the store looks for: a tier author
+# then reads here everything the store may ask of a tier, a capability left unimplemented fails when the tier
+# is built (abstract methods), and a method written without its declaration is caught by
+# `tests/store/test_tier_contract.py` instead of being silently never called.
+
+#: Gives a uint8 host tensor of n bytes for a payload to be read into (`TakesPayloadAllocator`).
+PayloadAllocator = Callable[[int], torch.Tensor]
+
+
+class RemoteTier:
+    """Its calls cross the network and may hang up to the tier's own timeout (Redis). A declaration with
+    no members: what it changes is how the store calls the tier.
+
+    `TieredStore` runs the schedulers' lookups (``contains_many(..., bounded=True)``) of such a tier on a
+    thread of its own (`vllm_tiercache.shared.store.tiered.BoundedLookup`) and waits at most ``lookup_budget_ms``.
+    """
+
+
+class ReportsHealth(ABC):
+    """Knows whether its backend answers (Redis): for the ``tier_up`` gauge, and so that a bounded lookup
+    of a tier that is down answers at once inline instead of waiting on its lookup thread."""
+
+    @property
+    @abstractmethod
+    def down(self) -> bool:
+        """The whole tier is down (its calls are misses and skipped writes until it is back)."""
+
+    @property
+    @abstractmethod
+    def up_share(self) -> float:
+        """The share of the tier that answers, 0.0 to 1.0 (a cluster with some shards down lies between);
+        read from memory, never from the network: the gauges read it on a connector's step."""
+
+    @property
+    @abstractmethod
+    def shards_down(self) -> list[str]:
+        """The parts of the tier marked down now (cluster shards by "host:port"); empty when none are."""
+
+
+class ReadsInto(ABC):
+    """Reads a payload straight into memory the caller gives (disk: the KV cache's blocks, no buffer)."""
+
+    @abstractmethod
+    def get_many_into(self, keys: Sequence[StoreKey],
+                      into: Sequence[Sequence[memoryview] | None]) -> list[Record | None]:
+        """`Tier.get_many` landing each payload in ``into``: the contract of `Store.get_many` with ``into``."""
+
+
+class Prefetches(ABC):
+    """Can start reading records before they are asked for (disk: advises the kernel of their files)."""
+
+    @abstractmethod
+    def prefetch_many(self, keys: Sequence[StoreKey]) -> None:
+        """A hint that ``keys`` will be read soon; never raises for a record it lacks."""
+
+
+class ReportsEvictions(ABC):
+    """Tells listeners which records it dropped to make room (memory: residency reports)."""
+
+    @abstractmethod
+    def add_eviction_listener(self, listener: Callable[[bytes], None]) -> None:
+        """Call ``listener(digest)`` after a record leaves this tier."""
+
+
+class InProcessTier(ReportsEvictions):
+    """Holds its records as objects inside this process (memory): a hit is free, and no other process sees
+    them, so ``shared_across_processes`` is False and the scheduler learns what it holds only from the
+    worker's residency reports (`vllm_tiercache.shared.residency`), hence evictions must be reported.
+
+    The store's first such tier is its `Store.memory_tier`; when it is the fastest tier, `TieredStore.prefetch`
+    leaves out the keys it holds."""
+
+
+class FileTier:
+    """Keeps its records in files (disk, GDS): a KV hit served from such tiers alone is what vLLM counts as a
+    disk hit (`CacheHitSource.DISK`, `vllm_tiercache.kvcache.scheduler`). A declaration with no members."""
+
+
+class TakesPayloadAllocator:
+    """Reads whole records into memory it is given when one is given (disk: a CUDA worker's pinned memory,
+    so a hit reaches the GPU in one copy). Set through `Store.set_payload_allocator`, never by a connector."""
+
+    #: Where whole-record reads put payloads; None: a buffer of the tier's own per record.
+    payload_allocator: PayloadAllocator | None = None
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        """Read later payloads into what ``allocator(nbytes)`` returns (None: the tier's own buffers)."""
+        self.payload_allocator = allocator
+
+
+#: Every optional capability a tier class may declare, for the contract test and the docs.
+TIER_CAPABILITIES: tuple[type, ...] = (
+    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator)

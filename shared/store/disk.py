@@ -30,7 +30,15 @@ import lmdb
 import torch
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey
+from vllm_tiercache.shared.store.api import (
+    FileTier,
+    Prefetches,
+    ReadsInto,
+    Record,
+    StoredRecord,
+    StoreKey,
+    TakesPayloadAllocator,
+)
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.disk_admin import DiskAdmin
 from vllm_tiercache.shared.store.disk_bookkeeping import ReadBookkeeping, rebuild_index
@@ -53,7 +61,7 @@ class DiskTierError(OSError):
     """
 
 
-class DiskTier:
+class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator):
     """A byte-bounded LRU directory of record files, shared safely by several processes."""
 
     kind = "disk"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.api import PayloadAllocator, Record, StoreKey
 from vllm_tiercache.shared.store.device_checksum import device_checksum
 from vllm_tiercache.shared.store.disk import DiskTier
 from vllm_tiercache.shared.store.disk_config import GdsTierConfig
@@ -60,6 +60,11 @@ class GdsTier(DiskTier):
             _warned_unavailable = True
             log.warning("tiercache gds tier: GPUDirect Storage unavailable (%s); using POSIX file I/O "
                         "under %s", self.unavailable_reason, self.root)
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        """Declined: its payloads land in GPU memory through cuFile, where host memory offered for a record's
+        way to the GPU has no use; the POSIX fallback (no GPUDirect here) keeps the disk tier's default, a
+        buffer of its own per record."""
 
     def _read_record(self, path: str | Path, key: StoreKey) -> tuple[Record, int]:
         if not self.gpu_direct:

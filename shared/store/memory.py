@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.eviction import make_policy
-from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, TierAdminUnsupported
+from vllm_tiercache.shared.store.api import InProcessTier, Record, StoredRecord, StoreKey, TierAdminUnsupported
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.memory_config import MemoryTierConfig
 
@@ -27,7 +27,7 @@ from vllm_tiercache.shared.store.memory_config import MemoryTierConfig
 _PER_PROCESS = "a memory tier lives inside each serving process; another process cannot list or delete its records"
 
 
-class MemoryTier:
+class MemoryTier(InProcessTier):
     """Bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
 
     kind = "memory"

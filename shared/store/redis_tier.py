@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoredRecord, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store.api import Record, RemoteTier, ReportsHealth, StoredRecord, StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_admin import RedisAdmin
 from vllm_tiercache.shared.store.redis_calls import RedisCalls
@@ -68,14 +68,12 @@ DELETE_RUN = 256
 MAX_DELETE_PARTS = 1 << 20
 
 
-class RedisTier:
+class RedisTier(RemoteTier, ReportsHealth):
     """Pipelined, part-splitting Redis tier that degrades to misses when the server is down."""
 
     kind = "redis"
     shared_across_processes = True
-    #: Its calls cross the network and may hang up to ``timeout_s`` (twice, with the retry): `TieredStore`
-    #: runs the schedulers' lookups of such a tier on a thread of its own and waits at most its budget.
-    remote = True
+    # `RemoteTier`: one call may hang up to ``timeout_s`` twice (with the retry), so the store bounds lookups.
 
     def __init__(self, config: RedisTierConfig, name: str = "redis") -> None:
         self.config = config

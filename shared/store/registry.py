@@ -1,15 +1,18 @@
 """The tier registry: each tier kind names its config class and its tier class, by dotted path.
 
-Adding a tier kind is one module (config class + tier class) and one line in `_TIERS` below, or, from
-outside the package, one `register_tier(kind, config_path, tier_path)` call before the store config is
-read. `vllm_tiercache.shared.config` parses a ``tiers[i]`` item with ``config_class(kind).from_raw(raw,
-path)``; `TieredStore` builds each tier with `make_tier`, i.e. ``tier_class(config.kind)(config, name)``.
+A built-in tier kind is a config module, a tier module and one line in `_TIERS` below (the full list of
+what it touches: docs/architecture.md, "Where each kind of change goes"); from outside the package, one
+`register_tier(kind, config_path, tier_path)` call before the store config is read. This is the one module
+that knows kinds: everything else uses the tier contract of `vllm_tiercache.shared.store.api` (the tier's
+declared capabilities), never a kind name. `vllm_tiercache.shared.config` parses a ``tiers[i]`` item with
+``config_class(kind).from_raw(raw, path)``; `TieredStore` builds each tier with `make_tier`, i.e.
+``tier_class(config.kind)(config, name)``.
 
 Why dotted paths, imported on first use (as vLLM's KVConnectorFactory and kv_offload factory register
 by module path): a tier class pulls in its backend (lmdb, redis-py, kvikio, torch), and reading a config
 must not import any of it; this module imports only the standard library. The built-in config classes
 live in their own small modules (`memory_config`, `disk_config`, `redis_config`, on `tier_config`) for
-the same reason: a tier that needs no heavy import may keep both classes in one module.
+the same reason: every tier module imports torch, through `api` at least.
 
 The contract (see `vllm_tiercache.shared.store.tier_config`):
 

@@ -5,13 +5,9 @@ in a slower tier is promoted into the faster ones. Write path: the fastest tier 
 tiers through the bounded background writer, so a put costs one memory copy, never an fsync or a
 network round trip.
 
-Write-behind stays readable: a record queued for the slower tiers is kept in `_in_flight` until the
-writer has written it, and reads consult it right after the fastest tier. Without this, the memory tier
-can evict a record before its disk or Redis copy lands, and for that moment no tier has it: a load the
-scheduler planned from a residency report fails. For the same reason an eviction from the fastest tier
-reaches listeners (residency reports) only once the record's queued write is done: told earlier, the
-scheduler looks in the shared tier, finds nothing yet and misses. The buffer costs no memory of its own:
-the writer's queue holds the same tensors until then.
+Write-behind stays readable: a record queued for the slower tiers stays in the write-behind buffer
+(`vllm_tiercache.shared.store.write_behind`) until the writer has written it, and reads consult it right
+after the fastest tier; an eviction of such a record reaches listeners only once its write is done.
 
 Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache, or an encoder output vLLM
 keeps, that is reused right after the call, while the slower tiers are written later, by the writer. So
@@ -23,7 +19,7 @@ only copy; what a tier adds on its way out is the tier's own (Redis: see `redis_
 
 The schedulers' lookups never wait on the network: ``contains_many(..., shared_only=True)`` (the lookup
 a scheduler makes for every new request, synchronously, on the engine's one scheduling thread) asks a
-remote tier (``tier.remote``: Redis) on that tier's own lookup thread (`BoundedLookup`) and waits at most
+tier declaring `RemoteTier` (Redis) on that tier's own lookup thread (`BoundedLookup`) and waits at most
 ``lookup_budget_ms`` in all; what the tier has not answered by then is a miss, never a hit it did not
 confirm. A call that hangs (a paused server, a partition that drops packets) keeps that thread until the
 tier's own timeout; meanwhile further lookups of that tier answer "miss" at once instead of queueing
@@ -35,6 +31,9 @@ since the last call (one baseline per store, so the two connectors sharing a sto
 increment twice). Usage (bytes held, Redis reachability) may cost a backend round trip (Redis `INFO`),
 so it never runs on a connector's step: `gauge_report` returns the latest snapshot of a background
 thread that refreshes it every `USAGE_REFRESH_S` seconds (started on the first call).
+
+Tiers are used through `Tier` and the capabilities their classes declare (`vllm_tiercache.shared.store.api`)
+only: the store never looks for an attribute on a tier, nor decides anything by a tier's kind.
 """
 
 from __future__ import annotations
@@ -51,9 +50,22 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
+from vllm_tiercache.shared.store.api import (
+    InProcessTier,
+    PayloadAllocator,
+    Prefetches,
+    ReadsInto,
+    Record,
+    RemoteTier,
+    ReportsEvictions,
+    ReportsHealth,
+    StoreKey,
+    TakesPayloadAllocator,
+    Tier,
+)
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier, tier_class
+from vllm_tiercache.shared.store.write_behind import WriteBehindBuffer
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
 from vllm_tiercache.shared.threads import background_thread
 
@@ -87,8 +99,8 @@ def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
     for name, tc in zip(tier_names(config.tiers), config.tiers, strict=True):
         try:
             shared = bool(tier_class(tc.kind).shared_across_processes)
-        except Exception:  # a tier module that does not import here: only memory is per process
-            shared = tc.kind != "memory"
+        except Exception:  # a tier whose module does not import here can't be built here either; counted
+            shared = True  # shared, as every built-in kind but memory is (whose imports this module has made)
         capacity = getattr(tc, "capacity", None)
         out.append((name, capacity if isinstance(capacity, int) else None, shared))
     return out
@@ -115,10 +127,8 @@ def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     A CPU source is copied by numpy on the calling thread (a memcpy when contiguous, a strided loop
     otherwise; numpy lets the GIL go meanwhile), never by ``Tensor.copy_``: torch splits a copy of more
     than 32 Ki elements over its intra-op thread pool and waits for every thread, so on a machine whose
-    other cores are busy (other processes, vLLM's own CPU threads) it stalls: on the 2-core VM with one
-    busy process beside it, a 1 MiB copy took 8 to 24 ms (medians) against 0.05 to 0.45 ms by numpy
-    (2026-11-23; torch was about twice as fast as numpy while the other core was idle). A device source
-    is one device-to-host copy.
+    other cores are busy (other processes, vLLM's own CPU threads) it stalls (figures: docs/benchmarks.md,
+    on the memory put). A device source is one device-to-host copy.
     """
     src = tensor.detach()
     out = torch.empty(src.shape, dtype=src.dtype)
@@ -222,12 +232,7 @@ class TieredStore:
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self._writer = BackgroundWriter(config.write_queue_size)
-        self._in_flight_lock = threading.Lock()
-        #: digest -> (record, number of queued writes of it) for records on their way to slower tiers.
-        self._in_flight: dict[bytes, tuple[Record, int]] = {}
-        #: digest -> eviction notifications held back until the record's queued write is done.
-        self._deferred_evictions: dict[bytes, list[tuple[Tier, Callable[[], None]]]] = {}
-        self._write_behind_hits = 0
+        self._write_behind = WriteBehindBuffer()
         self._closed = False
         self._close_lock = threading.Lock()
         #: What `take_counter_deltas` handed out so far, per tier (and the write-behind hits).
@@ -245,7 +250,7 @@ class TieredStore:
         #: The budget of the schedulers' lookups, and each remote tier's lookup thread (by tier index).
         self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
         self._bounded: dict[int, BoundedLookup] = {
-            i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if getattr(t, "remote", False)}
+            i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
@@ -272,13 +277,13 @@ class TieredStore:
             if not missing:
                 break
             if ti == 1 and not shared_only:
-                held, missing = self._split_in_flight(keys, missing)
+                held, missing = self._write_behind.split(keys, missing)
                 for i in held:
                     found[i] = True
                 if not missing:
                     break
             lookup = self._bounded.get(ti) if bounded else None
-            if lookup is not None and not getattr(tier, "down", False):  # a down tier answers at once inline
+            if lookup is not None and not (isinstance(tier, ReportsHealth) and tier.down):  # down: inline, at once
                 res = lookup.ask([keys[i] for i in missing], deadline - time.monotonic())
                 if res is None:  # past the budget, or a call still outstanding: misses
                     continue
@@ -297,19 +302,6 @@ class TieredStore:
             missing = still
         return found
 
-    def _split_in_flight(self, keys: Sequence[StoreKey], missing: list[int]) -> tuple[dict[int, Record], list[int]]:
-        """Of the indexes in ``missing``: the records the write-behind buffer holds, and the rest."""
-        held: dict[int, Record] = {}
-        still: list[int] = []
-        with self._in_flight_lock:
-            for i in missing:
-                entry = self._in_flight.get(keys[i].digest)
-                if entry is None:
-                    still.append(i)
-                else:
-                    held[i] = entry[0]
-        return held, still
-
     def get(self, key: StoreKey) -> Record | None:
         return self.get_many([key])[0]
 
@@ -326,17 +318,14 @@ class TieredStore:
             if not missing:
                 break
             if ti == 1:
-                held, missing = self._split_in_flight(keys, missing)
+                held, missing = self._write_behind.split(keys, missing, count_hits=True)
                 for i, record in held.items():
                     out[i] = record
-                if held:
-                    with self._in_flight_lock:
-                        self._write_behind_hits += len(held)
                 if not missing:
                     break
             start = time.perf_counter()
             try:
-                if into is not None and hasattr(tier, "get_many_into"):
+                if into is not None and isinstance(tier, ReadsInto):
                     res = tier.get_many_into([keys[i] for i in missing], [into[i] for i in missing])
                 else:
                     res = tier.get_many([keys[i] for i in missing])
@@ -363,12 +352,13 @@ class TieredStore:
         return out
 
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
-        """Tell the tiers that can read ahead (``prefetch_many``: disk) that ``keys`` will be read soon;
-        keys a memory tier in front holds are left out (no device reads for memory hits)."""
-        readers = [tier for tier in self.tiers if hasattr(tier, "prefetch_many")]
+        """Tell the tiers that can read ahead (`Prefetches`: disk) that ``keys`` will be read soon; keys an
+        in-process tier in front (`InProcessTier`: memory) holds are left out (no device reads for its hits)."""
+        readers = [tier for tier in self.tiers if isinstance(tier, Prefetches)]
         if not readers or not keys:
             return
-        held = self.tiers[0].contains_many(keys) if self.tiers[0].kind == "memory" else [False] * len(keys)
+        front = self.tiers[0]
+        held = front.contains_many(keys) if isinstance(front, InProcessTier) else [False] * len(keys)
         wanted = [key for key, h in zip(keys, held, strict=True) if not h]
         for tier in readers:
             try:
@@ -405,41 +395,10 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        self._hold_in_flight(mine)  # before the fastest tier, which may evict one of them right away
+        self._write_behind.hold(mine)  # before the fastest tier, which may evict one of them right away
         self._put_sync(self.tiers[0], mine)
-        if not self._writer.submit(self.tiers[1:], mine, on_done=self._release_in_flight):
-            self._release_in_flight(mine)
-
-    def _hold_in_flight(self, items: Sequence[Item]) -> None:
-        with self._in_flight_lock:
-            for key, tensor, meta in items:
-                entry = self._in_flight.get(key.digest)
-                self._in_flight[key.digest] = (Record(tensor, meta or {}), 1 + (entry[1] if entry else 0))
-
-    def _release_in_flight(self, items: Sequence[Item]) -> None:
-        """The writer is done with ``items``: drop them from the buffer, send the evictions held back."""
-        held_back: list[tuple[StoreKey, Tier, Callable[[], None]]] = []
-        with self._in_flight_lock:
-            for key, _, _ in items:
-                entry = self._in_flight.get(key.digest)
-                if entry is None:
-                    continue
-                if entry[1] > 1:
-                    self._in_flight[key.digest] = (entry[0], entry[1] - 1)
-                    continue
-                del self._in_flight[key.digest]
-                held_back.extend((key, tier, notify) for tier, notify in self._deferred_evictions.pop(key.digest, ()))
-        for key, tier, notify in held_back:
-            if not tier.contains_many([key])[0]:  # put back meanwhile: that eviction no longer holds
-                notify()
-
-    def _on_tier_eviction(self, tier: Tier, digest: bytes, notify: Callable[[], None]) -> None:
-        """Send an eviction now, or once the record's queued write is done (see the module docstring)."""
-        with self._in_flight_lock:
-            if digest in self._in_flight:
-                self._deferred_evictions.setdefault(digest, []).append((tier, notify))
-                return
-        notify()
+        if not self._writer.submit(self.tiers[1:], mine, on_done=self._write_behind.release):
+            self._write_behind.release(mine)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
@@ -467,19 +426,33 @@ class TieredStore:
     # ------------------------------------------------------------------------------------------- misc
     @property
     def memory_tier(self) -> Tier | None:
-        """The in-process memory tier, if any: the one tier other processes can't see (residency reports)."""
-        return next((tier for tier in self.tiers if tier.kind == "memory"), None)
+        """The in-process memory tier (`InProcessTier`), if any: the one tier other processes can't see
+        (residency reports)."""
+        return next((tier for tier in self.tiers if isinstance(tier, InProcessTier)), None)
 
     def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
-        """Call `listener(tier_kind, digest)` whenever a tier that reports evictions drops a record.
+        """Call `listener(tier_kind, digest)` whenever a tier that reports evictions (`ReportsEvictions`)
+        drops a record.
 
         For a record whose write to the slower tiers is still queued, the call waits until that write is
         done: a listener (a residency report) may then tell other processes to look in a shared tier.
         """
         for tier in self.tiers:
-            add = getattr(tier, "add_eviction_listener", None)
-            if add is not None:
-                add(lambda digest, t=tier: self._on_tier_eviction(t, digest, lambda: listener(t.kind, digest)))
+            if isinstance(tier, ReportsEvictions):
+                tier.add_eviction_listener(
+                    lambda digest, t=tier: self._write_behind.on_eviction(t, digest, lambda: listener(t.kind, digest)))
+
+    @property
+    def reads_into(self) -> bool:
+        """True when some tier lands payloads in the caller's memory (`ReadsInto`; `get_many`'s ``into``)."""
+        return any(isinstance(tier, ReadsInto) for tier in self.tiers)
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        """Hand ``allocator`` to the tiers that read whole records into memory they are given
+        (`TakesPayloadAllocator`: a CUDA KV worker's pinned memory); None: their own buffers again."""
+        for tier in self.tiers:
+            if isinstance(tier, TakesPayloadAllocator):
+                tier.set_payload_allocator(allocator)
 
     def stats(self, cached_usage: bool = False) -> dict[str, Any]:
         """JSON-able snapshot: {"tiers": {name: counters + usage}, "write_queue": {...}}.
@@ -503,7 +476,7 @@ class TieredStore:
             "namespace": self.config.namespace,
             "tiers": tiers,
             "write_queue": {"pending": self._writer.pending, "capacity": self.config.write_queue_size,
-                            "hits": self._write_behind_hits},
+                            "hits": self._write_behind.hits},
             "lookup": {"budget_ms": self.lookup_budget_s * 1000.0,
                        "past_budget": sum(b.past_budget for b in self._bounded.values()),
                        "busy": sum(b.busy for b in self._bounded.values())},
@@ -527,8 +500,7 @@ class TieredStore:
             # Every engine step asks, and most steps count nothing: the counters' versions, read before
             # the snapshot (an add in between is in it, and moves the version again), say so for free.
             versions = tuple(getattr(tier.counters, "version", None) for tier in self.tiers)
-            with self._in_flight_lock:
-                write_behind = self._write_behind_hits
+            write_behind = self._write_behind.hits
             if (versions == self._reported_versions and None not in versions
                     and write_behind == self._reported_write_behind):
                 return {}
@@ -555,10 +527,9 @@ class TieredStore:
         tiers: dict[str, Any] = {}
         for tier in self.tiers:
             usage = cached.get(tier.name, {})
-            down = bool(getattr(tier, "down", False))
-            up = getattr(tier, "up_share", None)  # a cluster tier: the share of its shards that answer
-            tiers[tier.name] = {"bytes_used": usage.get("bytes_used"),
-                                "up": (0 if down else 1) if up is None else up,
+            # a tier that reports its health: the share that answers (a cluster's shards); others are up
+            up = tier.up_share if isinstance(tier, ReportsHealth) else 1
+            tiers[tier.name] = {"bytes_used": usage.get("bytes_used"), "up": up,
                                 "shared": int(bool(tier.shared_across_processes))}
         return {"tiers": tiers, "write_queue": self._writer.pending}
 

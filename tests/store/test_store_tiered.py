@@ -320,3 +320,25 @@ def test_prefetch_reads_ahead_only_what_the_memory_tier_lacks(tmp_path):
         assert asked == [[_k("both").text, _k("nowhere").text]]
         (record,) = store.get_many([_k("both")])
         assert torch.equal(record.tensor, _t(512))
+
+
+def test_the_payload_allocator_reaches_the_tiers_that_take_one(tmp_path):
+    """`Store.set_payload_allocator` (a CUDA KV worker's pinned memory) reaches the disk tier, whose reads
+    then land in it, and not the GDS tier, whose reads land in GPU memory (or its own buffers without it)."""
+    given: list[int] = []
+
+    def allocator(nbytes: int) -> torch.Tensor:
+        given.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    tiers = [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"},
+             {"kind": "gds", "path": str(tmp_path / "g"), "capacity": "16MiB"}]
+    with build_store({"tiers": tiers}) as store:
+        disk, gds = store.tiers
+        store.set_payload_allocator(allocator)
+        assert disk.payload_allocator is allocator and gds.payload_allocator is None
+        store.put(_k("alloc"), _t(256))
+        (record,) = store.get_many([_k("alloc")])
+        assert torch.equal(record.tensor, _t(256)) and given == [record.nbytes]
+        store.set_payload_allocator(None)
+        assert disk.payload_allocator is None

@@ -45,7 +45,7 @@ def disk_hits(device: torch.device, geometry: Geometry, directory: Path, blocks_
 
         pageable_s = median_seconds(hit, device, rounds)
         host_bytes = getattr(mover, "host_bytes", None)
-        tier.payload_allocator = host_bytes or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+        tier.set_payload_allocator(host_bytes or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)))
         layer.zero_()
         pinned_s = median_seconds(hit, device, rounds)
         if not torch.equal(layer.cpu().view(torch.uint8), data.view(torch.uint8)):
