@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_tiercache.kvcache.adapters import AdapterDigests, adapter_chunk_hash
+from vllm_tiercache.kvcache.adapters import AdapterDigests
 from vllm_tiercache.kvcache.groups import KVGroup
-from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, RequestNames
 from vllm_tiercache.kvcache.plan import (
     ChunkLoad,
     ChunkSave,
@@ -42,8 +42,7 @@ from vllm_tiercache.kvcache.plan import (
     TieredKVMetadata,
     TieredKVWorkerMetadata,
 )
-from vllm_tiercache.shared.generations import Generation, generation_chunk_hash
-from vllm_tiercache.shared.hashing import assert_engine_seed_matches
+from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count, waiting_for_remote_kv
@@ -62,6 +61,8 @@ NULL_BLOCK_ID = 0
 @dataclass
 class _RequestState:
     request: Request
+    #: the request's chunk names and record keys, every salt applied (the one naming rule)
+    names: RequestNames
     #: chunk index -> present in the store at lookup time (those are never written again)
     stored: list[bool] = field(default_factory=list)
     #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
@@ -81,19 +82,6 @@ class _RequestState:
     next_save_block: int = 0
     #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
     cacheable: bool = True
-    #: content digest of the request's LoRA adapter, None without one (`vllm_tiercache.kvcache.adapters`)
-    adapter: str | None = None
-    #: the weights generation's salt, None before the engine's first reset (`vllm_tiercache.shared.generations`)
-    generation: bytes | None = None
-
-    def chunk_hash(self, end: int) -> bytes:
-        """The name of the request's chunk that ends at block ``end``: vLLM's block hash there, mixed with
-        the adapter's digest for a LoRA request (vLLM's hash names the adapter, not its weights) and with
-        the generation's salt after a reset (vLLM's hash does not change when the weights do in place).
-        The one place chunk names are made: the workers name records from the names in the plan."""
-        block_hash = self.request.block_hashes[end - 1]
-        name = block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
-        return generation_chunk_hash(name, self.generation)
 
 
 class KVSchedulerSide:
@@ -168,36 +156,23 @@ class KVSchedulerSide:
         self._kv_cache_manager = manager
 
     # ---------------------------------------------------------------------------------------- lookup
-    def _check_engine_hashing(self, request: Request) -> None:
-        """Once, at the first request (vLLM seeds NONE_HASH only after building the connector)."""
-        self._checked_engine_hashing = True
-        assert_engine_seed_matches(self.naming.hash_algo)
-        expected = request.num_tokens // self.geometry.block_size
-        if len(request.block_hashes) != expected:
-            raise RuntimeError(
-                f"TieredKVConnector: the engine hashes {len(request.block_hashes)} blocks for a "
-                f"{request.num_tokens}-token request, not {expected} blocks of block_size="
-                f"{self.geometry.block_size}; hybrid-attention models and decode context parallelism "
-                "hash blocks of another size and are not supported"
-            )
-
-    def _lookup(self, state: _RequestState) -> tuple[list[bool], list[bool], list[bool]]:
-        """Per chunk of the prompt's full blocks: are its full-attention records loadable now, are its
-        sliding-window records (True for a model without such groups), and does the workers' memory hold
-        it all? One batched store call."""
-        if not self._checked_engine_hashing:
-            self._check_engine_hashing(state.request)
-        ends = self.geometry.chunk_ends(self._prompt_full_blocks(state.request))
-        hashes = [state.chunk_hash(end) for end in ends]
-        failed = [h in self._failed_chunks for h in hashes]
-        resident = [h in self.resident and not bad for h, bad in zip(hashes, failed, strict=True)]
+    def _lookup(self, state: _RequestState) -> tuple[list[int], list[bool], list[bool], list[bool]]:
+        """Per chunk of the prompt's full blocks: its end block, are its full-attention records loadable
+        now, are its sliding-window records (True for a model without such groups), and does the workers'
+        memory hold it all? One batched store call."""
+        if not self._checked_engine_hashing:  # once: vLLM seeds its hashing only after building the connector
+            self._checked_engine_hashing = True
+            self.naming.check_engine_hashing(state.request)
+        names = state.names
+        chunks = names.chunks(self._prompt_full_blocks(state.request))
+        failed = [name in self._failed_chunks for _, name in chunks]
+        resident = [name in self.resident and not bad for (_, name), bad in zip(chunks, failed, strict=True)]
         full_ok, window_ok = list(resident), list(resident)
         missing = [i for i, hit in enumerate(resident) if not hit and not failed[i]]
         if missing:
             full, sliding = self.groups.full, self.groups.sliding
             per_chunk = [
-                (self.naming.group_keys(hashes[i], full), self.naming.group_keys(hashes[i], sliding))
-                for i in missing
+                (names.record_keys(chunks[i][1], full), names.record_keys(chunks[i][1], sliding)) for i in missing
             ]
             flat = [key for keys in per_chunk for part in keys for key in part]
             found = self.store.contains_many(flat, shared_only=True)
@@ -207,7 +182,7 @@ class KVSchedulerSide:
                 offset += len(full_keys)
                 window_ok[i] = all(found[offset : offset + len(window_keys)])
                 offset += len(window_keys)
-        return full_ok, window_ok, resident
+        return [end for end, _ in chunks], full_ok, window_ok, resident
 
     def _windows_ok(self, ends: list[int], window_ok: list[bool], end: int) -> bool:
         """Can every sliding-window group supply a hit ending at block `end` (or one block before it)?
@@ -227,16 +202,17 @@ class KVSchedulerSide:
         the workers always reject, e.g. of another chunk size, would be claimed, failed and recomputed on
         every lookup of the request).
         """
-        named = [(e, state.chunk_hash(e)) for e in range(end - 1, start, -1)]
+        names = state.names
+        named = [(e, names.name(e)) for e in range(end - 1, start, -1)]
         named = [(e, h) for e, h in named if h not in self._failed_chunks]
         if not named:
             return None
         for e, h in named:
             if h in self.resident:
                 return e, True
-        probed = self.store.contains_many([self.naming.probe_key(h) for _, h in named], shared_only=True)
+        probed = self.store.contains_many([names.probe_key(h) for _, h in named], shared_only=True)
         for (e, h), hit in zip(named, probed, strict=True):
-            if hit and all(self.store.contains_many(self.naming.chunk_keys(h), shared_only=True)):
+            if hit and all(self.store.contains_many(names.record_keys(h), shared_only=True)):
                 return e, False
         return None
 
@@ -254,7 +230,8 @@ class KVSchedulerSide:
             if cacheable and lora is not None:
                 adapter = self._adapters.digest(lora, wait_s=self.adapter_wait_s)
                 cacheable = adapter is not None  # not ready yet, or not nameable: computed as without us
-            state = _RequestState(request, cacheable=cacheable, adapter=adapter, generation=self.generation.salt)
+            names = self.naming.request_names(request.block_hashes, adapter=adapter, generation=self.generation.salt)
+            state = _RequestState(request, names, cacheable=cacheable)
             self._requests[request.request_id] = state
         return state
 
@@ -263,7 +240,7 @@ class KVSchedulerSide:
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False
-        full_ok, window_ok, resident = self._lookup(state)
+        ends, full_ok, window_ok, resident = self._lookup(state)
         stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
         state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
@@ -271,7 +248,6 @@ class KVSchedulerSide:
         state.load_chunks = []
         if not self.can_load:
             return 0, False
-        ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
         # the full-attention prefix, then the longest part of it whose end every window group can supply
         full_chunks = next((i for i, ok in enumerate(full_ok) if not ok), len(full_ok))
         hit_chunks = full_chunks
@@ -385,11 +361,11 @@ class KVSchedulerSide:
                     ids = block_ids[group.index][first:end]
                     if len(ids) != end - first or NULL_BLOCK_ID in ids:
                         break  # vLLM already let this window go: the chunk is not saved at all
-                    saves.append(ChunkSave(chunk_hash=state.chunk_hash(end), block_ids=ids, group=group.index,
+                    saves.append(ChunkSave(chunk_hash=state.names.name(end), block_ids=ids, group=group.index,
                                            first=first))
                 else:
                     plan.saves.extend(saves)
-                    self._failed_chunks.pop(state.chunk_hash(end), None)
+                    self._failed_chunks.pop(state.names.name(end), None)
         return plan if plan.loads or plan.saves else None
 
     def _group_loads(self, state: _RequestState, group: KVGroup, block_ids: list[int]) -> list[ChunkLoad]:
@@ -409,7 +385,7 @@ class KVSchedulerSide:
                     f"TieredKVConnector: group {group.index} of request {state.request.request_id} has no "
                     f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
                 )
-            loads.append(ChunkLoad(chunk_hash=state.chunk_hash(end), chunk_start=record_start, first=first,
+            loads.append(ChunkLoad(chunk_hash=state.names.name(end), chunk_start=record_start, first=first,
                                    end=last, block_ids=ids, group=group.index))
         return loads
 
@@ -489,7 +465,7 @@ class KVSchedulerSide:
         pending = set(self._whole_request_pending)
         kept = 0
         for req_id, state in self._requests.items():
-            state.generation = salt
+            state.names = state.names.in_generation(salt)
             state.stored, state.resident = [], []
             if req_id in pending:
                 continue
