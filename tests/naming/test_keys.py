@@ -65,7 +65,7 @@ def make_vllm_config(model_dir: Path, cache_dtype: str = "auto", dtype: str = "b
 def test_identity_from_real_vllm_config(tiny_model_dir: Path) -> None:
     ident = KVModelIdentity.from_vllm_config(make_vllm_config(tiny_model_dir), layout="nhd", tp_rank=0)
     weights = digest_directory(tiny_model_dir.resolve())[0]
-    # The model is named by its directory and its weights by their content (issue "Operators' day two").
+    # The model is named by its directory and its weights by their content.
     assert ident == KVModelIdentity(tiny_model_dir.name, "bfloat16", 2, 2, 64, 32, "nhd", 1, 0,
                                     weights=f"files:{weights}")
     fp8 = KVModelIdentity.from_vllm_config(make_vllm_config(tiny_model_dir, "fp8"), layout="nhd", tp_rank=0)

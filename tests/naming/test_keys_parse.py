@@ -35,7 +35,7 @@ def test_kv_key_round_trip(layer: int | None) -> None:
 
 
 def test_sliding_window_group_key_round_trip_and_differs_from_full_attention() -> None:
-    """A sliding-window group's record (issue 15) carries its group tag; the full-attention key is unchanged."""
+    """A sliding-window group's record carries its group tag; the full-attention key is unchanged."""
     chunk = bytes(range(16))
     tagged = kv_chunk_key("ns", IDENTITY, chunk, 2, "sw1024+0b32")
     plain = kv_chunk_key("ns", IDENTITY, chunk, 2)

@@ -1,4 +1,4 @@
-"""Multimodal identifiers that do not name content never reach a persistent store (issue: never a wrong hit).
+"""Multimodal identifiers that do not name content never reach a persistent store (never a wrong hit).
 
 With `mm_processor_cache_gb=0` and prefix caching off, vLLM names images by a per-process counter
 (`renderer0-mm-1-image-0`, ...). Engine A stores images 1 and 2; after a restart engine B asks for images
