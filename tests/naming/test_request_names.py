@@ -3,7 +3,7 @@
 `KVNaming.request_names` (the scheduler) and `KVNaming.prompt_names` / `prompt_keys` (`tiercache
 precompute docs`) apply every salt in one place. The expected values below were produced by the naming
 path before that call existed (the scheduler mixing the LoRA adapter digest and the generation salt around
-`KVNaming.chunk_keys`, `group_keys` and `probe_key`): a record saved by an older build must keep its name.
+the naming's key functions): a record saved by an older build must keep its name.
 """
 
 from __future__ import annotations
