@@ -94,6 +94,7 @@ class KVNaming:
 
     @property
     def groups(self) -> KVGroups:
+        """The KV cache groups a chunk's records are kept for (one full-attention group without HMA)."""
         if self.kv_groups is not None:
             return self.kv_groups
         return KVGroups.single(self.identities[0].num_layers, self.geometry.block_size)
