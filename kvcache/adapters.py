@@ -5,8 +5,9 @@ blocks' hashes change with the adapter's name and path but not with its weights.
 and written again under the same path (the everyday fine-tuning workflow, as for base weights: see
 `vllm_tiercache.shared.weights_identity`) would meet the old adapter's KV after a restart and give
 outputs that match neither adapter. So a LoRA request's chunks are named by vLLM's block hash mixed with a
-digest of the adapter's files (`adapter_chunk_hash`), computed once per file and remembered by its stat
-signature like the base weights' digest.
+digest of the adapter's files (`adapter_chunk_hash`, which `vllm_tiercache.kvcache.naming.RequestNames`
+applies with the other salts), computed once per file and remembered by its stat signature like the base
+weights' digest.
 
 An adapter vLLM loads from somewhere this process cannot read as a local directory (a hub id, a remote
 resolver) has no digest here: its requests are kept out of the store both ways (no lookup, no save) with

@@ -8,23 +8,40 @@ chunks offline, before any engine runs, to skip what is stored. All three use `K
 The rule: a prompt's full blocks are grouped into chunks of `ChunkGeometry.blocks_per_chunk` blocks; the
 last chunk may be partial, and is stored only with ``save_partial_chunks``. A chunk is named by vLLM's
 chain hash at its last block (the engine's ``request.block_hashes[end - 1]``; offline, the same hash from
-`vllm_tiercache.shared.hashing`), and stored as one record per layer and tensor-parallel rank
+`vllm_tiercache.shared.hashing`), which holds the request's extra keys (multimodal identifiers, LoRA name
+and path, ``cache_salt``), mixed with the salts vLLM's hash lacks: the LoRA adapter's content digest
+(`vllm_tiercache.kvcache.adapters`) and the weights generation after a reset
+(`vllm_tiercache.shared.generations`). It is stored as one record per layer and tensor-parallel rank
 (`vllm_tiercache.shared.keys.kv_chunk_key`). Under vLLM's hybrid KV cache manager a sliding-window
 group's records hold only the chunk's blocks inside a window, and their keys carry the group's tag
 (`vllm_tiercache.kvcache.groups`); offline naming knows no groups and names full-attention records.
+
+One call gives a request's names and keys with every salt applied: `KVNaming.request_names` (the
+scheduler, from vLLM's block hashes) or `KVNaming.prompt_names` (offline, from the prompt), both a
+`RequestNames`. The workers key records from the names in the plan with `KVNaming.record_key`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
 from vllm_tiercache.kvcache.layout import layout_tag
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.hashing import BlockExtraKeys, MMInput, block_hashes, check_seed_is_stable, chunk_boundaries
+from vllm_tiercache.shared.generations import generation_chunk_hash
+from vllm_tiercache.shared.hashing import (
+    BlockExtraKeys,
+    MMInput,
+    assert_engine_seed_matches,
+    block_hashes,
+    check_seed_is_stable,
+    chunk_boundaries,
+)
 from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key, weights_of
 from vllm_tiercache.shared.store.api import StoreKey
 
@@ -77,6 +94,7 @@ class KVNaming:
 
     @property
     def groups(self) -> KVGroups:
+        """The KV cache groups a chunk's records are kept for (one full-attention group without HMA)."""
         if self.kv_groups is not None:
             return self.kv_groups
         return KVGroups.single(self.identities[0].num_layers, self.geometry.block_size)
@@ -127,16 +145,6 @@ class KVNaming:
             for layer in group.layers
         ]
 
-    def chunk_keys(self, chunk_hash: bytes) -> list[StoreKey]:
-        """Every record of one chunk: each layer of each group and rank (loadable when all are stored)."""
-        return self.group_keys(chunk_hash, self.groups.groups)
-
-    def probe_key(self, chunk_hash: bytes) -> StoreKey:
-        """One record that stands for a chunk in a cheap first look (the first layer of the first group,
-        rank 0)."""
-        first = self.groups.groups[0]
-        return self.record_key(chunk_hash, first.layers[0], 0, first.tag)
-
     # ----------------------------------------------------------------------------------------- chunks
     def stored_chunk_ends(self, num_full_blocks: int) -> list[int]:
         """End block of every chunk a finished prefill of ``num_full_blocks`` blocks leaves stored: the
@@ -152,6 +160,19 @@ class KVNaming:
         partial = num_full_blocks % self.geometry.blocks_per_chunk and self.save_partial_chunks
         return num_full_blocks if partial else None
 
+    # ------------------------------------------------------------------------------------------ names
+    def request_names(
+        self, block_hashes: Sequence[bytes], *, adapter: str | None = None, generation: bytes | None = None
+    ) -> RequestNames:
+        """The names and keys of a request's chunks: the one call the scheduler names chunks through.
+
+        ``block_hashes``: vLLM's ``request.block_hashes`` (the engine's list, which vLLM only extends as
+        the request decodes, so later chunks are named from it too); ``adapter``: the content digest of
+        the request's LoRA adapter (`vllm_tiercache.kvcache.adapters.AdapterDigests`); ``generation``: the
+        weights generation's salt, None before the engine's first reset.
+        """
+        return RequestNames(self, block_hashes, adapter, generation)
+
     def prompt_block_hashes(self, request: Any) -> list[bytes]:
         """vLLM's block hashes of a request's prompt, computed offline as the engine's scheduler does.
 
@@ -166,13 +187,75 @@ class KVNaming:
         return block_hashes(list(request.prompt_token_ids), self.geometry.block_size, self.hash_algo,
                             extra_keys_per_block=None if extra.is_empty else extra)
 
+    def prompt_names(self, request: Any) -> RequestNames:
+        """`request_names` of a prompt named offline (`prompt_block_hashes`): no adapter, first generation."""
+        return self.request_names(self.prompt_block_hashes(request))
+
     def prompt_keys(self, request: Any) -> tuple[list[StoreKey], int]:
         """(store keys of every chunk a kv_producer saves for this request, prefix tokens a longer prompt reuses).
 
         A longer serving prompt finds every stored chunk, the partial last one included (the scheduler
         probes the shorter chunk endings after its last full-chunk hit).
         """
-        hashes = self.prompt_block_hashes(request)
-        ends = self.stored_chunk_ends(len(hashes))
-        keys = [key for end in ends for key in self.chunk_keys(hashes[end - 1])]
+        names = self.prompt_names(request)
+        ends = self.stored_chunk_ends(len(names.block_hashes))
+        keys = [key for end in ends for key in names.record_keys(names.name(end))]
         return keys, (ends[-1] * self.geometry.block_size if ends else 0)
+
+    def check_engine_hashing(self, request: Any) -> None:
+        """Refuse an engine whose block hashes are not the ones this naming expects: another hash seed than
+        ours (`assert_engine_seed_matches`), or blocks of another size than ``block_size``. Asked at the
+        first request: vLLM seeds its hashing only after it builds the connector."""
+        assert_engine_seed_matches(self.hash_algo)
+        expected = request.num_tokens // self.geometry.block_size
+        if len(request.block_hashes) != expected:
+            raise RuntimeError(
+                f"TieredKVConnector: the engine hashes {len(request.block_hashes)} blocks for a "
+                f"{request.num_tokens}-token request, not {expected} blocks of block_size="
+                f"{self.geometry.block_size}; hybrid-attention models and decode context parallelism "
+                "hash blocks of another size and are not supported"
+            )
+
+
+@dataclass(frozen=True)
+class RequestNames:
+    """One request's chunks as the store knows them: each chunk's name, and its records' keys.
+
+    Every salt is applied here and nowhere else: vLLM's block hash at the chunk's last block (its extra
+    keys already hold the multimodal identifiers, the LoRA name and path and ``cache_salt``), mixed with
+    the adapter's content digest for a LoRA request (vLLM's hash names the adapter, not its weights) and
+    with the generation's salt after a reset (vLLM's hash does not change when the weights do in place).
+    Made by `KVNaming.request_names` or `KVNaming.prompt_names`.
+    """
+
+    naming: KVNaming
+    block_hashes: Sequence[bytes]
+    #: content digest of the request's LoRA adapter; None without one
+    adapter: str | None = None
+    #: the weights generation's salt; None before the engine's first reset
+    generation: bytes | None = None
+
+    def name(self, end: int) -> bytes:
+        """The name of the chunk that ends at block ``end`` (any chunk end, full or partial)."""
+        block_hash = self.block_hashes[end - 1]
+        named = block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
+        return generation_chunk_hash(named, self.generation)
+
+    def chunks(self, num_full_blocks: int) -> list[tuple[int, bytes]]:
+        """(end block, name) of every chunk over the first ``num_full_blocks`` blocks; the last may be partial."""
+        return [(end, self.name(end)) for end in self.naming.geometry.chunk_ends(num_full_blocks)]
+
+    def record_keys(self, name: bytes, groups: tuple[KVGroup, ...] | None = None) -> list[StoreKey]:
+        """The keys of the records of the chunk named ``name`` (from `name`): each layer of ``groups``
+        (default: every group) on each rank. The chunk is loadable when all of them are stored."""
+        return self.naming.group_keys(name, self.naming.groups.groups if groups is None else groups)
+
+    def probe_key(self, name: bytes) -> StoreKey:
+        """One record that stands for the chunk named ``name`` in a cheap first look (the first layer of
+        the first group, rank 0)."""
+        first = self.naming.groups.groups[0]
+        return self.naming.record_key(name, first.layers[0], 0, first.tag)
+
+    def in_generation(self, salt: bytes | None) -> RequestNames:
+        """The same request's names in the weights generation ``salt`` (after `reset_cache`)."""
+        return dataclasses.replace(self, generation=salt)

@@ -22,31 +22,26 @@ it (``fail``). The chunks that failed are reported back and not claimed again un
 After vLLM resets the connector cache (``reset_cache``: its weights were changed in place), every chunk
 name mixes in a new generation salt (`vllm_tiercache.shared.generations` says why): the records stored
 before are never read again by this engine, and stay for the engines still running the old weights.
+
+Chunk names and record keys come from each request's `vllm_tiercache.kvcache.naming.RequestNames`, made
+once per request with every salt (LoRA adapter digest, generation): the rule the workers and `tiercache
+precompute docs` follow too. Which blocks a step loads and saves: `vllm_tiercache.kvcache.planning`.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_tiercache.kvcache.adapters import AdapterDigests, adapter_chunk_hash
-from vllm_tiercache.kvcache.groups import KVGroup
+from vllm_tiercache.kvcache.adapters import AdapterDigests
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
-from vllm_tiercache.kvcache.plan import (
-    ChunkLoad,
-    ChunkSave,
-    RequestPlan,
-    TieredKVMetadata,
-    TieredKVWorkerMetadata,
-)
-from vllm_tiercache.shared.generations import Generation, generation_chunk_hash
-from vllm_tiercache.shared.hashing import assert_engine_seed_matches
+from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
+from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import FileTier, Store
-from vllm_tiercache.shared.vllm_compat import CacheHitSource, publishable_block_count, waiting_for_remote_kv
+from vllm_tiercache.shared.vllm_compat import CacheHitSource, waiting_for_remote_kv
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -54,46 +49,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-#: vLLM's null block (`BlockPool.null_block`, the pool's first block): a table entry vLLM keeps no KV in
-NULL_BLOCK_ID = 0
-
-
-@dataclass
-class _RequestState:
-    request: Request
-    #: chunk index -> present in the store at lookup time (those are never written again)
-    stored: list[bool] = field(default_factory=list)
-    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
-    resident: list[bool] = field(default_factory=list)
-    #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
-    load_first: int = 0
-    load_end: int = 0
-    #: end block of every stored chunk the load reads from, and whether the workers' memory holds it
-    load_chunks: list[tuple[int, bool]] = field(default_factory=list)
-    #: no chunk ending at or before this block is considered for saving again: planned, or found stored
-    saved_until: int = 0
-    #: end block of the last chunk planned for saving; a new lookup, which may find the chunks passed over
-    #: as stored gone (evicted while the request was preempted), moves `saved_until` back here
-    planned_until: int = 0
-    #: no chunk can be saved before the request has this many computed blocks (0: not known yet);
-    #: lets a decode step pass over the request without planning (`KVSchedulerSide._plan`)
-    next_save_block: int = 0
-    #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
-    cacheable: bool = True
-    #: content digest of the request's LoRA adapter, None without one (`vllm_tiercache.kvcache.adapters`)
-    adapter: str | None = None
-    #: the weights generation's salt, None before the engine's first reset (`vllm_tiercache.shared.generations`)
-    generation: bytes | None = None
-
-    def chunk_hash(self, end: int) -> bytes:
-        """The name of the request's chunk that ends at block ``end``: vLLM's block hash there, mixed with
-        the adapter's digest for a LoRA request (vLLM's hash names the adapter, not its weights) and with
-        the generation's salt after a reset (vLLM's hash does not change when the weights do in place).
-        The one place chunk names are made: the workers name records from the names in the plan."""
-        block_hash = self.request.block_hashes[end - 1]
-        name = block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
-        return generation_chunk_hash(name, self.generation)
 
 
 class KVSchedulerSide:
@@ -132,7 +87,7 @@ class KVSchedulerSide:
         )
         self._checked_engine_hashing = False
         self.resident: ResidentSet[bytes] = ResidentSet()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._adapters = AdapterDigests()
         #: how long the first request of a newly loaded adapter waits for its digest (once per adapter: a
@@ -168,36 +123,23 @@ class KVSchedulerSide:
         self._kv_cache_manager = manager
 
     # ---------------------------------------------------------------------------------------- lookup
-    def _check_engine_hashing(self, request: Request) -> None:
-        """Once, at the first request (vLLM seeds NONE_HASH only after building the connector)."""
-        self._checked_engine_hashing = True
-        assert_engine_seed_matches(self.naming.hash_algo)
-        expected = request.num_tokens // self.geometry.block_size
-        if len(request.block_hashes) != expected:
-            raise RuntimeError(
-                f"TieredKVConnector: the engine hashes {len(request.block_hashes)} blocks for a "
-                f"{request.num_tokens}-token request, not {expected} blocks of block_size="
-                f"{self.geometry.block_size}; hybrid-attention models and decode context parallelism "
-                "hash blocks of another size and are not supported"
-            )
-
-    def _lookup(self, state: _RequestState) -> tuple[list[bool], list[bool], list[bool]]:
-        """Per chunk of the prompt's full blocks: are its full-attention records loadable now, are its
-        sliding-window records (True for a model without such groups), and does the workers' memory hold
-        it all? One batched store call."""
-        if not self._checked_engine_hashing:
-            self._check_engine_hashing(state.request)
-        ends = self.geometry.chunk_ends(self._prompt_full_blocks(state.request))
-        hashes = [state.chunk_hash(end) for end in ends]
-        failed = [h in self._failed_chunks for h in hashes]
-        resident = [h in self.resident and not bad for h, bad in zip(hashes, failed, strict=True)]
+    def _lookup(self, state: RequestState) -> tuple[list[int], list[bool], list[bool], list[bool]]:
+        """Per chunk of the prompt's full blocks: its end block, are its full-attention records loadable
+        now, are its sliding-window records (True for a model without such groups), and does the workers'
+        memory hold it all? One batched store call."""
+        if not self._checked_engine_hashing:  # once: vLLM seeds its hashing only after building the connector
+            self._checked_engine_hashing = True
+            self.naming.check_engine_hashing(state.request)
+        names = state.names
+        chunks = names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
+        failed = [name in self._failed_chunks for _, name in chunks]
+        resident = [name in self.resident and not bad for (_, name), bad in zip(chunks, failed, strict=True)]
         full_ok, window_ok = list(resident), list(resident)
         missing = [i for i, hit in enumerate(resident) if not hit and not failed[i]]
         if missing:
             full, sliding = self.groups.full, self.groups.sliding
             per_chunk = [
-                (self.naming.group_keys(hashes[i], full), self.naming.group_keys(hashes[i], sliding))
-                for i in missing
+                (names.record_keys(chunks[i][1], full), names.record_keys(chunks[i][1], sliding)) for i in missing
             ]
             flat = [key for keys in per_chunk for part in keys for key in part]
             found = self.store.contains_many(flat, shared_only=True)
@@ -207,7 +149,7 @@ class KVSchedulerSide:
                 offset += len(full_keys)
                 window_ok[i] = all(found[offset : offset + len(window_keys)])
                 offset += len(window_keys)
-        return full_ok, window_ok, resident
+        return [end for end, _ in chunks], full_ok, window_ok, resident
 
     def _windows_ok(self, ends: list[int], window_ok: list[bool], end: int) -> bool:
         """Can every sliding-window group supply a hit ending at block `end` (or one block before it)?
@@ -217,7 +159,7 @@ class KVSchedulerSide:
         low = end - self.groups.max_window_blocks - 1
         return all(ok for chunk_end, ok in zip(ends, window_ok, strict=False) if low < chunk_end < end + 1)
 
-    def _shorter_chunk(self, state: _RequestState, start: int, end: int) -> tuple[int, bool] | None:
+    def _shorter_chunk(self, state: RequestState, start: int, end: int) -> tuple[int, bool] | None:
         """The longest stored chunk that starts at block `start` and ends before `end`, if any.
 
         A chunk is named by the hash at its last block, so a prompt that extends a stored prompt (a RAG
@@ -227,24 +169,21 @@ class KVSchedulerSide:
         the workers always reject, e.g. of another chunk size, would be claimed, failed and recomputed on
         every lookup of the request).
         """
-        named = [(e, state.chunk_hash(e)) for e in range(end - 1, start, -1)]
+        names = state.names
+        named = [(e, names.name(e)) for e in range(end - 1, start, -1)]
         named = [(e, h) for e, h in named if h not in self._failed_chunks]
         if not named:
             return None
         for e, h in named:
             if h in self.resident:
                 return e, True
-        probed = self.store.contains_many([self.naming.probe_key(h) for _, h in named], shared_only=True)
+        probed = self.store.contains_many([names.probe_key(h) for _, h in named], shared_only=True)
         for (e, h), hit in zip(named, probed, strict=True):
-            if hit and all(self.store.contains_many(self.naming.chunk_keys(h), shared_only=True)):
+            if hit and all(self.store.contains_many(names.record_keys(h), shared_only=True)):
                 return e, False
         return None
 
-    def _prompt_full_blocks(self, request: Request) -> int:
-        num_prompt = request.num_prompt_tokens
-        return min(num_prompt // self.geometry.block_size, len(request.block_hashes))
-
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request) -> RequestState:
         """The request's state, created on first sight (when `request_cacheable` is asked, once)."""
         state = self._requests.get(request.request_id)
         if state is None:
@@ -254,7 +193,8 @@ class KVSchedulerSide:
             if cacheable and lora is not None:
                 adapter = self._adapters.digest(lora, wait_s=self.adapter_wait_s)
                 cacheable = adapter is not None  # not ready yet, or not nameable: computed as without us
-            state = _RequestState(request, cacheable=cacheable, adapter=adapter, generation=self.generation.salt)
+            names = self.naming.request_names(request.block_hashes, adapter=adapter, generation=self.generation.salt)
+            state = RequestState(request, names, cacheable=cacheable)
             self._requests[request.request_id] = state
         return state
 
@@ -263,15 +203,13 @@ class KVSchedulerSide:
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False
-        full_ok, window_ok, resident = self._lookup(state)
+        ends, full_ok, window_ok, resident = self._lookup(state)
         stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
         state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
-        state.load_first = state.load_end = 0
-        state.load_chunks = []
+        state.forget_load()
         if not self.can_load:
             return 0, False
-        ends = self.geometry.chunk_ends(self._prompt_full_blocks(request))
         # the full-attention prefix, then the longest part of it whose end every window group can supply
         full_chunks = next((i for i, ok in enumerate(full_ok) if not ok), len(full_ok))
         hit_chunks = full_chunks
@@ -296,8 +234,7 @@ class KVSchedulerSide:
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self._state(request)
         if num_external_tokens == 0:
-            state.load_first = state.load_end = 0
-            state.load_chunks = []
+            state.forget_load()
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
@@ -328,9 +265,8 @@ class KVSchedulerSide:
                 block_ids = self._block_ids(req_id)
                 plan = RequestPlan(req_id=req_id, whole_request=True)
                 for group in self.groups.groups:
-                    plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
-                state.load_first = state.load_end = 0
-                state.load_chunks = []
+                    plan.loads.extend(group_loads(state, group, block_ids[group.index], self.geometry))
+                state.forget_load()
                 meta.requests.append(plan)
         computed_before: dict[str, int] = {
             new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
@@ -355,7 +291,7 @@ class KVSchedulerSide:
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
-    def _plan(self, state: _RequestState, computed_before: int, computed_after: int) -> RequestPlan | None:
+    def _plan(self, state: RequestState, computed_before: int, computed_after: int) -> RequestPlan | None:
         """The request's loads and saves this step; None when it has neither (most decode steps, which
         leave after two comparisons: no load planned, and fewer computed blocks than the next chunk
         end that could be saved)."""
@@ -367,100 +303,22 @@ class KVSchedulerSide:
         request = state.request
         plan = RequestPlan(req_id=request.request_id)
         block_ids: tuple[list[int], ...] | None = None
-        geometry = self.geometry
         if loading:
             block_ids = self._block_ids(request.request_id)
             for group in self.groups.groups:
-                plan.loads.extend(self._group_loads(state, group, block_ids[group.index]))
-            state.load_first = state.load_end = 0
-            state.load_chunks = []
+                plan.loads.extend(group_loads(state, group, block_ids[group.index], self.geometry))
+            state.forget_load()
         if self.can_save:
-            for end in self._chunks_to_save(state, computed_after):
+            for end in chunks_to_save(state, computed_after, self.naming, save_decode=self.save_decode,
+                                      volatile_decode_tail=self.volatile_decode_tail):
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
-                start = geometry.chunk_start(end)
-                saves = []
-                for group in self.groups.groups:
-                    first = group.record_start(start, end)
-                    ids = block_ids[group.index][first:end]
-                    if len(ids) != end - first or NULL_BLOCK_ID in ids:
-                        break  # vLLM already let this window go: the chunk is not saved at all
-                    saves.append(ChunkSave(chunk_hash=state.chunk_hash(end), block_ids=ids, group=group.index,
-                                           first=first))
-                else:
+                name = state.names.name(end)
+                saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
+                if saves is not None:
                     plan.saves.extend(saves)
-                    self._failed_chunks.pop(state.chunk_hash(end), None)
+                    self._failed_chunks.pop(name, None)
         return plan if plan.loads or plan.saves else None
-
-    def _group_loads(self, state: _RequestState, group: KVGroup, block_ids: list[int]) -> list[ChunkLoad]:
-        """One group's loads for the planned hit: full attention every block of [load_first, load_end), a
-        sliding window only the blocks vLLM allocated inside the window at the hit's end."""
-        loads = []
-        low = group.load_first(state.load_first, state.load_end)
-        for end, _ in state.load_chunks:
-            start = self.geometry.chunk_start(end)
-            record_start = group.record_start(start, end)
-            first, last = max(record_start, low), min(end, state.load_end)
-            if last <= first:
-                continue
-            ids = block_ids[first:last]
-            if len(ids) != last - first or NULL_BLOCK_ID in ids:
-                raise RuntimeError(
-                    f"TieredKVConnector: group {group.index} of request {state.request.request_id} has no "
-                    f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
-                )
-            loads.append(ChunkLoad(chunk_hash=state.chunk_hash(end), chunk_start=record_start, first=first,
-                                   end=last, block_ids=ids, group=group.index))
-        return loads
-
-    def _chunks_to_save(self, state: _RequestState, computed_after: int) -> list[int]:
-        """End blocks of chunks whose KV is complete after this step and not yet stored or planned.
-
-        Only publishable blocks count (`vllm_tiercache.shared.vllm_compat.publishable_block_count`: vLLM may hash blocks
-        whose drafter KV is not materialized yet), and with `volatile_decode_tail` a decoding request's
-        last full chunk past the prompt waits for the next one (the rule vLLM's OffloadingConnector
-        follows for EAGLE groups).
-
-        Runs for every scheduled request on every step, decode steps included, so it only looks at chunk
-        ends past `saved_until` (constant time once a request's chunks are planned: a scan of every chunk
-        end cost a 64-chunk request 9 us a step). Chunks found stored at lookup are passed over for good:
-        `saved_until` moves past them here, and past every chunk it returns.
-        """
-        request = state.request
-        block_size = self.geometry.block_size
-        per_chunk = self.geometry.blocks_per_chunk
-        prompt_blocks = self._prompt_full_blocks(request)
-        limit = len(request.block_hashes) if self.save_decode else prompt_blocks
-        limit = min(limit, publishable_block_count(request))
-        computed_blocks = min(computed_after // block_size, limit)
-        ends = list(range(self.geometry.next_full_end(state.saved_until), computed_blocks + 1, per_chunk))
-        if ends and self.volatile_decode_tail and computed_after > request.num_prompt_tokens:
-            volatile_end = computed_blocks // per_chunk * per_chunk
-            ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
-        # The partial last chunk, if the naming stores one, once the whole prompt is computed.
-        partial = self.naming.stored_partial_end(prompt_blocks)
-        if partial is not None and computed_after >= request.num_prompt_tokens and (
-            state.saved_until < partial <= computed_blocks
-        ):
-            ends.append(partial)  # never among the full chunk ends above
-        stored = state.stored
-        to_save = []
-        for end in ends:
-            index = (end - 1) // per_chunk  # the chunk's index among the prompt's chunk ends
-            if not (end <= prompt_blocks and index < len(stored) and stored[index]):
-                to_save.append(end)
-        if ends:
-            state.saved_until = max(state.saved_until, *ends)
-        if to_save:
-            state.planned_until = max(state.planned_until, *to_save)
-        # The next chunk end past saved_until that could ever be saved (a volatile tail left for the
-        # next step is one: it is not past the computed blocks, so the next step plans again).
-        next_full = self.geometry.next_full_end(state.saved_until)
-        if next_full > request.num_prompt_tokens // block_size and not self.save_decode:
-            next_full = sys.maxsize  # the prompt's full chunks are all planned or stored
-        pending_partial = partial is not None and partial > state.saved_until
-        state.next_save_block = min(next_full, partial) if pending_partial else next_full
-        return to_save
 
     # ----------------------------------------------------------------------------------------- reset
     def reset_cache(self) -> bool:
@@ -489,12 +347,11 @@ class KVSchedulerSide:
         pending = set(self._whole_request_pending)
         kept = 0
         for req_id, state in self._requests.items():
-            state.generation = salt
+            state.names = state.names.in_generation(salt)
             state.stored, state.resident = [], []
             if req_id in pending:
                 continue
-            state.load_first = state.load_end = 0
-            state.load_chunks = []
+            state.forget_load()
             if state.request.num_computed_tokens > 0 or waiting_for_remote_kv(state.request):
                 state.cacheable = False
                 kept += 1

@@ -257,7 +257,7 @@ def test_every_reset_draws_a_new_salt(tmp_path: Path) -> None:
         names = set()
         for _ in range(3):
             side.reset_cache()
-            names.add(side._state(request).chunk_hash(4))
+            names.add(side._state(request).names.name(4))
         assert len(names) == 3 and request.block_hashes[3] not in names
         assert all(len(name) == len(request.block_hashes[3]) for name in names)
         assert side.take_counters() == {"generation_resets": 3}

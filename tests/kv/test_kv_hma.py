@@ -30,7 +30,7 @@ from tests.support.real_scheduler import hashed_request, real_scheduler, schedul
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroups
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
-from vllm_tiercache.kvcache.scheduler import NULL_BLOCK_ID
+from vllm_tiercache.kvcache.planning import NULL_BLOCK_ID
 from vllm_tiercache.tools.tiny_models.gemma3 import TinyGemma3Spec, make_tiny_gemma3
 
 BLOCK, CHUNK, WINDOW = 32, 128, 64  # 4 blocks per chunk; the window keeps 2 blocks below a hit's end

@@ -1,0 +1,154 @@
+"""What the KV scheduler side remembers per request, and how it turns that into one step's loads and saves.
+
+Why apart from `vllm_tiercache.kvcache.scheduler`: the scheduler side decides *whether* a request is
+looked up, hit or planned this step; this module holds the arithmetic of *which* blocks a planned request
+loads and saves (per KV cache group, per chunk), which tests and the per-step cost depend on and which
+reads nothing but the request's state, the naming and the block table. The chunk names in the plan come
+from the request's `vllm_tiercache.kvcache.naming.RequestNames`, the one place chunks are named.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, RequestNames
+from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave
+from vllm_tiercache.shared.vllm_compat import publishable_block_count
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: vLLM's null block (`BlockPool.null_block`, the pool's first block): a table entry vLLM keeps no KV in
+NULL_BLOCK_ID = 0
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side knows of one request between its lookup and its last step."""
+
+    request: Request
+    #: the request's chunk names and record keys, every salt applied (the one naming rule)
+    names: RequestNames
+    #: chunk index -> present in the store at lookup time (those are never written again)
+    stored: list[bool] = field(default_factory=list)
+    #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
+    resident: list[bool] = field(default_factory=list)
+    #: blocks [load_first, load_end) are to be loaded in the request's next scheduled step
+    load_first: int = 0
+    load_end: int = 0
+    #: end block of every stored chunk the load reads from, and whether the workers' memory holds it
+    load_chunks: list[tuple[int, bool]] = field(default_factory=list)
+    #: no chunk ending at or before this block is considered for saving again: planned, or found stored
+    saved_until: int = 0
+    #: end block of the last chunk planned for saving; a new lookup, which may find the chunks passed over
+    #: as stored gone (evicted while the request was preempted), moves `saved_until` back here
+    planned_until: int = 0
+    #: no chunk can be saved before the request has this many computed blocks (0: not known yet);
+    #: lets a decode step pass over the request without planning (`KVSchedulerSide.build_connector_meta`)
+    next_save_block: int = 0
+    #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
+    cacheable: bool = True
+
+    def forget_load(self) -> None:
+        """No load planned any more (it was planned into a step, or the lookup's hit was not used)."""
+        self.load_first = self.load_end = 0
+        self.load_chunks = []
+
+
+def prompt_full_blocks(request: Request, block_size: int) -> int:
+    """The prompt's full blocks that vLLM has hashed: the blocks chunks are cut from."""
+    return min(request.num_prompt_tokens // block_size, len(request.block_hashes))
+
+
+def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geometry: ChunkGeometry) -> list[ChunkLoad]:
+    """One group's loads for the planned hit: full attention every block of [load_first, load_end), a
+    sliding window only the blocks vLLM allocated inside the window at the hit's end."""
+    loads = []
+    low = group.load_first(state.load_first, state.load_end)
+    for end, _ in state.load_chunks:
+        start = geometry.chunk_start(end)
+        record_start = group.record_start(start, end)
+        first, last = max(record_start, low), min(end, state.load_end)
+        if last <= first:
+            continue
+        ids = block_ids[first:last]
+        if len(ids) != last - first or NULL_BLOCK_ID in ids:
+            raise RuntimeError(
+                f"TieredKVConnector: group {group.index} of request {state.request.request_id} has no "
+                f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
+            )
+        loads.append(ChunkLoad(chunk_hash=state.names.name(end), chunk_start=record_start, first=first,
+                               end=last, block_ids=ids, group=group.index))
+    return loads
+
+
+def chunk_saves(
+    name: bytes, end: int, groups: KVGroups, geometry: ChunkGeometry, block_ids: tuple[list[int], ...]
+) -> list[ChunkSave] | None:
+    """The saves of the chunk named ``name`` that ends at block ``end``, one per KV cache group; None when
+    vLLM already let a group's blocks go (a sliding window past the chunk): the chunk is not saved at all."""
+    start = geometry.chunk_start(end)
+    saves = []
+    for group in groups.groups:
+        first = group.record_start(start, end)
+        ids = block_ids[group.index][first:end]
+        if len(ids) != end - first or NULL_BLOCK_ID in ids:
+            return None
+        saves.append(ChunkSave(chunk_hash=name, block_ids=ids, group=group.index, first=first))
+    return saves
+
+
+def chunks_to_save(
+    state: RequestState, computed_after: int, naming: KVNaming, *, save_decode: bool, volatile_decode_tail: bool
+) -> list[int]:
+    """End blocks of chunks whose KV is complete after this step and not yet stored or planned.
+
+    Only publishable blocks count (`vllm_tiercache.shared.vllm_compat.publishable_block_count`: vLLM may hash blocks
+    whose drafter KV is not materialized yet), and with ``volatile_decode_tail`` a decoding request's
+    last full chunk past the prompt waits for the next one (the rule vLLM's OffloadingConnector
+    follows for EAGLE groups).
+
+    Runs on every step that loads for the request or reaches its `next_save_block`, so it only looks at
+    chunk ends past `saved_until` (constant time once a request's chunks are planned, whatever the
+    prompt's length). Chunks found stored at lookup are passed over for good: `saved_until` moves past them here,
+    and past every chunk it returns. Sets `next_save_block`, below which a step plans nothing.
+    """
+    request = state.request
+    geometry = naming.geometry
+    block_size = geometry.block_size
+    per_chunk = geometry.blocks_per_chunk
+    prompt_blocks = prompt_full_blocks(request, block_size)
+    limit = len(request.block_hashes) if save_decode else prompt_blocks
+    limit = min(limit, publishable_block_count(request))
+    computed_blocks = min(computed_after // block_size, limit)
+    ends = list(range(geometry.next_full_end(state.saved_until), computed_blocks + 1, per_chunk))
+    if ends and volatile_decode_tail and computed_after > request.num_prompt_tokens:
+        volatile_end = computed_blocks // per_chunk * per_chunk
+        ends = [end for end in ends if end != volatile_end or end <= prompt_blocks]
+    # The partial last chunk, if the naming stores one, once the whole prompt is computed.
+    partial = naming.stored_partial_end(prompt_blocks)
+    if partial is not None and computed_after >= request.num_prompt_tokens and (
+        state.saved_until < partial <= computed_blocks
+    ):
+        ends.append(partial)  # never among the full chunk ends above
+    stored = state.stored
+    to_save = []
+    for end in ends:
+        index = (end - 1) // per_chunk  # the chunk's index among the prompt's chunk ends
+        if not (end <= prompt_blocks and index < len(stored) and stored[index]):
+            to_save.append(end)
+    if ends:
+        state.saved_until = max(state.saved_until, *ends)
+    if to_save:
+        state.planned_until = max(state.planned_until, *to_save)
+    # The next chunk end past saved_until that could ever be saved (a volatile tail left for the
+    # next step is one: it is not past the computed blocks, so the next step plans again).
+    next_full = geometry.next_full_end(state.saved_until)
+    if next_full > request.num_prompt_tokens // block_size and not save_decode:
+        next_full = sys.maxsize  # the prompt's full chunks are all planned or stored
+    pending_partial = partial is not None and partial > state.saved_until
+    state.next_save_block = min(next_full, partial) if pending_partial else next_full
+    return to_save
