@@ -243,6 +243,7 @@ def test_memory_only_ec_both_hits_across_scheduler_worker_split(
     assert st["loads"] == len(seeds) and st["load_failures"] == 0 and st["recomputed"] == 0, st
 
 
+@pytest.mark.engine
 def test_memory_only_ec_both_hits_beside_the_kv_connector_on_one_store(
     tiny_blip2: Path, tmp_path: Path
 ) -> None:

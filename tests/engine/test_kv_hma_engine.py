@@ -19,6 +19,8 @@ from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.tiny_models.gemma3 import make_tiny_gemma3
 from vllm_tiercache.tools.tiny_models.granite_hybrid import make_tiny_granite_hybrid
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 HMA_OFF = "Turning off hybrid kv cache manager"

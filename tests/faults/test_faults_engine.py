@@ -267,6 +267,7 @@ def test_redis_killed_and_restarted_under_a_live_server(
 HANG_NOISE_S = 1.5
 
 
+@pytest.mark.serial
 @pytest.mark.engine
 @pytest.mark.redis
 @pytest.mark.parametrize("shape", ["server", "cluster"])

@@ -37,6 +37,8 @@ from vllm_tiercache.shared.config import DiskTierConfig
 from vllm_tiercache.shared.store import DiskTier, build_store
 from vllm_tiercache.shared.store.disk_index import DiskIndex
 
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 #: SIGKILLs injected into disk writers (the issue asks for at least 20).
 KILLS = 24

@@ -16,6 +16,8 @@ import pytest
 from tests.fixtures.models import run_engine
 from vllm_tiercache.shared.stats_dump import read_stats
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32
 NAMESPACE = "kvtest"
 

@@ -21,7 +21,7 @@ import torch
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.store import RedisTier, StoreKey, TieredStore
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.serial]
 
 BUDGET_MS = 30.0
 #: What a bounded call may take beyond its budget: thread hand-offs on a loaded CI machine, not network.

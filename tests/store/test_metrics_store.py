@@ -146,6 +146,7 @@ def test_a_worker_that_counted_nothing_still_writes_every_counter(tmp_path: Path
     assert stats["counters"]["saved_chunks"] == 0 and stats["counters"]["dropped_saves"] == 0, stats["counters"]
 
 
+@pytest.mark.serial
 @pytest.mark.redis
 def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Path, redis_url: str,
                                                                     redis_server: Any) -> None:
@@ -184,6 +185,7 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         store.close()
 
 
+@pytest.mark.serial
 def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
     """Every step asks; the report is built and compared at most once per interval, and a change made
     meanwhile is sent at the first look after it (never lost, never sent twice)."""

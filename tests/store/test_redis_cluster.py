@@ -23,6 +23,8 @@ from vllm_tiercache.shared.store.redis_errors import BUG, DOWN, ERROR, classify
 from vllm_tiercache.shared.store.tiered import TieredStore
 from vllm_tiercache.tools.redis_server import LocalRedisCluster
 
+pytestmark = pytest.mark.serial
+
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.engine
 def test_quick_run_pairs_each_tiered_hit_with_a_resident_hit_in_its_own_engine(tmp_path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv", "--quick", "--cases",

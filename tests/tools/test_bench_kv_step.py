@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.engine
 def test_quick_run_counts_the_connectors_calls_per_decode_step() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--quick", "--json"],
