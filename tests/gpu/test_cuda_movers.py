@@ -198,7 +198,7 @@ def test_a_disk_record_read_into_pinned_memory_loads_directly_and_outlives_its_p
     data = torch.randn(4 + len(ids), *layer.shape[1:]).to(torch.float16)  # the load skips its first 4 blocks
     mover = make_mover(device)
     tier = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=64 << 20))
-    tier.payload_allocator = mover.host_bytes
+    tier.set_payload_allocator(mover.host_bytes)
     key = StoreKey("gpu|disk|held")
     tier.put_many([(key, data, None)])
     record = tier.get_many([key])[0]

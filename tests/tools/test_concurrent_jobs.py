@@ -91,7 +91,8 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
             "kv": {"kv_connector": "TieredKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": store}}
     stats_dir = tmp_path / "serving-stats"
     serving_log = open(tmp_path / "serving.log", "wb")
-    serving = subprocess.Popen([sys.executable, str(ROOT / "tests" / "test_precompute.py"), json.dumps(spec)], cwd=ROOT,
+    engine_script = ROOT / "tests" / "tools" / "test_precompute.py"
+    serving = subprocess.Popen([sys.executable, str(engine_script), json.dumps(spec)], cwd=ROOT,
                                env=_env(TIERCACHE_STATS_DIR=str(stats_dir)), stdout=serving_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     job_cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", "docs", "--model", model, "--docs",
