@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, as `make test` and CI run it, in two passes:
 #  1. every test not marked `serial`, on $TEST_WORKERS pytest-xdist workers (default 2). Whole modules go to
-#     one worker (--dist loadscope), so a module's shared engine or server still starts once, and the
-#     engine modules are handed out first (tests/conftest.py orders them), so the long ones do not finish
-#     last on one worker while the other idles. Engine start-up is mostly one busy thread (imports, model
-#     load, warm-up), so two of them side by side on two cores take little longer than one.
+#     one worker (--dist loadscope), so a module's shared engine or server still starts once. The engine
+#     modules are handed out first, in the order tests/conftest.py puts them (--no-loadscope-reorder keeps
+#     it; xdist would otherwise send the modules with the most tests first, the unit tests, and leave the
+#     engine modules to the end, one worker finishing them while the other idles). An engine's start is
+#     mostly one busy thread (three interpreters importing vLLM in turn), so two side by side on two cores
+#     keep both cores busy.
 #  2. the tests marked `serial`, alone: their assertions depend on time (a read timeout against a hung
 #     or failing-over server, a lookup budget), which a second engine beside them would stretch.
 # Both passes always run; the script fails if either failed or collected nothing.
@@ -12,10 +14,10 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORKERS=${TEST_WORKERS:-2}
-ARGS=(-q -p no:cacheprovider "$@")
+ARGS=(-q -p no:cacheprovider --durations=15 "$@")
 
 echo "tiercache test: pass 1 of 2, tests not marked serial, on $WORKERS workers"
-"$PY" -m pytest "${ARGS[@]}" -n "$WORKERS" --dist loadscope -m "not serial" tests
+"$PY" -m pytest "${ARGS[@]}" -n "$WORKERS" --dist loadscope --no-loadscope-reorder -m "not serial" tests
 first=$?
 echo "tiercache test: pass 2 of 2, tests marked serial, one at a time"
 "$PY" -m pytest "${ARGS[@]}" -m serial tests
