@@ -100,7 +100,9 @@ def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
         try:
             shared = bool(tier_class(tc.kind).shared_across_processes)
         except Exception:  # a tier whose module does not import here can't be built here either; counted
-            shared = True  # shared, as every built-in kind but memory is (whose imports this module has made)
+            # as shared: the memory tier's module needs nothing this store lacks, so only another kind can
+            # fail to import, and every other built-in kind is shared
+            shared = True
         capacity = getattr(tc, "capacity", None)
         out.append((name, capacity if isinstance(capacity, int) else None, shared))
     return out
