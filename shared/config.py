@@ -45,7 +45,9 @@ Environment overrides (applied last, over every source above):
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -92,9 +94,11 @@ MIN_LOOKUP_BUDGET_MS, MAX_LOOKUP_BUDGET_MS = 1.0, 60000.0
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
 
-#: the built-in tier configs, told apart by ``kind`` (a kind registered at runtime brings its own class,
-#: which the registry finds: `_parse_tiers`)
-TierConfig = Annotated[MemoryTierConfig | DiskTierConfig | GdsTierConfig | RedisTierConfig, Field(discriminator="kind")]
+#: the built-in tier configs, told apart by ``kind``: the config class of each kind the package registers,
+#: read from the registry, so a built-in kind is one registry line here too (a kind registered at runtime
+#: brings its own class, which the registry finds: `_parse_tiers`)
+TierConfig = Annotated[functools.reduce(operator.or_, (registry.config_class(kind) for kind in TIER_KINDS)),
+                       Field(discriminator="kind")]
 
 
 def default_tiers() -> list[dict[str, Any]]:

@@ -395,3 +395,15 @@ def test_a_slow_adapter_digest_never_stalls_the_scheduler(side, tmp_path, monkey
     side.update_state_after_alloc(later, 0)
     (plan,) = side.build_connector_meta(step([("slow-2", 0)], [], {"slow-2": 300})).requests
     assert plan.saves and plan.saves[0].chunk_hash != later.block_hashes[3]
+
+
+def test_vllm_extends_a_requests_block_hashes_in_place() -> None:
+    """The scheduler's `RequestNames` keeps the request's ``block_hashes`` list and names the chunks that
+    decode completes from it later: vLLM must extend that very list as tokens arrive. A vLLM that replaced
+    the list would leave those names stale; this fails first."""
+    request = make_request("in-place", list(range(2 * BLOCK)))
+    hashes = request.block_hashes
+    assert len(hashes) == 2
+    request.append_output_token_ids(list(range(BLOCK)))
+    assert request.block_hashes is hashes
+    assert len(hashes) == 3
