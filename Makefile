@@ -27,7 +27,7 @@ redis:
 test: setup
 	PY=$(PY) bash scripts/run_tests.sh
 
-# The inner loop: every test that starts no vLLM engine (about a minute or two on 2 cores).
+# The inner loop: every test that starts no vLLM engine (about 2.5 min on a 2-core machine).
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $${TEST_WORKERS:-2} -m "not engine" tests
 
