@@ -85,7 +85,8 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
     pool = ThreadPoolExecutor(max_workers=1)
     base_future = pool.submit(_run_engine, tmp_path, "baseline", model=model, engine=LLAMA_ENGINE, prompts=prompts)
 
-    # The serving engine: kv_both over SERVING_ROUNDS rounds of the prompts, one request at a time.
+    # The serving engine: kv_both over SERVING_ROUNDS rounds of the prompts, one request at a time, in one
+    # process like the baseline (the layouts whose tokens are compared are the same).
     spec = {"model": model, "engine": LLAMA_ENGINE, "prompts": prompts * SERVING_ROUNDS,
             "out": str(tmp_path / "serving.json"),
             "kv": {"kv_connector": "TieredKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": store}}
@@ -93,7 +94,8 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
     serving_log = open(tmp_path / "serving.log", "wb")
     engine_script = ROOT / "tests" / "tools" / "test_precompute.py"
     serving = subprocess.Popen([sys.executable, str(engine_script), json.dumps(spec)], cwd=ROOT,
-                               env=_env(TIERCACHE_STATS_DIR=str(stats_dir)), stdout=serving_log,
+                               env=_env(TIERCACHE_STATS_DIR=str(stats_dir), VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                               stdout=serving_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     job_cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", "docs", "--model", model, "--docs",
                str(tmp_path / "docs"), "--config", json.dumps(store), "--engine-args", json.dumps(LLAMA_ENGINE),

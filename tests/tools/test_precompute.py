@@ -58,8 +58,11 @@ def _engine_main(spec: dict) -> None:
 
 
 def _run_engine(work: Path, name: str, env_extra: dict | None = None, **spec) -> dict:
+    """One engine in a fresh process, in that one process (vLLM's uniproc executor, as the precompute job
+    runs its own engine: see `tests.fixtures.models.run_engine` for why)."""
     spec["out"] = str(work / f"{name}.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env_extra or {})}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{name} engine failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -220,9 +223,8 @@ def test_precompute_images_then_consumer_hits_every_image(tiny_blip2: Path, tmp_
                                            {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}]}
     model = str(tiny_blip2)
     prompts = [{"prompt": rag_prompt("", QUESTION).lstrip(), "image": str(p)} for p in images]
-    uniproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
-    base = _run_engine(tmp_path, "baseline", uniproc, model=model, engine=BLIP_ENGINE, prompts=prompts)
+    base = _run_engine(tmp_path, "baseline", model=model, engine=BLIP_ENGINE, prompts=prompts)
     assert len({tuple(t) for t in base["tokens"]}) > 1, "images must change tokens"
 
     job_args = ["images", "--model", model, "--images", str(tmp_path / "images"), "--config", json.dumps(store),
@@ -234,7 +236,7 @@ def test_precompute_images_then_consumer_hits_every_image(tiny_blip2: Path, tmp_
     assert "not a readable image" in summary["failed"][0]["reason"]
     assert summary["bytes_stored"] > 0
 
-    cons = _run_engine(tmp_path, "consumer", uniproc, model=model, engine=BLIP_ENGINE, prompts=prompts, ec=store)
+    cons = _run_engine(tmp_path, "consumer", model=model, engine=BLIP_ENGINE, prompts=prompts, ec=store)
     assert cons["tokens"] == base["tokens"]
     st = cons["ec_stats"]
     assert st["hits"] == len(images) and st["loads"] == len(images)
