@@ -100,11 +100,12 @@ def _records(disk: Path) -> int:
 
 
 def _start_engine(spec: dict[str, Any], work: Path, name: str) -> subprocess.Popen[bytes]:
-    """`tests.support.engine_job` in its own process group (the engine core and worker die with it)."""
+    """`tests.support.engine_job` in its own process group, in that one process like the consumer and the
+    baseline (`run_engine`'s default): SIGKILL stops the worker side's writer wherever it is."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("TIERCACHE_STATS_DIR", None)
     with open(work / f"{name}.log", "wb") as log:
         job = [sys.executable, "-m", "tests.support.engine_job", str(spec_path), str(work / f"{name}.out")]

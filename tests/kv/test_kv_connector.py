@@ -2,6 +2,9 @@
 
 One baseline engine without a connector gives the reference tokens; a producer saves; consumers in new
 processes (disk, Redis, corrupted disk) must produce the same greedy tokens while loading the prefix.
+These engines keep vLLM's default process layout (engine core and worker in processes of their own, the
+connector's worker side apart from its scheduler side), which the other offline-engine tests trade for
+one process to start faster.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.models import run_engine
+from tests.fixtures.models import run_engine as run_one_process_engine
 from vllm_tiercache.shared.stats_dump import read_stats
 
 pytestmark = pytest.mark.engine
 
 BLOCK = 32
 NAMESPACE = "kvtest"
+
+
+def run_engine(spec: dict, workdir: Path, **kwargs: object) -> dict:
+    """`tests.fixtures.models.run_engine` in vLLM's default (multiproc) layout."""
+    return run_one_process_engine(spec, workdir, multiproc=True, **kwargs)  # type: ignore[arg-type]
 
 
 def _prompts() -> list[list[int]]:
