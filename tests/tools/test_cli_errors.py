@@ -2,12 +2,16 @@
 status 2, never a traceback; and `tiercache --version`.
 
 Why subprocesses: what the operator sees is the process's stderr and exit status; an exception that
-`main` lets through shows as a traceback and status 1 there, which an in-process call would hide.
+`main` lets through shows as a traceback and status 1 there. The tables of bad values per option run
+`cli.main` in this process instead (`tiercache_here`: same parser, same handler, same stderr line, an
+escaped exception fails the test), about 2 CPU-s less each; every command family keeps a subprocess case.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -24,6 +28,17 @@ REPO = Path(__file__).resolve().parents[2]
 def tiercache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def tiercache_here(*args: str) -> subprocess.CompletedProcess:
+    """`cli.main(args)` in this process, as a `CompletedProcess` (argparse's exits become the status)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["tiercache", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *pieces: str) -> str:
@@ -64,7 +79,7 @@ def test_version_prints_the_installed_distribution_version(capsys) -> None:
 ], ids=["repeat-0", "repeat-many", "sizes-1XB", "sizes-empty", "sizes-0", "tiers-ssd", "tiers-empty",
         "tiers-nvme", "redis-url-http", "cluster-without-redis"])
 def test_bench_tiers_bad_arguments(args: list[str], pieces: list[str]) -> None:
-    assert_one_line_error(tiercache("bench", "tiers", *args), *pieces)
+    assert_one_line_error(tiercache_here("bench", "tiers", *args), *pieces)
 
 
 def test_bench_tiers_unusable_dir_and_unreachable_redis(tmp_path: Path) -> None:
@@ -88,7 +103,7 @@ def test_bench_tiers_unusable_dir_and_unreachable_redis(tmp_path: Path) -> None:
 ], ids=["policy-capacities-0", "policy-requests-3", "policy-exponents-nan", "policy-max-overlap-0",
         "ec-repeats-0", "images-batch-size-0", "docs-block-size-negative"])
 def test_numeric_options_are_bounded(args: list[str]) -> None:
-    assert_one_line_error(tiercache(*args), "invalid value", "allowed:")
+    assert_one_line_error(tiercache_here(*args), "invalid value", "allowed:")
 
 
 def test_unknown_and_incomplete_commands() -> None:
@@ -127,7 +142,18 @@ def test_stats_and_evict_with_an_unusable_disk_path(tmp_path: Path) -> None:
     (["evict", "--config", '{"tiers": [{"kind": "memory"}]}', "--namespace", ""], ["--namespace", "non-empty"]),
 ])
 def test_stats_and_evict_usage_and_config_errors(args: list[str], pieces: list[str]) -> None:
-    assert_one_line_error(tiercache(*args), *pieces)
+    assert_one_line_error(tiercache_here(*args), *pieces)
+
+
+def test_each_command_family_refuses_a_bad_value_in_its_own_process() -> None:
+    """The in-process tables above, one case each through `python -m vllm_tiercache.tools.cli`."""
+    assert_one_line_error(tiercache("bench", "tiers", "--repeat", "0"), "--repeat", "invalid value '0'")
+    assert_one_line_error(tiercache("bench", "policy", "--requests", "3", "--images", "10"), "invalid value")
+    assert_one_line_error(tiercache("precompute", "docs", "--model", "m", "--docs", "x", "--config", "{}",
+                                    "--block-size", "-16"), "invalid value", "allowed:")
+    assert_one_line_error(tiercache("stats", "--config", "{not json"), "--config: inline JSON is invalid")
+    assert_one_line_error(tiercache("evict", "--config", '{"tiers": [{"kind": "memory"}]}'),
+                          "give at least one of --namespace")
 
 
 # ------------------------------------------------------------------------------------ the one handler
