@@ -1,6 +1,12 @@
 """Test-suite wiring. Each fixture module belongs to one feature; see tests/fixtures/."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+from tests.support.engine_guard.sitecustomize import GUARD_ENV, refusal
 
 pytest_plugins = [
     "tests.fixtures.redis",
@@ -24,3 +30,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """
     engine_modules = {item.module.__name__ for item in items if item.get_closest_marker("engine") and item.module}
     items.sort(key=lambda item: (item.module.__name__ if item.module else "") not in engine_modules)
+
+
+_ENGINE_GUARD_DIR = str(Path(__file__).parent / "support" / "engine_guard")
+
+
+@pytest.fixture(autouse=True)
+def _engine_marker_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the `engine` marker may not start a vLLM engine (tests/support/engine_guard says why).
+
+    Its child processes get the guard through PYTHONPATH (a launcher that replaces PYTHONPATH instead of
+    extending it escapes it); in this process, vLLM's `EngineCore` is guarded when vLLM is loaded already.
+    """
+    if request.node.get_closest_marker("engine"):
+        return
+    monkeypatch.setenv(GUARD_ENV, request.node.nodeid)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [_ENGINE_GUARD_DIR, os.environ.get("PYTHONPATH")])))
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None:
+        monkeypatch.setattr(core.EngineCore, "__init__", refusal(request.node.nodeid))
