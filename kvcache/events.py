@@ -117,6 +117,14 @@ class KVEventLedger:
                 self.removed(oldest, medium)
             self._payloads.pop(oldest, None)
 
+    def adopt(self, name: bytes, payload: ChunkPayload) -> None:
+        """Remember a payload read back from the journal (`vllm_tiercache.kvcache.event_journal`)."""
+        if name not in self._payloads:
+            self._payloads[name] = payload
+
+    def payload(self, name: bytes) -> ChunkPayload | None:
+        return self._payloads.get(name)
+
     def knows(self, name: bytes) -> bool:
         return name in self._payloads
 

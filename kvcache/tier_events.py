@@ -13,6 +13,8 @@ process learns anyway:
   finds an announced chunk gone withdraws it. Records another process drops (`tiercache evict`, a disk
   LRU of another engine, a corrupt record deleted by a reader) are found by a sweep: every
   ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again.
+- at start, the chunks the journal (`vllm_tiercache.kvcache.event_journal`) lists and the shared tiers
+  still hold are announced, ``confirm_per_step`` per step (at most the journal's 4,096 chunks);
 - a load that failed withdraws the chunk from every medium; a connector reset (a new weights generation)
   publishes `AllBlocksCleared`; a reset of vLLM's own prefix cache (vLLM publishes `AllBlocksCleared`,
   and routers then forget the tiers too) re-announces everything still held.
@@ -27,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm_tiercache.kvcache.event_journal import EventJournal
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
 from vllm_tiercache.shared.store.api import FileTier, Store
@@ -71,6 +74,9 @@ class TierEventTracker:
         self._sweep_at = 0
         self._kv_cache_manager: Any = None
         self._prefix_epoch: object | None = None
+        self.journal = EventJournal(store, naming, clock) if self.shared_medium is not None else None
+        #: journal entries read at start, not yet checked against the shared tiers (None: not read yet)
+        self._discovered: list[tuple[bytes, Any]] | None = None if self.journal is not None else []
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -115,6 +121,10 @@ class TierEventTracker:
         """A connector reset: every name before it belongs to the old weights generation."""
         self.ledger.cleared()
         self._unconfirmed.clear()
+        if self._discovered:
+            self._discovered.clear()
+        # later names carry the new generation's salt, which no restarted engine computes: not journaled
+        self.journal = None
 
     # ----------------------------------------------------------------------------------- once per step
     def take(self) -> list[KVCacheEvent]:
@@ -124,8 +134,14 @@ class TierEventTracker:
             if epoch is not self._prefix_epoch:
                 self._prefix_epoch = epoch
                 self.ledger.reannounce()
+        if self._discovered is None:
+            self._discovered = self.journal.read()[::-1]  # type: ignore[union-attr]  # popped newest first
+        if self._discovered:
+            self._announce_discovered()
         if self._unconfirmed:
             self._confirm_shared()
+        if self.journal is not None:
+            self.journal.flush_due()
         if self.shared_medium is not None and self.clock() >= self._next_sweep:
             self._next_sweep = self.clock() + self.sweep_interval_s
             self._sweep()
@@ -139,7 +155,23 @@ class TierEventTracker:
             give_up_at = self._unconfirmed.pop(name)
             if not ok and now < give_up_at:
                 self._unconfirmed[name] = give_up_at  # asked again after the others
-        self.ledger.stored_many([name for name, ok in zip(batch, found, strict=True) if ok],
+        held = [name for name, ok in zip(batch, found, strict=True) if ok]
+        self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
+        for name in held:
+            payload = self.ledger.payload(name)
+            if payload is not None and self.journal is not None:
+                self.journal.add(name, payload)
+
+    def _announce_discovered(self) -> None:
+        """Journal entries of an earlier run (or another engine): announce those the shared tiers hold."""
+        assert self._discovered is not None
+        batch = [self._discovered.pop() for _ in range(min(self.confirm_per_step, len(self._discovered)))]
+        batch = [(name, payload) for name, payload in batch if not self.ledger.holds(name, self.shared_medium)]
+        found = self._in_shared([name for name, _ in batch])
+        for (name, payload), ok in zip(batch, found, strict=True):
+            if ok:
+                self.ledger.adopt(name, payload)
+        self.ledger.stored_many([name for (name, _), ok in zip(batch, found, strict=True) if ok],
                                 self.shared_medium)  # type: ignore[arg-type]
 
     def _sweep(self) -> None:

@@ -290,3 +290,27 @@ def test_the_ledger_is_bounded_and_withdraws_what_it_forgets() -> None:
     removed = [e for e in ledger.take() if isinstance(e, BlockRemoved)]
     assert [e.block_hashes for e in removed] == [_external(request.block_hashes[:2])]
     assert not ledger.knows(b"\x00") and ledger.knows(b"\x02")
+
+
+def test_a_restarted_engine_announces_the_journaled_disk_before_any_request(tiny_llama: Path,
+                                                                           tmp_path: Path) -> None:
+    first, request, _ = _stored_and_announced(tiny_llama, tmp_path)
+    tracker = first.connector._scheduler.events  # type: ignore[union-attr]
+    tracker.journal.flush_due()
+    first.connector._store.close()  # flushed to disk
+    second = Published(_config(tiny_llama, tmp_path / "disk"))
+    second.report(TieredKVWorkerMetadata())  # the first step: no request yet
+    disk = second.events(BlockStored, MEDIUM_DISK)
+    assert [h for e in disk for h in e.block_hashes] == _external(request.block_hashes[:12])
+    assert [t for e in disk for t in e.token_ids] == request.prompt_token_ids[:12 * BLOCK]
+    assert disk[0].parent_block_hash is None and disk[1].parent_block_hash == disk[0].block_hashes[-1]
+
+
+def test_the_journal_reads_back_what_it_wrote_and_ignores_foreign_records() -> None:
+    from vllm_tiercache.kvcache.event_journal import decode_segment, encode_segment
+
+    request = _Request(list(range(4 * BLOCK)), LoRARequest("sql", 3, "/adapters/sql"), salt="tenant-a")
+    payload = ChunkPayload.of(request, 0, 4, BLOCK)  # type: ignore[arg-type]
+    seq, entries = decode_segment(encode_segment(7, [(b"name", payload)]))  # type: ignore[misc]
+    assert seq == 7 and entries == [(b"name", payload)]
+    assert decode_segment(b"\x00not cbor") is None and decode_segment(encode_segment(1, [])[:-1] + b"\xff") is None
