@@ -156,6 +156,9 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
                 _complete(server, _prompt(999)[:40])
 
             lora_prompt = _prompt(4)
+            # the adapter's first request waits at most 1 s for its files' digest (computed without the cache
+            # when late): a short first request makes the LoRA prompt below never the first
+            _complete(server, _prompt(5)[:40], model=LORA)
             _complete(server, a)
             _complete(server, lora_prompt, model=LORA)
             _complete(server, _prompt(2))

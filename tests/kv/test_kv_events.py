@@ -23,6 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.config.kv_events import KVEventsConfig
@@ -37,8 +38,9 @@ from vllm.v1.request import Request, RequestStatus
 from tests.support.real_scheduler import hashed_request, schedule_new
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
-from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, ChunkPayload, KVEventLedger
+from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, ChunkPayload, KVEventLedger
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.tier_events import shared_medium
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
 BLOCK, CHUNK = 16, 64  # 4 blocks per chunk
@@ -314,3 +316,16 @@ def test_the_journal_reads_back_what_it_wrote_and_ignores_foreign_records() -> N
     seq, entries = decode_segment(encode_segment(7, [(b"name", payload)]))  # type: ignore[misc]
     assert seq == 7 and entries == [(b"name", payload)]
     assert decode_segment(b"\x00not cbor") is None and decode_segment(encode_segment(1, [])[:-1] + b"\xff") is None
+
+
+@pytest.mark.redis
+def test_the_shared_medium_names_disk_when_a_file_tier_serves_and_storage_for_redis_alone(
+        tmp_path: Path, redis_url: str) -> None:
+    from vllm_tiercache.shared.store import build_store
+
+    memory = {"kind": "memory", "capacity": "1MiB"}
+    disk = {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB"}
+    redis = {"kind": "redis", "url": redis_url}
+    for tiers, expected in (([memory], None), ([memory, redis], MEDIUM_REMOTE), ([memory, disk, redis], MEDIUM_DISK)):
+        with build_store({"namespace": "ev", "tiers": tiers}) as store:
+            assert shared_medium(store) == expected, tiers

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "port): the connector announces its tiers")
     parser.add_argument("--compare-events", action="store_true", help="run the bench twice, in two fresh "
                         "processes, without and with --events, and print both and their ratio")
+    parser.add_argument("--repeats", type=int, default=3, help="with --compare-events: runs of each (default "
+                        "%(default)s); the median is compared")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -184,21 +186,29 @@ def _report_stream() -> Any:
     return report
 
 
-def compare_events(argv: list[str]) -> str:
-    """Run the bench without and with ``--events``, each in a fresh process (one engine per process), and
-    the table of both with the ratio of the connector's time per step."""
+def compare_events(argv: list[str], repeats: int) -> str:
+    """Run the bench without and with ``--events``, each in a fresh process (one engine per process),
+    alternating, ``repeats`` times each; the tables of the median runs and the ratio of the medians."""
     import subprocess
 
-    reports = []
-    for extra in ([], ["--events"]):
-        cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--json", *argv, *extra]
-        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-        reports.append(json.loads(done.stdout))
-    off, on = reports
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for events in (False, True):
+            cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--json", *argv,
+                   *(["--events"] if events else [])]
+            done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+            runs[events].append(json.loads(done.stdout))
+    median = {events: sorted(reports, key=lambda r: r["connector_us_per_step"])[len(reports) // 2]
+              for events, reports in runs.items()}
+    off, on = median[False], median[True]
     lines = [format_table(off), "", format_table(on), "",
+             f"median of {repeats} runs each (alternating, fresh processes)",
              f"{'':32s} {'events off':>12s} {'events on':>12s} {'on / off':>9s}"]
     for label, key in (("connector us/step", "connector_us_per_step"), ("engine step ms", "step_ms")):
         lines.append(f"{label:32s} {off[key]:12.3f} {on[key]:12.3f} {on[key] / off[key]:9.3f}")
+    every = " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[False])
+    lines.append(f"connector us/step of every run: off {every}; on "
+                 + " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[True]))
     return "\n".join(lines)
 
 
@@ -217,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_events:
         if args.quick:
             args.requests, args.prompt_len, args.new_tokens = 2, 512, 16
-        print(compare_events(_passed_on(args)))
+        print(compare_events(_passed_on(args), args.repeats))
         return 0
     if args.quick:
         args.requests, args.prompt_len, args.new_tokens = 2, 512, 16
