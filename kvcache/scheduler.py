@@ -119,8 +119,9 @@ class KVSchedulerSide:
         #: the weights generation chunk names are made in (a new one at each `reset_cache`)
         self.generation = Generation()
         self._unreported_resets = 0
-        #: what the tiers can serve, told to routers as KV cache events (None: vLLM publishes none)
-        self.events = TierEventTracker(store=store, naming=naming) if publish_events else None
+        #: what the tiers can serve, told to routers as KV cache events (None: vLLM publishes none, or this
+        #: engine loads nothing: a kv_producer, a model the connector cannot load; a router must not count on it)
+        self.events = TierEventTracker(store=store, naming=naming) if publish_events and self.can_load else None
 
     @property
     def geometry(self) -> ChunkGeometry:

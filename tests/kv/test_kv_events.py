@@ -4,7 +4,8 @@ connector's ``take_events`` is published right after vLLM's GPU events, in the s
 What these pin down (the real router's view, with Dynamo's indexer and a real server, is in
 tests/engine/test_kv_events_engine.py):
 
-- off unless ``kv_events_config`` enables events: no tracker, no events;
+- off unless ``kv_events_config`` enables events: no tracker, no events; none either for an engine that
+  loads nothing (a ``kv_producer``);
 - a chunk the workers' memory tier holds is announced as ``CPU`` with exactly what vLLM announces for the
   same blocks on the GPU (block hashes, parent, token ids, block size, extra keys), parent-linked chunk to
   chunk; one the disk holds as ``DISK`` once every record is there, never before;
@@ -47,10 +48,10 @@ BLOCK, CHUNK = 16, 64  # 4 blocks per chunk
 PROMPT_LEN = 200  # 12 full blocks: chunks ending at blocks 4, 8, 12
 
 
-def _config(model: Path, disk: Path, *, events: bool = True) -> VllmConfig:
+def _config(model: Path, disk: Path, *, events: bool = True, role: str = "kv_both") -> VllmConfig:
     kv = KVTransferConfig(
         kv_connector="TieredKVConnector", kv_connector_module_path="vllm_tiercache.kvcache.connector",
-        kv_role="kv_both",
+        kv_role=role,
         kv_connector_extra_config={"namespace": "ev", "chunk_size": CHUNK, "tiers": [
             {"kind": "memory", "capacity": "64MiB"}, {"kind": "disk", "path": str(disk), "capacity": "64MiB"}]},
     )
@@ -142,6 +143,11 @@ def test_events_are_off_unless_vllm_publishes_them(tiny_llama: Path, tmp_path: P
     engine.finish(out, TieredKVWorkerMetadata(added=set(names)))
     assert list(engine.connector.take_events()) == []
     assert engine.events() == []
+
+
+def test_an_engine_that_loads_nothing_announces_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    producer = Published(_config(tiny_llama, tmp_path / "disk", role="kv_producer"))
+    assert producer.connector._scheduler.events is None  # type: ignore[union-attr]  # a router must not count on it
 
 
 def test_a_held_chunk_is_announced_per_tier_as_vllm_announces_the_same_blocks(tiny_llama: Path,
@@ -329,3 +335,15 @@ def test_the_shared_medium_names_disk_when_a_file_tier_serves_and_storage_for_re
     for tiers, expected in (([memory], None), ([memory, redis], MEDIUM_REMOTE), ([memory, disk, redis], MEDIUM_DISK)):
         with build_store({"namespace": "ev", "tiers": tiers}) as store:
             assert shared_medium(store) == expected, tiers
+
+
+def test_an_image_prompts_blocks_carry_its_identifier_as_vllm_announces_it() -> None:
+    from types import SimpleNamespace
+
+    request = _Request(list(range(4 * BLOCK)))
+    request.mm_features = [SimpleNamespace(identifier="img-digest", mm_position=SimpleNamespace(offset=20, length=30))]
+    later = ChunkPayload.of(request, 2, 4, BLOCK)  # type: ignore[arg-type]  # a chunk that starts inside the image
+    whole = ChunkPayload.of(request, 0, 4, BLOCK)  # type: ignore[arg-type]
+    assert whole.extra_keys is not None and later.extra_keys == whole.extra_keys[2:]
+    carries = ["img-digest" in repr(keys) for keys in whole.extra_keys]
+    assert carries == [False, True, True, True]  # tokens 20..49: blocks 1 to 3
