@@ -6,15 +6,16 @@ process learns anyway:
 - **memory tier** (``CPU``): the workers' residency reports (`TieredKVWorkerMetadata`: a chunk every layer
   of which every rank's memory tier holds, or one it dropped), applied in the same step vLLM publishes.
 - **shared tiers** (``DISK`` for disk/GDS, ``STORAGE`` for a store whose shared tiers are all remote):
-  a chunk whose save was planned is asked of the shared tiers (every record of every rank, one batched
-  call for at most ``confirm_per_step`` chunks per step, only while some are waiting) until they hold it,
-  or until ``confirm_timeout_s`` passes (a write-behind dropped it). A lookup that finds a chunk stored
-  announces it too (after a restart, the disk's chunks are announced as requests find them), and one that
-  finds an announced chunk gone withdraws it. Records another process drops (`tiercache evict`, a disk
-  LRU of another engine, a corrupt record deleted by a reader) are found by a sweep: every
-  ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again.
+  a chunk whose save was planned is asked of the shared tiers (at most ``confirm_per_step`` chunks per
+  step, only while some are waiting: their last-written record, then every record of every rank of those
+  that have it) until they hold it, or until ``confirm_timeout_s`` passes (a write-behind dropped it). A
+  lookup that finds a chunk stored announces it too (after a restart, the disk's chunks are announced as
+  requests find them), and one that finds an announced chunk gone withdraws it. Records another process
+  drops (`tiercache evict`, a disk LRU of another engine, a corrupt record deleted by a reader) are found
+  by a sweep: every ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again (by
+  one record each).
 - at start, the chunks the journal (`vllm_tiercache.kvcache.event_journal`) lists and the shared tiers
-  still hold are announced, ``confirm_per_step`` per step (at most the journal's 4,096 chunks);
+  still hold are announced, ``discover_per_step`` per step (at most the journal's 4,096 chunks);
 - a load that failed withdraws the chunk from every medium; a connector reset (a new weights generation)
   publishes `AllBlocksCleared`; a reset of vLLM's own prefix cache (vLLM publishes `AllBlocksCleared`,
   and routers then forget the tiers too) re-announces everything still held.
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_tiercache.kvcache.event_journal import EventJournal
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
-from vllm_tiercache.shared.store.api import FileTier, Store
+from vllm_tiercache.shared.store.api import FileTier, Store, StoreKey
 from vllm_tiercache.shared.vllm_compat import prefix_cache_epoch
 
 if TYPE_CHECKING:
@@ -54,8 +55,8 @@ class TierEventTracker:
     """Everything the scheduler side does for KV cache events (see the module docstring)."""
 
     def __init__(self, *, store: Store, naming: KVNaming, clock: Callable[[], float] = time.monotonic,
-                 confirm_per_step: int = 32, confirm_timeout_s: float = 30.0, sweep_interval_s: float = 1.0,
-                 sweep_chunks: int = 64) -> None:
+                 confirm_per_step: int = 8, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
+                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32) -> None:
         self.store = store
         self.naming = naming
         groups = naming.groups
@@ -65,6 +66,7 @@ class TierEventTracker:
         self.shared_medium = shared_medium(store)
         self.clock = clock
         self.confirm_per_step = confirm_per_step
+        self.discover_per_step = discover_per_step
         self.confirm_timeout_s = confirm_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self.sweep_chunks = sweep_chunks
@@ -148,9 +150,13 @@ class TierEventTracker:
         return self.ledger.take()
 
     def _confirm_shared(self) -> None:
+        """The oldest chunks waiting: first their last-written record (the last layer of the last rank: the
+        workers write a chunk's layers in order), then, for those that have it, every record."""
         now = self.clock()
         batch = [name for _, name in zip(range(self.confirm_per_step), self._unconfirmed, strict=False)]
-        found = self._in_shared(batch)
+        last = self.store.contains_many([self._last_key(name) for name in batch], shared_only=True)
+        whole = iter(self._in_shared([name for name, ok in zip(batch, last, strict=True) if ok]))
+        found = [ok and next(whole) for ok in last]
         for name, ok in zip(batch, found, strict=True):
             give_up_at = self._unconfirmed.pop(name)
             if not ok and now < give_up_at:
@@ -165,7 +171,7 @@ class TierEventTracker:
     def _announce_discovered(self) -> None:
         """Journal entries of an earlier run (or another engine): announce those the shared tiers hold."""
         assert self._discovered is not None
-        batch = [self._discovered.pop() for _ in range(min(self.confirm_per_step, len(self._discovered)))]
+        batch = [self._discovered.pop() for _ in range(min(self.discover_per_step, len(self._discovered)))]
         batch = [(name, payload) for name, payload in batch if not self.ledger.holds(name, self.shared_medium)]
         found = self._in_shared([name for name, _ in batch])
         for (name, payload), ok in zip(batch, found, strict=True):
@@ -175,15 +181,27 @@ class TierEventTracker:
                                 self.shared_medium)  # type: ignore[arg-type]
 
     def _sweep(self) -> None:
+        """``sweep_chunks`` announced chunks in turn, each by its first-written record (layer 0 of rank 0):
+        `tiercache evict` removes every record of a chunk, and the disk's LRU drops that one first (written and
+        read first). A chunk that lost only later records is withdrawn by the next lookup that asks for it."""
         held = self.ledger.held_in(self.shared_medium)  # type: ignore[arg-type]
         if not held:
             return
         start = self._sweep_at % len(held)
         batch = [held[(start + i) % len(held)] for i in range(min(self.sweep_chunks, len(held)))]
         self._sweep_at = start + len(batch)
-        for name, ok in zip(batch, self._in_shared(batch), strict=True):
+        found = self.store.contains_many([self._first_key(name) for name in batch], shared_only=True)
+        for name, ok in zip(batch, found, strict=True):
             if not ok:
                 self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+
+    def _first_key(self, name: bytes) -> StoreKey:
+        first = self.naming.groups.groups[0]
+        return self.naming.record_key(name, first.layers[0], 0, first.tag)
+
+    def _last_key(self, name: bytes) -> StoreKey:
+        last = self.naming.groups.groups[-1]
+        return self.naming.record_key(name, last.layers[-1], len(self.naming.identities) - 1, last.tag)
 
     def _in_shared(self, names: Sequence[bytes]) -> list[bool]:
         """Does every record of each chunk (every layer of every group on every rank) sit in a shared tier?"""

@@ -10,9 +10,12 @@ engine step, and the step's own time in the same run is the baseline it is a sha
 
 How: one engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler and the
 worker are here, with their connector objects). ``--requests`` random prompts are sent once (their
-prefill stores their chunks), then again with ``--new-tokens`` to generate: vLLM's prefix cache supplies
-the prompts, so the measured steps are decode steps with the whole batch running. A step is counted once
-per scheduler-side `build_connector_meta` call. The timer itself adds about a microsecond per call.
+prefill stores their chunks; the bench waits until the slower tiers hold them), then again with
+``--new-tokens`` to generate: vLLM's prefix cache supplies the prompts, so the measured steps are decode
+steps with the whole batch running. A step is counted once per scheduler-side `build_connector_meta` call.
+``--events``: vLLM publishes KV cache events, and the connector its tiers' (`kvcache/tier_events.py`);
+``--compare-events`` runs without and with them and prints the ratio.
+The timer itself adds about a microsecond per call.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
                for _ in range(args.requests)]
     print(f"tiercache-bench: storing {args.requests} prompts of {args.prompt_len} tokens", file=sys.stderr)
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    _drain_stores()  # the measured steps do not share the process with the stored prompts' slower-tier writes
     timer = MethodTimer(TieredKVConnector)
     try:
         print(f"tiercache-bench: decoding {args.new_tokens} tokens each", file=sys.stderr)
@@ -159,6 +163,14 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
         "connector_share": total / wall if wall else None,
         "methods": methods,
     }
+
+
+def _drain_stores() -> None:
+    """Wait until every store of this process wrote its queued records to its slower tiers."""
+    from vllm_tiercache.shared import store as store_module
+
+    for store in list(store_module._STORES.values()):
+        store.flush(120.0)
 
 
 def format_table(report: dict[str, Any]) -> str:
