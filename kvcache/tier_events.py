@@ -182,7 +182,7 @@ class TierEventTracker:
 
     def _sweep(self) -> None:
         """``sweep_chunks`` announced chunks in turn, each by its first-written record (layer 0 of rank 0):
-        `tiercache evict` removes every record of a chunk, and the disk's LRU drops that one first (written and
+        `tiercache evict` removes every record of a chunk, and the disk's LRU usually drops that one first (written and
         read first). A chunk that lost only later records is withdrawn by the next lookup that asks for it."""
         held = self.ledger.held_in(self.shared_medium)  # type: ignore[arg-type]
         if not held:
