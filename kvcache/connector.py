@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
+from vllm_tiercache.kvcache.events import events_enabled
 from vllm_tiercache.kvcache.metrics import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
@@ -51,7 +52,10 @@ from vllm_tiercache.shared.vllm_compat import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -188,6 +192,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 save_decode=self._options.save_decode,
                 volatile_decode_tail=uses_eagle(vllm_config),
                 request_cacheable=identifiers.request_cacheable,
+                publish_events=events_enabled(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -332,6 +337,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV cache events for what the tiers can serve; empty unless vLLM's kv_events_config enables them."""
+        assert self._scheduler is not None
+        return self._scheduler.take_events()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

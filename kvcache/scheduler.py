@@ -38,12 +38,14 @@ from vllm_tiercache.kvcache.adapters import AdapterDigests
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
+from vllm_tiercache.kvcache.tier_events import TierEventTracker
 from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import FileTier, Store
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, waiting_for_remote_kv
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -64,6 +66,7 @@ class KVSchedulerSide:
         save_decode: bool,
         request_cacheable: Callable[[Request], bool] | None = None,
         volatile_decode_tail: bool = False,
+        publish_events: bool = False,
     ) -> None:
         """`naming`: how prompts are cut into chunks, how chunks are named, and whether a partial last
         chunk is saved: the rule `tiercache precompute docs` follows too. `request_cacheable`: asked once
@@ -71,7 +74,9 @@ class KVSchedulerSide:
         its multimodal items carry no trustworthy content identifier, so its block hashes do not name
         its content. `volatile_decode_tail`: an EAGLE/MTP drafter runs, so
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
-        be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`)."""
+        be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`).
+        `publish_events`: vLLM publishes KV cache events; the tiers' holdings are then announced
+        (`vllm_tiercache.kvcache.tier_events`; nothing of it runs otherwise)."""
         self.store = store
         self.naming = naming
         self.can_load = can_load
@@ -114,6 +119,9 @@ class KVSchedulerSide:
         #: the weights generation chunk names are made in (a new one at each `reset_cache`)
         self.generation = Generation()
         self._unreported_resets = 0
+        #: what the tiers can serve, told to routers as KV cache events (None: vLLM publishes none, or this
+        #: engine loads nothing: a kv_producer, a model the connector cannot load; a router must not count on it)
+        self.events = TierEventTracker(store=store, naming=naming) if publish_events and self.can_load else None
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -121,6 +129,8 @@ class KVSchedulerSide:
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
+        if self.events is not None:
+            self.events.bind_kv_cache_manager(manager)
 
     # ---------------------------------------------------------------------------------------- lookup
     def _lookup(self, state: RequestState) -> tuple[list[int], list[bool], list[bool], list[bool]]:
@@ -206,6 +216,8 @@ class KVSchedulerSide:
         ends, full_ok, window_ok, resident = self._lookup(state)
         stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
+        if self.events is not None:
+            self.events.looked_up(request, state.names, ends, stored, resident, [not r for r in resident])
         state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
         state.forget_load()
         if not self.can_load:
@@ -318,6 +330,8 @@ class KVSchedulerSide:
                 if saves is not None:
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
+                    if self.events is not None:
+                        self.events.save_planned(name, request, self.geometry.chunk_start(end), end)
         return plan if plan.loads or plan.saves else None
 
     # ----------------------------------------------------------------------------------------- reset
@@ -358,6 +372,8 @@ class KVSchedulerSide:
             else:
                 state.saved_until = state.planned_until = state.next_save_block = 0
         self._unreported_resets += 1
+        if self.events is not None:
+            self.events.reset()
         log.warning("TieredKVConnector: vLLM reset the connector cache (e.g. after a weight update): started "
                     "weights generation %d; records stored before are no longer used by this engine (they stay "
                     "in the store for other engines)%s", self.generation.resets,
@@ -375,12 +391,19 @@ class KVSchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.resident.apply(worker_meta.added, worker_meta.evicted)
+            if self.events is not None:
+                self.events.residency(worker_meta.added, worker_meta.evicted)
+                self.events.failed(worker_meta.failed)
             if worker_meta.failed:
                 log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
                             "claimed again until saved anew", len(worker_meta.failed))
                 self._failed_chunks.update(dict.fromkeys(worker_meta.failed))
                 while len(self._failed_chunks) > self.max_failed_chunks:
                     del self._failed_chunks[next(iter(self._failed_chunks))]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """This step's KV cache events for what the tiers hold (vLLM publishes them after its own)."""
+        return self.events.take() if self.events is not None else []
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may

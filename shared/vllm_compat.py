@@ -260,3 +260,11 @@ def scheduler_ec_connector(scheduler: Any) -> Any:
     if not hasattr(scheduler, "ec_connector"):
         raise AttributeError(f"{type(scheduler).__name__} has no attribute 'ec_connector'")
     return scheduler.ec_connector
+
+
+def prefix_cache_epoch(kv_cache_manager: Any) -> object | None:
+    """An object that changes when vLLM resets its prefix cache (its block pool then replaces its hash map and
+    publishes `AllBlocksCleared`, after which routers forget every tier of the instance); None when this
+    vLLM keeps no such map. Compared by identity only."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    return getattr(pool, "cached_block_hash_to_block", None)

@@ -25,6 +25,7 @@ def test_quick_run_counts_the_connectors_calls_per_decode_step() -> None:
     # both sides ran in this process: the scheduler's plan and the worker's load/save hooks, every step
     assert calls["build_connector_meta"] == 1 and calls["start_load_kv"] == 1, calls
     assert calls["get_kv_connector_stats"] == 2, calls  # the scheduler's and the worker's
+    assert calls["take_events"] == 1, calls  # vLLM asks for KV cache events every step, on or off
     assert calls["save_kv_layer"] == calls["wait_for_layer_load"] == 4, calls  # once per layer (4 layers)
     total = sum(row["us_per_step"] for row in report["methods"])
     assert abs(total - report["connector_us_per_step"]) < 1e-6 * max(total, 1), report

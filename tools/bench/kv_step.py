@@ -10,9 +10,12 @@ engine step, and the step's own time in the same run is the baseline it is a sha
 
 How: one engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler and the
 worker are here, with their connector objects). ``--requests`` random prompts are sent once (their
-prefill stores their chunks), then again with ``--new-tokens`` to generate: vLLM's prefix cache supplies
-the prompts, so the measured steps are decode steps with the whole batch running. A step is counted once
-per scheduler-side `build_connector_meta` call. The timer itself adds about a microsecond per call.
+prefill stores their chunks; the bench waits until the slower tiers hold them), then again with
+``--new-tokens`` to generate: vLLM's prefix cache supplies the prompts, so the measured steps are decode
+steps with the whole batch running. A step is counted once per scheduler-side `build_connector_meta` call.
+``--events``: vLLM publishes KV cache events, and the connector its tiers' (`kvcache/tier_events.py`);
+``--compare-events`` runs without and with them and prints the ratio.
+The timer itself adds about a microsecond per call.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ TIMED_METHODS = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
     "request_finished", "request_finished_all_groups", "get_kv_connector_stats", "start_load_kv",
     "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
-    "get_block_ids_with_load_errors", "build_connector_worker_meta",
+    "get_block_ids_with_load_errors", "build_connector_worker_meta", "take_events",
 )
 
 
@@ -55,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="the connector's chunk_size in tokens "
                         "(default %(default)s): smaller chunks, more chunks per request")
     parser.add_argument("--disk", action="store_true", help="a disk tier below the memory tier")
+    parser.add_argument("--events", action="store_true", help="vLLM publishes KV cache events (zmq, a free "
+                        "port): the connector announces its tiers")
+    parser.add_argument("--compare-events", action="store_true", help="run the bench twice, in two fresh "
+                        "processes, without and with --events, and print both and their ratio")
+    parser.add_argument("--repeats", type=int, default=3, help="with --compare-events: runs of each (default "
+                        "%(default)s); the median is compared")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -108,16 +117,25 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
         tiers.append({"kind": "disk", "path": str(work / "disk"), "capacity": "4GiB"})
     extra = {"namespace": f"kv-step-{os.getpid()}", "tiers": tiers, "chunk_size": args.chunk_size}
     max_len = args.prompt_len + args.new_tokens + BLOCK_SIZE
+    events: dict[str, Any] = {}
+    if args.events:
+        from vllm.config.kv_events import KVEventsConfig
+
+        from vllm_tiercache.tools.demo.server import free_port
+
+        events["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                     endpoint=f"tcp://127.0.0.1:{free_port()}")
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=max_len,
               max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(args.requests, 1),
               enable_prefix_caching=True, seed=0,
               kv_transfer_config=KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both",
-                                                  kv_connector_extra_config=extra))
+                                                  kv_connector_extra_config=extra), **events)
     rng = random.Random(20261126)
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(*TOKEN_RANGE) for _ in range(args.prompt_len)])
                for _ in range(args.requests)]
     print(f"tiercache-bench: storing {args.requests} prompts of {args.prompt_len} tokens", file=sys.stderr)
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    _drain_stores()  # the measured steps do not share the process with the stored prompts' slower-tier writes
     timer = MethodTimer(TieredKVConnector)
     try:
         print(f"tiercache-bench: decoding {args.new_tokens} tokens each", file=sys.stderr)
@@ -138,7 +156,7 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     total = sum(timer.seconds.values())
     return {
         "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "chunk_size": args.chunk_size, "tiers": [t["kind"] for t in tiers], "steps": steps,
+        "chunk_size": args.chunk_size, "tiers": [t["kind"] for t in tiers], "steps": steps, "events": args.events,
         "prefix_cached_tokens": statistics.median(cached) if cached else 0,
         "step_ms": wall / steps * 1e3 if steps else None,
         "connector_us_per_step": total / steps * 1e6 if steps else None,
@@ -147,10 +165,19 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     }
 
 
+def _drain_stores() -> None:
+    """Wait until every store of this process wrote its queued records to its slower tiers."""
+    from vllm_tiercache.shared import store as store_module
+
+    for store in list(store_module._STORES.values()):
+        store.flush(120.0)
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"the KV connector's own time per engine step: {report['requests']} requests x {report['prompt_len']} "
              f"prompt tokens (from vLLM's prefix cache), {report['new_tokens']} new tokens each, chunk_size "
-             f"{report['chunk_size']}, tiers {'+'.join(report['tiers'])}; {report['steps']} steps",
+             f"{report['chunk_size']}, tiers {'+'.join(report['tiers'])}, KV events "
+             f"{'on' if report.get('events') else 'off'}; {report['steps']} steps",
              f"  {'method':32s} {'calls/step':>10s} {'us/step':>9s}"]
     for row in report["methods"]:
         lines.append(f"  {row['method']:32s} {row['calls_per_step']:10.1f} {row['us_per_step']:9.1f}")
@@ -171,8 +198,49 @@ def _report_stream() -> Any:
     return report
 
 
+def compare_events(argv: list[str], repeats: int) -> str:
+    """Run the bench without and with ``--events``, each in a fresh process (one engine per process),
+    alternating, ``repeats`` times each; the tables of the median runs and the ratio of the medians."""
+    import subprocess
+
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for events in (False, True):
+            cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--json", *argv,
+                   *(["--events"] if events else [])]
+            done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+            runs[events].append(json.loads(done.stdout))
+    median = {events: sorted(reports, key=lambda r: r["connector_us_per_step"])[len(reports) // 2]
+              for events, reports in runs.items()}
+    off, on = median[False], median[True]
+    lines = [format_table(off), "", format_table(on), "",
+             f"median of {repeats} runs each (alternating, fresh processes)",
+             f"{'':32s} {'events off':>12s} {'events on':>12s} {'on / off':>9s}"]
+    for label, key in (("connector us/step", "connector_us_per_step"), ("engine step ms", "step_ms")):
+        lines.append(f"{label:32s} {off[key]:12.3f} {on[key]:12.3f} {on[key] / off[key]:9.3f}")
+    every = " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[False])
+    lines.append(f"connector us/step of every run: off {every}; on "
+                 + " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[True]))
+    return "\n".join(lines)
+
+
+def _passed_on(args: argparse.Namespace) -> list[str]:
+    """The bench's own options as given, for the two runs of `compare_events`."""
+    argv = []
+    for name in ("model", "dtype", "requests", "prompt_len", "new_tokens", "chunk_size"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv + (["--disk"] if args.disk else [])
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `tiercache bench kv-step`."""
+    if args.compare_events:
+        if args.quick:
+            args.requests, args.prompt_len, args.new_tokens = 2, 512, 16
+        print(compare_events(_passed_on(args), args.repeats))
+        return 0
     if args.quick:
         args.requests, args.prompt_len, args.new_tokens = 2, 512, 16
     for name in ("requests", "prompt_len", "new_tokens", "chunk_size"):

@@ -1,0 +1,221 @@
+"""Scheduler side: when a chunk becomes servable from a tier, or stops being, turn that into KV cache events.
+
+`vllm_tiercache.kvcache.events` builds the events; this module decides *when*, from what the scheduler
+process learns anyway:
+
+- **memory tier** (``CPU``): the workers' residency reports (`TieredKVWorkerMetadata`: a chunk every layer
+  of which every rank's memory tier holds, or one it dropped), applied in the same step vLLM publishes.
+- **shared tiers** (``DISK`` for disk/GDS, ``STORAGE`` for a store whose shared tiers are all remote):
+  a chunk whose save was planned is asked of the shared tiers (at most ``confirm_per_step`` chunks per
+  step, only while some are waiting: their last-written record, then every record of every rank of those
+  that have it) until they hold it, or until ``confirm_timeout_s`` passes (a write-behind dropped it). A
+  lookup that finds a chunk stored announces it too (after a restart, the disk's chunks are announced as
+  requests find them), and one that finds an announced chunk gone withdraws it. Records another process
+  drops (`tiercache evict`, a disk LRU of another engine, a corrupt record deleted by a reader) are found
+  by a sweep: every ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again (by
+  one record each).
+- at start, the chunks the journal (`vllm_tiercache.kvcache.event_journal`) lists and the shared tiers
+  still hold are announced, ``discover_per_step`` per step (at most the journal's 4,096 chunks);
+- a load that failed withdraws the chunk from every medium; a connector reset (a new weights generation)
+  publishes `AllBlocksCleared`; a reset of vLLM's own prefix cache (vLLM publishes `AllBlocksCleared`,
+  and routers then forget the tiers too) re-announces everything still held.
+
+Nothing runs unless vLLM's ``kv_events_config`` enables events: the connector then builds no tracker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_tiercache.kvcache.event_journal import EventJournal
+from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
+from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
+from vllm_tiercache.shared.store.api import FileTier, Store, StoreKey
+from vllm_tiercache.shared.vllm_compat import prefix_cache_epoch
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.request import Request
+
+
+def shared_medium(store: Store) -> str | None:
+    """The medium a chunk in the store's shared tiers is announced as: ``DISK`` when one of them keeps files
+    (a load from the shared tiers reads a local file first), ``STORAGE`` when all are remote (Redis), None
+    without shared tiers."""
+    shared = [tier for tier in store.tiers if tier.shared_across_processes]
+    if not shared:
+        return None
+    return MEDIUM_DISK if any(isinstance(tier, FileTier) for tier in shared) else MEDIUM_REMOTE
+
+
+class TierEventTracker:
+    """Everything the scheduler side does for KV cache events (see the module docstring)."""
+
+    def __init__(self, *, store: Store, naming: KVNaming, clock: Callable[[], float] = time.monotonic,
+                 confirm_per_step: int = 8, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
+                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32) -> None:
+        self.store = store
+        self.naming = naming
+        groups = naming.groups
+        first_full = groups.full[0].index if groups.full else 0
+        self.ledger = KVEventLedger(block_size=naming.geometry.block_size, group_idx=first_full)
+        self.memory_medium = MEDIUM_MEMORY if store.memory_tier is not None else None
+        self.shared_medium = shared_medium(store)
+        self.clock = clock
+        self.confirm_per_step = confirm_per_step
+        self.discover_per_step = discover_per_step
+        self.confirm_timeout_s = confirm_timeout_s
+        self.sweep_interval_s = sweep_interval_s
+        self.sweep_chunks = sweep_chunks
+        #: chunks whose save was planned, not yet found in the shared tiers: name -> give up at (clock)
+        self._unconfirmed: OrderedDict[bytes, float] = OrderedDict()
+        self._next_sweep = 0.0
+        self._sweep_at = 0
+        self._kv_cache_manager: Any = None
+        self._prefix_epoch: object | None = None
+        self.journal = EventJournal(store, naming, clock) if self.shared_medium is not None else None
+        #: journal entries read at start, not yet checked against the shared tiers (None: not read yet)
+        self._discovered: list[tuple[bytes, Any]] | None = None if self.journal is not None else []
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+        self._prefix_epoch = prefix_cache_epoch(manager)
+
+    # ---------------------------------------------------------------------------------- what is learned
+    def save_planned(self, name: bytes, request: Request, start_block: int, end_block: int) -> None:
+        """A step saves the chunk: remember its payload; the shared tiers are asked for it from now on."""
+        self.ledger.remember(name, request, start_block, end_block)
+        if self.shared_medium is not None:
+            self._unconfirmed[name] = self.clock() + self.confirm_timeout_s
+            self._unconfirmed.move_to_end(name)
+
+    def looked_up(self, request: Request, names: RequestNames, ends: Sequence[int], stored: Sequence[bool],
+                  resident: Sequence[bool], asked: Sequence[bool]) -> None:
+        """A lookup's findings per chunk (its end block; loadable; in the workers' memory; asked of the shared
+        tiers): a stored chunk is announced where it was found, an announced one found gone is withdrawn."""
+        geometry = self.naming.geometry
+        for end, ok, in_memory, was_asked in zip(ends, stored, resident, asked, strict=True):
+            name = names.name(end)
+            medium = self.memory_medium if in_memory else self.shared_medium
+            if ok and medium is not None:
+                self.ledger.remember(name, request, geometry.chunk_start(end), end)
+                self.ledger.stored(name, medium)
+            elif was_asked and self.shared_medium is not None and not ok:
+                self.ledger.removed(name, self.shared_medium)
+
+    def residency(self, added: Iterable[bytes], evicted: Iterable[bytes]) -> None:
+        """The workers' memory tier report of one step."""
+        if self.memory_medium is None:
+            return
+        self.ledger.stored_many(added, self.memory_medium)
+        for name in evicted:
+            self.ledger.removed(name, self.memory_medium)
+
+    def failed(self, names: Iterable[bytes]) -> None:
+        """Chunks a load could not use: servable from nowhere until saved again."""
+        for name in names:
+            self._withdraw(name)
+
+    def reset(self) -> None:
+        """A connector reset: every name before it belongs to the old weights generation."""
+        self.ledger.cleared()
+        self._unconfirmed.clear()
+        if self._discovered:
+            self._discovered.clear()
+        # later names carry the new generation's salt, which no restarted engine computes: not journaled
+        self.journal = None
+
+    # ----------------------------------------------------------------------------------- once per step
+    def take(self) -> list[KVCacheEvent]:
+        """This step's events (vLLM's ``take_events``, called once per step after the workers' reports)."""
+        if self._kv_cache_manager is not None:
+            epoch = prefix_cache_epoch(self._kv_cache_manager)
+            if epoch is not self._prefix_epoch:
+                self._prefix_epoch = epoch
+                self.ledger.reannounce()
+        if self._discovered is None:
+            self._discovered = self.journal.read()[::-1]  # type: ignore[union-attr]  # popped newest first
+        if self._discovered:
+            self._announce_discovered()
+        if self._unconfirmed:
+            self._confirm_shared()
+        if self.journal is not None:
+            self.journal.flush_due()
+        if self.shared_medium is not None and self.clock() >= self._next_sweep:
+            self._next_sweep = self.clock() + self.sweep_interval_s
+            self._sweep()
+        return self.ledger.take()
+
+    def _confirm_shared(self) -> None:
+        """The oldest chunks waiting: first their last-written record (the last layer of the last rank: the
+        workers write a chunk's layers in order), then, for those that have it, every record."""
+        now = self.clock()
+        batch = [name for _, name in zip(range(self.confirm_per_step), self._unconfirmed, strict=False)]
+        last = self.store.contains_many([self._last_key(name) for name in batch], shared_only=True)
+        whole = iter(self._in_shared([name for name, ok in zip(batch, last, strict=True) if ok]))
+        found = [ok and next(whole) for ok in last]
+        for name, ok in zip(batch, found, strict=True):
+            give_up_at = self._unconfirmed.pop(name)
+            if not ok and now < give_up_at:
+                self._unconfirmed[name] = give_up_at  # asked again after the others
+        held = [name for name, ok in zip(batch, found, strict=True) if ok]
+        self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
+        for name in held:
+            payload = self.ledger.payload(name)
+            if payload is not None and self.journal is not None:
+                self.journal.add(name, payload)
+
+    def _announce_discovered(self) -> None:
+        """Journal entries of an earlier run (or another engine): announce those the shared tiers hold."""
+        assert self._discovered is not None
+        batch = [self._discovered.pop() for _ in range(min(self.discover_per_step, len(self._discovered)))]
+        batch = [(name, payload) for name, payload in batch if not self.ledger.holds(name, self.shared_medium)]
+        found = self._in_shared([name for name, _ in batch])
+        for (name, payload), ok in zip(batch, found, strict=True):
+            if ok:
+                self.ledger.adopt(name, payload)
+        self.ledger.stored_many([name for (name, _), ok in zip(batch, found, strict=True) if ok],
+                                self.shared_medium)  # type: ignore[arg-type]
+
+    def _sweep(self) -> None:
+        """``sweep_chunks`` announced chunks in turn, each by its first-written record (layer 0 of rank 0):
+        `tiercache evict` removes every record of a chunk, and the disk's LRU usually drops that one first (written and
+        read first). A chunk that lost only later records is withdrawn by the next lookup that asks for it."""
+        held = self.ledger.held_in(self.shared_medium)  # type: ignore[arg-type]
+        if not held:
+            return
+        start = self._sweep_at % len(held)
+        batch = [held[(start + i) % len(held)] for i in range(min(self.sweep_chunks, len(held)))]
+        self._sweep_at = start + len(batch)
+        found = self.store.contains_many([self._first_key(name) for name in batch], shared_only=True)
+        for name, ok in zip(batch, found, strict=True):
+            if not ok:
+                self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+
+    def _first_key(self, name: bytes) -> StoreKey:
+        first = self.naming.groups.groups[0]
+        return self.naming.record_key(name, first.layers[0], 0, first.tag)
+
+    def _last_key(self, name: bytes) -> StoreKey:
+        last = self.naming.groups.groups[-1]
+        return self.naming.record_key(name, last.layers[-1], len(self.naming.identities) - 1, last.tag)
+
+    def _in_shared(self, names: Sequence[bytes]) -> list[bool]:
+        """Does every record of each chunk (every layer of every group on every rank) sit in a shared tier?"""
+        groups = self.naming.groups.groups
+        per_chunk = [self.naming.group_keys(name, groups) for name in names]
+        found = self.store.contains_many([key for keys in per_chunk for key in keys], shared_only=True)
+        result, offset = [], 0
+        for keys in per_chunk:
+            result.append(all(found[offset:offset + len(keys)]))
+            offset += len(keys)
+        return result
+
+    def _withdraw(self, name: bytes) -> None:
+        self._unconfirmed.pop(name, None)
+        for medium in (self.memory_medium, self.shared_medium):
+            if medium is not None:
+                self.ledger.removed(name, medium)
