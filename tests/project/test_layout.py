@@ -127,3 +127,26 @@ def test_a_working_directory_with_its_own_shared_folder_does_not_shadow_the_plug
     assert lines[-2].split() == ["vllm_tiercache.kvcache.connector", "vllm_tiercache.eccache.connector",
                                  "vllm_tiercache.eccache.managers"], proc.stdout
     assert lines[-1] == "no shared module", proc.stdout
+
+
+#: The most lines a product module and a product class may have: past these, a module holds several jobs
+#: and its reader has to find the one a change is about (split by job, as the store's tiers are).
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+
+
+def test_product_modules_and_classes_stay_small() -> None:
+    too_long: list[str] = []
+    folders = [*FOLDER_NAMES, PACKAGE]
+    for path in sorted(p for folder in folders for p in (REPO / folder).rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    too_long.append(f"{path.relative_to(REPO)}: class {node.name} has {size} lines "
+                                    f"(at most {MAX_CLASS_LINES})")
+    assert not too_long, "split these by job:\n" + "\n".join(too_long)
