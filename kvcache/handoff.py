@@ -52,12 +52,12 @@ def wants_remote_decode(request: Request) -> bool:
 
 
 def remote_prefill_params(request: Request) -> dict[str, Any] | None:
-    """The producer's promise a (decode) request carries, if it asks for a remote prefill."""
+    """The producer's promise a (decode) request carries, if any. Keyed on `PARAMS_KEY` alone, not on
+    ``do_remote_prefill``: beside another connector in vLLM's MultiConnector, params of the other
+    connector alone are no promise of ours (and no reason for a warning)."""
     params = getattr(request, "kv_transfer_params", None)
-    if not params or not params.get("do_remote_prefill"):
-        return None
-    promise = params.get(PARAMS_KEY)
-    return promise if isinstance(promise, dict) else {}
+    promise = params.get(PARAMS_KEY) if params else None
+    return promise if isinstance(promise, dict) else None
 
 
 @dataclass
@@ -81,7 +81,12 @@ class HandoffCounters:
 def producer_params(names: RequestNames, naming: KVNaming, prompt_blocks: int, *, producer: str,
                     tiers: list[str]) -> dict[str, Any] | None:
     """The ``kv_transfer_params`` a producer returns for a prompt of ``prompt_blocks`` full blocks (None:
-    no chunk to hand over, e.g. a prompt shorter than a block)."""
+    no chunk to hand over, e.g. a prompt shorter than a block).
+
+    With vLLM's own ``do_remote_prefill: true``: vLLM then counts the decode side's request as a P/D
+    fetch and reports the producer's cached tokens. (vLLM's MultiConnector refuses two connectors' params
+    with a common key, so beside a connector that sets those flags too, e.g. NixlConnector, it fails the
+    request: docs/serving.md.)"""
     ends = naming.stored_chunk_ends(prompt_blocks)
     if not ends:
         return None
