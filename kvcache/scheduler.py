@@ -263,7 +263,9 @@ class KVSchedulerSide:
             state.load_first = max(first, 0)
             if self.whole_request_loads or state.handoff_load:
                 self._whole_request_pending.append(request.request_id)
-                self.handoffs.handoffs_received += state.handoff_load
+            if state.handoff_load:  # a promise is loaded once: a request sent back to lookup after a
+                state.handoff = False  # fallback that kept nothing is looked up as without one
+                self.handoffs.handoffs_received += 1
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Split a hit between the workers' memory tier (HOST) and the shared tiers, for vLLM's metrics."""

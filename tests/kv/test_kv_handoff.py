@@ -274,6 +274,25 @@ def test_records_that_never_come_fall_back_within_the_bound(tiny_llama: Path, tm
     _connector(consumer)._store.close()
 
 
+def test_a_fallback_that_kept_nothing_is_looked_up_once_more_not_waited_for_again(tiny_llama: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Nothing arrived: vLLM sends the request back to lookup with no computed tokens; the promise was used,
+    so this lookup is the plain one (it finds what came meanwhile), never a second wait."""
+    prompt = tokens(PROMPT_LEN)
+    params, producer = _prefill(tiny_llama, tmp_path / "elsewhere", prompt)  # records where the consumer can't see
+    _connector(producer)._store.close()
+    consumer, request, out = _consume(tiny_llama, tmp_path / "disk", prompt, params, handoff_wait_ms=0)
+    kv_output, worker = _run_handoff(consumer, out, _caches(seed=None))
+    table = consumer.kv_cache_manager.get_block_ids("d")[0]
+    assert kv_output.invalid_block_ids == set(table[:18])
+    consumer.update_from_output(out, _output(out, kv_output))
+    out = consumer.schedule()
+    assert request.status == RequestStatus.RUNNING and out.num_scheduled_tokens["d"] == PROMPT_LEN
+    assert not out.kv_connector_metadata.requests or out.kv_connector_metadata.requests[0].handoff_wait_s is None
+    worker.shutdown()
+    _connector(consumer)._store.close()
+
+
 @pytest.mark.parametrize("tamper", ["namespace", "prompt", "format"])
 def test_params_for_something_else_are_refused(tiny_llama: Path, tmp_path: Path, tamper: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
