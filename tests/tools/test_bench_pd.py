@@ -10,10 +10,10 @@ from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llam
 
 def test_the_table_gives_the_decode_against_each_reference() -> None:
     row = {"tokens": 2048, "plain_s": 0.5, "resident_s": 0.02, "prefill_s": 0.5, "decode_s": 0.05,
-           "redis_s": 0.02, "fetch_s": 0.01, "copy_s": 0.005, "fallbacks": 0}
+           "redis_s": 0.02, "fetch_s": 0.01, "copy_s": 0.005, "wait_s": 0.001, "fallbacks": 0}
     missing = {**row, "tokens": 8192, "redis_s": None, "fetch_s": None}
     table = format_table({"model": "m", "prompts": 3, "wait_ms": 1000.0, "reserved_cpus": 1, "rows": [row, missing]})
-    assert "| 2048 | 500 ms | 20 ms | 20 ms | 50 ms | 0.10x | 1.00x | 10 ms + 5 ms | 0 |" in table
+    assert "| 2048 | 500 ms | 20 ms | 20 ms | 50 ms | 0.10x | 1.00x | 1 ms + 10 ms + 5 ms | 0 |" in table
     assert "| 8192 | 500 ms | 20 ms | n/a | 50 ms | 0.10x | n/a | n/a | 0 |" in table
 
 

@@ -71,6 +71,20 @@ def kv_bytes(model: Path, tokens: int, itemsize: int = 2) -> int:
     return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize * tokens
 
 
+def _handoff_wait(server: Any) -> tuple[float, float, float]:
+    """(seconds waited in all, hand-off loads, records waited for) from the consumer's `/metrics`."""
+    import re
+
+    text = server.metrics()
+
+    def sample(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+    prefix = "vllm:tiercache_kv_handoff_"
+    return (sample(prefix + "wait_seconds_sum"), sample(prefix + "wait_seconds_count"),
+            sample(prefix + "records_waited_total"))
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -81,7 +95,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"the consumer waits at most {report['wait_ms']:.0f} ms",
              "",
              "| prompt | plain prefill | resident hit | raw redis-py read | decode (hand-off) | decode / plain "
-             "| decode / (resident + 1.5 x raw) | decode load: reads + copies | fallbacks |",
+             "| decode / (resident + 1.5 x raw) | decode load: wait + reads + copies | fallbacks |",
              "|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value: float | None) -> str:
@@ -93,7 +107,8 @@ def format_table(report: dict[str, Any]) -> str:
     for row in report["rows"]:
         resident, raw = row["resident_s"], row["redis_s"]
         bound = None if resident is None or raw is None else resident + 1.5 * raw
-        load = "n/a" if row["fetch_s"] is None else f"{ms(row['fetch_s'])} + {ms(row['copy_s'])}"
+        load = "n/a" if row["fetch_s"] is None else (
+            f"{ms(row['wait_s'])} + {ms(row['fetch_s'])} + {ms(row['copy_s'])}")
         lines.append(f"| {row['tokens']} | {ms(row['plain_s'])} | {ms(row['resident_s'])} | {ms(row['redis_s'])} "
                      f"| {ms(row['decode_s'])} | {ratio(row['decode_s'], row['plain_s'])} "
                      f"| {ratio(row['decode_s'], bound)} | {load} | {row['fallbacks']} |")
@@ -169,13 +184,21 @@ class PDBench:
         copy: list[float] = []
         fallbacks = 0
         offset = trace.stat().st_size if trace.exists() else 0
+        waits: list[float] = []
         for i in range(self.args.prompts + 1):  # the first prompt of each length is a warm-up
             tokens = self.prompt(length)
             plain_s, _ = _complete(plain.base_url, tokens)
             resident_s, _ = _complete(plain.base_url, tokens)
             prefill_s, answer = _complete(producer.base_url, tokens,
                                           {"do_remote_decode": True, "do_remote_prefill": False})
+            wait_before = _handoff_wait(consumer)
             decode_s, _ = _complete(consumer.base_url, tokens, answer.get("kv_transfer_params"))
+            for _ in range(50):  # the wait reaches /metrics with a later engine step's stats
+                wait_after = _handoff_wait(consumer)
+                if wait_after[1] > wait_before[1]:
+                    break
+                _complete(consumer.base_url, self.prompt(8))
+            waits.append(wait_after[0] - wait_before[0])
             lines, offset = read_load_trace(str(trace), offset) if trace.exists() else ([], offset)
             if i == 0:
                 continue
@@ -187,7 +210,8 @@ class PDBench:
             fallbacks += sum(1 for line in lines if line.get("failed"))
         return {"tokens": length, "plain_s": _median(times["plain"]), "resident_s": _median(times["resident"]),
                 "prefill_s": _median(times["prefill"]), "decode_s": _median(times["decode"]),
-                "fetch_s": _median(fetch), "copy_s": _median(copy), "fallbacks": fallbacks}
+                "fetch_s": _median(fetch), "copy_s": _median(copy), "wait_s": _median(waits[1:]),
+                "fallbacks": fallbacks}
 
 
 def run(args: argparse.Namespace) -> int:
