@@ -23,6 +23,7 @@ the ratios between columns of one run are the result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -157,8 +158,11 @@ class PDBench:
         from vllm_tiercache.tools.redis_server import RedisServer
         from vllm_tiercache.tools.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
 
-        spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
-        model = make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec)
+        # bench kv's 12-layer model, its positions raised for the longest prompt (no weight depends on them)
+        positions = max(4096, max(self.lengths) + 64)
+        base = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
+        spec = dataclasses.replace(base, max_position_embeddings=positions)
+        model = make_tiny_llama(self.work / f"model-{'quick' if self.args.quick else 'bench'}-{positions}", spec)
         trace = self.work / "consumer-loads.jsonl"
         rows = []
         with RedisServer() as redis_server:
