@@ -6,7 +6,10 @@ A consumer's hand-off load (`vllm_tiercache.kvcache.handoff`) is one asynchronou
 its writes to the shared tier follow), and waiting for them there would hold up every request in the batch.
 Here one thread per worker takes those loads in order. For each it asks the store, with short polls, for
 every record the promise names, until all are there or ``handoff_wait_ms`` has passed since the load was
-handed over; then the loader's own load (`KVLoader.run_job`) reads what is there. A chunk with a record
+handed over; then the loader's own load (`KVLoader._do_load`) reads what is there: on this thread on a
+GPU, on the forward's thread at the next step on a CPU (``load_on_caller``: the loads before the
+forward, as every CPU load; beside vLLM's engine steps, which go on every millisecond while a request
+waits, a reading thread took turns with them for the GIL and read several times slower). A chunk with a record
 still missing is not read, nor is any chunk after it (vLLM recomputes from the first block it lacks): its
 blocks are reported as failed loads, the request as finished receiving, both in the same step
 (`KVLoader.take_transfer_results`), and the fallback is counted and logged with the request id.
@@ -14,11 +17,13 @@ blocks are reported as failed loads, the request as finished receiving, both in 
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
@@ -59,6 +64,18 @@ def wait_for_records(store: Store, keys: list[list[StoreKey]], deadline: float,
     return [g not in lacking for g in range(len(keys))], first_missing - len(missing)
 
 
+@dataclass(frozen=True)
+class _Waited:
+    """What a hand-off's wait found: for its counters and its log line."""
+
+    req_id: str
+    #: records missing at the first look that came within the wait
+    records: int
+    seconds: float
+    missing_chunks: int
+    missing_records: int
+
+
 class HandoffLoads:
     """The worker's hand-off loads: their thread, the bounded wait, and the loads that are over."""
 
@@ -74,10 +91,18 @@ class HandoffLoads:
         self.layers_of_group: dict[int, list[int]] = {}
         self._queue: queue.Queue[tuple[LoadJob, str, float, float] | None] = queue.Queue()
         self._done: list[LoadJob] = []
+        #: waits that are over, whose load runs on the caller of `take_done` (`load_on_caller`)
+        self._ready: list[tuple[LoadJob, _Waited]] = []
         self._done_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        #: the loads run on the thread that asks for the results (the forward's), not on this one
+        self.load_on_caller = False
 
-    def attach(self, group_of_layer: dict[int, int], layer_indices: list[int]) -> None:
+    def attach(self, group_of_layer: dict[int, int], layer_indices: list[int], *, load_on_caller: bool) -> None:
+        """``load_on_caller``: after the wait, the load runs in `take_done`, on the forward's thread (a CPU:
+        there the hand-off thread reading beside vLLM's engine steps, which go on every millisecond while a
+        request waits, took turns with them for the GIL and made the reads several times slower)."""
+        self.load_on_caller = load_on_caller
         self.layers_of_group = {}
         for layer in layer_indices:
             self.layers_of_group.setdefault(group_of_layer.get(layer, 0), []).append(layer)
@@ -90,23 +115,39 @@ class HandoffLoads:
         self._queue.put((job, req_id, wait_s, time.monotonic()))
 
     def take_done(self) -> list[LoadJob]:
-        """The hand-off loads that are over since the last call."""
+        """The hand-off loads that are over since the last call (with `load_on_caller`, the loads whose wait
+        is over are run first, here)."""
         with self._done_lock:
             done, self._done = self._done, []
-        return done
+            ready, self._ready = self._ready, []
+        for job, waited in ready:
+            self._guarded(job, waited.req_id, functools.partial(self._load, job, waited))
+        return done + [job for job, _ in ready]
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             job, req_id, wait_s, submitted = item
-            try:
-                self._run(job, req_id, submitted + wait_s)
-            except Exception:  # never leave vLLM waiting for a request: fail its loads, it is recomputed
-                log.exception("TieredKVConnector: hand-off load of request %s failed; it is recomputed", req_id)
-                job.failed.update(range(len(job.loads)))
+            waited = self._guarded(job, req_id, functools.partial(self._wait, job, req_id, submitted + wait_s))
+            if waited is not None and self.load_on_caller:
+                with self._done_lock:
+                    self._ready.append((job, waited))
+                continue
+            if waited is not None:
+                self._guarded(job, req_id, functools.partial(self._load, job, waited))
             with self._done_lock:
                 self._done.append(job)
 
-    def _run(self, job: LoadJob, req_id: str, deadline: float) -> None:
+    @staticmethod
+    def _guarded(job: LoadJob, req_id: str, step: Callable[[], _Waited | None]) -> _Waited | None:
+        try:
+            return step()
+        except Exception:  # never leave vLLM waiting for a request: fail its loads, it is recomputed
+            log.exception("TieredKVConnector: hand-off load of request %s failed; it is recomputed", req_id)
+            job.failed.update(range(len(job.loads)))
+            return None
+
+    def _wait(self, job: LoadJob, req_id: str, deadline: float) -> _Waited:
+        """Wait for the job's records; the loads of chunks still missing (and after them) fail unread."""
         loads = job.loads
         keys = [[self.key(load.chunk_hash, layer) for layer in self.layers_of_group.get(load.group, ())]
                 for load in loads]
@@ -117,19 +158,23 @@ class HandoffLoads:
         if missing:  # from the first block a missing chunk holds, vLLM recomputes: nothing there is read
             cut = min(loads[i].first for i in missing)
             job.failed.update(i for i, load in enumerate(loads) if load.end > cut)
+        return _Waited(req_id, waited, waited_s, len(missing), sum(len(keys[i]) for i in missing))
+
+    def _load(self, job: LoadJob, waited: _Waited) -> None:  # returns None: `_guarded`'s step
+        """Load what came, then count the hand-off (and log a fallback)."""
         self.run_job(job)
         failed = job.failed
         with self._counters_lock:
             self.counters.handoff_loads += 1
-            self.counters.handoff_records_waited += waited
-            self.counters.handoff_wait_seconds.append(waited_s)
+            self.counters.handoff_records_waited += waited.records
+            self.counters.handoff_wait_seconds.append(waited.seconds)
             if failed:
                 self.counters.handoff_fallbacks += 1
-                self.counters.handoff_missing_records += sum(1 for i in missing for _ in keys[i])
+                self.counters.handoff_missing_records += waited.missing_records
         if failed:
             log.warning("TieredKVConnector: hand-off of request %s fell back to recompute: %d of %d chunk loads "
-                        "not taken (%d with records still missing after %.0f ms)", req_id, len(failed), len(loads),
-                        len(missing), waited_s * 1000)
+                        "not taken (%d with records still missing after %.0f ms)", waited.req_id, len(failed),
+                        len(job.loads), waited.missing_chunks, waited.seconds * 1000)
 
     def shutdown(self) -> None:
         if self._thread is not None:

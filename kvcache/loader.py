@@ -138,7 +138,7 @@ class KVLoader:
         self.layer_index = layer_index
         self.mover = mover
         self.before_forward = before_forward
-        self.handoffs.attach(self.group_of_layer, list(layer_index.values()))
+        self.handoffs.attach(self.group_of_layer, list(layer_index.values()), load_on_caller=before_forward)
         self._reads_into = layout.device.type == "cpu" and self.store.reads_into
         if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
             first = next(iter(kv_caches.values()))

@@ -101,10 +101,10 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
             for name in LAYERS}
 
 
-def _worker(connector: TieredKVConnector, caches: dict[str, torch.Tensor]) -> KVWorkerSide:
+def _worker(connector: TieredKVConnector, caches: dict[str, torch.Tensor], load_mode: str = "auto") -> KVWorkerSide:
     side = connector._scheduler
     assert side is not None
-    worker = KVWorkerSide(store=connector._store, naming=side.naming, rank=0, use_mla=False)
+    worker = KVWorkerSide(store=connector._store, naming=side.naming, rank=0, use_mla=False, load_mode=load_mode)
     worker.register_kv_caches(caches, NUM_BLOCKS)
     return worker
 
@@ -176,11 +176,12 @@ def _consume(model: Path, disk: Path, prompt: list[int], params: dict[str, Any] 
     return consumer, request, consumer.schedule()
 
 
-def _run_handoff(consumer: Scheduler, out: Any, caches: dict[str, torch.Tensor]) -> tuple[KVConnectorOutput,
-                                                                                           KVWorkerSide]:
+def _run_handoff(consumer: Scheduler, out: Any, caches: dict[str, torch.Tensor], load_mode: str = "auto"
+                 ) -> tuple[KVConnectorOutput, KVWorkerSide]:
     """The worker's side of the consumer's step: start the loads, poll vLLM's results until the hand-off
-    is over (liveness only: the wait is bounded by handoff_wait_ms)."""
-    worker = _worker(_connector(consumer), caches)
+    is over (liveness only: the wait is bounded by handoff_wait_ms). A CPU worker ("auto") loads on the
+    polling thread once the wait is over; "layerwise" (a GPU's default) on the hand-off thread."""
+    worker = _worker(_connector(consumer), caches, load_mode)
     worker.start_load(out.kv_connector_metadata)
     for _ in range(2000):  # what the worker's connector does each step (get_transfer_results, then the errors)
         finished, _ = worker.loader.take_transfer_results()
@@ -192,7 +193,9 @@ def _run_handoff(consumer: Scheduler, out: Any, caches: dict[str, torch.Tensor])
     raise AssertionError("the hand-off load never finished")
 
 
-def test_the_consumer_loads_the_promised_prefix_asynchronously(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("load_mode", ["auto", "layerwise"])
+def test_the_consumer_loads_the_promised_prefix_asynchronously(tiny_llama: Path, tmp_path: Path,
+                                                              load_mode: str) -> None:
     prompt = tokens(PROMPT_LEN)
     params, producer = _prefill(tiny_llama, tmp_path / "disk", prompt)
     _connector(producer)._store.close()
@@ -204,7 +207,7 @@ def test_the_consumer_loads_the_promised_prefix_asynchronously(tiny_llama: Path,
     assert [(load.first, load.end) for load in plan.loads] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 18)]
 
     caches = _caches(seed=None)
-    kv_output, worker = _run_handoff(consumer, out, caches)
+    kv_output, worker = _run_handoff(consumer, out, caches, load_mode)
     assert kv_output.finished_recving == {"d"} and not kv_output.invalid_block_ids
     producer_caches = _caches(seed=1)
     table = consumer.kv_cache_manager.get_block_ids("d")[0]
