@@ -148,7 +148,7 @@ class PDBench:
         server = Server(model, self.work / f"{name}.log", served_name=SERVED, chat_template=template,
                         max_model_len=max(self.lengths) + 64, kv_transfer=kv, extra_args=extra)
         server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
-        server.env["VLLM_CPU_KVCACHE_SPACE"] = "4"
+        server.env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         server.env.update(extra_env)
         return server
 
