@@ -193,6 +193,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 volatile_decode_tail=uses_eagle(vllm_config),
                 request_cacheable=identifiers.request_cacheable,
                 publish_events=events_enabled(vllm_config),
+                handoff_wait_s=self._options.handoff_wait_ms / 1000.0,
+                engine_id=str(transfer.engine_id or ""),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_tiercache.kvcache.handoff_wait import HandoffLoads
 from vllm_tiercache.kvcache.layout import PagedLayout
 from vllm_tiercache.kvcache.load_trace import LoadTrace
 from vllm_tiercache.kvcache.plan import ChunkLoad
@@ -124,6 +125,9 @@ class KVLoader:
         self.trace = LoadTrace.from_env()
         self._thread = background_thread(self._load_loop, "tiercache-kv-loader")
         self._thread.start()
+        #: prefill/decode hand-off loads: on their own thread, after a bounded wait for their records
+        self.handoffs = HandoffLoads(store=store, key=key, run_job=self._do_load, counters=self.counters,
+                                     counters_lock=self._counters_lock)
 
     def attach(self, layout: PagedLayout, kv_caches: dict[str, torch.Tensor], layer_index: dict[str, int],
                mover: BlockMover, *, before_forward: bool) -> None:
@@ -134,6 +138,7 @@ class KVLoader:
         self.layer_index = layer_index
         self.mover = mover
         self.before_forward = before_forward
+        self.handoffs.attach(self.group_of_layer, list(layer_index.values()), load_on_caller=before_forward)
         self._reads_into = layout.device.type == "cpu" and self.store.reads_into
         if self._reads_into:  # the byte view of each (contiguous) layer that in-place reads slice
             first = next(iter(kv_caches.values()))
@@ -142,9 +147,23 @@ class KVLoader:
                                  if tensor.is_contiguous()}
 
     # ------------------------------------------------------------------------------------------ a step
-    def start(self, loads: list[ChunkLoad], owners: list[str], whole_requests: set[str]) -> None:
+    def start(self, loads: list[ChunkLoad], owners: list[str], whole_requests: set[str],
+              handoffs: dict[str, float] | None = None) -> None:
         """Start one step's loads (``owners``: the request of each load; ``whole_requests``: those whose
-        loads vLLM waits for as a whole); before_forward: run them now."""
+        loads vLLM waits for as a whole, failing as a whole; ``handoffs``: requests whose loads are
+        prefill/decode hand-offs, with their longest wait for records in flight); before_forward: run them
+        now. A hand-off goes to its own thread (`vllm_tiercache.kvcache.handoff_wait`), never this step's."""
+        if handoffs and self.layout is not None:
+            for req_id, wait_s in handoffs.items():
+                mine = [load for load, owner in zip(loads, owners, strict=True) if owner == req_id]
+                self.handoffs.submit(LoadJob(self.layout.layer_names, mine, [req_id] * len(mine),
+                                             whole_requests & {req_id}), req_id, wait_s)
+            kept = [(load, owner) for load, owner in zip(loads, owners, strict=True) if owner not in handoffs]
+            loads, owners = [load for load, _ in kept], [owner for _, owner in kept]
+            if not loads:
+                return
+        elif handoffs:  # an idle worker: the hand-off fails as a whole, and vLLM recomputes the request
+            whole_requests = whole_requests | set(handoffs)
         if self.layout is None:  # an idle worker: a planned load is a failed one, never unloaded blocks
             self._finished_recving |= whole_requests
             self._failed_recving |= whole_requests
@@ -192,6 +211,17 @@ class KVLoader:
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) whole-request loads since the last call; every failed one is finished too."""
         self.finish_load()
+        done = self.handoffs.take_done()
+        if done and self.mover is not None:
+            self.mover.finish_scatters()
+        for job in done:  # finished, and what failed: reported in this same step (vLLM reads both at once)
+            self._finished_recving.update(job.owners)
+            for i in job.failed:
+                if job.owners[i] in job.whole_requests:
+                    self._failed_recving.add(job.owners[i])
+                    self.failed_chunks.add(job.loads[i].chunk_hash)
+                else:
+                    self._load_errors.update(job.loads[i].block_ids)
         finished, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return finished, failed
@@ -315,5 +345,6 @@ class KVLoader:
         """Stop the loader thread (after the step's job, if any) and close the trace."""
         self._queue.put(None)
         self._thread.join(timeout=10)
+        self.handoffs.shutdown()
         if self.trace is not None:
             self.trace.close()

@@ -5,8 +5,8 @@ steps with `TieredKVStats.aggregate`, logs `reduce()`, and hands it to `TieredKV
 
 What a step's data holds:
 
-- the connector's counters (`_COUNTERS`: the workers', and the scheduler's ``generation_resets``) and
-  latency series (`_SERIES`), and `block_size`;
+- the connector's counters (`_COUNTERS`: the workers', and the scheduler's ``generation_resets`` and
+  hand-off promises) and latency series (`_SERIES`), and `block_size`;
 - ``tiers``: {tier: {counter: increment}}, what the process's store counted this step (loads, saves,
   promotions and the background writes that finished meanwhile; `TieredStore.take_counter_deltas`), and
   ``write_queue_hits``; these make a step non-empty like the connector's own counters;
@@ -40,8 +40,17 @@ _COUNTERS = (
     "saved_bytes",
     "dropped_saves",
     "generation_resets",
+    # prefill/decode hand-offs (vllm_tiercache.kvcache.handoff): the scheduler's promises ...
+    "handoffs_offered",
+    "handoffs_received",
+    "handoffs_rejected",
+    # ... and the workers' loads of them (vllm_tiercache.kvcache.handoff_wait)
+    "handoff_loads",
+    "handoff_records_waited",
+    "handoff_fallbacks",
+    "handoff_missing_records",
 )
-_SERIES = ("load_seconds", "save_seconds")
+_SERIES = ("load_seconds", "save_seconds", "handoff_wait_seconds")
 #: Keys whose value is {source: latest level}, merged by replacement.
 _LEVELS = ("gauges", "save_queue")
 

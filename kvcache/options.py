@@ -34,6 +34,10 @@ DEFAULT_LOAD_FAILURE_POLICY = "recompute"
 #: Allowed values of ``load_mode``: when a step's hits are loaded (`vllm_tiercache.kvcache.worker`).
 LoadMode = Literal["auto", "layerwise", "before_forward"]
 LOAD_MODES: tuple[str, ...] = get_args(LoadMode)
+#: Default and upper bound of ``handoff_wait_ms``: how long a consumer's prefill/decode hand-off waits for
+#: the records its producer promised (`vllm_tiercache.kvcache.handoff`); docs/serving.md says why 1 s.
+DEFAULT_HANDOFF_WAIT_MS = 1000.0
+MAX_HANDOFF_WAIT_MS = 60000.0
 #: Env var that overrides ``chunk_size`` (applied last, over every config source).
 CHUNK_SIZE_ENV = "TIERCACHE_CHUNK_SIZE"
 
@@ -67,6 +71,14 @@ class KVConnectorOptions:
     warmup_cpu_attention: Annotated[bool, BeforeValidator(bool), Field(description=(
         "Run the CPU attention kernel once when the KV caches are registered (see "
         "vllm_tiercache.kvcache.cpu_warmup)."))] = True
+
+    handoff_wait_ms: Annotated[float, Strict(), Field(ge=0, le=MAX_HANDOFF_WAIT_MS, allow_inf_nan=False, description=(
+        "Prefill/decode hand-off (docs/serving.md): the longest a consumer's request that carries a producer's "
+        "kv_transfer_params waits, in WAITING_FOR_REMOTE_KVS and without holding up the batch, for the "
+        "records the producer promised but has not yet written to the shared tier, in ms. What has not "
+        "arrived by then is recomputed and counted (handoff_fallbacks). 0: take what is there at once.")),
+        Allowed(f"a number of milliseconds, at least 0, at most {MAX_HANDOFF_WAIT_MS:g}",
+                path="kv_connector_extra_config.handoff_wait_ms")] = DEFAULT_HANDOFF_WAIT_MS
 
     #: the keys this class parses, as `vllm_tiercache.shared.config.CONNECTOR_KEYS` lists them
     KEYS: ClassVar[tuple[str, ...]] = CONNECTOR_KEYS["TieredKVConnector"]

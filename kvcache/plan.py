@@ -46,6 +46,8 @@ class ChunkSave:
     #: the KV cache group whose layers are saved, and the first block of the record
     group: int = 0
     first: int = 0
+    #: a prefill/decode hand-off's record: written to the slower tiers ahead of other queued writes
+    urgent: bool = False
 
 
 @dataclass
@@ -56,6 +58,9 @@ class RequestPlan:
     #: the loads are one whole-request load vLLM waits for (``load_kv_async``): the request is reported
     #: finished, or failed, receiving (a model with several KV cache groups; see `KVSchedulerSide`)
     whole_request: bool = False
+    #: a prefill/decode hand-off's load (`vllm_tiercache.kvcache.handoff`): always asynchronous (vLLM waits
+    #: for it), waiting at most this long for promised records still in flight; None: not a hand-off
+    handoff_wait_s: float | None = None
 
 
 @dataclass

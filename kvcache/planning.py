@@ -51,11 +51,17 @@ class RequestState:
     next_save_block: int = 0
     #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
     cacheable: bool = True
+    #: a producer's hand-off promise the request carries, once checked (`vllm_tiercache.kvcache.handoff`):
+    #: None not checked yet, False none or unusable
+    handoff: object = None
+    #: the planned load is that promise's: asynchronous, and it waits for records still in flight
+    handoff_load: bool = False
 
     def forget_load(self) -> None:
         """No load planned any more (it was planned into a step, or the lookup's hit was not used)."""
         self.load_first = self.load_end = 0
         self.load_chunks = []
+        self.handoff_load = False
 
 
 def prompt_full_blocks(request: Request, block_size: int) -> int:

@@ -46,6 +46,8 @@ class GatheredRecord(NamedTuple):
     last_layer: bool
     #: the first block of the chunk the record holds (its ``start``: `ChunkSave.first`)
     first_block: int
+    #: a prefill/decode hand-off's record (`ChunkSave.urgent`): the store writes it ahead of the queue
+    urgent: bool = False
 
 
 class KVSaver:
@@ -94,7 +96,7 @@ class KVSaver:
         gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
         for save, blocks in zip(saves, gathered, strict=True):
             self.gathered.append(GatheredRecord(self.key(save.chunk_hash, layer), blocks, save.chunk_hash,
-                                                last_layer, save.first))
+                                                last_layer, save.first, save.urgent))
 
     def hand_off(self) -> None:
         """Hand this step's gathered records to the saver thread (the copies are ours: no waiting)."""
@@ -115,11 +117,13 @@ class KVSaver:
         while (batch := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
-                self.store.put_many([
-                    (record.key, record.blocks,
-                     {"layout": self._layout_text, "blocks": int(record.blocks.shape[0]), "start": record.first_block})
-                    for record in batch
-                ], owned=True)
+                for urgent in (True, False):  # a hand-off's records first, ahead of the store's queue
+                    items = [(record.key, record.blocks, {"layout": self._layout_text,
+                                                          "blocks": int(record.blocks.shape[0]),
+                                                          "start": record.first_block})
+                             for record in batch if record.urgent == urgent]
+                    if items:
+                        self.store.put_many(items, owned=True, urgent=urgent)
                 done = {record.chunk_hash for record in batch if record.last_layer}
                 self._report_resident(batch, done)
                 with self._counters_lock:

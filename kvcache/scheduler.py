@@ -35,6 +35,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_tiercache.kvcache.adapters import AdapterDigests
+from vllm_tiercache.kvcache.handoff import (
+    HandoffCounters,
+    check_promise,
+    plan_handoff_load,
+    producer_params,
+    wants_remote_decode,
+)
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
@@ -67,6 +74,8 @@ class KVSchedulerSide:
         request_cacheable: Callable[[Request], bool] | None = None,
         volatile_decode_tail: bool = False,
         publish_events: bool = False,
+        handoff_wait_s: float = 1.0,
+        engine_id: str = "",
     ) -> None:
         """`naming`: how prompts are cut into chunks, how chunks are named, and whether a partial last
         chunk is saved: the rule `tiercache precompute docs` follows too. `request_cacheable`: asked once
@@ -85,6 +94,8 @@ class KVSchedulerSide:
         self.request_cacheable = request_cacheable
         self.volatile_decode_tail = volatile_decode_tail
         shared_tiers = [t for t in store.tiers if t.shared_across_processes]
+        #: the kinds of the tiers a consumer can read what this engine stores (named in hand-off promises)
+        self.shared_tier_kinds = [t.name for t in shared_tiers]
         self.shared_source = (
             CacheHitSource.DISK
             if shared_tiers and all(isinstance(t, FileTier) for t in shared_tiers)
@@ -122,6 +133,11 @@ class KVSchedulerSide:
         #: what the tiers can serve, told to routers as KV cache events (None: vLLM publishes none, or this
         #: engine loads nothing: a kv_producer, a model the connector cannot load; a router must not count on it)
         self.events = TierEventTracker(store=store, naming=naming) if publish_events and self.can_load else None
+        #: prefill/decode hand-offs (`vllm_tiercache.kvcache.handoff`): how long a consumer's load waits for
+        #: promised records, this engine's id in its promises, and their counts
+        self.handoff_wait_s = handoff_wait_s
+        self.engine_id = engine_id
+        self.handoffs = HandoffCounters()
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -213,6 +229,13 @@ class KVSchedulerSide:
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False
+        if self.can_load and (promise := check_promise(state, self.naming, self.handoffs)) is not None:
+            # a producer's promise: its chunks are loaded (and not saved again) without a lookup
+            state.stored, state.resident = [True] * len(promise.ends), []
+            state.saved_until, state.next_save_block = state.planned_until, 0
+            state.forget_load()
+            return plan_handoff_load(state, promise, resident=self.resident, block_size=block_size,
+                                     num_computed_tokens=num_computed_tokens)
         ends, full_ok, window_ok, resident = self._lookup(state)
         stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
@@ -250,8 +273,11 @@ class KVSchedulerSide:
         else:
             first = state.load_end - num_external_tokens // self.geometry.block_size
             state.load_first = max(first, 0)
-            if self.whole_request_loads:
+            if self.whole_request_loads or state.handoff_load:
                 self._whole_request_pending.append(request.request_id)
+            if state.handoff_load:  # a promise is loaded once: a request sent back to lookup after a
+                state.handoff = False  # fallback that kept nothing is looked up as without one
+                self.handoffs.handoffs_received += 1
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Split a hit between the workers' memory tier (HOST) and the shared tiers, for vLLM's metrics."""
@@ -275,7 +301,8 @@ class KVSchedulerSide:
             state = self._requests.get(req_id)
             if state is not None and state.load_end > state.load_first:
                 block_ids = self._block_ids(req_id)
-                plan = RequestPlan(req_id=req_id, whole_request=True)
+                plan = RequestPlan(req_id=req_id, whole_request=self.whole_request_loads,
+                                   handoff_wait_s=self.handoff_wait_s if state.handoff_load else None)
                 for group in self.groups.groups:
                     plan.loads.extend(group_loads(state, group, block_ids[group.index], self.geometry))
                 state.forget_load()
@@ -327,6 +354,9 @@ class KVSchedulerSide:
                     block_ids = self._block_ids(request.request_id)
                 name = state.names.name(end)
                 saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
+                if saves is not None and wants_remote_decode(request):  # a hand-off: written first
+                    for save in saves:
+                        save.urgent = True
                 if saves is not None:
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
@@ -381,11 +411,11 @@ class KVSchedulerSide:
         return True
 
     def take_counters(self) -> dict[str, int]:
-        """This side's counter increments since the last call (vLLM's stats): generation resets."""
-        if not self._unreported_resets:
-            return {}
-        resets, self._unreported_resets = self._unreported_resets, 0
-        return {"generation_resets": resets}
+        """This side's counter increments since the last call (vLLM's stats): generation resets, hand-offs."""
+        counts: dict[str, int] = self.handoffs.take()
+        if self._unreported_resets:
+            counts["generation_resets"], self._unreported_resets = self._unreported_resets, 0
+        return counts
 
     # -------------------------------------------------------------------------------- worker reports
     def update_connector_output(self, worker_meta: Any) -> None:
@@ -408,5 +438,10 @@ class KVSchedulerSide:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may
         # free the blocks right away: nothing asynchronous still reads them.
-        self._requests.pop(request.request_id, None)
-        return False, None
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not (self.can_save and state.cacheable and wants_remote_decode(request)):
+            return False, None
+        params = producer_params(state.names, self.naming, prompt_full_blocks(request, self.geometry.block_size),
+                                 producer=self.engine_id, tiers=self.shared_tier_kinds)
+        self.handoffs.handoffs_offered += params is not None
+        return False, params

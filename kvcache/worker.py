@@ -153,7 +153,9 @@ class KVWorkerSide:
             return
         owners = [plan.req_id for plan in meta.requests for _ in plan.loads]
         whole = {plan.req_id for plan in meta.requests if plan.whole_request and plan.loads}
-        self.loader.start(loads, owners, whole)
+        handoffs = {plan.req_id: plan.handoff_wait_s for plan in meta.requests
+                    if plan.handoff_wait_s is not None and plan.loads}
+        self.loader.start(loads, owners, whole, handoffs)
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: TieredKVMetadata) -> None:
         """Hand the saver this step's saves of the layer's KV cache group, right after the layer wrote its KV

@@ -23,6 +23,14 @@ class WorkerCounters:
     saved_bytes: int = 0
     dropped_saves: int = 0
     save_seconds: list[float] = field(default_factory=list)
+    #: prefill/decode hand-off loads (`vllm_tiercache.kvcache.handoff_wait`): loads, records that were not
+    #: there yet and came within the wait, loads that fell back to recompute, records that never came, and
+    #: each load's wait
+    handoff_loads: int = 0
+    handoff_records_waited: int = 0
+    handoff_fallbacks: int = 0
+    handoff_missing_records: int = 0
+    handoff_wait_seconds: list[float] = field(default_factory=list)
 
     def take(self) -> dict[str, Any]:
         """The numbers since the last call, then zero; ``{}`` when none moved (most decode steps)."""

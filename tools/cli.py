@@ -39,6 +39,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
                                         "throughput vs vLLM alone"),
     ("bench", "gpu"): ("bench.gpu", "CUDA movers, layerwise overlap and GDS reads vs the hardware (torch only)"),
+    ("bench", "pd"): ("bench.pd", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
+                                  "a raw redis-py read"),
+    ("pd-proxy",): ("pd_proxy", "the prefill/decode proxy: prefill (kv_producer), then decode (kv_consumer) "
+                                "with its kv_transfer_params"),
     ("demo",): ("demo", "the RAG demo: precompute, serve with both connectors, compare TTFT"),
     ("precompute", "images"): ("precompute.ec", "store encoder outputs of an image corpus (ec_producer)"),
     ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),

@@ -116,7 +116,8 @@ class Store(Protocol):
     ``shared_only`` lookups consult only tiers other processes also see (a scheduler asking about what a
     worker process could load); ``bounded`` ones (by default the ``shared_only`` ones) wait at most the
     store's ``lookup_budget_ms`` for a remote tier, whose late answer is a miss; ``owned`` puts hand over
-    tensors the caller will never mutate (no copy).
+    tensors the caller will never mutate (no copy); ``urgent`` puts (a prefill/decode hand-off's records)
+    reach the slower tiers ahead of the writes already queued.
     """
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
@@ -136,7 +137,7 @@ class Store(Protocol):
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
             owned: bool = False) -> None: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
-                 owned: bool = False) -> None: ...
+                 owned: bool = False, urgent: bool = False) -> None: ...
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
         """A hint that ``keys`` will be read soon, for the tiers declaring `Prefetches`."""
         ...

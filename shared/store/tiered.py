@@ -379,8 +379,9 @@ class TieredStore:
             owned: bool = False) -> None:
         self.put_many([(key, tensor, meta)], owned=owned)
 
-    def put_many(self, items: Sequence[Item], *, owned: bool = False) -> None:
-        """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full).
+    def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False) -> None:
+        """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full;
+        ``urgent`` ones, which another engine waits for, go ahead of the queue and are never dropped).
 
         ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
         keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
@@ -399,7 +400,7 @@ class TieredStore:
             return
         self._write_behind.hold(mine)  # before the fastest tier, which may evict one of them right away
         self._put_sync(self.tiers[0], mine)
-        if not self._writer.submit(self.tiers[1:], mine, on_done=self._write_behind.release):
+        if not self._writer.submit(self.tiers[1:], mine, on_done=self._write_behind.release, urgent=urgent):
             self._write_behind.release(mine)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:

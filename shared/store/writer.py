@@ -3,6 +3,8 @@
 Why: a put must return as fast as the fastest tier; disk fsyncs and Redis round trips happen here.
 Why bounded and non-blocking: when slower tiers cannot keep up, dropping a cache write costs a future
 miss, while blocking would stall vLLM's forward pass. Drops are counted per tier (`dropped_writes`).
+Urgent writes (a prefill/decode hand-off's records, which another engine is waiting for) go ahead of the
+queued ones, in their own batches, and are never dropped for a full queue.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +30,8 @@ DoneCallback = Callable[[Sequence[Item]], None]
 Job = tuple[Sequence[Tier], Sequence[Item], DoneCallback | None]
 #: At most this many queued jobs are merged into one batched `put_many` per tier.
 MAX_BATCH = 32
+#: Put on the queue to wake the writer for an urgent job (which waits in its own deque).
+_WAKE = ("wake", (), None)
 
 
 class BackgroundWriter:
@@ -34,16 +39,19 @@ class BackgroundWriter:
 
     def __init__(self, maxsize: int, name: str = "tiercache-writer") -> None:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize)
+        self._urgent: deque[Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
         self._thread = background_thread(self._loop, name, beside_forward=True)
         self._thread.start()
 
-    def submit(self, tiers: Sequence[Tier], items: Sequence[Item], on_done: DoneCallback | None = None) -> bool:
+    def submit(self, tiers: Sequence[Tier], items: Sequence[Item], on_done: DoneCallback | None = None, *,
+               urgent: bool = False) -> bool:
         """Queue a write of ``items`` to ``tiers``; False (and counted as dropped) when the queue is full.
 
         ``on_done(items)`` runs on the writer thread after the write, only for a job that was queued.
+        ``urgent``: written before every job queued and not yet taken (never dropped for a full queue).
         """
         if not tiers or not items:
             return True
@@ -52,6 +60,14 @@ class BackgroundWriter:
             return False
         with self._cond:
             self._pending += 1
+        if urgent:
+            self._urgent.append((tiers, items, on_done))
+            if self._queue.empty():  # the writer may be waiting on the queue: wake it
+                try:
+                    self._queue.put_nowait(_WAKE)  # type: ignore[arg-type]
+                except queue.Full:
+                    pass
+            return True
         try:
             self._queue.put_nowait((tiers, items, on_done))
         except queue.Full:
@@ -67,14 +83,26 @@ class BackgroundWriter:
         for tier in tiers:
             tier.counters.add(dropped_writes=len(items))
 
+    def _take_urgent(self) -> list[Job]:
+        jobs: list[Job] = []
+        while self._urgent and len(jobs) < MAX_BATCH:
+            jobs.append(self._urgent.popleft())
+        return jobs
+
     def _loop(self) -> None:
         while True:
+            if urgent := self._take_urgent():
+                self._run(urgent)
+                with self._cond:
+                    self._pending -= len(urgent)
+                    self._cond.notify_all()
+                continue
             job = self._queue.get()
             if job is None:
                 return
-            jobs = [job]
+            jobs = [] if job is _WAKE else [job]
             stop = False
-            while len(jobs) < MAX_BATCH:
+            while len(jobs) < MAX_BATCH and not self._urgent:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -82,7 +110,8 @@ class BackgroundWriter:
                 if nxt is None:
                     stop = True
                     break
-                jobs.append(nxt)
+                if nxt is not _WAKE:
+                    jobs.append(nxt)
             self._run(jobs)
             with self._cond:
                 self._pending -= len(jobs)

@@ -1,0 +1,24 @@
+"""`tiercache bench pd`'s report, without servers: the table's ratios and its missing values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_tiercache.tools.bench.pd import format_table, kv_bytes
+from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
+
+
+def test_the_table_gives_the_decode_against_each_reference() -> None:
+    row = {"tokens": 2048, "plain_s": 0.5, "resident_s": 0.02, "prefill_s": 0.5, "decode_s": 0.05,
+           "redis_s": 0.02, "fetch_s": 0.01, "copy_s": 0.005, "wait_s": 0.001, "fallbacks": 0}
+    missing = {**row, "tokens": 8192, "redis_s": None, "fetch_s": None}
+    table = format_table({"model": "m", "prompts": 3, "wait_ms": 1000.0, "reserved_cpus": 1, "rows": [row, missing]})
+    assert "| 2048 | 500 ms | 20 ms | 20 ms | 50 ms | 0.10x | 1.00x | 1 ms + 10 ms + 5 ms | 0 |" in table
+    assert "| 8192 | 500 ms | 20 ms | n/a | 50 ms | 0.10x | n/a | n/a | 0 |" in table
+
+
+def test_kv_bytes_of_the_model(tmp_path: Path) -> None:
+    spec = TinyLlamaSpec()
+    model = make_tiny_llama(tmp_path / "m", spec)
+    head = spec.hidden_size // spec.num_heads
+    assert kv_bytes(model, 100) == spec.num_layers * 2 * spec.num_kv_heads * head * 2 * 100

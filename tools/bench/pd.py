@@ -1,0 +1,236 @@
+"""`tiercache bench pd`: the prefill/decode hand-off's time to first token, beside what it should cost.
+
+Why these columns: disaggregated prefill is worth it when the decode instance gets the prompt's KV much
+faster than it could compute it. So the decode instance's TTFT on a hand-off (the request sent as the
+proxy sends it, right after the prefill instance answered) is set beside, in the same run and on the
+same model: a plain server's prefill of the same prompt (what the hand-off saves), vLLM's own resident
+prefix-cache hit of it on that plain server (the best any connector could do), and a raw redis-py read
+of the same bytes (what moving them costs at all). The targets (docs/serving.md): decode <= 0.1x the
+plain prefill, and <= the resident hit + 1.5x the raw read.
+
+How: three real OpenAI servers (`python -m vllm.entrypoints.openai.api_server`) over one real
+redis-server: a plain one (no connector, vLLM's prefix caching on), a producer (``kv_producer``) and a
+consumer (``kv_consumer``), both on memory + Redis. TTFT is the client's wall time of a ``max_tokens=1``
+completion request; each figure is the median over ``--prompts`` fresh random prompts per length, after a
+warm-up prompt of that length through every path. The cases run one after the other, so at most one
+server computes at a time; the consumer writes a load trace (`TIERCACHE_LOAD_TRACE`) from which the
+table also shows where its load went (store reads, copies into the KV cache).
+
+Absolute seconds depend on the machine and what else runs on it (the three servers share its cores);
+the ratios between columns of one run are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SERVED = "bench"
+#: Token ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
+TOKEN_RANGE = (3, 259)
+CHUNK_SIZE = 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default="2048,8192", help="prompt lengths in tokens (default %(default)s)")
+    parser.add_argument("--prompts", type=int, default=3, help="measured prompts per length (default %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: the 2-layer tiny model, 512-token prompts")
+    parser.add_argument("--wait-ms", type=float, default=1000.0, help="the consumer's handoff_wait_ms")
+    parser.add_argument("--reserved-cpus", type=int, default=1,
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server (the same for all: comparable)")
+    parser.add_argument("--work-dir", help="where the model, logs and traces go (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _complete(url: str, tokens: list[int], params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
+    body: dict[str, Any] = {"model": SERVED, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        answer = json.loads(resp.read())
+    return time.perf_counter() - started, answer
+
+
+def kv_bytes(model: Path, tokens: int, itemsize: int = 2) -> int:
+    """The KV bytes of ``tokens`` tokens of every layer, from the model's config.json."""
+    config = json.loads((model / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize * tokens
+
+
+def _handoff_wait(server: Any) -> tuple[float, float, float]:
+    """(seconds waited in all, hand-off loads, records waited for) from the consumer's `/metrics`."""
+    import re
+
+    text = server.metrics()
+
+    def sample(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+    prefix = "vllm:tiercache_kv_handoff_"
+    return (sample(prefix + "wait_seconds_sum"), sample(prefix + "wait_seconds_count"),
+            sample(prefix + "records_waited_total"))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human table: one row per prompt length, the decode's ratios against the other columns."""
+    lines = [f"tiercache bench pd: {report['model']}, {report['prompts']} prompts per length, medians; "
+             f"the consumer waits at most {report['wait_ms']:.0f} ms",
+             "",
+             "| prompt | plain prefill | resident hit | raw redis-py read | decode (hand-off) | decode / plain "
+             "| decode / (resident + 1.5 x raw) | decode load: wait + reads + copies | fallbacks |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value * 1000:.0f} ms"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "n/a" if a is None or not b else f"{a / b:.2f}x"
+
+    for row in report["rows"]:
+        resident, raw = row["resident_s"], row["redis_s"]
+        bound = None if resident is None or raw is None else resident + 1.5 * raw
+        load = "n/a" if row["fetch_s"] is None else (
+            f"{ms(row['wait_s'])} + {ms(row['fetch_s'])} + {ms(row['copy_s'])}")
+        lines.append(f"| {row['tokens']} | {ms(row['plain_s'])} | {ms(row['resident_s'])} | {ms(row['redis_s'])} "
+                     f"| {ms(row['decode_s'])} | {ratio(row['decode_s'], row['plain_s'])} "
+                     f"| {ratio(row['decode_s'], bound)} | {load} | {row['fallbacks']} |")
+    lines += ["", "Targets: decode / plain <= 0.10x; decode / (resident + 1.5 x raw) <= 1.00x. "
+              f"Every server: VLLM_CPU_NUM_OF_RESERVED_CPU={report['reserved_cpus']}, the same machine's cores."]
+    return "\n".join(lines)
+
+
+class PDBench:
+    """Starts the servers, sends the prompts, builds the report."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.lengths = [512] if args.quick else [int(x) for x in args.lengths.split(",") if x.strip()]
+        self.rng = random.Random(20261126)
+
+    def prompt(self, length: int) -> list[int]:
+        return [self.rng.randrange(*TOKEN_RANGE) for _ in range(length)]
+
+    def server(self, model: Path, name: str, role: str | None, redis_url: str, extra_env: dict[str, str]) -> Any:
+        from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
+        from vllm_tiercache.tools.demo.server import Server
+
+        template = self.work / "chat_template.jinja"
+        template.write_text(CHAT_TEMPLATE)
+        kv = None
+        if role is not None:
+            kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
+                  "kv_role": role, "kv_connector_extra_config": {
+                      "namespace": "bench-pd", "chunk_size": CHUNK_SIZE, "handoff_wait_ms": self.args.wait_ms,
+                      "tiers": [{"kind": "memory", "capacity": "2GiB"}, {"kind": "redis", "url": redis_url}]}}
+        extra = ["--dtype", "bfloat16"]
+        if role is None:
+            extra.append("--enable-prefix-caching")  # the plain server's resident hits
+        server = Server(model, self.work / f"{name}.log", served_name=SERVED, chat_template=template,
+                        max_model_len=max(self.lengths) + 64, kv_transfer=kv, extra_args=extra)
+        server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
+        server.env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        server.env.update(extra_env)
+        return server
+
+    def run(self) -> dict[str, Any]:
+        from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
+        from vllm_tiercache.tools.bench.kv_medium import redis_get_s
+        from vllm_tiercache.tools.redis_server import RedisServer
+        from vllm_tiercache.tools.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
+
+        # bench kv's 12-layer model, its positions raised for the longest prompt (no weight depends on them)
+        positions = max(4096, max(self.lengths) + 64)
+        base = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
+        spec = dataclasses.replace(base, max_position_embeddings=positions)
+        model = make_tiny_llama(self.work / f"model-{'quick' if self.args.quick else 'bench'}-{positions}", spec)
+        trace = self.work / "consumer-loads.jsonl"
+        rows = []
+        with RedisServer() as redis_server:
+            url = redis_server.url
+            plain = self.server(model, "plain", None, url, {})
+            producer = self.server(model, "producer", "kv_producer", url, {})
+            consumer = self.server(model, "consumer", "kv_consumer", url, {LOAD_TRACE_ENV: str(trace)})
+            with plain, producer, consumer:
+                for server in (plain, producer, consumer):
+                    server.wait_healthy(timeout_s=600)
+                print("servers up", file=sys.stderr, flush=True)
+                for length in self.lengths:
+                    rows.append(self.measure(length, plain, producer, consumer, trace, read_load_trace))
+                    rows[-1]["redis_s"] = redis_get_s(kv_bytes(model, (length - 1) // 32 * 32), url)
+                    print(f"{length} tokens done", file=sys.stderr, flush=True)
+        return {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
+                "wait_ms": self.args.wait_ms, "reserved_cpus": self.args.reserved_cpus, "rows": rows}
+
+    def measure(self, length: int, plain: Any, producer: Any, consumer: Any, trace: Path,
+                read_load_trace: Any) -> dict[str, Any]:
+        times: dict[str, list[float]] = {"plain": [], "resident": [], "prefill": [], "decode": []}
+        fetch: list[float] = []
+        copy: list[float] = []
+        fallbacks = 0
+        offset = trace.stat().st_size if trace.exists() else 0
+        waits: list[float] = []
+        for i in range(self.args.prompts + 1):  # the first prompt of each length is a warm-up
+            tokens = self.prompt(length)
+            plain_s, _ = _complete(plain.base_url, tokens)
+            resident_s, _ = _complete(plain.base_url, tokens)
+            prefill_s, answer = _complete(producer.base_url, tokens,
+                                          {"do_remote_decode": True, "do_remote_prefill": False})
+            wait_before = _handoff_wait(consumer)
+            decode_s, _ = _complete(consumer.base_url, tokens, answer.get("kv_transfer_params"))
+            for _ in range(50):  # the wait reaches /metrics with a later engine step's stats
+                wait_after = _handoff_wait(consumer)
+                if wait_after[1] > wait_before[1]:
+                    break
+                _complete(consumer.base_url, self.prompt(8))
+            waits.append(wait_after[0] - wait_before[0])
+            lines, offset = read_load_trace(str(trace), offset) if trace.exists() else ([], offset)
+            if i == 0:
+                continue
+            for name, value in (("plain", plain_s), ("resident", resident_s), ("prefill", prefill_s),
+                                ("decode", decode_s)):
+                times[name].append(value)
+            fetch += [line["fetch_s"] for line in lines]
+            copy += [line["copy_s"] for line in lines]
+            fallbacks += sum(1 for line in lines if line.get("failed"))
+        return {"tokens": length, "plain_s": _median(times["plain"]), "resident_s": _median(times["resident"]),
+                "prefill_s": _median(times["prefill"]), "decode_s": _median(times["decode"]),
+                "fetch_s": _median(fetch), "copy_s": _median(copy), "wait_s": _median(waits[1:]),
+                "fallbacks": fallbacks}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.work_dir:
+        work = Path(args.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        report = PDBench(args, work).run()
+    else:
+        with tempfile.TemporaryDirectory(prefix="tiercache-bench-pd-") as tmp:
+            report = PDBench(args, Path(tmp)).run()
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
