@@ -201,6 +201,11 @@ class KVLoader:
             # reuse, a whole-request load's blocks as soon as it is reported finished
             self.mover.finish_scatters()
         self._finished_recving |= job.whole_requests
+        self._note_failures(job)
+
+    def _note_failures(self, job: LoadJob) -> None:
+        """A finished job's failed loads: a whole-request load fails its request (vLLM recomputes from the
+        first failed block); a per-layer load reports its blocks as load errors."""
         for i in job.failed:
             if job.owners[i] in job.whole_requests:
                 self._failed_recving.add(job.owners[i])
@@ -216,12 +221,7 @@ class KVLoader:
             self.mover.finish_scatters()
         for job in done:  # finished, and what failed: reported in this same step (vLLM reads both at once)
             self._finished_recving.update(job.owners)
-            for i in job.failed:
-                if job.owners[i] in job.whole_requests:
-                    self._failed_recving.add(job.owners[i])
-                    self.failed_chunks.add(job.loads[i].chunk_hash)
-                else:
-                    self._load_errors.update(job.loads[i].block_ids)
+            self._note_failures(job)
         finished, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return finished, failed
