@@ -94,7 +94,7 @@ def test_sizes(text, value):
     ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy",
      f"allowed: {', '.join(memory_tier_policies())}"),
     ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
-    ({"encoder_cache_policy": "fifo"}, "encoder_cache_policy", f"allowed: {', '.join(policy_names())} or null"),
+    ({"encoder_cache_policy": "no-such"}, "encoder_cache_policy", f"allowed: {', '.join(policy_names())} or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": -1}]}, "tiers[0].ttl_s", "positive"),
     ({"tiers": [{"kind": "disk", "fsync": "yes"}]}, "tiers[0].fsync", "true or false"),

@@ -97,7 +97,7 @@ VALID = {
 
 BAD = [
     {"namespace": "a|b"}, {"write_queue_size": 0}, {"write_queue_size": True}, {"lookup_budget_ms": 0.5},
-    {"chunk_size": 24}, {"save_decode": "yes"}, {"encoder_cache_policy": "fifo"}, {"chunksize": 16},
+    {"chunk_size": 24}, {"save_decode": "yes"}, {"encoder_cache_policy": "no-such-policy"}, {"chunksize": 16},
     {"extra": {"note": 1}}, {"tiers": []}, {"tiers": [{"kind": "ssd"}]},
     {"tiers": [{"kind": "memory", "capacity": 255}]}, {"tiers": [{"kind": "memory", "capacity": "lots"}]},
     {"tiers": [{"kind": "memory", "capasity": "1GiB"}]}, {"tiers": [{"kind": "disk", "policy": "wtinylfu"}]},

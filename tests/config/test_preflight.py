@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.models import REPO
+from vllm_tiercache.shared.store.registry import tier_kinds
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +41,7 @@ def _manager(cls: str, options: dict) -> dict:
 #: (name, EngineArgs keywords, pieces the message must hold)
 CASES: list[tuple[str, dict, list[str]]] = [
     ("a tier kind that does not exist", _kv({"tiers": [{"kind": "ssd"}]}),
-     [_KV, "tiers[0].kind", "'ssd'", "memory, disk, gds, redis"]),
+     [_KV, "tiers[0].kind", "'ssd'", ", ".join(tier_kinds())]),
     ("a misspelled connector option", _kv({"chunk_sise": 256}), [_KV, "chunk_sise", "did you mean 'chunk_size'"]),
     ("a disk path under a file", _kv({"tiers": [{"kind": "disk", "path": "{model}/config.json/cache"}]}),
      [_KV, "tiers[0].path", "config.json' is not a directory", "a local directory this user can create and write"]),

@@ -231,8 +231,8 @@ def test_policy_manager_selected_by_config(tmp_path, monkeypatch) -> None:
     from vllm_tiercache.shared.eviction import policy_names
 
     allowed = re.escape(", ".join(policy_names()))  # every registered policy: lru, lfu, wtinylfu, ...
-    with pytest.raises(ValueError, match=rf"encoder_cache_policy: invalid value 'fifo'; allowed: {allowed}$"):
-        build({"policy": "fifo"}, None)
+    with pytest.raises(ValueError, match=rf"encoder_cache_policy: invalid value 'no-such-policy'; allowed: {allowed}$"):
+        build({"policy": "no-such-policy"}, None)
     mgr = build({}, None)
     mgr.reset()  # reset rebuilds the same policy, empty
     assert mgr.policy_name == DEFAULT_POLICY and len(mgr.policy) == 0
