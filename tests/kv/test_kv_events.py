@@ -26,17 +26,16 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from tests.support.real_scheduler import hashed_request, schedule_new
+from tests.support.real_scheduler import cpu_vllm_config, hashed_request, one_group_kv_cache_config, schedule_new
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, ChunkPayload, KVEventLedger
@@ -55,15 +54,8 @@ def _config(model: Path, disk: Path, *, events: bool = True, role: str = "kv_bot
         kv_connector_extra_config={"namespace": "ev", "chunk_size": CHUNK, "tiers": [
             {"kind": "memory", "capacity": "64MiB"}, {"kind": "disk", "path": str(disk), "capacity": "64MiB"}]},
     )
-    return VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0, max_model_len=1024),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=kv,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
-        device_config=DeviceConfig("cpu"),
-    )
+    return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=True, max_num_batched_tokens=512,
+                           kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None)
 
 
 class Published:
@@ -71,9 +63,7 @@ class Published:
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(TinyLlamaSpec().num_layers)]
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-        kv_cache_config = KVCacheConfig(num_blocks=128, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+        kv_cache_config = one_group_kv_cache_config(layers, BLOCK, num_kv_heads=2, num_blocks=128)
         self.scheduler: Scheduler = real_scheduler_over(vllm_config, kv_cache_config=kv_cache_config)
         self.batches: list[KVEventBatch] = []
         self.scheduler.kv_event_publisher.publish = self.batches.append  # type: ignore[method-assign]

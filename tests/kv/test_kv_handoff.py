@@ -24,15 +24,12 @@ from typing import Any
 
 import pytest
 import torch
-from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from tests.support.real_scheduler import cpu_vllm_config, hashed_request, one_group_kv_cache_config
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.handoff import PARAMS_KEY
@@ -58,20 +55,11 @@ def _config(model: Path, disk: Path, role: str, **extra: Any) -> VllmConfig:
         kv_connector_extra_config={"namespace": "pd", "chunk_size": CHUNK, "handoff_wait_ms": 5000,
                                    "tiers": [{"kind": "disk", "path": str(disk), "capacity": "64MiB"}], **extra},
     )
-    return VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0, max_model_len=1024),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
-        kv_transfer_config=kv,
-        device_config=DeviceConfig("cpu"),
-    )
+    return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=False)
 
 
 def _scheduler(model: Path, disk: Path, role: str, **extra: Any) -> Scheduler:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=SPEC.num_kv_heads, head_size=64, dtype=torch.bfloat16)
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    kv_cache_config = one_group_kv_cache_config(LAYERS, BLOCK, SPEC.num_kv_heads, NUM_BLOCKS)
     return real_scheduler_over(_config(model, disk, role, **extra), kv_cache_config=kv_cache_config)
 
 
@@ -82,11 +70,7 @@ def _connector(scheduler: Scheduler) -> TieredKVConnector:
 
 
 def _request(req_id: str, prompt: list[int], params: dict[str, Any] | None, max_tokens: int = 1) -> Request:
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    sampling = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None)
-    return Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=sampling, pooling_params=None,
-                   block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return hashed_request(req_id, prompt, BLOCK, max_tokens=max_tokens, kv_transfer_params=params)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

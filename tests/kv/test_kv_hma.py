@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from tests.support.real_scheduler import hashed_request, real_scheduler, schedule_new
+from tests.support.real_scheduler import cpu_vllm_config, hashed_request, real_scheduler, schedule_new
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroups
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
@@ -72,14 +72,7 @@ def gemma_config(model: Path, tmp_path: Path) -> VllmConfig:
             "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}],
         },
     )
-    return VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0, max_model_len=1024),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=kv,
-        device_config=DeviceConfig("cpu"),
-    )
+    return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=True)
 
 
 def scheduler_over(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -17,6 +18,28 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
+
+
+def cpu_vllm_config(model: str, kv: KVTransferConfig, *, block_size: int, prefix_caching: bool,
+                    max_num_batched_tokens: int = 1024, kv_events: KVEventsConfig | None = None) -> VllmConfig:
+    """The `VllmConfig` of a CPU engine over ``model`` (bf16, 1,024 tokens, 4 sequences) with ``kv``."""
+    return VllmConfig(
+        model_config=ModelConfig(model=model, dtype="bfloat16", seed=0, max_model_len=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=1024, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        kv_transfer_config=kv,
+        kv_events_config=kv_events,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def one_group_kv_cache_config(layers: list[str], block_size: int, num_kv_heads: int, num_blocks: int,
+                              head_size: int = 64) -> KVCacheConfig:
+    """One full-attention bf16 KV cache group over ``layers`` (as vLLM builds it for a plain decoder)."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
 
 
 def real_scheduler(vllm_config: VllmConfig, num_blocks: int = 64,
@@ -41,11 +64,15 @@ def real_scheduler(vllm_config: VllmConfig, num_blocks: int = 64,
     )
 
 
-def hashed_request(req_id: str, prompt: list[int], block_size: int, max_tokens: int = 4) -> Request:
-    """A request whose block hashes vLLM's sha256 block hasher computes, as the engine's input path does."""
+def hashed_request(req_id: str, prompt: list[int], block_size: int, max_tokens: int = 4,
+                   kv_transfer_params: dict[str, Any] | None = None) -> Request:
+    """A request whose block hashes vLLM's sha256 block hasher computes, as the engine's input path does
+    (with ``kv_transfer_params`` where the API server would put them)."""
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    return Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens),
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return Request(request_id=req_id, prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
                    pooling_params=None, block_hasher=get_request_block_hasher(block_size, hash_fn))
 
 
