@@ -20,6 +20,7 @@ once by the module's fixture and asserted by the tests below:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,21 @@ def _server(model: Path, work: Path, name: str, store: dict[str, Any], zmq_port:
     return server
 
 
+@contextlib.contextmanager
+def _serving(model: Path, work: Path, name: str, store: dict[str, Any], adapter: Path, nudge_seed: int
+             ) -> Iterator[tuple[Server, Indexer, Callable[[], Any]]]:
+    """A healthy server publishing events and Dynamo's indexer subscribed to it; and a nudge (a short
+    request: events go out only on engine steps)."""
+    zmq_port = free_port()
+    with _server(model, work, name, store, zmq_port, adapter) as server:
+        server.wait_healthy(timeout_s=300)
+        indexer = Indexer(zmq_port, work / f"indexer-{name}.log")
+        try:
+            yield server, indexer, lambda: _complete(server, _prompt(nudge_seed)[:40])
+        finally:
+            indexer.stop()
+
+
 @pytest.fixture(scope="module")
 def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> dict[str, Any]:
     """Run the scenario of the module docstring once; what the indexer and the server said at each point."""
@@ -145,52 +161,31 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
     ]}
     adapter = make_tiny_lora(work / "lora", seed=1)
     a, seen = _prompt(1), {}
-    zmq_port = free_port()
-    server = _server(tiny_llama, work, "first", store, zmq_port, adapter)
-    indexer = None
-    with server:
-        server.wait_healthy(timeout_s=300)
-        indexer = Indexer(zmq_port, work / "indexer-first.log")
-        try:
-            def nudge() -> None:
-                _complete(server, _prompt(999)[:40])
-
-            lora_prompt = _prompt(4)
-            # the adapter's first request waits at most 1 s for its files' digest (computed without the cache
-            # when late): a short first request makes the LoRA prompt below never the first
-            _complete(server, _prompt(5)[:40], model=LORA)
-            _complete(server, a)
-            _complete(server, lora_prompt, model=LORA)
-            _complete(server, _prompt(2))
-            _complete(server, _prompt(3))  # vLLM's 16 blocks hold neither A nor the LoRA prompt now
-            seen["gpu_let_go"] = _until(lambda: indexer.query(a), lambda q: q["cpu"] >= PREFIX > q["gpu"], nudge)
-            seen["lora_with_name"] = _until(lambda: indexer.query(lora_prompt, LORA),
-                                            lambda q: q["cpu"] >= PREFIX > q["gpu"], nudge)
-            seen["lora_without_name"] = indexer.query(lora_prompt)
-            seen["resend_cached"] = _complete(server, a)
-            for seed in range(10, 17):
-                _complete(server, _prompt(seed))
-            seen["memory_evicted"] = _until(lambda: indexer.query(a), lambda q: q["cpu"] < PREFIX <= q["disk"],
-                                            nudge)
-            nudge()
-            time.sleep(2.5)  # the journal is written at most every 2 s, on a step
-            nudge()
-        finally:
-            indexer.stop()
-    zmq_port = free_port()
-    server = _server(tiny_llama, work, "second", store, zmq_port, adapter)
-    with server:
-        server.wait_healthy(timeout_s=300)
-        indexer = Indexer(zmq_port, work / "indexer-second.log")
-        try:
-            def nudge_again() -> None:
-                _complete(server, _prompt(998)[:40])
-
-            seen["restarted"] = _until(lambda: indexer.query(a), lambda q: q["disk"] >= PREFIX, nudge_again)
-            seen["evicted_records"] = evict(store, namespace="events")["records"]
-            seen["after_evict"] = _until(lambda: indexer.query(a), lambda q: q["disk"] == 0, nudge_again)
-        finally:
-            indexer.stop()
+    with _serving(tiny_llama, work, "first", store, adapter, nudge_seed=999) as (server, indexer, nudge):
+        lora_prompt = _prompt(4)
+        # the adapter's first request waits at most 1 s for its files' digest (computed without the cache
+        # when late): a short first request makes the LoRA prompt below never the first
+        _complete(server, _prompt(5)[:40], model=LORA)
+        _complete(server, a)
+        _complete(server, lora_prompt, model=LORA)
+        _complete(server, _prompt(2))
+        _complete(server, _prompt(3))  # vLLM's 16 blocks hold neither A nor the LoRA prompt now
+        seen["gpu_let_go"] = _until(lambda: indexer.query(a), lambda q: q["cpu"] >= PREFIX > q["gpu"], nudge)
+        seen["lora_with_name"] = _until(lambda: indexer.query(lora_prompt, LORA),
+                                        lambda q: q["cpu"] >= PREFIX > q["gpu"], nudge)
+        seen["lora_without_name"] = indexer.query(lora_prompt)
+        seen["resend_cached"] = _complete(server, a)
+        for seed in range(10, 17):
+            _complete(server, _prompt(seed))
+        seen["memory_evicted"] = _until(lambda: indexer.query(a), lambda q: q["cpu"] < PREFIX <= q["disk"],
+                                        nudge)
+        nudge()
+        time.sleep(2.5)  # the journal is written at most every 2 s, on a step
+        nudge()
+    with _serving(tiny_llama, work, "second", store, adapter, nudge_seed=998) as (server, indexer, nudge):
+        seen["restarted"] = _until(lambda: indexer.query(a), lambda q: q["disk"] >= PREFIX, nudge)
+        seen["evicted_records"] = evict(store, namespace="events")["records"]
+        seen["after_evict"] = _until(lambda: indexer.query(a), lambda q: q["disk"] == 0, nudge)
     seen["logs"] = work
     return seen
 
