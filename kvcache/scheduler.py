@@ -354,10 +354,10 @@ class KVSchedulerSide:
                     block_ids = self._block_ids(request.request_id)
                 name = state.names.name(end)
                 saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
-                if saves is not None and wants_remote_decode(request):  # a hand-off: written first
-                    for save in saves:
-                        save.urgent = True
                 if saves is not None:
+                    if wants_remote_decode(request):  # a hand-off: written first
+                        for save in saves:
+                            save.urgent = True
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
                     if self.events is not None:
