@@ -48,6 +48,8 @@ class ChunkSave:
     first: int = 0
     #: a prefill/decode hand-off's record: written to the slower tiers ahead of other queued writes
     urgent: bool = False
+    #: the request's tags (`vllm_tiercache.kvcache.request_tags`), written into the records' meta
+    tags: tuple[str, ...] = ()
 
 
 @dataclass

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from vllm_tiercache.kvcache.transfer import BlockMover
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.store.tags import TAGS_KEY
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class GatheredRecord(NamedTuple):
     first_block: int
     #: a prefill/decode hand-off's record (`ChunkSave.urgent`): the store writes it ahead of the queue
     urgent: bool = False
+    #: the request's tags (`ChunkSave.tags`), written into the record's meta
+    tags: tuple[str, ...] = ()
 
 
 class KVSaver:
@@ -96,7 +99,7 @@ class KVSaver:
         gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
         for save, blocks in zip(saves, gathered, strict=True):
             self.gathered.append(GatheredRecord(self.key(save.chunk_hash, layer), blocks, save.chunk_hash,
-                                                last_layer, save.first, save.urgent))
+                                                last_layer, save.first, save.urgent, save.tags))
 
     def hand_off(self) -> None:
         """Hand this step's gathered records to the saver thread (the copies are ours: no waiting)."""
@@ -113,15 +116,21 @@ class KVSaver:
             self.queued += len(batch)
         self._queue.put(batch)
 
+    def _meta(self, record: GatheredRecord) -> dict[str, Any]:
+        """A record's meta: its layout, block count and first block, and its tags when it has some."""
+        meta: dict[str, Any] = {"layout": self._layout_text, "blocks": int(record.blocks.shape[0]),
+                                "start": record.first_block}
+        if record.tags:
+            meta[TAGS_KEY] = list(record.tags)
+        return meta
+
     def _save_loop(self) -> None:
         while (batch := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
                 for urgent in (True, False):  # a hand-off's records first, ahead of the store's queue
-                    items = [(record.key, record.blocks, {"layout": self._layout_text,
-                                                          "blocks": int(record.blocks.shape[0]),
-                                                          "start": record.first_block})
-                             for record in batch if record.urgent == urgent]
+                    items = [(record.key, record.blocks, self._meta(record)) for record in batch
+                             if record.urgent == urgent]
                     if items:
                         self.store.put_many(items, owned=True, urgent=urgent)
                 done = {record.chunk_hash for record in batch if record.last_layer}

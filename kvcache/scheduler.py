@@ -45,6 +45,7 @@ from vllm_tiercache.kvcache.handoff import (
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
+from vllm_tiercache.kvcache.request_tags import request_tags
 from vllm_tiercache.kvcache.tier_events import TierEventTracker
 from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.residency import ResidentSet
@@ -355,9 +356,9 @@ class KVSchedulerSide:
                 name = state.names.name(end)
                 saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
                 if saves is not None:
-                    if wants_remote_decode(request):  # a hand-off: written first
-                        for save in saves:
-                            save.urgent = True
+                    urgent, tags = wants_remote_decode(request), request_tags(request)
+                    for save in saves:
+                        save.urgent, save.tags = urgent, tags  # a hand-off: written first
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
                     if self.events is not None:

@@ -90,6 +90,9 @@ MAX_WRITE_QUEUE_SIZE = 1 << 20
 #: above a minute it no longer protects the engine from a server that stopped answering
 DEFAULT_LOOKUP_BUDGET_MS = 100.0
 MIN_LOOKUP_BUDGET_MS, MAX_LOOKUP_BUDGET_MS = 1.0, 60000.0
+#: default and bounds of ``control_poll_s``: polls are one small read of each shared tier
+DEFAULT_CONTROL_POLL_S = 5.0
+MIN_CONTROL_POLL_S, MAX_CONTROL_POLL_S = 0.01, 3600.0
 
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
@@ -188,6 +191,14 @@ class StoreConfig:
             "healthy server rarely answers in time; beyond a minute the budget no longer protects the engine.")),
         Allowed(f"a number of milliseconds, at least {MIN_LOOKUP_BUDGET_MS:g}, at most {MAX_LOOKUP_BUDGET_MS:g}"),
         SHAPES_STORE] = DEFAULT_LOOKUP_BUDGET_MS
+    control_poll_s: Annotated[float, Strict(), Field(
+        ge=MIN_CONTROL_POLL_S, le=MAX_CONTROL_POLL_S, allow_inf_nan=False, description=(
+            "Seconds between two reads of the shared control entries (invalidations by `tiercache evict --tag`, "
+            "pins) by each store's background thread: a memory tier stops serving an invalidated tag at most "
+            "this long (plus one read of the shared tiers) after the command returned, and sees a new pin as "
+            "late. Each read is one small LMDB read per disk tier and one HGETALL per Redis tier.")),
+        Allowed(f"a number of seconds, at least {MIN_CONTROL_POLL_S:g}, at most {MAX_CONTROL_POLL_S:g}"),
+        SHAPES_STORE] = DEFAULT_CONTROL_POLL_S
     model_version: Annotated[Annotated[str, Strict(), Field(pattern=r"^[^|\n\r\t]*[^|\s][^|\n\r\t]*$")] | None,
                              Field(description=(
         "Names the served weights in every key instead of a digest of the model's files (no file is read): "

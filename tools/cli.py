@@ -48,7 +48,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("precompute", "docs"): ("precompute.kv", "store KV prefix chunks of a document corpus (kv_producer)"),
     ("identity",): ("identity_cmd", "the cache identity (weights digest, fingerprints) a server config uses"),
     ("stats",): ("stats_cmd", "entries, bytes and hit counters per tier and namespace"),
-    ("evict",): ("evict_cmd", "remove records by namespace, model or age (after a model update)"),
+    ("evict",): ("evict_cmd", "remove records by namespace, model, age or tag (after a model or document update)"),
+    ("pin",): ("pin_cmd", "keep the records of a tag through eviction, up to each tier's pin_budget"),
+    ("unpin",): ("unpin_cmd", "end the pin of a tag"),
     ("config", "schema"): ("config_cmd", "the JSON schema of the config (or the docs tables made from it)"),
 }
 

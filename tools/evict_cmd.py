@@ -13,6 +13,14 @@ never asks which kind a tier is):
   copies by LRU or on restart. A new model or adapter changes the key fingerprint anyway, so stale
   memory copies are never served for it.
 
+``--tag T`` (repeatable: a record carrying any of the tags) removes the records tagged T (a document,
+an image, a corpus version: `tiercache precompute ... --tag`, requests' ``tiercache_tags``), with the
+other filters as AND. Tiers find tags without reading payloads (disk: the index's ``tags`` database;
+Redis: each record's ``#tags`` key). A real run (not ``--dry-run``) then writes an invalidation per tag
+into the shared control entries (`vllm_tiercache.shared.store.control`); every serving process's store
+polls them every ``control_poll_s`` and its memory tier drops the tag's records written before the
+command (all of them: the other filters do not reach memory tiers).
+
 ``--older-than`` compares with the last access (disk: index access time, refreshed at most once a
 minute on reads; redis: OBJECT IDLETIME of the record head). Records without a key text (disk index
 rebuilt from headers, Redis records written before texts were stored) match only filters that do not
@@ -28,15 +36,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.keys import parse_key_text
-from vllm_tiercache.shared.store.api import StoredRecord, TierAdminUnsupported
+from vllm_tiercache.shared.store.api import KeepsControl, StoredRecord, TierAdminUnsupported
+from vllm_tiercache.shared.store.control import invalidation_changes
+from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.shared.weights_identity import model_names
 from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.tag_args import add_tag_argument
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -53,15 +65,18 @@ def parse_duration(text: str) -> float:
 
 
 def make_predicate(namespace: str | None, model: str | None,
-                   older_than_s: float | None) -> Callable[[StoredRecord], bool]:
+                   older_than_s: float | None, tags: Sequence[str] = ()) -> Callable[[StoredRecord], bool]:
     """``predicate(record)``: True for a record every given filter matches.
 
     ``model`` matches every name keys may carry for it (`model_names`): keys name a model by its canonical
     name (a directory's name, or ``org/name`` for a hub snapshot), older builds by the string as given.
     """
     models = model_names(model) if model is not None else set()
+    wanted = frozenset(tags)
 
     def predicate(record: StoredRecord) -> bool:
+        if wanted and wanted.isdisjoint(record.tags):
+            return False
         fields = parse_key_text(record.text)
         if namespace is not None and (fields is None or fields.namespace != namespace):
             return False
@@ -73,25 +88,45 @@ def make_predicate(namespace: str | None, model: str | None,
 
 
 def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, model: str | None = None,
-          older_than_s: float | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """Remove matching records from every shared tier; returns per-tier counts and bytes.
+          older_than_s: float | None = None, dry_run: bool = False, tags: Sequence[str] = ()) -> dict[str, Any]:
+    """Remove matching records from every shared tier; returns per-tier counts and bytes. With ``tags``, a
+    real run also tells the serving processes' memory tiers (`invalidate_tags`).
 
     No filter at all is a `UsageError` (a `ValueError`): this command never empties a whole store.
     """
     from vllm_tiercache.shared.store import build_store
 
-    if namespace is None and model is None and older_than_s is None:
-        raise UsageError("give at least one of --namespace, --model, --older-than "
+    if namespace is None and model is None and older_than_s is None and not tags:
+        raise UsageError("give at least one of --namespace, --model, --older-than, --tag "
                          "(to drop a whole store, delete its directory or Redis database)")
-    predicate = make_predicate(namespace, model, older_than_s)
+    tags = validate_tags(tags)
+    predicate = make_predicate(namespace, model, older_than_s, tags)
     config = StoreConfig.load(store_config)
     result: dict[str, Any] = {"dry_run": dry_run, "tiers": []}
     with build_store(config) as store:
+        at = time.time()
         for tier in store.tiers:
             result["tiers"].append(_evict_tier(tier, predicate, dry_run))
+        if tags and not dry_run:
+            result["invalidated"] = invalidate_tags(store.tiers, tags, at)
     result["records"] = sum(t["records"] for t in result["tiers"])
     result["bytes"] = sum(t["bytes"] for t in result["tiers"])
     return result
+
+
+def invalidate_tags(tiers: Sequence[Any], tags: Sequence[str], at: float) -> list[str]:
+    """Write an invalidation of ``tags`` at ``at`` into every tier keeping control entries (`KeepsControl`);
+    returns the names of the tiers written (an unreachable one is reported in its tier line already)."""
+    written = []
+    for tier in tiers:
+        if not isinstance(tier, KeepsControl):
+            continue
+        try:
+            tier.write_control(invalidation_changes(tags, at, tier.read_control()))
+            written.append(tier.name)
+        except Exception:
+            continue
+    return written
 
 
 def _evict_tier(tier: Any, predicate: Callable[[StoredRecord], bool], dry_run: bool) -> dict[str, Any]:
@@ -107,13 +142,15 @@ def _evict_tier(tier: Any, predicate: Callable[[StoredRecord], bool], dry_run: b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Remove records by namespace, model or age from the disk/gds and Redis tiers."
+    parser.description = "Remove records by namespace, model, age or tag from the disk/gds and Redis tiers."
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
     parser.add_argument("--namespace", default=None, type=_non_empty, help="only records of this namespace")
     parser.add_argument("--model", default=None, type=_non_empty,
                         help="only records of this model (a path, its directory name or a hub id)")
     parser.add_argument("--older-than", type=parse_duration, default=None, metavar="D",
                         help="only records not used for D (e.g. 30m, 12h, 7d)")
+    add_tag_argument(parser, "only records carrying TAG (repeatable: any of them), e.g. doc:1234; running "
+                             "instances' memory tiers drop them within control_poll_s")
     parser.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -128,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     """Remove (or count) the matching records; 1 when a tier failed. A usage or config error raises
     (`UsageError`, `ConfigError`, `DiskTierError`): `cli.main` prints it in one line and exits 2."""
     result = evict(load_store_arg(args.config), namespace=args.namespace, model=args.model,
-                   older_than_s=args.older_than, dry_run=args.dry_run)
+                   older_than_s=args.older_than, dry_run=args.dry_run, tags=args.tags)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -141,4 +178,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"tier {t['name']} ({t['kind']}): {verb} {t['records']} records, {t['bytes']:,} bytes")
         print(f"total: {verb} {result['records']} records, {result['bytes']:,} bytes")
+        if result.get("invalidated"):
+            print(f"memory tiers of running instances drop tags {', '.join(args.tags)} at their next control poll "
+                  f"(written to: {', '.join(result['invalidated'])})")
     return 1 if any(t.get("error") for t in result["tiers"]) else 0

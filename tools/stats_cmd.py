@@ -9,6 +9,8 @@ each tier gets them, and why:
   key text and are listed under ``?``.
 - redis: SCAN over ``key_prefix`` (never KEYS), with the head of each record for its size and the
   ``#text`` key for its key text (records written before key texts were stored are listed under ``?``).
+- ``--by-tag``: records and bytes per tag, from the same listing (disk: the index's ``tags`` database;
+  Redis: each record's ``#tags`` key), never from the payloads.
 - memory: a memory tier lives inside one process (it raises `TierAdminUnsupported`); this command's
   own is always empty. Serving processes report theirs through their stats files.
 - hit counters are per process too: connectors write theirs, with their store's per-tier counters, to
@@ -49,15 +51,20 @@ def group_of(key_text: str) -> tuple[str, str, str]:
     return fields.namespace, fields.kind, fields.model
 
 
-def tier_contents(tier: Any) -> dict[str, Any]:
-    """Entries and bytes of one tier, in total and per (namespace, kind, model)."""
+def tier_contents(tier: Any, by_tag: bool = False) -> dict[str, Any]:
+    """Entries and bytes of one tier, in total and per (namespace, kind, model); ``by_tag``: per tag too
+    (a record with several tags counts under each)."""
     groups: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    per_tag: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     out: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
     try:
         for record in tier.iter_stored():
             g = groups[group_of(record.text)]
             g[0] += 1
             g[1] += record.nbytes or 0
+            for tag in record.tags if by_tag else ():
+                per_tag[tag][0] += 1
+                per_tag[tag][1] += record.nbytes or 0
     except TierAdminUnsupported:
         out.update(entries=0, bytes=0, note=_PER_PROCESS_NOTE)
         return out
@@ -73,6 +80,8 @@ def tier_contents(tier: Any) -> dict[str, Any]:
         {"namespace": ns, "kind": kind, "model": model, "entries": n, "bytes": b}
         for (ns, kind, model), (n, b) in sorted(groups.items())
     ]
+    if by_tag:
+        out["tags"] = [{"tag": tag, "entries": n, "bytes": b} for tag, (n, b) in sorted(per_tag.items())]
     return out
 
 
@@ -88,12 +97,12 @@ def read_stats_files(directory: str) -> list[dict[str, Any]]:
     return out
 
 
-def collect(store_config: dict[str, Any] | None, stats_dir: str | None) -> dict[str, Any]:
+def collect(store_config: dict[str, Any] | None, stats_dir: str | None, by_tag: bool = False) -> dict[str, Any]:
     from vllm_tiercache.shared.store import build_store
 
     config = StoreConfig.load(store_config)
     with build_store(config) as store:
-        tiers = [tier_contents(tier) for tier in store.tiers]
+        tiers = [tier_contents(tier, by_tag) for tier in store.tiers]
     result: dict[str, Any] = {"namespace": config.namespace, "tiers": tiers}
     if stats_dir:
         result["stats_dir"] = stats_dir
@@ -125,6 +134,10 @@ def format_text(result: dict[str, Any]) -> str:
         for g in tier.get("groups", []):
             lines.append(f"  {g['namespace']:<16} {g['kind']:<4} {g['model'][-48:]:<48} "
                          f"{g['entries']:>8} entries {_fmt_bytes(g['bytes']):>11}")
+        if "tags" in tier:
+            lines.append(f"  by tag ({len(tier['tags'])} tags):")
+            for t in tier["tags"]:
+                lines.append(f"    tag {t['tag'][:69]:<69} {t['entries']:>8} entries {_fmt_bytes(t['bytes']):>11}")
     if "processes" in result:
         lines.append(f"\nhit counters from {result['stats_dir']} ({len(result['processes'])} files, one per process):")
         for proc in result["processes"]:
@@ -147,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
     parser.add_argument("--stats-dir", default=None,
                         help="directory of the engines' stats files (default: $TIERCACHE_STATS_DIR)")
+    parser.add_argument("--by-tag", action="store_true",
+                        help="also records and bytes per tag (tiercache precompute --tag, requests' tiercache_tags)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -161,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--stats-dir: {stats_dir!r} is not a directory; allowed: the directory the engines "
                          "write their stats files to (their TIERCACHE_STATS_DIR)")
     # $TIERCACHE_STATS_DIR may name a directory no engine has created yet: no files, no error
-    result = collect(load_store_arg(args.config), stats_dir or os.environ.get("TIERCACHE_STATS_DIR") or None)
+    result = collect(load_store_arg(args.config), stats_dir or os.environ.get("TIERCACHE_STATS_DIR") or None,
+                     by_tag=args.by_tag)
     print(json.dumps(result, indent=2, default=str) if args.json else format_text(result))
     return 1 if any(tier.get("error") for tier in result["tiers"]) else 0

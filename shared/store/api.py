@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,6 +99,8 @@ class StoredRecord:
     nbytes: int | None
     #: Seconds since the record was last read or written; None when the tier cannot tell.
     idle_s: float | None
+    #: The record's tags (`vllm_tiercache.shared.store.tags`); () when it has none or the tier keeps none.
+    tags: tuple[str, ...] = ()
 
 
 class TierAdminUnsupported(Exception):
@@ -306,6 +308,52 @@ class TakesPayloadAllocator:
         self.payload_allocator = allocator
 
 
+class KeepsControl(ABC):
+    """Keeps the store's small shared control entries (invalidations by tag, pins:
+    `vllm_tiercache.shared.store.control`) where every process sharing the tier reads them (disk: the
+    index's ``control`` database; Redis: one hash). Admin commands write them; each store polls them."""
+
+    @abstractmethod
+    def read_control(self) -> dict[str, bytes]:
+        """Every control entry (name -> value); raises when the backend is unreachable."""
+
+    @abstractmethod
+    def write_control(self, changes: Mapping[str, bytes | None]) -> None:
+        """Set each entry (None: remove it), all at once; raises when the backend is unreachable."""
+
+    @abstractmethod
+    def remove_control(self, name: str) -> bool:
+        """Remove one entry; True only for the one caller whose call removed it (claims a clean-up)."""
+
+
+class HonorsPins(ABC):
+    """Keeps records of pinned tags (memory: eviction skips them; Redis: written without a TTL). The
+    store's control poller tells it the tags pinned now."""
+
+    @abstractmethod
+    def set_pinned_tags(self, tags: frozenset[str]) -> None:
+        """The tags pinned now (replacing the last call's)."""
+
+
+class DropsTagged(ABC):
+    """Drops its records by tag when told (memory: the invalidations `tiercache evict --tag` writes into the
+    shared control entries, which this process's store polls)."""
+
+    @abstractmethod
+    def drop_tagged(self, invalidations: dict[str, float]) -> int:
+        """Drop records carrying a tag of ``invalidations`` (tag -> unix time) written before that time."""
+
+
+class ExpiresRecords(ABC):
+    """Its records carry a time to live (Redis with ``ttl_s``): a pin must take it away, an unpin give it
+    back. Admin operations, raising as `Tier.iter_stored` does."""
+
+    @abstractmethod
+    def hold_tagged(self, tags: Collection[str], hold: bool) -> int:
+        """Remove (``hold``) or give back the TTL of every record carrying one of ``tags``; returns how many."""
+
+
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
-    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator)
+    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator,
+    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     FileTier,
+    KeepsControl,
     Prefetches,
     ReadsInto,
     Record,
@@ -61,7 +62,7 @@ class DiskTierError(OSError):
     """
 
 
-class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator):
+class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsControl):
     """A byte-bounded LRU directory of record files, shared safely by several processes."""
 
     kind = "disk"
@@ -100,7 +101,7 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator):
         self._index, rebuilt = DiskIndex.open(self._index_dir)
         self._bookkeeping = ReadBookkeeping(self._index, self._paths, self._problems)
         self._writer = RecordWriter(self._index, self._paths, self.capacity, self.config.fsync, self.counters,
-                                    self._problems)
+                                    self._problems, int(self.config.pin_budget * self.capacity))
         self._admin = DiskAdmin(self._index, self._paths, self.capacity, self._problems)
         if rebuilt:
             self.rebuild_index()
@@ -224,6 +225,26 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator):
                       dry_run: bool = False) -> tuple[int, int]:
         """`delete_where` over `StoredRecord`s (the `Tier` admin contract); idle time counted from now."""
         return self._admin.delete_stored(predicate, dry_run=dry_run)
+
+    # ---------------------------------------------------------------------------------------- control
+    def read_control(self) -> dict[str, bytes]:
+        """The store's control entries (`vllm_tiercache.shared.store.control`), from the index."""
+        with self._index.env.begin() as txn:
+            return self._index.control_entries(txn)
+
+    def write_control(self, changes: Mapping[str, bytes | None]) -> None:
+        """Set or remove control entries in one index write transaction."""
+        with self._index.env.begin(write=True) as txn:
+            for name, value in changes.items():
+                self._index.set_control(txn, name, value)
+
+    def remove_control(self, name: str) -> bool:
+        """Remove one control entry; True only for the caller whose transaction removed it."""
+        with self._index.env.begin(write=True) as txn:
+            if name not in self._index.control_entries(txn):
+                return False
+            self._index.set_control(txn, name, None)
+            return True
 
     def usage(self) -> dict[str, Any]:
         """Entries, bytes used, capacity and path, from the index (`DiskAdmin.usage`)."""

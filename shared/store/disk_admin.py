@@ -17,7 +17,7 @@ from typing import Any
 import lmdb
 
 from vllm_tiercache.shared.store.api import StoredRecord, StoreKey
-from vllm_tiercache.shared.store.disk_index import DiskIndex
+from vllm_tiercache.shared.store.disk_index import DiskIndex, IndexEntry
 from vllm_tiercache.shared.store.disk_paths import RecordPaths
 from vllm_tiercache.shared.store.disk_problems import ProblemReporter
 
@@ -62,11 +62,17 @@ class DiskAdmin:
         file keeps reading it (POSIX unlink), a later reader gets a miss. Entries whose key text is
         unknown (an index rebuilt from record headers stores none) get ``""`` as key text.
         """
+        return self._delete_matching(lambda txn, digest, entry: predicate(entry.text, entry.size, entry.atime_ns / 1e9),
+                                     dry_run=dry_run, batch=batch)
+
+    def _delete_matching(self, match: Callable[[lmdb.Transaction, bytes, IndexEntry], bool], *,
+                         dry_run: bool, batch: int = 1000) -> tuple[int, int]:
+        """`delete_where` over ``match(txn, digest, entry)``; a real run also drops orphan tags entries."""
         matches: list[bytes] = []
         matched_bytes = 0
         with self.index.env.begin() as txn:
             for digest, entry in self.index.scan(txn):
-                if predicate(entry.text, entry.size, entry.atime_ns / 1e9):
+                if match(txn, digest, entry):
                     matches.append(digest)
                     matched_bytes += entry.size
         if dry_run:  # no write transaction: a dry run never blocks writers
@@ -78,27 +84,33 @@ class DiskAdmin:
                     entry = self.index.get(txn, digest)
                     if entry is None:
                         continue  # evicted or removed by another process meanwhile
-                    if not predicate(entry.text, entry.size, entry.atime_ns / 1e9):
+                    if not match(txn, digest, entry):
                         continue  # rewritten or read since the scan (e.g. atime refreshed)
                     removed += 1
                     removed_bytes += entry.size
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.paths.path(digest))
                     self.index.delete(txn, digest)
+        with self.index.env.begin(write=True) as txn:
+            self.index.drop_orphan_tags(txn)
         return removed, removed_bytes
 
     def iter_stored(self) -> Iterator[StoredRecord]:
-        """Every indexed record (the `Tier` admin contract): key text, size, seconds since last access."""
+        """Every indexed record (the `Tier` admin contract): key text, size, seconds since last access, tags."""
         now = time.time()
-        for _, size, atime, text in self.iter_index():
-            yield StoredRecord(text, size, now - atime)
+        with self.index.env.begin() as txn:
+            for digest, entry in self.index.scan(txn):
+                yield StoredRecord(entry.text, entry.size, now - entry.atime_ns / 1e9,
+                                   self.index.get_tags(txn, digest))
 
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
         """`delete_where` over `StoredRecord`s (the `Tier` admin contract); idle time counted from now."""
         now = time.time()
-        return self.delete_where(lambda text, size, atime: predicate(StoredRecord(text, size, now - atime)),
-                                 dry_run=dry_run)
+        return self._delete_matching(
+            lambda txn, digest, entry: predicate(StoredRecord(entry.text, entry.size, now - entry.atime_ns / 1e9,
+                                                              self.index.get_tags(txn, digest))),
+            dry_run=dry_run)
 
     def usage(self) -> dict[str, Any]:
         """Entries, bytes used, capacity and path (None for the counts when the index cannot be read)."""

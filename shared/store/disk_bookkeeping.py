@@ -18,6 +18,7 @@ from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.disk_index import DiskIndex
 from vllm_tiercache.shared.store.disk_paths import RecordPaths, key_named_by
 from vllm_tiercache.shared.store.disk_problems import ProblemReporter
+from vllm_tiercache.shared.store.tags import tags_of
 
 #: Refresh a record's stored access time on read only when older than this: LRU order at one-minute
 #: granularity is plenty for a disk cache, and it keeps write transactions (an fsync each) off hot reads.
@@ -101,7 +102,8 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
 
     Why: the index commits without an fsync, so an OS crash can leave it unreadable; the record files
     (fsynced) are the truth it is rebuilt from. A file whose header is damaged is deleted; another build's
-    record is kept and indexed by its file name, so that LRU ages it out. Rebuilt entries have no key text.
+    record is kept and indexed by its file name, so that LRU ages it out. Rebuilt entries have no key text;
+    their tags come back from the headers.
     """
     now = time.time_ns()
     count = 0
@@ -111,9 +113,10 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
                 with open(path, "rb") as f:
                     head = f.read(records.MAX_HEADER + records.FIXED_SIZE)
                     size = os.fstat(f.fileno()).st_size
-                key = records.decode_header(head).key
+                header = records.decode_header(head)
+                key, tags = header.key, tags_of(header.meta)
             except records.OtherFormatError:  # another build's record: kept, and indexed by its
-                key = key_named_by(path)  # file name so that LRU ages it out
+                key, tags = key_named_by(path), ()  # file name so that LRU ages it out
                 if key is None:
                     continue
             except (OSError, records.RecordError):
@@ -122,6 +125,6 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
                 continue
             if path.stem != key.hex():
                 continue
-            index.put(txn, key, size, "", now)
+            index.put(txn, key, size, "", now, tags)
             count += 1
     return count

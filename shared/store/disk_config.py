@@ -19,6 +19,7 @@ from vllm_tiercache.shared.store.tier_config import (
     Bool,
     Capacity,
     EnvDefault,
+    PinBudget,
     Text,
     check_keys,
     default_cache_dir,
@@ -67,6 +68,7 @@ class DiskTierConfig:
                      ] = True
     policy: Annotated[Literal["lru"], Field(
         description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
+    pin_budget: PinBudget = 0.0
     kind: Annotated[Literal["disk"], Field(description="The tier kind.")] = "disk"
 
     @classmethod

@@ -11,7 +11,13 @@ Databases of the environment:
 
 - ``entries``: digest -> u64 size, u64 last access (ns) | key text (bytes, may be empty);
 - ``atime``: big-endian u64 last access (ns) + digest -> b"" (iterates oldest first: the LRU order);
-- ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes.
+- ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes;
+- ``tags``: digest -> the record's tags (`vllm_tiercache.shared.store.tags.encode_tags`), only for records
+  that have tags. An older build never opens it: it keeps reading ``entries`` as before, and a record it
+  evicts leaves its tags entry behind, an orphan that readers skip (no ``entries`` entry) and
+  `DiskIndex.drop_orphan_tags` removes;
+- ``control``: the store's shared control entries (`vllm_tiercache.shared.store.control`: invalidations
+  by tag, pins), name -> value.
 
 Every method takes the caller's transaction: the tier's write transaction is also the cross-process lock
 under which record files are renamed into place and unlinked, so the two must share one transaction.
@@ -32,6 +38,7 @@ from typing import Any, NamedTuple
 import lmdb
 
 from vllm_tiercache.shared.store.api import key_text_bytes
+from vllm_tiercache.shared.store.tags import decode_tags, encode_tags
 
 log = logging.getLogger(__name__)
 _ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-8)
@@ -63,7 +70,7 @@ def _open_env(index_dir: str) -> lmdb.Environment:
         # The directory is made here, owner-only: LMDB would mkdir it with the file mode (0600, no
         # search bit), which only root can then create files in.
         os.makedirs(real, mode=0o700, exist_ok=True)
-        env = lmdb.open(real, map_size=4 << 30, max_dbs=4, subdir=True, sync=False, metasync=False,
+        env = lmdb.open(real, map_size=4 << 30, max_dbs=8, subdir=True, sync=False, metasync=False,
                         readahead=False, max_readers=1024, mode=0o600)
         _ENVS[real] = [env, 1]
         return env
@@ -96,6 +103,8 @@ class DiskIndex:
             self.entries = self.env.open_db(b"entries")
             self.by_atime = self.env.open_db(b"atime")
             self.meta = self.env.open_db(b"meta")
+            self.tags = self.env.open_db(b"tags")
+            self.control = self.env.open_db(b"control")
             with self.env.begin() as txn:
                 self.total(txn)
         except lmdb.Error:
@@ -140,14 +149,28 @@ class DiskIndex:
         for digest, raw in txn.cursor(db=self.entries):
             yield bytes(digest), _unpack(raw)
 
+    def get_tags(self, txn: lmdb.Transaction, digest: bytes) -> tuple[str, ...]:
+        """The tags of an indexed record (() when it has none)."""
+        return decode_tags(txn.get(digest, db=self.tags))
+
+    def scan_tags(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, tuple[str, ...]]]:
+        """(digest, tags) of every record that has tags, orphans included (see the module docstring)."""
+        for digest, raw in txn.cursor(db=self.tags):
+            yield bytes(digest), decode_tags(raw)
+
     def oldest(self, txn: lmdb.Transaction) -> Iterator[bytes]:
         """Digests by last access, least recent first (the eviction order)."""
         for akey in txn.cursor(db=self.by_atime).iternext(keys=True, values=False):
             yield bytes(akey[_ATIME.size:])
 
     # ----------------------------------------------------------------------------------------- writing
-    def put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now_ns: int) -> None:
-        """Index a record (replacing its old entry), accessed at ``now_ns``; keeps the total in step."""
+    def put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now_ns: int,
+            tags: tuple[str, ...] | list[str] = ()) -> None:
+        """Index a record (replacing its old entry and tags), accessed at ``now_ns``; keeps the total in step."""
+        if tags:
+            txn.put(digest, encode_tags(tags), db=self.tags)
+        else:
+            txn.delete(digest, db=self.tags)
         total = self.total(txn)
         old = self.get(txn, digest)
         if old is not None:
@@ -174,5 +197,25 @@ class DiskIndex:
         if old is None:
             return
         txn.delete(digest, db=self.entries)
+        txn.delete(digest, db=self.tags)
         txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, self.total(txn) - old.size)), db=self.meta)
+
+    def drop_orphan_tags(self, txn: lmdb.Transaction) -> int:
+        """Remove tags entries whose record is no longer indexed (an older build evicted it); returns how many."""
+        orphans = [digest for digest, _ in self.scan_tags(txn) if txn.get(digest, db=self.entries) is None]
+        for digest in orphans:
+            txn.delete(digest, db=self.tags)
+        return len(orphans)
+
+    # ----------------------------------------------------------------------------------------- control
+    def control_entries(self, txn: lmdb.Transaction) -> dict[str, bytes]:
+        """Every control entry (name -> value)."""
+        return {bytes(k).decode(errors="replace"): bytes(v) for k, v in txn.cursor(db=self.control)}
+
+    def set_control(self, txn: lmdb.Transaction, name: str, value: bytes | None) -> None:
+        """Set a control entry (None: remove it)."""
+        if value is None:
+            txn.delete(name.encode(), db=self.control)
+        else:
+            txn.put(name.encode(), value, db=self.control)

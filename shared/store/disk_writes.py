@@ -25,6 +25,7 @@ from vllm_tiercache.shared.store.disk_capacity import evict_over_capacity
 from vllm_tiercache.shared.store.disk_index import DiskIndex
 from vllm_tiercache.shared.store.disk_paths import RecordPaths
 from vllm_tiercache.shared.store.disk_problems import ProblemReporter
+from vllm_tiercache.shared.store.tags import tags_of
 
 #: "No room for this write": a full filesystem, a quota, a file-size limit (RLIMIT_FSIZE).
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -38,14 +39,16 @@ class WrittenFile(NamedTuple):
     final: str
     size: int
     text: str
+    tags: tuple[str, ...] = ()
 
 
 class RecordWriter:
     """Writes batches of records into one tier directory within a byte budget."""
 
     def __init__(self, index: DiskIndex, paths: RecordPaths, capacity: int, fsync: bool,
-                 counters: TierCounters, problems: ProblemReporter) -> None:
+                 counters: TierCounters, problems: ProblemReporter, pin_budget: int = 0) -> None:
         self.index = index
+        self.pin_budget = pin_budget
         self.paths = paths
         self.capacity = capacity
         self.fsync = fsync
@@ -65,7 +68,7 @@ class RecordWriter:
                 continue
             w = self.write_temp(key, enc)
             if w is not None:
-                written.append(w)
+                written.append(w._replace(tags=tags_of(meta)))
         if refused:
             self.counters.add(refused=refused)
         if written:
@@ -113,10 +116,10 @@ class RecordWriter:
                 now = time.time_ns()
                 for w in written:
                     os.replace(w.tmp, w.final)
-                    self.index.put(txn, w.digest, w.size, w.text, now)
+                    self.index.put(txn, w.digest, w.size, w.text, now, w.tags)
                     puts += 1
                     nbytes += w.size
-                evicted = evict_over_capacity(self.index, txn, self.capacity, self.paths)
+                evicted = evict_over_capacity(self.index, txn, self.capacity, self.paths, self.pin_budget)
         except (lmdb.Error, OSError) as exc:
             self.problems.error("commit of written records failed", exc)
             for w in written:

@@ -8,26 +8,42 @@ as the encoder cache managers. With W-TinyLFU a record can be refused by admissi
 one leaving the admission window, was asked for less often than what it would displace. Every such
 refusal counts as `admission_refused`; a put refused on arrival also counts as `refused`. The record
 simply stays in the slower tiers.
+
+Tags and pins (`vllm_tiercache.shared.store.tags`, `vllm_tiercache.shared.store.control`): a record's tags
+are in its meta; the tier indexes tagged records by tag and remembers when each was written, so that
+`drop_tagged` (an invalidation the store's control poller saw) drops exactly the records of a tag written
+before the invalidation, and eviction skips the records of pinned tags (`set_pinned_tags`), up to
+``pin_budget`` of the capacity, while unpinned records remain.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from vllm_tiercache.shared.eviction import make_policy
-from vllm_tiercache.shared.store.api import InProcessTier, Record, StoredRecord, StoreKey, TierAdminUnsupported
+from vllm_tiercache.shared.store.api import (
+    DropsTagged,
+    HonorsPins,
+    InProcessTier,
+    Record,
+    StoredRecord,
+    StoreKey,
+    TierAdminUnsupported,
+)
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.memory_config import MemoryTierConfig
+from vllm_tiercache.shared.store.tags import tags_of
 
 #: Why the admin operations cannot serve a memory tier: another process would see only its own copy.
 _PER_PROCESS = "a memory tier lives inside each serving process; another process cannot list or delete its records"
 
 
-class MemoryTier(InProcessTier):
+class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
     """Bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
 
     kind = "memory"
@@ -40,6 +56,11 @@ class MemoryTier(InProcessTier):
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._items: dict[bytes, tuple[Record, int]] = {}
+        #: tag -> digests of the records carrying it; digest -> when it was written (tagged records only)
+        self._tagged: dict[str, set[bytes]] = {}
+        self._written: dict[bytes, float] = {}
+        self._pins: frozenset[str] = frozenset()
+        self._pin_budget = int(config.pin_budget * config.capacity)
         self.policy = make_policy(config.policy, self.capacity, "memory.policy")
         self._bytes = 0
         self._evict_listeners: list[Callable[[bytes], None]] = []
@@ -77,14 +98,19 @@ class MemoryTier(InProcessTier):
                 if old is not None:
                     self._bytes -= old[1]
                     self.policy.remove(key.digest)
-                self._items[key.digest] = (Record(tensor, dict(meta or {})), size)
+                    self._untag(key.digest, old[0])
+                record = Record(tensor, dict(meta or {}))
+                self._items[key.digest] = (record, size)
+                self._tag(key.digest, record)
                 self.policy.insert(key.digest, size)
                 self._bytes += size
                 puts += 1
                 written += size
                 rejected_before = self.policy.rejections
-                for digest in self.policy.evict(self._bytes - self.capacity):
-                    self._bytes -= self._items.pop(digest)[1]
+                for digest in self._victims(self._bytes - self.capacity):
+                    gone = self._items.pop(digest)
+                    self._bytes -= gone[1]
+                    self._untag(digest, gone[0])
                     if digest == key.digest and old is None:
                         # Refused on arrival: never resident, nobody to tell, and not a put either.
                         refused += 1
@@ -100,6 +126,77 @@ class MemoryTier(InProcessTier):
         for digest in evicted_digests:
             for listener in self._evict_listeners:
                 listener(digest)
+
+    # ------------------------------------------------------------------------------------- tags, pins
+    def _tag(self, digest: bytes, record: Record) -> None:
+        tags = tags_of(record.meta)
+        if tags:
+            self._written[digest] = time.time()
+            for tag in tags:
+                self._tagged.setdefault(tag, set()).add(digest)
+
+    def _untag(self, digest: bytes, record: Record) -> None:
+        if self._written.pop(digest, None) is None:
+            return
+        for tag in tags_of(record.meta):
+            holders = self._tagged.get(tag)
+            if holders is not None:
+                holders.discard(digest)
+                if not holders:
+                    del self._tagged[tag]
+
+    def _protected(self) -> set[bytes]:
+        """The records of pinned tags eviction must skip: up to ``pin_budget`` of the capacity."""
+        protected: set[bytes] = set()
+        room = self._pin_budget
+        for tag in sorted(self._pins):
+            for digest in self._tagged.get(tag, ()):
+                entry = self._items.get(digest)
+                if entry is None or digest in protected or entry[1] > room:
+                    continue
+                protected.add(digest)
+                room -= entry[1]
+        return protected
+
+    def _victims(self, need: int) -> list[bytes]:
+        """The policy's victims for ``need`` bytes: unpinned records first; pinned ones only when no
+        unpinned record is left to free the rest."""
+        if need <= 0 and not self._pins:
+            return self.policy.evict(need)
+        protected = self._protected() if self._pins else set()
+        if not protected:
+            return self.policy.evict(need)
+        victims = self.policy.evict(need, can_evict=lambda d: d not in protected)
+        freed = sum(self._items[d][1] for d in victims if d in self._items)
+        if freed < need:
+            victims += self.policy.evict(need - freed)
+        return victims
+
+    def set_pinned_tags(self, tags: frozenset[str]) -> None:
+        """The tags pinned now (the store's control poller): eviction skips their records, within budget."""
+        with self._lock:
+            self._pins = frozenset(tags)
+
+    def drop_tagged(self, invalidations: dict[str, float]) -> int:
+        """Drop the records carrying a tag of ``invalidations`` (tag -> unix time) written before that
+        time; returns how many. Listeners hear of each, as of an eviction."""
+        dropped: list[bytes] = []
+        with self._lock:
+            for tag, before in invalidations.items():
+                for digest in list(self._tagged.get(tag, ())):
+                    if self._written.get(digest, before) >= before:
+                        continue
+                    record, size = self._items.pop(digest)
+                    self._bytes -= size
+                    self.policy.remove(digest)
+                    self._untag(digest, record)
+                    dropped.append(digest)
+        if dropped:
+            self.counters.add(invalidated=len(dropped))
+        for digest in dropped:
+            for listener in self._evict_listeners:
+                listener(digest)
+        return len(dropped)
 
     def usage(self) -> dict[str, Any]:
         with self._lock:
@@ -122,6 +219,8 @@ class MemoryTier(InProcessTier):
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._tagged.clear()
+            self._written.clear()
             self._bytes = 0
             self.policy = make_policy(self.config.policy, self.capacity, "memory.policy")
 

@@ -18,6 +18,7 @@ from vllm_tiercache.shared.eviction.registry import memory_tier_policies, policy
 from vllm_tiercache.shared.store.tier_config import (
     Capacity,
     EnvDefault,
+    PinBudget,
     check_keys,
     field_path,
     format_bytes,
@@ -58,6 +59,7 @@ class MemoryTierConfig:
                     "a CUDA worker the KV connector's records here are pinned host memory (docs/gpu.md).")
     ] = DEFAULT_MEMORY_CAPACITY
     policy: Annotated[MemoryPolicy, Field(description=_policy_description())] = "lru"
+    pin_budget: PinBudget = 0.0
     kind: Annotated[Literal["memory"], Field(description="The tier kind.")] = "memory"
 
     @classmethod

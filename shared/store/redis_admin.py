@@ -10,11 +10,12 @@ the serving path only the record layout (`redis_records`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from vllm_tiercache.shared.store.api import StoredRecord
 from vllm_tiercache.shared.store.redis_records import RecordNames, head_part_count, head_record_size
+from vllm_tiercache.shared.store.tags import decode_tags
 
 #: Heads listed or deleted per pipelined round trip.
 ADMIN_BATCH = 500
@@ -33,8 +34,8 @@ class RedisAdmin:
 
     def iter_stored(self) -> Iterator[StoredRecord]:
         """Every record under ``key_prefix``; ConnectionError when unreachable."""
-        for _, size, idle_s, text in self.scan_records():
-            yield StoredRecord(text, size, idle_s)
+        for _, size, idle_s, text, tags in self.scan_records():
+            yield StoredRecord(text, size, idle_s, tags)
 
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
@@ -44,15 +45,38 @@ class RedisAdmin:
         delete is not counted as deleted; its bytes, read at SCAN time, still are. With ``dry_run`` the
         count is what matched.
         """
-        matches = [(hex_digest, size or 0) for hex_digest, size, idle_s, text in self.scan_records()
-                   if predicate(StoredRecord(text, size, idle_s))]
+        matches = [(hex_digest, size or 0) for hex_digest, size, idle_s, text, tags in self.scan_records()
+                   if predicate(StoredRecord(text, size, idle_s, tags))]
         matched_bytes = sum(size for _, size in matches)
         if dry_run:
             return len(matches), matched_bytes
-        return self.delete_records([hex_digest for hex_digest, _ in matches]), matched_bytes
+        deleted = self.delete_records([hex_digest for hex_digest, _ in matches])
+        self.drop_orphan_tags()
+        return deleted, matched_bytes
 
-    def scan_records(self, batch: int = ADMIN_BATCH) -> Iterator[tuple[str, int | None, float | None, str]]:
-        """(digest hex, record bytes, idle seconds, key text) of every record under ``key_prefix``.
+    def drop_orphan_tags(self) -> int:
+        """Delete the ``#tags`` keys whose record's head is gone (an older build deleted the record and not
+        its tags); returns how many. One SCAN of the ``#tags`` keys; each head is checked in the same
+        batch, so a record written meanwhile (head last) may lose its tags only if its head is not yet
+        written, a race as narrow as one put."""
+        client = self._client_or_raise()
+        heads = [self.names.head_of_tags(raw.decode() if isinstance(raw, bytes) else str(raw))
+                 for raw in client.scan_iter(match=self.names.tags_pattern, count=ADMIN_BATCH)]
+        heads = [h for h in heads if h is not None]
+        dropped = 0
+        for lo in range(0, len(heads), ADMIN_BATCH):
+            batch = list(heads[lo:lo + ADMIN_BATCH])
+            pipe = client.pipeline(transaction=False)
+            for name, head in zip(batch, self._mget(client, batch), strict=True):
+                if head is None:
+                    pipe.delete(self.names.tags_of(name))
+                    dropped += 1
+            pipe.execute()
+        return dropped
+
+    def scan_records(self, batch: int = ADMIN_BATCH
+                     ) -> Iterator[tuple[str, int | None, float | None, str, tuple[str, ...]]]:
+        """(digest hex, record bytes, idle seconds, key text, tags) of every record under ``key_prefix``.
 
         SCANs the heads, then one pipelined round trip per batch for the heads, key texts and OBJECT
         IDLETIME. Size is header + payload as the head says (None when the head is unreadable); key text
@@ -62,20 +86,22 @@ class RedisAdmin:
         client = self._client_or_raise()
         heads: list[str] = []
 
-        def flush() -> Iterator[tuple[str, int | None, float | None, str]]:
+        def flush() -> Iterator[tuple[str, int | None, float | None, str, tuple[str, ...]]]:
             pipe = client.pipeline(transaction=False)
             for name in heads:
                 pipe.object("idletime", name)  # before the GET, which resets the idle time
                 pipe.get(name)
                 pipe.get(self.names.text_of(name))
+                pipe.get(self.names.tags_of(name))
             res = pipe.execute(raise_on_error=False)
             for i, name in enumerate(heads):
-                idle, head, text = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                idle, head, text, tags = res[4 * i:4 * i + 4]
                 if head is None or isinstance(head, Exception):
                     continue  # expired or deleted between SCAN and GET
                 text_str = text.decode(errors="replace") if isinstance(text, bytes) else ""
                 idle_s = float(idle) if isinstance(idle, int) else None
-                yield self.names.digest_of(name), head_record_size(head), idle_s, text_str
+                yield (self.names.digest_of(name), head_record_size(head), idle_s, text_str,
+                       decode_tags(tags) if isinstance(tags, bytes) else ())
             heads.clear()
 
         for raw in client.scan_iter(match=self.names.scan_pattern, count=batch):
@@ -106,6 +132,7 @@ class RedisAdmin:
                 for p in range(min(head_part_count(head), MAX_ADMIN_PARTS)):
                     pipe.delete(self.names.part_of(name, p))
                 pipe.delete(self.names.text_of(name))
+                pipe.delete(self.names.tags_of(name))
                 deleted += 1
             pipe.execute()
         return deleted
@@ -118,3 +145,48 @@ class RedisAdmin:
         for name in names:
             pipe.get(name)
         return pipe.execute()
+
+    def hold_tagged(self, tags: Collection[str], hold: bool, ttl_ms: int | None) -> int:
+        """PERSIST (``hold``) every piece of each record carrying one of ``tags``, or give it ``ttl_ms``
+        back (nothing to give when the tier has no ``ttl_s``); returns how many records."""
+        wanted = set(tags)
+        if not hold and ttl_ms is None:
+            return 0
+        client = self._client_or_raise()
+        held = [h for h, _, _, _, t in self.scan_records() if not wanted.isdisjoint(t)]
+        for lo in range(0, len(held), ADMIN_BATCH):
+            names = [self.names.head_of(h) for h in held[lo:lo + ADMIN_BATCH]]
+            heads = self._mget(client, names)
+            pipe = client.pipeline(transaction=False)
+            for name, head in zip(names, heads, strict=True):
+                if head is None:
+                    continue
+                pieces = [self.names.part_of(name, p) for p in range(min(head_part_count(head), MAX_ADMIN_PARTS))]
+                for piece in (*pieces, self.names.text_of(name), self.names.tags_of(name), name):
+                    if hold:
+                        pipe.persist(piece)
+                    else:
+                        pipe.pexpire(piece, ttl_ms)
+            pipe.execute()
+        return len(held)
+
+    def read_control(self) -> dict[str, bytes]:
+        """The control hash's entries."""
+        raw = self._client_or_raise().hgetall(self.names.control)
+        return {(k.decode(errors="replace") if isinstance(k, bytes) else str(k)): bytes(v) for k, v in raw.items()}
+
+    def write_control(self, changes: Mapping[str, bytes | None]) -> None:
+        """HSET and HDEL the control hash's entries in one transaction (one key: one slot)."""
+        client = self._client_or_raise()
+        sets = {name: value for name, value in changes.items() if value is not None}
+        drops = [name for name, value in changes.items() if value is None]
+        pipe = client.pipeline(transaction=not self.cluster)
+        if sets:
+            pipe.hset(self.names.control, mapping=sets)
+        if drops:
+            pipe.hdel(self.names.control, *drops)
+        pipe.execute()
+
+    def remove_control(self, name: str) -> bool:
+        """HDEL one entry; True only for the caller whose HDEL removed it."""
+        return bool(self._client_or_raise().hdel(self.names.control, name))

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, ConfigDict, Field, Strict
 from vllm_tiercache.shared.store.tier_config import (
     Allowed,
     OptionalText,
+    PinBudget,
     Text,
     check_keys,
     fail,
@@ -94,6 +95,7 @@ class RedisTierConfig:
     policy: Annotated[Literal["lru"], Field(
         description="Eviction policy: lru only (a shared tier; Redis evicts by its own maxmemory policy "
                     "too).")] = "lru"
+    pin_budget: PinBudget = 0.0
     kind: Annotated[Literal["redis"], Field(description="The tier kind.")] = "redis"
 
     @property

@@ -6,6 +6,9 @@ record in one slot)::
     {prefix}{H}       head: u32 part count + the record header (`vllm_tiercache.shared.store.records` prefix)
     {prefix}{H}:0..n  payload parts of at most ``part_size`` bytes
     {prefix}{H}#text  the key text (for `tiercache stats` / `tiercache evict`; readers never need it)
+    {prefix}{H}#tags  the record's tags (`vllm_tiercache.shared.store.tags`), only when it has some
+    {prefix}control   the store's control hash (`vllm_tiercache.shared.store.control`): outside the
+                      ``{prefix}{*}`` pattern, so no record scan ever meets it
 
 Why split: Redis values are capped (512 MB) and huge values block the server; parts keep each command
 bounded. Why apart from the tier: these are pure functions of bytes, tested without a server; the tier
@@ -43,6 +46,14 @@ class RecordNames:
     def text(self, key: StoreKey) -> str:
         return f"{self.prefix}{{{key.hex}}}#text"
 
+    def tags(self, key: StoreKey) -> str:
+        return f"{self.prefix}{{{key.hex}}}#tags"
+
+    @property
+    def control(self) -> str:
+        """The store's control hash (invalidations by tag, pins)."""
+        return f"{self.prefix}control"
+
     def head_of(self, hex_digest: str) -> str:
         """The head's name of the record whose key digest is ``hex_digest``."""
         return f"{self.prefix}{{{hex_digest}}}"
@@ -57,10 +68,25 @@ class RecordNames:
         """The name of the key text of the record whose head is ``head_name``."""
         return f"{head_name}#text"
 
+    @staticmethod
+    def tags_of(head_name: str) -> str:
+        """The name of the tags of the record whose head is ``head_name``."""
+        return f"{head_name}#tags"
+
+    @staticmethod
+    def head_of_tags(tags_name: str) -> str | None:
+        """The head's name for a ``#tags`` name; None when ``tags_name`` is not one."""
+        return tags_name[:-len("#tags")] if tags_name.endswith("}#tags") else None
+
     @property
     def scan_pattern(self) -> str:
         """A SCAN pattern that matches every piece of every record under the prefix."""
         return f"{self.prefix}{{*}}"
+
+    @property
+    def tags_pattern(self) -> str:
+        """A SCAN pattern that matches the ``#tags`` key of every record under the prefix."""
+        return f"{self.prefix}{{*}}#tags"
 
     @staticmethod
     def is_head(name: str) -> bool:

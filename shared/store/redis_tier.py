@@ -34,13 +34,23 @@ No request fails because Redis is down or slow. The tier is a thin layer over it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, RemoteTier, ReportsHealth, StoredRecord, StoreKey, key_text_bytes
+from vllm_tiercache.shared.store.api import (
+    ExpiresRecords,
+    HonorsPins,
+    KeepsControl,
+    Record,
+    RemoteTier,
+    ReportsHealth,
+    StoredRecord,
+    StoreKey,
+    key_text_bytes,
+)
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.redis_admin import RedisAdmin
 from vllm_tiercache.shared.store.redis_calls import RedisCalls
@@ -58,6 +68,7 @@ from vllm_tiercache.shared.store.redis_records import (
     part_count,
     payload_parts,
 )
+from vllm_tiercache.shared.store.tags import encode_tags, tags_of
 
 #: Names other modules and tests import from here (the tier's module before it was split by job).
 __all__ = ["BUG", "DELETE_RUN", "DOWN", "ERROR", "MAX_DELETE_PARTS", "RedisTier", "ShardDownError", "classify",
@@ -68,7 +79,7 @@ DELETE_RUN = 256
 MAX_DELETE_PARTS = 1 << 20
 
 
-class RedisTier(RemoteTier, ReportsHealth):
+class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresRecords):
     """Pipelined, part-splitting Redis tier that degrades to misses when the server is down."""
 
     kind = "redis"
@@ -87,6 +98,8 @@ class RedisTier(RemoteTier, ReportsHealth):
                                   thread_name=f"tiercache-probe-{name}")
         self._calls = RedisCalls(config, self._health, self.counters)
         self._admin = RedisAdmin(self._names, config.cluster, self._calls.client_or_raise)
+        #: tags pinned now (`set_pinned_tags`): records carrying one are written without a TTL
+        self._pins: frozenset[str] = frozenset()
         self._calls.connect()  # last: a failure starts the prober, which calls back into the parts above
 
     # ------------------------------------------------------------------------------------ availability
@@ -223,6 +236,7 @@ class RedisTier(RemoteTier, ReportsHealth):
             for key in corrupt:
                 pipe.delete(names.head(key))
                 pipe.delete(names.text(key))
+                pipe.delete(names.tags(key))
 
         if self._calls.pipeline("delete corrupt", heads) is None:
             return
@@ -249,24 +263,30 @@ class RedisTier(RemoteTier, ReportsHealth):
         ttl_ms = int(self.config.ttl_s * 1000) if self.config.ttl_s else None
         part_size = self.config.part_size
         names = self._names
-        encoded = [(key, records.encode(key, tensor, meta)) for key, tensor, meta in items]
+        pins = self._pins
+        encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
 
-        counts = [part_count(enc.payload.nbytes, part_size) + 2 for _, enc in encoded]  # parts, text, head
+        # parts, text, head, and tags when the record has some
+        counts = [part_count(enc.payload.nbytes, part_size) + 2 + bool(tags) for _, enc, tags in encoded]
 
         def queue(pipe: Any) -> None:
-            for key, enc in encoded:
+            for key, enc, tags in encoded:
+                # a pinned record is written without a TTL (`vllm_tiercache.shared.store.pins`)
+                px = None if pins and not pins.isdisjoint(tags) else ttl_ms
                 parts = payload_parts(enc.payload, part_size)
                 for p, part in enumerate(parts):
-                    pipe.set(names.part(key, p), part, px=ttl_ms)
-                pipe.set(names.text(key), key_text_bytes(key.text), px=ttl_ms)
-                pipe.set(names.head(key), head_value(len(parts), enc.prefix), px=ttl_ms)
+                    pipe.set(names.part(key, p), part, px=px)
+                pipe.set(names.text(key), key_text_bytes(key.text), px=px)
+                if tags:
+                    pipe.set(names.tags(key), encode_tags(tags), px=px)
+                pipe.set(names.head(key), head_value(len(parts), enc.prefix), px=px)
 
         res = self._calls.pipeline("put", queue)
         if res is None:
             self.counters.add(dropped_writes=len(items))
             return
         pos, done, nbytes = 0, 0, 0
-        for (_, enc), n in zip(encoded, counts, strict=True):
+        for (_, enc, _), n in zip(encoded, counts, strict=True):
             # a record with a failed command is dropped; a head written without all its parts reads as
             # damaged and is deleted by the first reader
             if not any(isinstance(r, Exception) for r in res[pos:pos + n]):
@@ -295,6 +315,27 @@ class RedisTier(RemoteTier, ReportsHealth):
         res = self._calls.mget([self._names.head(k) for k in keys], "sizes")
         return [head_record_size(head) if isinstance(head, bytes) and head else None
                 for head in res or [None] * len(keys)]
+
+    # ------------------------------------------------------------------------------ control and pins
+    def read_control(self) -> dict[str, bytes]:
+        """The store's control entries (the hash ``{key_prefix}control``); ConnectionError when unreachable."""
+        return self._admin.read_control()
+
+    def write_control(self, changes: Mapping[str, bytes | None]) -> None:
+        """Set or remove control entries at once; ConnectionError when unreachable."""
+        self._admin.write_control(changes)
+
+    def remove_control(self, name: str) -> bool:
+        """Remove one control entry; True only for the caller whose HDEL removed it."""
+        return self._admin.remove_control(name)
+
+    def set_pinned_tags(self, tags: frozenset[str]) -> None:
+        """Records carrying one of ``tags`` are written without a TTL from now on."""
+        self._pins = frozenset(tags)
+
+    def hold_tagged(self, tags: Collection[str], hold: bool) -> int:
+        """PERSIST the records of ``tags`` (``hold``), or give them ``ttl_s`` back; returns how many."""
+        return self._admin.hold_tagged(tags, hold, int(self.config.ttl_s * 1000) if self.config.ttl_s else None)
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:

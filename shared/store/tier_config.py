@@ -148,6 +148,16 @@ Capacity = size(MIN_CAPACITY, out_of_range=f'a size of at least {MIN_CAPACITY} b
                                            "holds no record: every put would be refused)")
 
 
+#: The most of a tier's capacity pins may hold: a tier all pinned could keep nothing new.
+MAX_PIN_BUDGET = 0.9
+#: a tier's ``pin_budget``: the share of its capacity that pinned records may hold (0: no pins)
+PinBudget = Annotated[float, Strict(), Field(ge=0.0, le=MAX_PIN_BUDGET, allow_inf_nan=False, description=(
+    "Share of the tier's capacity that pinned records (`tiercache pin --tag`, `precompute ... --pin`) may hold, "
+    f"0.0 to {MAX_PIN_BUDGET:g}. 0 (the default): no pins; `tiercache pin` is refused and names this key. "
+    "Eviction never drops a pinned record while unpinned ones remain (docs/operations.md, pins).")),
+    Allowed(f"a share of the tier's capacity from 0.0 to {MAX_PIN_BUDGET:g} (0: no pins), e.g. 0.2")]
+
+
 def seconds(*, minimum: float | None = None, maximum: float | None = None, positive: bool = True,
             optional: bool = False, null_means: str = "") -> Any:
     """A finite number of seconds: > 0 (``positive``) or >= 0, within [``minimum``, ``maximum``] when given;

@@ -63,6 +63,7 @@ from vllm_tiercache.shared.store.api import (
     TakesPayloadAllocator,
     Tier,
 )
+from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier, tier_class
 from vllm_tiercache.shared.store.write_behind import WriteBehindBuffer
@@ -253,6 +254,8 @@ class TieredStore:
         self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
         self._bounded: dict[int, BoundedLookup] = {
             i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
+        self.control = ControlPoller(self.tiers, config.control_poll_s)  # invalidations, pins (`control`)
+        self.control.start()
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
@@ -576,6 +579,7 @@ class TieredStore:
                 return
             self._closed = True
         self._usage_stop.set()
+        self.control.close()
         for lookup in self._bounded.values():
             lookup.close()
         if not self._writer.close(timeout):

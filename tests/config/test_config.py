@@ -191,7 +191,7 @@ def test_every_store_field_says_whether_it_shapes_the_store():
         marks = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, StoreIdentity)]
         assert len(marks) == 1, f"StoreConfig.{f.name} needs exactly one of SHAPES_STORE, NOT_STORE_SHAPING"
     assert STORE_SHAPING_FIELDS == store_shaping_fields(StoreConfig) == ("write_queue_size", "lookup_budget_ms",
-                                                                          "tiers")
+                                                                          "control_poll_s", "tiers")
 
     @dataclasses.dataclass(frozen=True)
     class Unmarked:
@@ -214,6 +214,7 @@ _CHANGED = {
     "namespace": {"namespace": "other"},
     "write_queue_size": {"write_queue_size": 64},
     "lookup_budget_ms": {"lookup_budget_ms": 5.0},
+    "control_poll_s": {"control_poll_s": 0.5},
     "model_version": {"model_version": "v2"},
     "trust_multi_modal_uuids": {"trust_multi_modal_uuids": True},
     "tiers": {"tiers": [{"kind": "memory", "capacity": "1GiB"}]},
@@ -234,19 +235,20 @@ def test_cache_key_differs_exactly_in_the_store_shaping_fields(name, monkeypatch
 def test_cache_keys_of_existing_configs_are_unchanged():
     """The key text of the hand-written key this replaced, for a default and a full config."""
     assert StoreConfig.from_dict(_BASE).cache_key() == (
-        '{"lookup_budget_ms": 100.0, "tiers": [{"capacity": 2147483648, "kind": "memory", "policy": "lru"}], '
-        '"write_queue_size": 256}')
+        '{"control_poll_s": 5.0, "lookup_budget_ms": 100.0, "tiers": [{"capacity": 2147483648, "kind": "memory", '
+        '"pin_budget": 0.0, "policy": "lru"}], "write_queue_size": 256}')
     full = StoreConfig.from_dict({
         "namespace": "n", "write_queue_size": 64, "lookup_budget_ms": 5.0, "model_version": "v",
         "trust_multi_modal_uuids": True, "x_a": 1,
         "tiers": [{"kind": "memory", "capacity": "1GiB", "policy": "wtinylfu"},
                   {"kind": "disk", "path": "/tmp/d", "capacity": "1GiB"}, {"kind": "redis", "url": "redis://h:6379/0"}]})
     assert full.cache_key() == (
-        '{"lookup_budget_ms": 5.0, "tiers": [{"capacity": 1073741824, "kind": "memory", "policy": "wtinylfu"}, '
-        '{"capacity": 1073741824, "fsync": true, "kind": "disk", "path": "/tmp/d", "policy": "lru"}, '
-        '{"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, "password": null, "policy": "lru", '
-        '"retry_after_s": 5.0, "ssl": {}, "timeout_s": 2.0, "ttl_s": null, "url": "redis://h:6379/0"}], '
-        '"write_queue_size": 64}')
+        '{"control_poll_s": 5.0, "lookup_budget_ms": 5.0, "tiers": [{"capacity": 1073741824, "kind": "memory", '
+        '"pin_budget": 0.0, "policy": "wtinylfu"}, '
+        '{"capacity": 1073741824, "fsync": true, "kind": "disk", "path": "/tmp/d", "pin_budget": 0.0, '
+        '"policy": "lru"}, {"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, "password": null, '
+        '"pin_budget": 0.0, "policy": "lru", "retry_after_s": 5.0, "ssl": {}, "timeout_s": 2.0, "ttl_s": null, '
+        '"url": "redis://h:6379/0"}], "write_queue_size": 64}')
 
 
 def test_duplicate_disk_path_rejected(tmp_path):
@@ -340,7 +342,7 @@ def test_each_config_class_parses_its_own_fields(tmp_path):
     red = RedisTierConfig.from_raw({"kind": "redis", "url": "rediss://h:1/0", "ssl_ca_certs": "/ca"}, "tiers[2]")
     assert red.ssl == {"ssl_ca_certs": "/ca"} and red.timeout_s == 2.0
     with pytest.raises(ConfigError, match=r"tiers\[3\]\.fsync: unknown key for a memory tier; known keys: "
-                                          r"kind, capacity, policy$"):
+                                          r"kind, capacity, policy, pin_budget$"):
         MemoryTierConfig.from_raw({"kind": "memory", "fsync": True}, "tiers[3]")
     with pytest.raises(ConfigError, match=r"tiers\[4\]\.policy: invalid value 'wtinylfu'; allowed: lru$"):
         DiskTierConfig.from_raw({"kind": "disk", "policy": "wtinylfu"}, "tiers[4]")
@@ -514,7 +516,8 @@ def test_write_queue_size_is_bounded():
 @pytest.mark.parametrize(("raw", "message"), [
     ({"namespce": "a"}, "namespce: unknown key; did you mean 'namespace'? known keys: namespace, "),
     ({"tiers": [{"kind": "memory", "capasity": "1GiB"}]},
-     "tiers[0].capasity: unknown key for a memory tier; did you mean 'capacity'? known keys: kind, capacity, policy"),
+     "tiers[0].capasity: unknown key for a memory tier; did you mean 'capacity'? known keys: kind, capacity, policy, "
+     "pin_budget"),
     ({"tiers": [{"kind": "disk", "fsnyc": False}]},
      "tiers[0].fsnyc: unknown key for a disk tier; did you mean 'fsync'? known keys: kind, path, capacity, fsync"),
     ({"tiers": [{"kind": "redis", "url": "rediss://h:1", "ttl": 60}]},

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ from vllm_tiercache.tools.jobs import (
     process_offline,
     report,
 )
-from vllm_tiercache.tools.precompute.passes import count_stored, produce
+from vllm_tiercache.tools.precompute.passes import count_stored, produce, retag
+from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,14 @@ def precompute_images(
     progress: bool = True,
     engine_kwargs: dict[str, Any] | None = None,
     batch_size: int = DEFAULT_BATCH,
+    tags: Sequence[str] = (),
+    pin: bool = False,
 ) -> PrecomputeSummary:
     """Encode every image not yet stored and store its encoder output; returns what happened.
+
+    Each image's record carries the tags ``image:<name>`` (its file name without suffix) and ``tags``: the
+    job writes them in once the engine stored the record (the EC connector saves untagged); ``pin`` then
+    pins ``tags``. An image skipped as stored keeps the tags it was stored with.
 
     Unreadable files are reported in ``failed`` and skipped; the job goes on. An engine is started only
     when at least one image needs encoding.
@@ -93,6 +100,7 @@ def precompute_images(
 
     started = time.perf_counter()
     summary = PrecomputeSummary(kind="images", total=len(images))
+    tags = check_pin_tags(tags, pin)
     config = checked_store_config(store_config)
     ECConnectorOptions.load(store_config)  # a bad option fails here, not in the engine after its start-up
     kwargs = dict(engine_kwargs or {})
@@ -135,6 +143,9 @@ def precompute_images(
         count_stored(store, todo, stored_keys, summary,
                      failure="encoded but not found in the store afterwards (see the engine log: dropped write, "
                              "full disk or Redis down)")
+        retag(store, todo, lambda path: item_tags("image", path, tags))
+    if pin:
+        summary.details["pinned"] = pin_after_job(store_config, tags)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -146,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--images", required=True, metavar="DIR_OR_LIST",
                         help="a directory of .png/.jpg/.jpeg/.webp files, or a text file with one path per line")
+    add_job_tag_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         if not images:
             return fail(f"--images: no .png/.jpg/.jpeg/.webp file in {args.images!r}")
         summary = precompute_images(args.model, images, store_config, progress=not args.no_progress,
-                                    engine_kwargs=engine_kwargs_from_args(args), batch_size=args.batch_size)
-    except (ConfigError, JobError) as exc:
+                                    engine_kwargs=engine_kwargs_from_args(args), batch_size=args.batch_size,
+                                    tags=args.tags, pin=args.pin)
+    except (ConfigError, JobError, ValueError) as exc:
         return fail(str(exc))
     return report(summary, args.json)

@@ -35,13 +35,14 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.kvcache.groups import KVGroups
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.options import KVConnectorOptions
+from vllm_tiercache.kvcache.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.files import replace_json
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
@@ -65,6 +66,7 @@ from vllm_tiercache.tools.jobs import (
     report,
 )
 from vllm_tiercache.tools.precompute.passes import count_stored, produce
+from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +188,15 @@ def precompute_docs(
     progress: bool = True,
     engine_kwargs: dict[str, Any] | None = None,
     batch_size: int = DEFAULT_BATCH,
+    tags: Sequence[str] = (),
+    pin: bool = False,
 ) -> PrecomputeSummary:
     """Store the KV prefix chunks of every document whose chunks are not all stored yet.
+
+    Each document's records carry the tags ``doc:<name>`` (its file name without ``.txt``) and ``tags``,
+    given to the producer engine through the request's ``kv_transfer_params`` (the serving path's
+    ``tiercache_tags``); ``pin`` then pins ``tags`` (`vllm_tiercache.tools.pin_cmd`). A document skipped
+    as stored keeps the tags it was stored with.
 
     Unreadable documents, prompts longer than ``max_model_len`` and documents shorter than one block
     are reported in ``failed``; the job goes on. An engine starts only when some document needs it.
@@ -197,6 +206,7 @@ def precompute_docs(
 
     started = time.perf_counter()
     summary = PrecomputeSummary(kind="docs", total=len(docs))
+    tags = check_pin_tags(tags, pin)
     if template is not None and DOCUMENT_PLACEHOLDER not in template:
         raise JobError(f"--template: the template has no {DOCUMENT_PLACEHOLDER} placeholder; add it where "
                        "the document text goes")
@@ -275,6 +285,7 @@ def precompute_docs(
             store, todo, lambda doc: doc_request(doc, template, multimodal=multimodal),
             model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
             desc="prefilling docs", unit="doc", rekey=engine_keys,
+            transfer_params=lambda doc: {TAGS_PARAM: item_tags("doc", doc, tags)},
         )
         if unsupported is not None:
             raise _nothing_to_store(model, unsupported)
@@ -292,6 +303,8 @@ def precompute_docs(
     if misaligned:
         summary.details["warning"] = (f"{len(misaligned)} docs tokenize differently once a question follows "
                                       f"(e.g. {misaligned[0]}); their last tokens will not hit")
+    if pin:
+        summary.details["pinned"] = pin_after_job(store_config, tags)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -306,6 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "multimodal model), or a text file with one path per line")
     parser.add_argument("--template", default=None, metavar="FILE",
                         help=f"template file with a {DOCUMENT_PLACEHOLDER} placeholder (serving must use it too)")
+    add_job_tag_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--docs: no .txt file in {args.docs!r}")
         summary = precompute_docs(args.model, docs, store_config, template=template,
                                   progress=not args.no_progress, engine_kwargs=engine_kwargs_from_args(args),
-                                  batch_size=args.batch_size)
+                                  batch_size=args.batch_size, tags=args.tags, pin=args.pin)
     except (ConfigError, JobError, ValueError) as exc:
         return fail(str(exc))
     return report(summary, args.json)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.tags import with_tags
 from vllm_tiercache.shared.store.tiered import TieredStore
 from vllm_tiercache.tools.jobs import (
     PrecomputeSummary,
@@ -40,6 +41,7 @@ def produce(
     desc: str,
     unit: str,
     rekey: Callable[[], Sequence[Item]] | None = None,
+    transfer_params: Callable[[Path], dict[str, Any] | None] | None = None,
 ) -> set[StoreKey]:
     """Pass 2: one producer engine over ``todo`` (``max_tokens=1``), then wait for its records.
 
@@ -47,7 +49,8 @@ def produce(
     before returning, so its workers flush their background writes. Starts nothing when ``todo`` is empty.
     ``rekey``: called once the prompts ran, while the engine still runs; the items (same order) with the
     keys the engine really writes, when only the running engine can tell them (a hybrid model's KV cache
-    groups: `vllm_tiercache.tools.precompute.kv`).
+    groups: `vllm_tiercache.tools.precompute.kv`). ``transfer_params``: each item's ``kv_transfer_params``
+    (a document's tags, `vllm_tiercache.kvcache.request_tags`), None for none.
     """
     if not todo:
         return set()
@@ -59,7 +62,9 @@ def produce(
     bar = tqdm(total=len(todo), desc=desc, unit=unit, disable=not progress)
     try:
         for batch in batches(todo, batch_size):
-            llm.generate([prompt(path) for path, _ in batch], params, use_tqdm=False)
+            per_item = [params if transfer_params is None or not (extra := transfer_params(path)) else
+                        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": extra}) for path, _ in batch]
+            llm.generate([prompt(path) for path, _ in batch], per_item, use_tqdm=False)
             bar.update(len(batch))
         if rekey is not None:
             todo = rekey()
@@ -95,3 +100,19 @@ def count_stored(store: TieredStore, todo: Sequence[Item], seen: set[StoreKey], 
         else:
             summary.failed.append((path.name, failure))
     return evicted_since
+
+
+def retag(store: TieredStore, todo: Sequence[Item], tags: Callable[[Path], list[str]]) -> int:
+    """Write the stored records of ``todo`` again with their item's tags in their meta (an encoder record:
+    the EC connector's worker writes no tags); returns how many records were retagged."""
+    done = 0
+    for path, keys in todo:
+        wanted = tags(path)
+        records = store.get_many(list(keys))
+        items = [(key, rec.tensor, with_tags(rec.meta, wanted)) for key, rec in zip(keys, records, strict=True)
+                 if rec is not None and not rec.in_place]
+        if items:
+            store.put_many(items)
+            done += len(items)
+    store.flush()
+    return done

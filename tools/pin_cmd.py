@@ -1,0 +1,154 @@
+"""`tiercache pin --tag T [--ttl S]`: keep the records of a tag (a corpus) through eviction.
+
+A pin is a control entry (`vllm_tiercache.shared.store.control`) in every shared tier that keeps them, with
+its optional end; every serving process's store polls them (``control_poll_s``), so running instances
+and restarts see a pin. What it means per tier:
+
+- memory (per process) and disk/gds: eviction skips the records of pinned tags while unpinned ones
+  remain, up to the tier's ``pin_budget`` (a share of its capacity); the disk tier reads the pins in the
+  index transaction in which it evicts, so every process sharing the directory agrees.
+- redis: the pinned records' keys are PERSISTed (no TTL), and records of a pinned tag written later get
+  none; `tiercache unpin` (or the pin's end) gives ``ttl_s`` back. Keys without a TTL are never the
+  server's victims under a ``volatile-*`` ``maxmemory-policy``; under ``allkeys-*`` Redis may evict any
+  key, pinned or not (docs/operations.md, pins).
+
+A pin is refused, with nothing written, when a tier's ``pin_budget`` is 0 (the message names the key) or
+when the records of every pinned tag, this one included, would exceed a tier's budget (the message names
+the budget and the bytes). A memory tier's budget cannot be counted from here: it protects what fits.
+
+Exit status: 0; 2 when refused or the command cannot start (one line on stderr, `cli.main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store.api import ExpiresRecords, KeepsControl, TierAdminUnsupported
+from vllm_tiercache.shared.store.control import Control, parse_control, pin_changes
+from vllm_tiercache.shared.store.tags import validate_tags
+from vllm_tiercache.shared.store.tier_config import format_bytes
+from vllm_tiercache.shared.store.tiered import tier_names
+from vllm_tiercache.tools.cli import UsageError
+from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.tag_args import add_tag_argument
+
+#: The longest a pin may last (a year): beyond it, pin without --ttl.
+MAX_PIN_TTL_S = 366 * 86400.0
+
+
+def pin(store_config: dict[str, Any] | None, tags: Sequence[str], ttl_s: float | None = None) -> dict[str, Any]:
+    """Pin ``tags`` on every tier (checked against each tier's budget first); returns per-tier pinned bytes."""
+    from vllm_tiercache.shared.store import build_store
+
+    tags = validate_tags(tags)
+    if not tags:
+        raise UsageError("give at least one --tag to pin")
+    config = StoreConfig.load(store_config)
+    names = tier_names(config.tiers)
+    for i, tc in enumerate(config.tiers):
+        if tc.pin_budget <= 0:
+            raise UsageError(f"pin refused: pins are off on tier {names[i]} (tiers[{i}].pin_budget is 0); set "
+                             f"tiers[{i}].pin_budget to the share of its capacity pins may hold, e.g. 0.2")
+    result: dict[str, Any] = {"tags": tags, "until": time.time() + ttl_s if ttl_s else None, "tiers": []}
+    with build_store(config) as store:
+        pinned = read_pins(store.tiers).pinned_now() | set(tags)
+        for i, tier in enumerate(store.tiers):
+            result["tiers"].append(_check_budget(tier, config.tiers[i].pin_budget, pinned, f"tiers[{i}]"))
+        changes = pin_changes(tags, result["until"], pin=True)
+        for tier in store.tiers:
+            if isinstance(tier, KeepsControl):
+                tier.write_control(changes)
+        for entry, tier in zip(result["tiers"], store.tiers, strict=True):
+            if isinstance(tier, ExpiresRecords):
+                entry["persisted"] = tier.hold_tagged(tags, True)
+    return result
+
+
+def unpin(store_config: dict[str, Any] | None, tags: Sequence[str]) -> dict[str, Any]:
+    """Remove the pins of ``tags``; Redis records get their TTL back. Returns per-tier counts."""
+    from vllm_tiercache.shared.store import build_store
+
+    tags = validate_tags(tags)
+    if not tags:
+        raise UsageError("give at least one --tag to unpin")
+    result: dict[str, Any] = {"tags": tags, "tiers": []}
+    with build_store(StoreConfig.load(store_config)) as store:
+        known = read_pins(store.tiers).pins
+        result["unknown"] = [tag for tag in tags if tag not in known]
+        for tier in store.tiers:
+            entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
+            if isinstance(tier, KeepsControl):
+                tier.write_control(pin_changes(tags, None, pin=False))
+            if isinstance(tier, ExpiresRecords):
+                entry["expiring"] = tier.hold_tagged(tags, False)
+            result["tiers"].append(entry)
+    return result
+
+
+def read_pins(tiers: Sequence[Any]) -> Control:
+    """The control entries of every tier keeping them, merged."""
+    control = Control()
+    for tier in tiers:
+        if isinstance(tier, KeepsControl):
+            parse_control(tier.read_control(), control)
+    return control
+
+
+def _check_budget(tier: Any, share: float, pinned: set[str], path: str) -> dict[str, Any]:
+    """The tier's pinned bytes against its budget; `UsageError` naming both when they do not fit."""
+    entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
+    try:
+        pinned_bytes = sum(r.nbytes or 0 for r in tier.iter_stored() if not pinned.isdisjoint(r.tags))
+    except TierAdminUnsupported:
+        entry["note"] = "per process: each serving process protects what fits its pin budget"
+        return entry
+    capacity = tier.usage().get("capacity")
+    entry["pinned_bytes"] = pinned_bytes
+    if not isinstance(capacity, int):
+        entry["note"] = "no capacity known: the budget is not counted here"
+        return entry
+    budget = int(share * capacity)
+    entry["budget"] = budget
+    if pinned_bytes > budget:
+        raise UsageError(
+            f"pin refused: tier {tier.name} would hold {pinned_bytes:,} bytes ({format_bytes(pinned_bytes)}) of "
+            f"pinned records (tags {', '.join(sorted(pinned))}), above its pin budget of {budget:,} bytes "
+            f"({path}.pin_budget {share:g} of its capacity {format_bytes(capacity)}); raise {path}.pin_budget "
+            "or unpin other tags")
+    return entry
+
+
+def _ttl(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= MAX_PIN_TTL_S:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number of seconds above 0 and at "
+                                         f"most {MAX_PIN_TTL_S:g} (a year); leave --ttl out for a pin without end")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Keep the records of a tag through eviction, up to each tier's pin_budget."
+    parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
+    add_tag_argument(parser, "the tag to pin (repeatable), e.g. corpus:v3", required=True)
+    parser.add_argument("--ttl", type=_ttl, default=None, metavar="SECONDS", help="the pin ends after SECONDS")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = pin(load_store_arg(args.config), args.tags, args.ttl)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for t in result["tiers"]:
+        detail = t.get("note") or f"{t['pinned_bytes']:,} of {t['budget']:,} pinned bytes"
+        print(f"tier {t['name']} ({t['kind']}): {detail}")
+    print(f"pinned {', '.join(result['tags'])}" + (f" for {args.ttl:g} s" if args.ttl else ""))
+    return 0
