@@ -1,0 +1,181 @@
+"""Pins: `tiercache pin --tag` keeps a corpus through eviction on every tier, within each tier's pin_budget,
+on real files and a real redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.control import Control
+from vllm_tiercache.tools.cli import main as cli_main
+from vllm_tiercache.tools.pin_cmd import pin, read_pins, unpin
+
+#: one record: 4 KiB of payload (plus its header on disk)
+PAYLOAD = 1024
+
+
+def _keys(prefix: str, n: int) -> list[StoreKey]:
+    return [StoreKey(f"a|kv|m1|f|tp1r0|{prefix}{i}|L0") for i in range(n)]
+
+
+CORPUS = _keys("corpus", 8)
+
+
+def _corpus_items() -> list:
+    return [(k, torch.full((PAYLOAD,), 1.0), {"tags": ["corpus:v3"]}) for k in CORPUS]
+
+
+def _disk(tmp_path: Path, capacity: str = "80KiB", budget: float = 0.5) -> dict:
+    return {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": capacity, "pin_budget": budget}
+
+
+def _wait_for_polls(store, n: int = 2) -> None:
+    """Until ``n`` polls began after this call (the pins read after what the caller wrote)."""
+    start = store.control.polls
+    deadline = time.monotonic() + 60.0
+    while store.control.polls < start + n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.control.polls >= start + n
+
+
+@pytest.mark.parametrize(("budget", "message"), [
+    (0.0, r"pin refused: pins are off on tier disk \(tiers\[0\]\.pin_budget is 0\); set tiers\[0\]\.pin_budget"),
+    (0.1, r"pin refused: tier disk would hold \d{2},\d{3} bytes .* of pinned records \(tags corpus:v3\), above its "
+          r"pin budget of 8,192 bytes \(tiers\[0\]\.pin_budget 0\.1 of its capacity 80\.0 KiB\)"),
+])
+def test_a_pin_beyond_the_budget_is_refused_naming_it(tmp_path: Path, budget: float, message: str) -> None:
+    config = {"tiers": [_disk(tmp_path, budget=budget)]}
+    with build_store(config) as store:
+        store.put_many(_corpus_items())
+    with pytest.raises(ValueError, match=message):
+        pin(config, ["corpus:v3"])
+    with build_store(config) as store:
+        assert read_pins(store.tiers).pins == {}  # nothing written
+
+
+def test_eviction_never_drops_pinned_records_on_disk_and_in_memory(tmp_path: Path) -> None:
+    config = {"control_poll_s": 0.02, "tiers": [{"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
+                                                _disk(tmp_path)]}
+    with build_store(config) as store:
+        store.put_many(_corpus_items())
+        assert store.flush(30.0)
+        result = pin(config, ["corpus:v3"])
+        assert result["tiers"][1]["pinned_bytes"] > 8 * PAYLOAD * 4 and result["tiers"][0]["note"]
+        _wait_for_polls(store)
+        one_offs = _keys("oneoff", 200)  # 10x the disk tier, 25x the memory tier
+        for lo in range(0, len(one_offs), 10):
+            store.put_many([(k, torch.zeros(PAYLOAD), None) for k in one_offs[lo:lo + 10]])
+            assert store.flush(30.0)
+        memory, disk = store.tiers
+        assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
+        assert disk.contains_many(CORPUS) == [True] * len(CORPUS)
+        assert sum(disk.contains_many(one_offs)) < 20 and sum(memory.contains_many(one_offs)) < 10
+        assert memory.counters.get("evictions") > 100 and disk.counters.get("evictions") > 100
+    unpin(config, ["corpus:v3"])
+    with build_store(config) as store:  # unpinned: the corpus is evicted like any record
+        store.put_many([(k, torch.zeros(PAYLOAD), None) for k in _keys("more", 40)])
+        assert store.flush(30.0)
+        assert store.tiers[1].contains_many(CORPUS) == [False] * len(CORPUS)
+
+
+def test_pins_survive_a_restart_and_reach_a_new_stores_memory_tier(tmp_path: Path, redis_url: str) -> None:
+    config = {"control_poll_s": 0.02, "tiers": [{"kind": "memory", "capacity": "1MiB", "pin_budget": 0.5},
+                                                _disk(tmp_path), {"kind": "redis", "url": redis_url,
+                                                                  "pin_budget": 0.5}]}
+    pin(config, ["corpus:v3"], ttl_s=3600.0)
+    with build_store(config) as store:
+        _wait_for_polls(store, 1)
+        assert store.tiers[0]._pins == frozenset({"corpus:v3"})
+        for tier in store.tiers[1:]:
+            pins = read_pins([tier]).pins
+            assert list(pins) == ["corpus:v3"] and pins["corpus:v3"] > time.time() + 3000
+
+
+def test_redis_pinned_records_have_no_ttl_until_unpinned(tmp_path: Path, redis_url: str) -> None:
+    config = {"control_poll_s": 0.02, "tiers": [{"kind": "redis", "url": redis_url, "ttl_s": 600,
+                                                 "pin_budget": 0.5, "part_size": "1KiB"}]}
+    with build_store(config) as store:
+        store.put_many(_corpus_items())
+        plain = _keys("plain", 2)
+        store.put_many([(k, torch.zeros(16), None) for k in plain])
+        assert store.flush(30.0)
+        tier = store.tiers[0]
+        client = tier._calls.client_or_raise()
+        names = tier._names
+
+        def ttls(keys: list[StoreKey]) -> set[int]:
+            pieces = [n for k in keys for n in (names.head(k), names.text(k), names.part(k, 0))]
+            pieces += [n for k in keys if k not in plain for n in (names.tags(k), names.part(k, 3))]  # 4 KiB: 4 parts
+            return {client.ttl(n) for n in pieces}
+
+        assert all(0 < t <= 600 for t in ttls(CORPUS))
+        assert pin(config, ["corpus:v3"])["tiers"][0]["persisted"] == len(CORPUS)
+        assert ttls(CORPUS) == {-1}
+        assert all(t > 0 for t in ttls(plain))
+        _wait_for_polls(store)  # a record of the pinned tag written now gets no TTL either
+        late = _keys("late", 1)
+        store.put_many([(late[0], torch.full((PAYLOAD,), 2.0), {"tags": ["corpus:v3"]})])
+        assert store.flush(30.0)
+        assert ttls(late) == {-1}
+        assert unpin(config, ["corpus:v3"])["tiers"][0]["expiring"] == len(CORPUS) + 1
+        assert all(0 < t <= 600 for t in ttls([*CORPUS, *late]))
+
+
+@pytest.mark.serial
+def test_a_pin_with_a_ttl_ends_and_redis_records_get_their_ttl_back(tmp_path: Path, redis_url: str) -> None:
+    config = {"control_poll_s": 0.02, "tiers": [{"kind": "redis", "url": redis_url, "ttl_s": 600,
+                                                 "pin_budget": 0.5}]}
+    with build_store(config) as store:
+        store.put_many(_corpus_items())
+        assert store.flush(30.0)
+        tier = store.tiers[0]
+        client = tier._calls.client_or_raise()
+        pin(config, ["corpus:v3"], ttl_s=0.5)
+        assert client.ttl(tier._names.head(CORPUS[0])) == -1
+        until = read_pins([tier]).pins["corpus:v3"]
+        while time.time() <= until:
+            time.sleep(0.05)
+        _wait_for_polls(store)  # a poll after the pin's end claims it and gives the TTL back
+        assert read_pins([tier]).pins == {}
+        assert all(0 < client.ttl(tier._names.head(k)) <= 600 for k in CORPUS)
+        assert store.control.poll().pinned_now() == frozenset()
+
+
+def test_control_pins_end_when_their_time_is_past() -> None:
+    control = Control(pins={"a": None, "b": 100.0, "c": 300.0})
+    assert control.pinned_now(now=200.0) == frozenset({"a", "c"})
+    assert control.expired_pins(now=200.0) == ["b"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["pin", "--tag", "x", "--ttl", "0"], "invalid value '0'; allowed: a number of seconds above 0"),
+    (["pin", "--tag", "x", "--ttl", "soon"], "invalid value 'soon'"),
+    (["pin", "--tag", "x", "--ttl", "1e9"], "at most 3.16224e+07"),
+    (["pin", "--tag", "a\nb"], "invalid tag 'a\\nb'"),
+    (["pin"], "the following arguments are required: --tag"),
+    (["unpin", "--tag", ""], "invalid tag ''"),
+])
+def test_pin_and_unpin_refuse_bad_arguments_in_one_line(tmp_path: Path, argv: list[str], message: str,
+                                                         capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*argv, "--config", json.dumps({"tiers": [_disk(tmp_path)]})])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pin_cli_refuses_with_the_budget_key_and_pins_when_set(tmp_path: Path, capsys) -> None:
+    off = json.dumps({"tiers": [{"kind": "memory", "capacity": "1MiB"}, _disk(tmp_path)]})
+    assert cli_main(["pin", "--config", off, "--tag", "corpus:v3"]) == 2
+    assert "tiers[0].pin_budget is 0" in capsys.readouterr().err
+    on = json.dumps({"tiers": [{"kind": "memory", "capacity": "1MiB", "pin_budget": 0.2}, _disk(tmp_path)]})
+    assert cli_main(["pin", "--config", on, "--tag", "corpus:v3", "--ttl", "60"]) == 0
+    assert "pinned corpus:v3 for 60 s" in capsys.readouterr().out
+    assert cli_main(["unpin", "--config", on, "--tag", "corpus:v3", "--tag", "other"]) == 0
+    assert "unpinned corpus:v3, other (not pinned before: other)" in capsys.readouterr().out
