@@ -1,6 +1,7 @@
 """`tiercache precompute docs|images` end to end: real jobs, then real consumer engines in fresh processes.
 
-Per model: a baseline engine without connectors, the job (through the CLI, in its own process), a
+Per model: a baseline engine without connectors, the job (through the CLI, in its own process; documents
+tagged and their corpus pinned, then one document evicted by its tag), a
 consumer engine that must hit everything the job stored with identical greedy tokens, and a rerun of
 the job that must skip everything (no engine starts then). This module is also the engine script the
 tests spawn (`python tests/tools/test_precompute.py SPEC_JSON`), so every engine starts in a fresh process.
@@ -97,14 +98,16 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
     from vllm_tiercache.shared.stats_dump import read_stats
+    from vllm_tiercache.tools.evict_cmd import evict
     from vllm_tiercache.tools.precompute.kv import rag_prompt
+    from vllm_tiercache.tools.stats_cmd import collect
 
     docs = _make_docs(tmp_path / "docs")
     template_path = tmp_path / "template.txt"
     template_path.write_text("You answer from the context below.\n\nContext:\n{document}\n")
     template = template_path.read_text()
     store = {"namespace": "rag", "chunk_size": 64,
-             "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}]}
+             "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB", "pin_budget": 0.5}]}
     model = str(tiny_llama)
     prompts = [{"prompt": rag_prompt(d.read_text(), f"question {i}?", template)} for i, d in enumerate(docs)]
 
@@ -115,22 +118,37 @@ def test_precompute_docs_then_consumer_hits_every_prefix(tiny_llama: Path, tmp_p
     assert base["num_cached_tokens"] == [0] * len(docs)
 
     job_args = ["docs", "--model", model, "--docs", str(tmp_path / "docs"), "--template", str(template_path),
-                "--config", json.dumps(store), "--engine-args", json.dumps(LLAMA_ENGINE)]
+                "--config", json.dumps(store), "--engine-args", json.dumps(LLAMA_ENGINE), "--tag", "corpus:v3",
+                "--pin"]
     code, summary, err = _run_job(*job_args)
     assert code == 0, err[-4000:]
     assert (summary["total"], summary["stored"], summary["skipped"], summary["failed"]) == (4, 4, 0, [])
     assert summary["bytes_stored"] > 0 and summary["per_second"] > 0
+    assert "pinned corpus:v3" in json.dumps(summary)
+
+    # Every record carries its document's tag and the corpus's; then one document changes: evict its tag.
+    (disk,) = collect(store, None, by_tag=True)["tiers"]
+    per_tag = {t["tag"]: t["entries"] for t in disk["tags"]}
+    assert per_tag["corpus:v3"] == disk["entries"] == sum(per_tag[f"doc:{d.stem}"] for d in docs)
+    removed = evict(store, tags=["doc:doc2"])
+    assert removed["records"] == per_tag["doc:doc2"] > 0
+    assert [t["entries"] for t in collect(store, None, by_tag=True)["tiers"][0]["tags"]
+            if t["tag"] == "corpus:v3"] == [disk["entries"] - removed["records"]]
 
     stats_dir = tmp_path / "consumer-stats"
     kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": store}
     cons = _run_engine(tmp_path, "consumer", env_extra={"TIERCACHE_STATS_DIR": str(stats_dir)}, model=model,
                        engine=LLAMA_ENGINE, prompts=prompts, kv=kv)
-    assert cons["tokens"] == base["tokens"]
+    assert cons["tokens"] == base["tokens"]  # the changed document's request too: a miss, computed afresh
+    expected[2] = 0
     assert cons["num_cached_tokens"] == expected
     (worker,) = read_stats(str(stats_dir), "kv-worker")
     assert worker["counters"]["loaded_blocks"] == sum(expected) // BLOCK
     assert worker["counters"]["load_errors"] == 0
 
+    code, rerun, err = _run_job(*job_args)  # stores the evicted document again, and only it
+    assert code == 0, err[-4000:]
+    assert (rerun["stored"], rerun["skipped"], rerun["failed"]) == (1, 3, [])
     code, rerun, err = _run_job(*job_args)
     assert code == 0, err[-4000:]
     assert (rerun["stored"], rerun["skipped"], rerun["failed"]) == (0, 4, [])
