@@ -235,6 +235,7 @@ def test_precompute_images_then_consumer_hits_every_image(tiny_blip2: Path, tmp_
     import vllm  # noqa: F401  (fail, not skip, without vLLM)
 
     from vllm_tiercache.tools.precompute.kv import rag_prompt
+    from vllm_tiercache.tools.stats_cmd import collect
 
     images = _make_images(tmp_path / "images")
     store = {"namespace": "img", "tiers": [{"kind": "memory", "capacity": "64MiB"},
@@ -246,13 +247,17 @@ def test_precompute_images_then_consumer_hits_every_image(tiny_blip2: Path, tmp_
     assert len({tuple(t) for t in base["tokens"]}) > 1, "images must change tokens"
 
     job_args = ["images", "--model", model, "--images", str(tmp_path / "images"), "--config", json.dumps(store),
-                "--engine-args", json.dumps(BLIP_ENGINE)]
+                "--engine-args", json.dumps(BLIP_ENGINE), "--tag", "corpus:img"]
     code, summary, err = _run_job(*job_args)
     assert code == 1, "a failed (corrupt) image must make the exit status non-zero"
     assert (summary["total"], summary["stored"], summary["skipped"]) == (5, 4, 0)
     assert [f["name"] for f in summary["failed"]] == ["corrupt.png"]
     assert "not a readable image" in summary["failed"][0]["reason"]
     assert summary["bytes_stored"] > 0
+    # each encoder record carries its image's tag and the job's
+    disk = collect(store, None, by_tag=True)["tiers"][1]
+    assert {t["tag"]: t["entries"] for t in disk["tags"]} == {
+        "corpus:img": 4, **{f"image:{p.stem}": 1 for p in images if p.name != "corrupt.png"}}
 
     cons = _run_engine(tmp_path, "consumer", model=model, engine=BLIP_ENGINE, prompts=prompts, ec=store)
     assert cons["tokens"] == base["tokens"]
