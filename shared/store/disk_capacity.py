@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import lmdb
 
-from vllm_tiercache.shared.store.control import parse_control
+from vllm_tiercache.shared.store.control import Control, parse_control
 from vllm_tiercache.shared.store.disk_index import DiskIndex
 from vllm_tiercache.shared.store.disk_paths import RecordPaths
 
@@ -24,27 +25,34 @@ def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, 
 
     ``txn`` must be a write transaction of ``index`` (its entries go with the files). Records of the tags
     pinned now (the index's control entries, read in this very transaction, so every process sharing the
-    directory agrees), up to ``pin_budget`` bytes, are skipped while unpinned records remain.
+    directory agrees), up to ``pin_budget`` bytes, are skipped while unpinned records remain; a skipped
+    record is moved to the recent end of the LRU order, so that the next eviction does not walk past
+    the pinned corpus again (a pinned record is in use by definition).
     """
     total = index.total(txn)
     if total <= capacity:
         return 0
-    protected = pinned_digests(index, txn, pin_budget)
+    pinned = pinned_tags(index, txn) if pin_budget > 0 else frozenset()
     victims: list[bytes] = []
-    chosen: set[bytes] = set()
-    for protect in (True, False):  # unpinned records first; pinned ones only if nothing else is left
-        for digest in index.oldest(txn):
-            if total <= capacity:
-                break
-            if (digest in protected) == protect or digest in chosen:
-                continue
-            entry = index.get(txn, digest)
-            victims.append(digest)
-            chosen.add(digest)
-            if entry is not None:
-                total -= entry.size
-        if total <= capacity or not protected:
+    skipped: list[tuple[bytes, int]] = []
+    protected = 0
+    for digest in index.oldest(txn):
+        if total <= capacity:
             break
+        entry = index.get(txn, digest)
+        size = entry.size if entry is not None else 0
+        if pinned and protected + size <= pin_budget and not pinned.isdisjoint(index.get_tags(txn, digest)):
+            protected += size
+            skipped.append((digest, size))
+            continue
+        victims.append(digest)
+        total -= size
+    for digest, size in skipped:
+        if total > capacity:  # nothing unpinned was left: pinned records go too, oldest first
+            victims.append(digest)
+            total -= size
+        else:
+            index.touch(txn, digest, time.time_ns())
     for digest in victims:
         index.delete(txn, digest)
         with contextlib.suppress(FileNotFoundError):
@@ -52,20 +60,17 @@ def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, 
     return len(victims)
 
 
-def pinned_digests(index: DiskIndex, txn: lmdb.Transaction, budget: int) -> set[bytes]:
-    """The records eviction must skip: those of a tag pinned now, oldest tag first, up to ``budget`` bytes."""
-    if budget <= 0:
-        return set()
-    pinned = parse_control(index.control_entries(txn)).pinned_now()
-    if not pinned:
-        return set()
-    protected: set[bytes] = set()
-    for digest, tags in index.scan_tags(txn):
-        if pinned.isdisjoint(tags):
-            continue
-        entry = index.get(txn, digest)
-        if entry is None or entry.size > budget:
-            continue  # an orphan, or beyond the budget: evictable
-        protected.add(digest)
-        budget -= entry.size
-    return protected
+#: the last control entries read and the tags they pin (most evictions find them unchanged)
+_PINS_SEEN: tuple[tuple[tuple[str, bytes], ...], Control] | None = None
+
+
+def pinned_tags(index: DiskIndex, txn: lmdb.Transaction) -> frozenset[str]:
+    """The tags pinned now, from the index's control entries (parsed again only when they changed)."""
+    global _PINS_SEEN
+    entries = tuple(sorted(index.control_entries(txn).items()))
+    if not entries:
+        return frozenset()
+    seen = _PINS_SEEN
+    if seen is None or seen[0] != entries:
+        seen = _PINS_SEEN = (entries, parse_control(dict(entries)))
+    return seen[1].pinned_now()

@@ -60,6 +60,7 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
         self._tagged: dict[str, set[bytes]] = {}
         self._written: dict[bytes, float] = {}
         self._pins: frozenset[str] = frozenset()
+        self._protected_cache: set[bytes] | None = None
         self._pin_budget = int(config.pin_budget * config.capacity)
         self.policy = make_policy(config.policy, self.capacity, "memory.policy")
         self._bytes = 0
@@ -131,6 +132,8 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
     def _tag(self, digest: bytes, record: Record) -> None:
         tags = tags_of(record.meta)
         if tags:
+            if not self._pins.isdisjoint(tags):
+                self._protected_cache = None
             self._written[digest] = time.time()
             for tag in tags:
                 self._tagged.setdefault(tag, set()).add(digest)
@@ -138,7 +141,10 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
     def _untag(self, digest: bytes, record: Record) -> None:
         if self._written.pop(digest, None) is None:
             return
-        for tag in tags_of(record.meta):
+        tags = tags_of(record.meta)
+        if not self._pins.isdisjoint(tags):
+            self._protected_cache = None
+        for tag in tags:
             holders = self._tagged.get(tag)
             if holders is not None:
                 holders.discard(digest)
@@ -146,7 +152,10 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
                     del self._tagged[tag]
 
     def _protected(self) -> set[bytes]:
-        """The records of pinned tags eviction must skip: up to ``pin_budget`` of the capacity."""
+        """The records of pinned tags eviction must skip: up to ``pin_budget`` of the capacity. Kept until
+        a tagged record comes or goes or the pins change (puts of untagged records reuse it)."""
+        if self._protected_cache is not None:
+            return self._protected_cache
         protected: set[bytes] = set()
         room = self._pin_budget
         for tag in sorted(self._pins):
@@ -156,26 +165,38 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
                     continue
                 protected.add(digest)
                 room -= entry[1]
+        self._protected_cache = protected
         return protected
 
     def _victims(self, need: int) -> list[bytes]:
         """The policy's victims for ``need`` bytes: unpinned records first; pinned ones only when no
-        unpinned record is left to free the rest."""
-        if need <= 0 and not self._pins:
-            return self.policy.evict(need)
-        protected = self._protected() if self._pins else set()
+        unpinned record is left to free the rest. Pinned records the policy walked past are moved to its
+        recent end, so the next eviction does not walk past the pinned corpus again."""
+        protected = self._protected() if self._pins and self._pin_budget > 0 else set()
         if not protected:
             return self.policy.evict(need)
-        victims = self.policy.evict(need, can_evict=lambda d: d not in protected)
+        passed: list[bytes] = []
+
+        def evictable(digest: bytes) -> bool:
+            if digest in protected:
+                passed.append(digest)
+                return False
+            return True
+
+        victims = self.policy.evict(need, can_evict=evictable)
         freed = sum(self._items[d][1] for d in victims if d in self._items)
         if freed < need:
             victims += self.policy.evict(need - freed)
+        for digest in passed:
+            if digest not in victims:
+                self.policy.access(digest)
         return victims
 
     def set_pinned_tags(self, tags: frozenset[str]) -> None:
         """The tags pinned now (the store's control poller): eviction skips their records, within budget."""
         with self._lock:
-            self._pins = frozenset(tags)
+            if tags != self._pins:
+                self._pins, self._protected_cache = frozenset(tags), None
 
     def drop_tagged(self, invalidations: dict[str, float]) -> int:
         """Drop the records carrying a tag of ``invalidations`` (tag -> unix time) written before that
