@@ -137,7 +137,7 @@ def format_text(result: dict[str, Any]) -> str:
         if "tags" in tier:
             lines.append(f"  by tag ({len(tier['tags'])} tags):")
             for t in tier["tags"]:
-                lines.append(f"    tag {t['tag'][:69]:<69} {t['entries']:>8} entries {_fmt_bytes(t['bytes']):>11}")
+                lines.append(f"    tag {t['tag'][:48]:<48} {t['entries']:>8} entries {_fmt_bytes(t['bytes']):>11}")
     if "processes" in result:
         lines.append(f"\nhit counters from {result['stats_dir']} ({len(result['processes'])} files, one per process):")
         for proc in result["processes"]:
