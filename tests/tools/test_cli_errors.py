@@ -106,6 +106,19 @@ def test_numeric_options_are_bounded(args: list[str]) -> None:
     assert_one_line_error(tiercache_here(*args), "invalid value", "allowed:")
 
 
+@pytest.mark.parametrize(("job", "corpus", "extra", "pieces"), [
+    ("docs", "a.txt", ["--pin"], ["--pin pins the tags given with --tag; add one, e.g. --tag corpus:v3"]),
+    ("images", "a.png", ["--pin"], ["--pin pins the tags given with --tag"]),
+    ("docs", "a.txt", ["--tag", "bad\ttag"], ["invalid tag 'bad\\ttag'", "allowed: a non-empty string"]),
+    ("images", "a.png", ["--tag", ""], ["invalid tag ''"]),
+], ids=["docs-pin-without-tag", "images-pin-without-tag", "docs-bad-tag", "images-empty-tag"])
+def test_precompute_tags_and_pin_are_checked_before_any_engine(tmp_path: Path, job: str, corpus: str,
+                                                               extra: list[str], pieces: list[str]) -> None:
+    (tmp_path / corpus).write_text("x")
+    proc = tiercache_here("precompute", job, "--model", "m", f"--{job}", str(tmp_path), "--config", "{}", *extra)
+    assert_one_line_error(proc, *pieces)
+
+
 def test_unknown_and_incomplete_commands() -> None:
     assert_one_line_error(tiercache(), "the following arguments are required", "see tiercache --help")
     assert_one_line_error(tiercache("bench", "nope"), "invalid choice: 'nope'", "see tiercache bench --help")
