@@ -60,9 +60,10 @@ def test_a_pin_beyond_the_budget_is_refused_naming_it(tmp_path: Path, budget: fl
         assert read_pins(store.tiers).pins == {}  # nothing written
 
 
-def test_eviction_never_drops_pinned_records_on_disk_and_in_memory(tmp_path: Path) -> None:
-    config = {"control_poll_s": 0.02, "tiers": [{"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
-                                                _disk(tmp_path)]}
+@pytest.mark.parametrize("policy", ["lru", "wtinylfu"])
+def test_eviction_never_drops_pinned_records_on_disk_and_in_memory(tmp_path: Path, policy: str) -> None:
+    config = {"control_poll_s": 0.02, "tiers": [{"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6,
+                                                 "policy": policy}, _disk(tmp_path)]}
     with build_store(config) as store:
         store.put_many(_corpus_items())
         assert store.flush(30.0)
@@ -77,7 +78,9 @@ def test_eviction_never_drops_pinned_records_on_disk_and_in_memory(tmp_path: Pat
         assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
         assert disk.contains_many(CORPUS) == [True] * len(CORPUS)
         assert sum(disk.contains_many(one_offs)) < 20 and sum(memory.contains_many(one_offs)) < 10
-        assert memory.counters.get("evictions") > 100 and disk.counters.get("evictions") > 100
+        # the pressure was real: one-offs evicted (lru) or refused by admission (wtinylfu)
+        assert memory.counters.get("evictions") + memory.counters.get("refused") > 100
+        assert disk.counters.get("evictions") > 100
     unpin(config, ["corpus:v3"])
     with build_store(config) as store:  # unpinned: the corpus is evicted like any record
         store.put_many([(k, torch.zeros(PAYLOAD), None) for k in _keys("more", 40)])
