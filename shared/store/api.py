@@ -230,7 +230,8 @@ class RemoteTier:
     no members: what it changes is how the store calls the tier.
 
     `TieredStore` runs the schedulers' lookups (``contains_many(..., bounded=True)``) of such a tier on a
-    thread of its own (`vllm_tiercache.shared.store.tiered.BoundedLookup`) and waits at most ``lookup_budget_ms``.
+    thread of its own (`vllm_tiercache.shared.store.bounded_lookup.BoundedLookup`) and waits at most
+    ``lookup_budget_ms``.
     """
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field
 
+from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH, AdmissionConfig, check_admission
 from vllm_tiercache.shared.store.tier_config import (
     Bool,
     Capacity,
@@ -67,6 +68,9 @@ class DiskTierConfig:
                      ] = True
     policy: Annotated[Literal["lru"], Field(
         description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
+    admission: Annotated[AdmissionConfig, Field(description=(
+        "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
+        "\"min_seen\": 2}; see the admission table below."))] = WRITE_THROUGH
     kind: Annotated[Literal["disk"], Field(description="The tier kind.")] = "disk"
 
     @classmethod
@@ -74,6 +78,7 @@ class DiskTierConfig:
         """Validate one ``tiers[i]`` item (a capacity above the filesystem's size or free space is a
         warning)."""
         check_keys(raw, path, cls.kind, section_keys(cls))
+        check_admission(raw, path)
         config = validate(cls, raw, path, defaults={"path": str(default_cache_dir() / cls.kind)})
         warn_if_above_filesystem(config.path, config.capacity, field_path(cls, raw, path, "capacity"))
         return config
