@@ -50,6 +50,7 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import records
+from vllm_tiercache.shared.store.admission import AdmissionGate
 from vllm_tiercache.shared.store.api import (
     InProcessTier,
     PayloadAllocator,
@@ -154,8 +155,10 @@ class TieredStore:
 
     def __init__(self, config: StoreConfig, tiers: Sequence[Tier] | None = None) -> None:
         self.config = config
+        config_tiers = None
         if tiers is None:
-            tiers = [make_tier(tc, name) for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
+            tiers = config_tiers = [make_tier(tc, name)
+                                    for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
         self.tiers: list[Tier] = list(tiers)
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -179,6 +182,12 @@ class TieredStore:
         self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
         self._bounded: dict[int, BoundedLookup] = {
             i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
+        #: each slower tier's admission (`vllm_tiercache.shared.store.admission`); tiers built by the caller
+        #: have no config here: they admit everything
+        rules = [getattr(tc, "admission", None) for tc in config.tiers[1:]] if tiers is config_tiers else []
+        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1))
+        if self._admission.active and isinstance(self.tiers[0], ReportsEvictions):
+            self.tiers[0].add_eviction_listener(self._admission.forget)
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
@@ -242,6 +251,7 @@ class TieredStore:
         out: list[Record | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         found_in: list[tuple[int, list[Item]]] = []
+        first_hits: list[int] = []
         for ti, tier in enumerate(self.tiers):
             if not missing:
                 break
@@ -268,7 +278,9 @@ class TieredStore:
                     continue
                 out[i] = rec
                 nbytes += rec.nbytes
-                if ti > 0:
+                if ti == 0:
+                    first_hits.append(i)
+                else:
                     promoted.append((keys[i], _promotable(rec), rec.meta))
             tier.counters.add(hits=len(missing) - len(still), misses=len(still), bytes_read=nbytes,
                               read_seconds=elapsed)
@@ -277,6 +289,8 @@ class TieredStore:
             missing = still
         for ti, items in found_in:
             self._promote(ti, items)
+        if self._admission.active:
+            self._admit_hits(keys, out, first_hits)
         return out
 
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
@@ -294,6 +308,21 @@ class TieredStore:
             except Exception as exc:  # a hint: never let it fail a load
                 self._tier_error(tier, "prefetch_many", exc)
 
+    def _admit_hits(self, keys: Sequence[StoreKey], out: list[Record | None], first_hits: list[int]) -> None:
+        """Count the read's hits for admission; write down the fastest tier's records that they admit."""
+        hit = [i for i, rec in enumerate(out) if rec is not None]
+        served_first = set(first_hits)
+        fastest = {j: (keys[i], rec.tensor, rec.meta) for j, i in enumerate(hit)
+                   if i in served_first and (rec := out[i]) is not None}
+        self._write_down(self._admission.on_hits([keys[i] for i in hit], fastest))
+
+    def _write_down(self, groups: list[tuple[list[Tier], list[Item]]], urgent: bool = False) -> None:
+        """Queue each (slower tiers, items) group, readable from the write-behind buffer until written."""
+        for tiers, items in groups:
+            self._write_behind.hold(items)
+            if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(items)
+
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
         self._put_sync(self.tiers[0], items)
@@ -302,12 +331,15 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------------------- writes
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
-            owned: bool = False) -> None:
-        self.put_many([(key, tensor, meta)], owned=owned)
+            owned: bool = False, always_admit: bool = False) -> None:
+        self.put_many([(key, tensor, meta)], owned=owned, always_admit=always_admit)
 
-    def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False) -> None:
+    def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False,
+                 always_admit: bool = False) -> None:
         """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full;
         ``urgent`` ones, which another engine waits for, go ahead of the queue and are never dropped).
+        Each slower tier takes what its admission admits (`vllm_tiercache.shared.store.admission`);
+        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it.
 
         ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
         keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
@@ -324,10 +356,13 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        self._write_behind.hold(mine)  # before the fastest tier, which may evict one of them right away
+        groups = self._admission.on_put(mine, exempt=always_admit or urgent)
+        for _, admitted in groups:  # before the fastest tier, which may evict one of them right away
+            self._write_behind.hold(admitted)
         self._put_sync(self.tiers[0], mine)
-        if not self._writer.submit(self.tiers[1:], mine, on_done=self._write_behind.release, urgent=urgent):
-            self._write_behind.release(mine)
+        for tiers, admitted in groups:
+            if not self._writer.submit(tiers, admitted, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(admitted)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
