@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm_tiercache.shared.eviction.sketch import FrequencySketch
 from vllm_tiercache.shared.store.admission_config import AdmissionConfig
-from vllm_tiercache.shared.store.api import StoreKey, Tier
+from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
 
 #: Records refused somewhere and still in memory that are remembered, per window record: past this the
 #: oldest are forgotten (their next put, with a count past the threshold, is admitted anyway).
@@ -105,6 +105,16 @@ class AdmissionGate:
                     self._refused.pop(item[0].digest, None)
                 groups.setdefault(refused, []).append(item)
         return self._groups(groups)
+
+    def on_read(self, keys: Sequence[StoreKey], records: Sequence[Record | None], served_first: Sequence[int]
+                ) -> list[tuple[list[Tier], list[Any]]]:
+        """`on_hits` for a read's answer: ``records`` per key (None: a miss), ``served_first`` the indexes of
+        the records the fastest tier served."""
+        hit = [i for i, rec in enumerate(records) if rec is not None]
+        first = set(served_first)
+        fastest = {j: (keys[i], rec.tensor, rec.meta) for j, i in enumerate(hit)
+                   if i in first and (rec := records[i]) is not None}
+        return self.on_hits([keys[i] for i in hit], fastest)
 
     def on_hits(self, keys: Sequence[StoreKey], fastest: dict[int, Any]) -> list[tuple[list[Tier], list[Any]]]:
         """Count one access of each key a read returned; the write-downs that admits: (tiers, items) groups

@@ -53,8 +53,8 @@ class AdmissionConfig:
         Allowed(f"an int from 2 to {MAX_MIN_SEEN}")] = 2
     window_records: Annotated[int, Strict(), Field(ge=MIN_WINDOW, le=MAX_WINDOW, description=(
         "seen: accesses after which the counts are halved (the sketch's aging): a record asked again "
-        "within about this many record accesses is still counted; the sketch costs about 64 bytes per "
-        "record of the window.")),
+        "within about this many record accesses is still counted; the sketch costs 64 to 128 bytes "
+        "per record of the window.")),
         Allowed(f"an int from {MIN_WINDOW} to {MAX_WINDOW}")] = DEFAULT_WINDOW
 
     @property

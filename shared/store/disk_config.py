@@ -70,7 +70,7 @@ class DiskTierConfig:
         description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
     admission: Annotated[AdmissionConfig, Field(description=(
         "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
-        "\"min_seen\": 2}; see the admission table below."))] = WRITE_THROUGH
+        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
     kind: Annotated[Literal["disk"], Field(description="The tier kind.")] = "disk"
 
     @classmethod

@@ -97,7 +97,7 @@ class RedisTierConfig:
                     "too).")] = "lru"
     admission: Annotated[AdmissionConfig, Field(description=(
         "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
-        "\"min_seen\": 2}; see the admission table below."))] = WRITE_THROUGH
+        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
     kind: Annotated[Literal["redis"], Field(description="The tier kind.")] = "redis"
 
     @property

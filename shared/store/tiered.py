@@ -289,8 +289,8 @@ class TieredStore:
             missing = still
         for ti, items in found_in:
             self._promote(ti, items)
-        if self._admission.active:
-            self._admit_hits(keys, out, first_hits)
+        if self._admission.active:  # count the hits; write down what they admit
+            self._write_down(self._admission.on_read(keys, out, first_hits))
         return out
 
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
@@ -307,14 +307,6 @@ class TieredStore:
                 tier.prefetch_many(wanted)
             except Exception as exc:  # a hint: never let it fail a load
                 self._tier_error(tier, "prefetch_many", exc)
-
-    def _admit_hits(self, keys: Sequence[StoreKey], out: list[Record | None], first_hits: list[int]) -> None:
-        """Count the read's hits for admission; write down the fastest tier's records that they admit."""
-        hit = [i for i, rec in enumerate(out) if rec is not None]
-        served_first = set(first_hits)
-        fastest = {j: (keys[i], rec.tensor, rec.meta) for j, i in enumerate(hit)
-                   if i in served_first and (rec := out[i]) is not None}
-        self._write_down(self._admission.on_hits([keys[i] for i in hit], fastest))
 
     def _write_down(self, groups: list[tuple[list[Tier], list[Item]]], urgent: bool = False) -> None:
         """Queue each (slower tiers, items) group, readable from the write-behind buffer until written."""
