@@ -72,11 +72,7 @@ class AdmissionGate:
         """Count one access of each key; its frequency in each sketch (by sketch index), lock held."""
         out = []
         for sketch in self._sketches:
-            freqs = []
-            for key in keys:
-                sketch.increment(key.digest)
-                freqs.append(sketch.frequency(key.digest))
-            out.append(freqs)
+            out.append([sketch.add(key.digest) for key in keys])
         return out
 
     def _passes(self, freqs: list[list[int]], i: int, j: int) -> bool:
