@@ -84,6 +84,10 @@ class AdmissionGate:
         """The writes a put makes to the slower tiers: (tiers, items) groups; counts each tier's admitted
         and refused records. ``exempt``: every tier takes every item."""
         if exempt or not self.active:
+            if self.active:  # written everywhere now: nothing left to write down on its next use
+                with self._lock:
+                    for item in items:
+                        self._refused.pop(item[0].digest, None)
             for tier in self.slower:
                 tier.counters.add(writes_admitted=len(items))
             return [(self.slower, list(items))]
@@ -166,8 +170,3 @@ class AdmissionGate:
         if self.active:
             with self._lock:
                 self._refused.pop(digest, None)
-
-    def refused_in_memory(self) -> int:
-        """Records held in memory only, waiting for their next use (stats)."""
-        with self._lock:
-            return len(self._refused)

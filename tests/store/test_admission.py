@@ -139,3 +139,18 @@ def test_a_precompute_producer_writes_through(tmp_path):
     assert produced["chunk_size"] == 64
     assert StoreConfig.load(produced).tiers[1].admission.policy == "always"
     assert write_through({"chunk_size": 64}) == {"chunk_size": 64}  # nothing to change: as it was
+
+
+def test_an_exempt_put_of_a_record_held_in_memory_only_is_not_written_down_again(tmp_path):
+    with build_store(_config(tmp_path)) as store:
+        store.put(_k(1), _t(1))
+        store.put(_k(1), _t(1), always_admit=True)  # e.g. pinned afterwards
+        store.get(_k(1))
+        assert _held(store, _k(1)) == [True, True]
+        assert _counter(store, "disk", "puts") == 1
+
+
+def test_the_start_up_line_says_what_a_tier_admits(tmp_path):
+    from vllm_tiercache.shared.store import describe_tiers
+
+    assert describe_tiers(_config(tmp_path)).endswith("lru admits seen>=2")
