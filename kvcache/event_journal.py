@@ -111,6 +111,7 @@ class EventJournal:
     def _write(self) -> None:
         data = encode_segment(self._seq, self._entries)
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.store.put(self.key(self._seq % SLOTS), tensor, None, owned=True)
+        # a restarted engine reads it from a shared tier: never held back by the tiers' admission
+        self.store.put(self.key(self._seq % SLOTS), tensor, None, owned=True, always_admit=True)
         self._dirty = False
         self._next_write = self.clock() + self.interval_s

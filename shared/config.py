@@ -59,6 +59,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, WrapValidator
 
 from vllm_tiercache.shared.eviction import POLICIES
 from vllm_tiercache.shared.store import registry
+from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH
 from vllm_tiercache.shared.store.disk_config import DEFAULT_DISK_CAPACITY, DiskTierConfig, GdsTierConfig
 from vllm_tiercache.shared.store.memory_config import DEFAULT_MEMORY_CAPACITY, MemoryTierConfig
 from vllm_tiercache.shared.store.redis_config import DEFAULT_PART_SIZE, REDIS_SCHEMES, RedisTierConfig
@@ -96,6 +97,8 @@ MIN_CONTROL_POLL_S, MAX_CONTROL_POLL_S = 0.01, 3600.0
 
 #: the built-in tier kinds (`registry.tier_kinds()` also lists kinds registered at runtime)
 TIER_KINDS = registry.tier_kinds()
+#: A slower tier's default admission, as `StoreConfig.to_dict` writes it (and then leaves it out).
+_WRITE_THROUGH = asdict(WRITE_THROUGH)
 
 #: the built-in tier configs, told apart by ``kind``: the config class of each kind the package registers,
 #: read from the registry, so a built-in kind is one registry line here too (a kind registered at runtime
@@ -256,6 +259,8 @@ class StoreConfig:
             for name, value in t.items():
                 if isinstance(value, Mapping):  # redis: ssl
                     t[name] = dict(value)
+            if t.get("admission") == _WRITE_THROUGH:  # the default is left out: configs written before a tier
+                del t["admission"]                    # had admission keep their form, and their cache key
         d["extra"] = dict(self.extra)
         return d
 

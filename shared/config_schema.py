@@ -134,6 +134,8 @@ _TYPES = {"integer": "int", "number": "number", "string": "string", "boolean": "
 
 
 def _type(prop: Mapping[str, Any]) -> str:
+    if "$ref" in prop:  # a section of its own, with a table of its own
+        return "mapping"
     if prop.get("format") == "size":
         return "size"
     if "anyOf" in prop:
@@ -145,6 +147,8 @@ def _type(prop: Mapping[str, Any]) -> str:
 
 
 def _allowed(prop: Mapping[str, Any]) -> str:
+    if "$ref" in prop:
+        return f"the keys of `{prop['$ref'].rsplit('/', 1)[-1]}` (its table below)"
     if "const" in prop:
         return _value(prop["const"], prop)
     if "enum" in prop:

@@ -39,6 +39,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
                                         "throughput vs vLLM alone"),
     ("bench", "gpu"): ("bench.gpu", "CUDA movers, layerwise overlap and GDS reads vs the hardware (torch only)"),
+    ("bench", "admission"): ("bench.admission", "admission to the slower tiers: bytes written to disk and Redis and "
+                                                "repeated prompts' hits, on bench serve's trace with one-off prompts"),
     ("bench", "pd"): ("bench.pd", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
                                   "a raw redis-py read"),
     ("pd-proxy",): ("pd_proxy", "the prefill/decode proxy: prefill (kv_producer), then decode (kv_consumer) "

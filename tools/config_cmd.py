@@ -39,9 +39,11 @@ def docs_markdown() -> str:
     """The generated part of docs/configuration.md, markers included."""
     from vllm_tiercache.eccache.options import ManagerOptions
     from vllm_tiercache.shared.config_schema import docs_section
+    from vllm_tiercache.shared.store.admission_config import AdmissionConfig
 
     return docs_section(whole_schema(), sections(),
-                        more=[("`manager_config` of the encoder cache managers", ManagerOptions)])
+                        more=[("`admission` of a slower tier (disk, gds, redis)", AdmissionConfig),
+                              ("`manager_config` of the encoder cache managers", ManagerOptions)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.shared.config import ConfigError, StoreConfig, load_file
+from vllm_tiercache.shared.config import ConfigError, StoreConfig, load_file, read_sources
 from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
@@ -107,6 +107,23 @@ def checked_store_config(store_config: Mapping[str, Any] | None) -> StoreConfig:
             "Add e.g. {\"kind\": \"disk\", \"path\": \"/var/cache/tiercache\"} to the store config"
         )
     return config
+
+
+def write_through(store_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The store config a producer engine runs with: every tier's ``admission`` set to ``always``.
+
+    Why: a precompute job stores a corpus for later requests; a tier configured to admit only what is used
+    again (`vllm_tiercache.shared.store.admission`) would keep it in the producer's memory, which dies with
+    the job. The config's sources are read first (``config_file``, $TIERCACHE_CONFIG), so a tier declared
+    there is covered too; a config without any ``admission`` comes back as it was.
+    """
+    raw = read_sources(dict(store_config) if store_config else None)
+    tiers = raw.get("tiers")
+    if not isinstance(tiers, list) or not any(isinstance(t, Mapping) and "admission" in t for t in tiers):
+        return dict(store_config or {})
+    raw["tiers"] = [{**t, "admission": {"policy": "always"}} if isinstance(t, Mapping) and "admission" in t else t
+                    for t in tiers]
+    return raw
 
 
 def record_sizes(store: TieredStore, keys: Sequence[StoreKey]) -> list[int | None]:

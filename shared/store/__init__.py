@@ -125,5 +125,8 @@ def describe_tiers(config: StoreConfig) -> str:
         policy = getattr(tier_config, "policy", None)
         if isinstance(policy, str):
             words.append(policy)
+        admission = getattr(tier_config, "admission", None)
+        if admission is not None and not admission.always:  # write-through is the default: not worth a word
+            words.append(f"admits seen>={admission.min_seen}")
         parts.append(" ".join(words))
     return " > ".join(parts)

@@ -119,7 +119,8 @@ class Store(Protocol):
     worker process could load); ``bounded`` ones (by default the ``shared_only`` ones) wait at most the
     store's ``lookup_budget_ms`` for a remote tier, whose late answer is a miss; ``owned`` puts hand over
     tensors the caller will never mutate (no copy); ``urgent`` puts (a prefill/decode hand-off's records)
-    reach the slower tiers ahead of the writes already queued.
+    reach the slower tiers ahead of the writes already queued; ``always_admit`` puts (precomputed and
+    pinned records) and ``urgent`` ones bypass the slower tiers' admission (`vllm_tiercache.shared.store.admission`).
     """
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
@@ -137,9 +138,9 @@ class Store(Protocol):
         ...
 
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
-            owned: bool = False) -> None: ...
+            owned: bool = False, always_admit: bool = False) -> None: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
-                 owned: bool = False, urgent: bool = False) -> None: ...
+                 owned: bool = False, urgent: bool = False, always_admit: bool = False) -> None: ...
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
         """A hint that ``keys`` will be read soon, for the tiers declaring `Prefetches`."""
         ...
@@ -232,7 +233,8 @@ class RemoteTier:
     no members: what it changes is how the store calls the tier.
 
     `TieredStore` runs the schedulers' lookups (``contains_many(..., bounded=True)``) of such a tier on a
-    thread of its own (`vllm_tiercache.shared.store.tiered.BoundedLookup`) and waits at most ``lookup_budget_ms``.
+    thread of its own (`vllm_tiercache.shared.store.bounded_lookup.BoundedLookup`) and waits at most
+    ``lookup_budget_ms``.
     """
 
 

@@ -31,6 +31,7 @@ COUNTER_NAMES = (
     "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
     "dropped_writes",
     "refused", "errors", "read_seconds", "write_seconds", "lookups_past_budget", "lookups_skipped",
+    "writes_admitted", "writes_refused",
 )
 
 #: Counter -> help text of `vllm:tiercache_store_<name>_total{tier}` (`COUNTER_NAMES` plus the memory tier's
@@ -52,6 +53,10 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "write_seconds": "Seconds spent writing into this tier.",
     "lookups_past_budget": "Scheduler lookups this network tier did not answer within lookup_budget_ms (misses).",
     "lookups_skipped": "Scheduler lookups that skipped this network tier: its previous call was still outstanding.",
+    "writes_admitted": "Records the store's admission handed to this slower tier (puts, and write-downs of records "
+                       "kept in memory until they were used again).",
+    "writes_refused": "Records a put kept out of this slower tier by its admission (policy seen): in memory only "
+                      "until used again.",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field
 
+from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH, AdmissionConfig, check_admission
 from vllm_tiercache.shared.store.tier_config import (
     Bool,
     Capacity,
@@ -69,6 +70,9 @@ class DiskTierConfig:
     policy: Annotated[Literal["lru"], Field(
         description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
     pin_budget: PinBudget = 0.0
+    admission: Annotated[AdmissionConfig, Field(description=(
+        "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
+        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
     kind: Annotated[Literal["disk"], Field(description="The tier kind.")] = "disk"
 
     @classmethod
@@ -76,6 +80,7 @@ class DiskTierConfig:
         """Validate one ``tiers[i]`` item (a capacity above the filesystem's size or free space is a
         warning)."""
         check_keys(raw, path, cls.kind, section_keys(cls))
+        check_admission(raw, path)
         config = validate(cls, raw, path, defaults={"path": str(default_cache_dir() / cls.kind)})
         warn_if_above_filesystem(config.path, config.capacity, field_path(cls, raw, path, "capacity"))
         return config

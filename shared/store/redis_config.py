@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict
 
+from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH, AdmissionConfig, check_admission
 from vllm_tiercache.shared.store.tier_config import (
     Allowed,
     OptionalText,
@@ -96,6 +97,9 @@ class RedisTierConfig:
         description="Eviction policy: lru only (a shared tier; Redis evicts by its own maxmemory policy "
                     "too).")] = "lru"
     pin_budget: PinBudget = 0.0
+    admission: Annotated[AdmissionConfig, Field(description=(
+        "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
+        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
     kind: Annotated[Literal["redis"], Field(description="The tier kind.")] = "redis"
 
     @property
@@ -114,6 +118,7 @@ class RedisTierConfig:
         hint = f", ssl_* (redis-py TLS options{': ' + ', '.join(ssl_keys) if ssl_keys else ''})"
         check_keys(raw, path, cls.kind, section_keys(cls, exclude=("ssl",)), prefix="ssl_", prefix_hint=hint,
                    prefixed=ssl_keys)
+        check_admission(raw, path)
         ssl = {k: v for k, v in raw.items() if k.startswith("ssl_")}
         fields = {k: v for k, v in raw.items() if k not in ssl}
         # a missing url is reported as null (the dataclass defaults it only for direct construction)

@@ -50,6 +50,7 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import records
+from vllm_tiercache.shared.store.admission import AdmissionGate
 from vllm_tiercache.shared.store.api import (
     InProcessTier,
     PayloadAllocator,
@@ -63,6 +64,7 @@ from vllm_tiercache.shared.store.api import (
     TakesPayloadAllocator,
     Tier,
 )
+from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier, tier_class
@@ -149,88 +151,15 @@ def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class BoundedLookup:
-    """One remote tier's lookup thread: runs one ``contains_many`` at a time; the caller waits a bounded time.
-
-    Why one thread and one call at a time: a call that hangs holds the thread until the tier's own timeout,
-    and lookups queued behind it would only pile up (each answered late, as a miss anyway). So while a call
-    is outstanding, `ask` answers None (not asked) at once. The thread is a daemon started on first use; a
-    hung call never delays the process's exit.
-    """
-
-    def __init__(self, tier: Tier, on_error: Callable[[Tier, str, BaseException], None]) -> None:
-        self.tier = tier
-        self._on_error = on_error
-        self._cond = threading.Condition()
-        self._job: _LookupJob | None = None
-        self._busy = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        #: Lookups answered "miss" because the budget ran out, and because a call was still outstanding.
-        self.past_budget = 0
-        self.busy = 0
-
-    def ask(self, keys: Sequence[StoreKey], timeout_s: float) -> list[bool] | None:
-        """The tier's answer if it comes within ``timeout_s``; None when it did not, or was not asked."""
-        with self._cond:
-            if self._closed:
-                return None
-            if self._busy:
-                self.busy += 1
-                self.tier.counters.add(lookups_skipped=1)
-                return None
-            self._busy = True
-            job = self._job = _LookupJob(list(keys))
-            if self._thread is None:
-                self._thread = background_thread(self._loop, f"tiercache-lookup-{self.tier.name}")
-                self._thread.start()
-            self._cond.notify()
-        if job.done.wait(max(timeout_s, 0.0)):
-            return job.result
-        with self._cond:
-            self.past_budget += 1
-        self.tier.counters.add(lookups_past_budget=1)
-        return None
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._closed:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                job, self._job = self._job, None
-            try:
-                job.result = self.tier.contains_many(job.keys)
-            except Exception as exc:  # a tier bug: a miss plus a log line, as inline
-                self._on_error(self.tier, "contains_many", exc)
-            finally:
-                with self._cond:  # free before done: a caller that got its answer may ask again at once
-                    self._busy = False
-                job.done.set()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class _LookupJob:
-    __slots__ = ("done", "keys", "result")
-
-    def __init__(self, keys: list[StoreKey]) -> None:
-        self.keys = keys
-        self.result: list[bool] | None = None
-        self.done = threading.Event()
-
-
 class TieredStore:
     """The process's store: thread-safe, never raises for a backend problem, see module docstring."""
 
     def __init__(self, config: StoreConfig, tiers: Sequence[Tier] | None = None) -> None:
         self.config = config
+        config_tiers = None
         if tiers is None:
-            tiers = [make_tier(tc, name) for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
+            tiers = config_tiers = [make_tier(tc, name)
+                                    for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
         self.tiers: list[Tier] = list(tiers)
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -256,6 +185,12 @@ class TieredStore:
             i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
         self.control = ControlPoller(self.tiers, config.control_poll_s)  # invalidations, pins (`control`)
         self.control.start()
+        #: each slower tier's admission (`vllm_tiercache.shared.store.admission`); tiers built by the caller
+        #: have no config here: they admit everything
+        rules = [getattr(tc, "admission", None) for tc in config.tiers[1:]] if tiers is config_tiers else []
+        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1))
+        if self._admission.active and isinstance(self.tiers[0], ReportsEvictions):
+            self.tiers[0].add_eviction_listener(self._admission.forget)
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
@@ -319,6 +254,7 @@ class TieredStore:
         out: list[Record | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         found_in: list[tuple[int, list[Item]]] = []
+        first_hits: list[int] = []
         for ti, tier in enumerate(self.tiers):
             if not missing:
                 break
@@ -345,7 +281,9 @@ class TieredStore:
                     continue
                 out[i] = rec
                 nbytes += rec.nbytes
-                if ti > 0:
+                if ti == 0:
+                    first_hits.append(i)
+                else:
                     promoted.append((keys[i], _promotable(rec), rec.meta))
             tier.counters.add(hits=len(missing) - len(still), misses=len(still), bytes_read=nbytes,
                               read_seconds=elapsed)
@@ -354,6 +292,8 @@ class TieredStore:
             missing = still
         for ti, items in found_in:
             self._promote(ti, items)
+        if self._admission.active:  # count the hits; write down what they admit
+            self._write_down(self._admission.on_read(keys, out, first_hits))
         return out
 
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
@@ -371,6 +311,13 @@ class TieredStore:
             except Exception as exc:  # a hint: never let it fail a load
                 self._tier_error(tier, "prefetch_many", exc)
 
+    def _write_down(self, groups: list[tuple[list[Tier], list[Item]]], urgent: bool = False) -> None:
+        """Queue each (slower tiers, items) group, readable from the write-behind buffer until written."""
+        for tiers, items in groups:
+            self._write_behind.hold(items)
+            if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(items)
+
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
         self._put_sync(self.tiers[0], items)
@@ -379,12 +326,15 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------------------- writes
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
-            owned: bool = False) -> None:
-        self.put_many([(key, tensor, meta)], owned=owned)
+            owned: bool = False, always_admit: bool = False) -> None:
+        self.put_many([(key, tensor, meta)], owned=owned, always_admit=always_admit)
 
-    def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False) -> None:
+    def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False,
+                 always_admit: bool = False) -> None:
         """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full;
         ``urgent`` ones, which another engine waits for, go ahead of the queue and are never dropped).
+        Each slower tier takes what its admission admits (`vllm_tiercache.shared.store.admission`);
+        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it.
 
         ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
         keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
@@ -401,10 +351,13 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        self._write_behind.hold(mine)  # before the fastest tier, which may evict one of them right away
+        groups = self._admission.on_put(mine, exempt=always_admit or urgent)
+        for _, admitted in groups:  # before the fastest tier, which may evict one of them right away
+            self._write_behind.hold(admitted)
         self._put_sync(self.tiers[0], mine)
-        if not self._writer.submit(self.tiers[1:], mine, on_done=self._write_behind.release, urgent=urgent):
-            self._write_behind.release(mine)
+        for tiers, admitted in groups:
+            if not self._writer.submit(tiers, admitted, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(admitted)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()

@@ -41,6 +41,7 @@ from typing import Any
 
 from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV
 from vllm_tiercache.kvcache.options import LOAD_MODES
+from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv_report import CaseResult, format_table, hit_breakdown
 
@@ -116,9 +117,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-mode", choices=LOAD_MODES, default="auto",
                         help="the KV connector's load_mode in every tiered case (default %(default)s): compare "
                              "layerwise loads with loads before the forward")
+    parser.add_argument("--admission", type=admission_arg, default="always",
+                        help="the disk tier's admission in case 8 (the miss that stores): always (default) or "
+                             "seen:N (N 2..15: a miss's chunks stay in memory until used again)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
+
+
+def admission_arg(text: str) -> str:
+    """argparse ``type=``: ``always`` or ``seen:N`` (N from 2 to 15)."""
+    policy_arg(text)
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: one admission, always or seen:N")
+    return text
 
 
 class Bench:
@@ -246,7 +258,9 @@ class Bench:
         """Case 8: a miss with the connector (memory+disk, saving everything), prefix caching on as in 1."""
         short, full = self.warmups()
         measured = self.prompts(self.num_prompts)
-        config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}, self.disk_tier("disk-cold")])
+        admission = dict(policy_arg(self.args.admission)[0][1])
+        disk = {**self.disk_tier("disk-cold"), "admission": admission}
+        config = self.tiered("kv_both", [{"kind": "memory", "capacity": "2GiB"}, disk])
         steps = self.job(
             "tiered-cold",
             [("warmup", [short, full, full]), ("cold", measured)],
@@ -494,6 +508,7 @@ class Bench:
             "media": media,
             "hit_bytes": getattr(self, "media_bytes", None),
             "dtype": self.args.dtype,
+            "admission": self.args.admission,
             "prompt_len": self.prompt_len,
             "prompts": self.num_prompts,
             "hit_repeats": self.hit_repeats,

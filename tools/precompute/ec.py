@@ -36,6 +36,7 @@ from vllm_tiercache.tools.jobs import (
     offline_input_processor,
     process_offline,
     report,
+    write_through,
 )
 from vllm_tiercache.tools.precompute.passes import count_stored, produce, retag
 from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
@@ -72,7 +73,7 @@ def ec_transfer(store_config: Mapping[str, Any], role: str = "ec_producer") -> d
 
     return {"ec_transfer_config": ECTransferConfig(
         ec_connector="TieredECConnector", ec_connector_module_path="vllm_tiercache.eccache.connector", ec_role=role,
-        ec_connector_extra_config=dict(store_config),
+        ec_connector_extra_config=write_through(store_config),
     )}
 
 

@@ -64,6 +64,7 @@ from vllm_tiercache.tools.jobs import (
     offline_input_processor,
     process_offline,
     report,
+    write_through,
 )
 from vllm_tiercache.tools.precompute.passes import count_stored, produce
 from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
@@ -214,7 +215,8 @@ def precompute_docs(
     options, _ = KVConnectorOptions.load(store_config)
     kwargs = dict(engine_kwargs or {})
     transfer = {"kv_transfer_config": KVTransferConfig(
-        kv_connector="TieredKVConnector", kv_role="kv_producer", kv_connector_extra_config=dict(store_config))}
+        kv_connector="TieredKVConnector", kv_role="kv_producer",
+        kv_connector_extra_config=write_through(store_config))}
     vllm_config = engine_config(model, kwargs, **transfer)
     naming = KVNaming.from_configs(vllm_config, config, options)
     engine_groups = EngineGroups(vllm_config, naming)
