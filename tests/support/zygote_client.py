@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -60,10 +61,12 @@ class EngineZygote:
     """The test side of `tests.support.engine_zygote`: one per test process, started on first use."""
 
     _shared: EngineZygote | None = None
+    _shared_lock = threading.Lock()
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         env.pop(GUARD_ENV, None)
+        self._lock = threading.Lock()
         self._stderr: IO[str] = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.engine_zygote"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
@@ -74,9 +77,10 @@ class EngineZygote:
 
     @classmethod
     def shared(cls) -> EngineZygote:
-        if cls._shared is None or cls._shared.proc.poll() is not None:
-            cls._shared = cls()
-        return cls._shared
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared.proc.poll() is not None:
+                cls._shared = cls()
+            return cls._shared
 
     def _read(self, timeout: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -91,18 +95,35 @@ class EngineZygote:
         return json.loads(line)
 
     def run(self, request: dict[str, Any], *, timeout: float, cmd: list[str]) -> int:
-        """Fork one job; its exit code (negative: killed by that signal)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        pid = self._read(timeout=60)["pid"]
-        try:
-            return int(self._read(timeout=timeout)["rc"])
-        except TimeoutError:
+        """Fork one job; its exit code (negative: killed by that signal).
+
+        One job at a time: tests that start engines from several threads (`test_isolation`) take turns
+        here. A run left unfinished (a timeout, an interrupted test) retires this zygote with its job, so
+        the next job never reads an answer meant for another."""
+        with self._lock:
+            if self.proc.poll() is not None:
+                raise RuntimeError("this engine zygote was retired; EngineZygote.shared() starts another")
+            assert self.proc.stdin is not None
+            pid = None
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                pid = self._read(timeout=60)["pid"]
+                return int(self._read(timeout=timeout)["rc"])
+            except TimeoutError:
+                self._retire(pid)
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+            except BaseException:
+                self._retire(pid)
+                raise
+
+    def _retire(self, pid: int | None) -> None:
+        """Kill an unfinished job's process group and this zygote."""
+        if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            self._read(timeout=60)
-            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        self.proc.kill()
+        self.proc.wait(timeout=60)
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
