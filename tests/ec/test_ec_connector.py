@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.zygote_client import run_job
 from vllm_tiercache.eccache.managers import LRUEncoderCacheManager
 from vllm_tiercache.shared.stats_dump import read_stats
 
@@ -133,10 +133,8 @@ def run_mm_engine(tmp_path: Path, name: str, **spec: Any) -> dict:
     if "images" in spec:
         spec["rounds"] = [spec.pop("images")]
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_job([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
+                   timeout=600)
     if spec.get("expect_failure"):
         assert proc.returncode != 0, f"{name} engine was expected to fail at start but ran"
         return {"log": proc.stdout + proc.stderr}

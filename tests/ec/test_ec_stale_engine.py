@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests.ec.test_ec_connector import MAX_TOKENS, PROMPT, _image, ec_totals
+from tests.support.zygote_client import run_job
 from vllm_tiercache.eccache.connector import TieredECConnector
 from vllm_tiercache.eccache.scheduler import TieredECMetadata
 
@@ -111,8 +111,8 @@ def _run(tmp_path: Path, name: str, *, mp: bool = False, **spec: Any) -> dict:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Pinned for every engine, with and without a connector: the forward pass sums in one order.
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_job([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
+                   timeout=600)
     assert proc.returncode == 0, f"{name} engine failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(Path(spec["out"]).read_text())
     result["stats"] = ec_totals(stats_dir)

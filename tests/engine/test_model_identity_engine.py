@@ -12,8 +12,8 @@ Two things an operator meets in the second week:
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import pytest
 
 from tests.fixtures.models import run_engine
 from tests.kv.test_kv_connector import PROMPTS, disk_tier, expected_hits, kv_config
+from tests.support.zygote_client import run_job
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
 from vllm_tiercache.tools.tiny_models.lora import make_tiny_lora
@@ -36,9 +37,9 @@ def link_or(model: Path) -> Path:
 
 
 def _identity_cli(model: str, store: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", "identity", "--model", model,
-                          "--block-size", "32", "--dtype", "bfloat16", "--config", json.dumps(store), "--json"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "identity", "--model", model,
+                   "--block-size", "32", "--dtype", "bfloat16", "--config", json.dumps(store), "--json"],
+                  env=dict(os.environ), cwd=os.getcwd(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 

@@ -4,19 +4,21 @@ paired with vLLM's own resident hit of the same prompt in the same engine. No ti
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 
 import pytest
 
+from tests.support.zygote_client import run_job
+
 
 @pytest.mark.engine
 def test_quick_run_pairs_each_tiered_hit_with_a_resident_hit_in_its_own_engine(tmp_path) -> None:
-    done = subprocess.run(
+    done = run_job(
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv", "--quick", "--cases",
          "tiered-memory,tiered-disk", "--prompts", "1", "--hit-repeats", "1", "--json",
          "--work-dir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=600)
+        env=dict(os.environ), cwd=os.getcwd(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     rows = {row["case"]: row for row in report["rows"]}

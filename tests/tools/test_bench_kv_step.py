@@ -4,17 +4,18 @@ step's connector calls are counted, and the report accounts for them. No timings
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 
 import pytest
 
+from tests.support.zygote_client import run_job
+
 
 @pytest.mark.engine
 def test_quick_run_counts_the_connectors_calls_per_decode_step() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--quick", "--json"],
-        capture_output=True, text=True, timeout=600)
+    done = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-step", "--quick", "--json"],
+                   env=dict(os.environ), cwd=os.getcwd(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     # the second send's prompts come from vLLM's prefix cache: the measured steps decode

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.zygote_client import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -64,8 +65,8 @@ def _run_engine(work: Path, name: str, env_extra: dict | None = None, **spec) ->
     spec["out"] = str(work / f"{name}.json")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env_extra or {})}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_job([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=ROOT, env=env,
+                   timeout=600)
     assert proc.returncode == 0, f"{name} engine failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(Path(spec["out"]).read_text())
 
@@ -73,8 +74,8 @@ def _run_engine(work: Path, name: str, env_extra: dict | None = None, **spec) ->
 def _run_job(*args: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
     """`tiercache precompute ...` in its own process; returns (exit code, JSON summary, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
-    proc = subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", *args, "--json",
-                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", *args, "--json",
+                    "--no-progress"], cwd=ROOT, env=env, timeout=900)
     start = proc.stdout.find("{\n")
     assert start >= 0, f"job printed no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.returncode, json.loads(proc.stdout[start:]), proc.stderr

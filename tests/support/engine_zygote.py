@@ -1,0 +1,113 @@
+"""A process that imports vLLM once, then forks one child per one-process engine job.
+
+Why: importing vLLM (and torch under it) is most of what a one-process test engine costs here, about
+two thirds of its CPU time, and the suite starts dozens of them. vLLM itself forks its engine-core
+process from an interpreter that has imported it (`VLLM_WORKER_MULTIPROC_METHOD` is "fork" on CPU), so a
+child forked after the import is a layout vLLM runs every day. Each child is still a fresh process for
+what the tests care about: it starts its own engine and its own store, with the environment the test
+gave it, and exits; nothing of it survives into the next job.
+
+What stays outside: jobs in vLLM's multiproc layout (`run_engine(multiproc=True)`) and every OpenAI server
+keep starting from a fresh interpreter, so the process boundaries they test are the real ones.
+
+Protocol, one JSON object per line: the test side writes ``{"module" or "path", "argv", "env", "cwd",
+"stdout", "stderr"}`` (the last two: files for the job's output); the zygote forks, answers ``{"pid": N}`` at
+once, then ``{"rc": CODE}`` when the child exits (a negative code: killed by that signal).
+`tests.support.zygote_client` is the test side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import threading
+import traceback
+from typing import Any
+
+#: Modules every job needs, imported before the first fork (what each child then need not import).
+PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.config",
+           "vllm.inputs", "vllm.lora.request", "vllm.entrypoints.llm", "vllm_tiercache.kvcache",
+           "vllm_tiercache.eccache")
+
+
+def _run_child(request: dict[str, Any]) -> None:
+    """In the forked child: become the job's process (environment, directory, log) and run it; never return."""
+    code = 1
+    try:
+        os.setsid()  # its own process group: a timeout kills the job and whatever it started
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
+            if entry and entry not in sys.path:
+                sys.path.insert(0, entry)
+        if "module" in request:
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [request["path"], *request["argv"]]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(request["path"])))
+            runpy.run_path(request["path"], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # the job's own failure: printed to its log, a non-zero exit
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            _shut_down_as_python_does()
+        finally:
+            os._exit(code)
+
+
+def _shut_down_as_python_does() -> None:
+    """What an interpreter does on its way out, which `os._exit` alone would skip: wait for the job's
+    non-daemon threads, run the exit handlers (the stores' `atexit` close flushes their write-behind),
+    flush the output."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:  # reported as an interpreter reports a failing exit handler
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def serve() -> None:
+    """Import `PRELOAD`, then fork a child per request line on stdin until stdin closes."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork would copy locks other threads hold
+        raise SystemExit(f"engine zygote: {threading.active_count()} threads after the imports; a fork is unsafe")
+    reply = sys.stdout
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(request)
+        print(json.dumps({"pid": pid}), file=reply, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
