@@ -18,7 +18,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,16 @@ class RedisServer:
 
 
 # ------------------------------------------------------------------------------------------ cluster
+@contextmanager
+def optional_redis_url(needed: bool) -> Iterator[str | None]:
+    """A throwaway local redis-server's URL for the benchmarks' Redis cases, or None when none needs one."""
+    if not needed:
+        yield None
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
 def find_redis_cli(server_binary: str) -> str:
     """redis-cli beside the redis-server binary in use, else on PATH (it forms the cluster)."""
     beside = Path(server_binary).with_name("redis-cli")

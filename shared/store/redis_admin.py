@@ -128,14 +128,18 @@ class RedisAdmin:
             for name, head in zip(names, heads, strict=True):
                 if head is None:
                     continue
-                pipe.delete(name)
-                for p in range(min(head_part_count(head), MAX_ADMIN_PARTS)):
-                    pipe.delete(self.names.part_of(name, p))
-                pipe.delete(self.names.text_of(name))
-                pipe.delete(self.names.tags_of(name))
+                for piece in self._pieces(name, head):
+                    pipe.delete(piece)
                 deleted += 1
             pipe.execute()
         return deleted
+
+    def _pieces(self, name: str, head: bytes) -> list[str]:
+        """Every key of the record whose head is ``name``, the head first (deleted first, a concurrent reader
+        meets a clean miss, not a head without its parts), then its parts (as many as ``head`` says,
+        bounded), key text and tags."""
+        parts = [self.names.part_of(name, p) for p in range(min(head_part_count(head), MAX_ADMIN_PARTS))]
+        return [name, *parts, self.names.text_of(name), self.names.tags_of(name)]
 
     def _mget(self, client: Any, names: list[str]) -> list[Any]:
         """Values of ``names``: raises when unreachable (the admin commands must say so)."""
@@ -161,8 +165,7 @@ class RedisAdmin:
             for name, head in zip(names, heads, strict=True):
                 if head is None:
                     continue
-                pieces = [self.names.part_of(name, p) for p in range(min(head_part_count(head), MAX_ADMIN_PARTS))]
-                for piece in (*pieces, self.names.text_of(name), self.names.tags_of(name), name):
+                for piece in self._pieces(name, head):
                     if hold:
                         pipe.persist(piece)
                     else:

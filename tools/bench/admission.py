@@ -35,8 +35,6 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.bench.serve_trace import make_workload, messages_for, render
 from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
 from vllm_tiercache.tools.demo.corpus import sentences
+from vllm_tiercache.tools.redis_server import optional_redis_url
 
 MIB = float(1 << 20)
 
@@ -194,17 +193,6 @@ def _keys(namespace: str, name: str, layers: int) -> list[StoreKey]:
     return [StoreKey(f"{namespace}|kv|bench|fp|tp1r0|{name}|L{layer}") for layer in range(layers)]
 
 
-@contextmanager
-def _redis(needed: bool) -> Iterator[str | None]:
-    if not needed:
-        yield None
-        return
-    from vllm_tiercache.tools.redis_server import RedisServer
-
-    with RedisServer() as server:
-        yield server.url
-
-
 def format_table(results: list[dict[str, Any]], header: str) -> str:
     """One line per case; the ratios are against the first case."""
     base = results[0]
@@ -251,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="tiercache-bench-admission-", dir=args.work_dir))
     results = []
     try:
-        with _redis(not args.no_redis) as redis_url:
+        with optional_redis_url(not args.no_redis) as redis_url:
             for label, admission in args.policies:
                 result = run_case(stream, admission, args=args, work=work, redis_url=redis_url,
                                   memory_bytes=memory_bytes)

@@ -35,8 +35,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,6 +61,7 @@ from vllm_tiercache.tools.bench.serve_trace import (
     make_workload,
     working_set_tokens,
 )
+from vllm_tiercache.tools.redis_server import optional_redis_url
 
 BLOCK_SIZE = 32  # the demo server's --block-size
 SERVED_NAME = "tiercache-bench-serve"
@@ -215,17 +216,6 @@ def _kv_transfer(case: str, namespace: str, chunk_size: int, memory_full: int, m
     return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"namespace": f"{namespace}-{case}", "chunk_size": chunk_size,
                                           "tiers": tiers}}
-
-
-@contextmanager
-def _redis(needed: bool) -> Iterator[str | None]:
-    if not needed:
-        yield None
-        return
-    from vllm_tiercache.tools.redis_server import RedisServer
-
-    with RedisServer() as server:
-        yield server.url
 
 
 class _Progress:
@@ -471,7 +461,7 @@ def _run(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         ran: list[str] = []
         errors: dict[str, str] = {}
-        ctx["redis_url"] = stack.enter_context(_redis(any(c in REDIS_CASES for c in settings["cases"])))
+        ctx["redis_url"] = stack.enter_context(optional_redis_url(any(c in REDIS_CASES for c in settings["cases"])))
         for case in settings["cases"]:
             family = families[_family_of(case)]
             try:
