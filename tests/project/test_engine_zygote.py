@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,6 +86,9 @@ def test_a_timeout_kills_the_job_and_the_zygote_serves_the_next(tmp_path: Path) 
     with pytest.raises(subprocess.TimeoutExpired):
         _run(tmp_path, "hang", timeout=10)
     pid = int((tmp_path / "hang.done.started").read_text())
+    deadline = time.monotonic() + 60  # SIGKILL was sent; the kernel takes its moment to end the process
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _running(pid)
     assert _run(tmp_path, "plain")[0] == 0  # a new zygote: the old one was retired with its job
 
