@@ -119,8 +119,13 @@ class RedisAdmin:
 
         The part count comes from each head; a head that vanished meanwhile counts as not deleted.
         """
+        return self._for_each_piece(hex_digests, lambda pipe, piece: pipe.delete(piece))
+
+    def _for_each_piece(self, hex_digests: Sequence[str], act: Callable[[Any, str], Any]) -> int:
+        """``act(pipeline, key)`` for every key of each record still stored (`_pieces`), a pipeline per
+        `ADMIN_BATCH` records; returns how many records were there (a vanished head is skipped)."""
         client = self._client_or_raise()
-        deleted = 0
+        done = 0
         for lo in range(0, len(hex_digests), ADMIN_BATCH):
             names = [self.names.head_of(h) for h in hex_digests[lo:lo + ADMIN_BATCH]]
             heads = self._mget(client, names)
@@ -129,10 +134,10 @@ class RedisAdmin:
                 if head is None:
                     continue
                 for piece in self._pieces(name, head):
-                    pipe.delete(piece)
-                deleted += 1
+                    act(pipe, piece)
+                done += 1
             pipe.execute()
-        return deleted
+        return done
 
     def _pieces(self, name: str, head: bytes) -> list[str]:
         """Every key of the record whose head is ``name``, the head first (deleted first, a concurrent reader
@@ -156,21 +161,12 @@ class RedisAdmin:
         wanted = set(tags)
         if not hold and ttl_ms is None:
             return 0
-        client = self._client_or_raise()
+        self._client_or_raise()
         held = [h for h, _, _, _, t in self.scan_records() if not wanted.isdisjoint(t)]
-        for lo in range(0, len(held), ADMIN_BATCH):
-            names = [self.names.head_of(h) for h in held[lo:lo + ADMIN_BATCH]]
-            heads = self._mget(client, names)
-            pipe = client.pipeline(transaction=False)
-            for name, head in zip(names, heads, strict=True):
-                if head is None:
-                    continue
-                for piece in self._pieces(name, head):
-                    if hold:
-                        pipe.persist(piece)
-                    else:
-                        pipe.pexpire(piece, ttl_ms)
-            pipe.execute()
+        if hold:
+            self._for_each_piece(held, lambda pipe, piece: pipe.persist(piece))
+        else:
+            self._for_each_piece(held, lambda pipe, piece: pipe.pexpire(piece, ttl_ms))
         return len(held)
 
     def read_control(self) -> dict[str, bytes]:
