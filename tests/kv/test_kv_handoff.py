@@ -85,6 +85,16 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
             for name in LAYERS}
 
 
+def _save_every_layer(connector: TieredKVConnector, meta: TieredKVMetadata) -> None:
+    """A worker side over seeded caches saves every layer of ``meta``'s plans, waits for it, and stops."""
+    worker = _worker(connector, _caches(seed=1))
+    for layer in LAYERS:
+        worker.save_layer(layer, worker.loader.kv_caches[layer], meta)
+    worker.wait_for_save()
+    worker.saver.flush()
+    worker.shutdown()
+
+
 def _worker(connector: TieredKVConnector, caches: dict[str, torch.Tensor], load_mode: str = "auto") -> KVWorkerSide:
     side = connector._scheduler
     assert side is not None
@@ -116,12 +126,7 @@ def _prefill(model: Path, disk: Path, prompt: list[int], req_id: str = "p") -> t
     assert isinstance(meta, TieredKVMetadata)
     saves = [save for plan in meta.requests for save in plan.saves]
     assert saves and all(save.urgent for save in saves)  # a hand-off's records are written first
-    worker = _worker(connector, _caches(seed=1))
-    for layer in LAYERS:
-        worker.save_layer(layer, worker.loader.kv_caches[layer], meta)
-    worker.wait_for_save()
-    worker.saver.flush()
-    worker.shutdown()
+    _save_every_layer(connector, meta)
     engine_outputs = producer.update_from_output(out, _output(out))
     (finished,) = [o for eco in engine_outputs.values() for o in eco.outputs if o.finished]
     assert finished.kv_transfer_params is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tests.kv.test_kv_handoff import LAYERS, _caches, _connector, _request, _scheduler, _worker, tokens
+from tests.kv.test_kv_handoff import LAYERS, _connector, _request, _save_every_layer, _scheduler, tokens
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.store.api import StoreKey
@@ -31,12 +31,7 @@ def test_a_requests_tags_reach_its_records_and_bad_tags_are_ignored(tiny_llama: 
     assert saves["bad"] and all(s.tags == () for s in saves["bad"])  # its prefill may be chunked: some saves
     assert "kv_transfer_params.tiercache_tags ignored (invalid tag 'bad\\ttag'" in caplog.text
 
-    worker = _worker(connector, _caches(seed=1))
-    for layer in LAYERS:
-        worker.save_layer(layer, worker.loader.kv_caches[layer], meta)
-    worker.wait_for_save()
-    worker.saver.flush()
-    worker.shutdown()
+    _save_every_layer(connector, meta)
     store = connector._store
     assert store.flush(30.0)
     disk = next(tier for tier in store.tiers if tier.shared_across_processes)
