@@ -301,8 +301,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return stats
 
     def shutdown(self) -> None:
+        """vLLM stops the engine: each side hands the store what it still holds, then the store's queued
+        writes reach the slower tiers (bounded: 30 s). vLLM gives this only as long as its
+        ``shutdown_timeout`` lets the engine process live (`vllm_tiercache.preflight` warns at 0)."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         self._store.flush(30.0)
 
     # ---------------------------------------------------------------------------------- scheduler side

@@ -108,6 +108,12 @@ class EventJournal:
         if self._dirty and self.clock() >= self._next_write:
             self._write()
 
+    def close(self) -> None:
+        """Write what was journaled since the last write, whatever the interval (the engine is stopping:
+        without it, the chunks confirmed in its last ``interval_s`` would not be announced after a restart)."""
+        if self._dirty:
+            self._write()
+
     def _write(self) -> None:
         data = encode_segment(self._seq, self._entries)
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)

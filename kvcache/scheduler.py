@@ -436,6 +436,12 @@ class KVSchedulerSide:
         """This step's KV cache events for what the tiers hold (vLLM publishes them after its own)."""
         return self.events.take() if self.events is not None else []
 
+    def shutdown(self) -> None:
+        """The engine stops: what this side still holds for the store (the event journal's last entries) is
+        handed to it, ahead of the connector's flush of the store."""
+        if self.events is not None:
+            self.events.close()
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may
         # free the blocks right away: nothing asynchronous still reads them.

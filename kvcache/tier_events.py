@@ -128,6 +128,11 @@ class TierEventTracker:
         # later names carry the new generation's salt, which no restarted engine computes: not journaled
         self.journal = None
 
+    def close(self) -> None:
+        """The engine stops: the journal's last entries are written (the store's flush then stores them)."""
+        if self.journal is not None:
+            self.journal.close()
+
     # ----------------------------------------------------------------------------------- once per step
     def take(self) -> list[KVCacheEvent]:
         """This step's events (vLLM's ``take_events``, called once per step after the workers' reports)."""

@@ -56,20 +56,23 @@ def check_engine_config(vllm_config: Any) -> None:
     """Raise `ConfigError` naming the vLLM setting, the field, the bad value and the fix, for the first
     mistake in a part of ``vllm_config`` that names this plugin; return quietly otherwise."""
     started = time.monotonic()
-    checked = []
+    checked, stores = [], []
     for where, transfer in _our_kv_transfers(vllm_config):
         from vllm_tiercache.kvcache.connector import check_kv_config
 
         with _named(where):
-            check_tier_directories(check_kv_config(vllm_config, transfer, final_block_size=False).store)
+            stores.append(check_kv_config(vllm_config, transfer, final_block_size=False).store)
+            check_tier_directories(stores[-1])
         checked.append(KV_CONNECTOR_NAME)
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is not None and getattr(ec, "ec_connector", None) == EC_CONNECTOR_NAME:
         from vllm_tiercache.eccache.connector import check_ec_config
 
         with _named("ec_transfer_config (--ec-transfer-config)"):
-            check_tier_directories(check_ec_config(vllm_config)[1])
+            stores.append(check_ec_config(vllm_config)[1])
+            check_tier_directories(stores[-1])
         checked.append(EC_CONNECTOR_NAME)
+    warn_if_shutdown_drops_writes(vllm_config, stores)
     manager = getattr(getattr(vllm_config, "ec_manager_config", None), "encoder_cache_manager_cls", None)
     if isinstance(manager, str) and manager.startswith(_OUR_PACKAGE):
         with _named("ec_manager_config (--ec-manager-config)"):
@@ -78,6 +81,31 @@ def check_engine_config(vllm_config: Any) -> None:
     if checked:
         logger.info("vllm-tiercache: %s settings checked before the model loads (%.0f ms)", ", ".join(checked),
                     (time.monotonic() - started) * 1e3)
+
+
+def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | None:
+    """Warn (and return the warning) when vLLM would kill the engine process the moment it stops while a
+    store of ours writes to a slower tier behind the requests.
+
+    Why: with ``shutdown_timeout`` 0 (vLLM's default) the front end SIGKILLs the engine core right after
+    asking it to stop, so the connectors' shutdown never runs: records still queued for disk or Redis, and
+    the event journal's last entries, are lost. That costs misses after the restart (never wrong data),
+    which an operator would otherwise only see as a cold restart."""
+    if getattr(vllm_config, "shutdown_timeout", None) != 0:
+        return None
+    from vllm_tiercache.shared.store.api import InProcessTier
+    from vllm_tiercache.shared.store.registry import tier_class
+
+    slower = sorted({tier.kind for store in stores for tier in store.tiers
+                     if not issubclass(tier_class(tier.kind), InProcessTier)})
+    if not slower:
+        return None
+    message = (f"vllm-tiercache: vLLM kills its engine process at once when it stops (--shutdown-timeout 0, "
+               f"the default), so writes still queued for the {', '.join(slower)} tier(s) at that moment are "
+               "lost (misses after a restart, never wrong data); pass --shutdown-timeout 15 (or "
+               "shutdown_timeout=15) to give the connectors time to finish them")
+    logger.warning(message)
+    return message
 
 
 def _our_kv_transfers(vllm_config: Any) -> Iterator[tuple[str, Any]]:

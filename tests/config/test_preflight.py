@@ -97,6 +97,12 @@ def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) 
         "ec_transfer_config": {"ec_connector": "TieredECConnector", "ec_role": "ec_both"},
         **_manager("PolicyEncoderCacheManager", {"policy": "lfu", "aging_period": 10}),
     }
+    # the same disk tier, with time for the connectors to finish their writes when the engine stops
+    cases["a valid config given time to stop"] = {
+        **_kv({"tiers": [{"kind": "memory", "capacity": "64MiB"},
+                         {"kind": "disk", "path": "{model}/../preflight-disk/d", "capacity": "64MiB"}]}),
+        "shutdown_timeout": 15,
+    }
     cases_json = json.dumps(cases).replace("{model}", str(tiny_llama))
     proc = subprocess.run([sys.executable, "-c", _JOB, str(tiny_llama), cases_json], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=300)
@@ -109,8 +115,13 @@ def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) 
         for piece in pieces:
             assert piece in got["error"], (name, piece, got["error"])
     assert results["a valid config of both connectors and a manager"]["error"] is None
+    assert results["a valid config given time to stop"]["error"] is None
     log = proc.stdout + proc.stderr  # vLLM's logger writes to stdout
     assert "settings checked before the model loads" in log
+    # vLLM's default shutdown_timeout 0 kills the engine before queued disk writes land: said once, for the
+    # config without the time to stop, naming the tier and the flag
+    warning = "writes still queued for the disk tier(s) at that moment are lost"
+    assert log.count(warning) == 1 and "pass --shutdown-timeout 15" in log, log[-3000:]
     assert not (tiny_llama.parent / "preflight-disk").exists()  # checked, not created: no side effects
     # Nothing started: no engine process, no weights read.
     assert "EngineCore" not in log and "Loading weights" not in log

@@ -14,7 +14,8 @@ once by the module's fixture and asserted by the tests below:
   tier, and a resend of A loads exactly that many tokens from the connector (``cached_tokens``); the LoRA
   prompt matches on the host tier only with its ``lora_name``;
 - seven more prompts evict A from the memory tier: the host-tier match drops, the disk match stays;
-- a restart on the same disk: before any request about A, the new server's journal announces A on disk;
+- a restart on the same disk: before any request about A, the new server's journal announces A on disk
+  (the first server wrote its journal's last entries as it stopped);
 - ``tiercache evict`` of the namespace: the disk match drops too.
 """
 
@@ -179,9 +180,8 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
             _complete(server, _prompt(seed))
         seen["memory_evicted"] = _until(lambda: indexer.query(a), lambda q: q["cpu"] < PREFIX <= q["disk"],
                                         nudge)
-        nudge()
-        time.sleep(2.5)  # the journal is written at most every 2 s, on a step
-        nudge()
+        # no wait for the journal's next write (every 2 s, on a step): stopping the server writes it (the
+        # connector's shutdown, which vLLM runs given --shutdown-timeout) and flushes it to disk and Redis
     with _serving(tiny_llama, work, "second", store, adapter, nudge_seed=998) as (server, indexer, nudge):
         seen["restarted"] = _until(lambda: indexer.query(a), lambda q: q["disk"] >= PREFIX, nudge)
         seen["evicted_records"] = evict(store, namespace="events")["records"]

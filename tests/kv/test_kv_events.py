@@ -293,15 +293,36 @@ def test_the_ledger_is_bounded_and_withdraws_what_it_forgets() -> None:
 def test_a_restarted_engine_announces_the_journaled_disk_before_any_request(tiny_llama: Path,
                                                                            tmp_path: Path) -> None:
     first, request, _ = _stored_and_announced(tiny_llama, tmp_path)
-    tracker = first.connector._scheduler.events  # type: ignore[union-attr]
-    tracker.journal.flush_due()
-    first.connector._store.close()  # flushed to disk
+    first.connector.shutdown()  # what vLLM calls as the engine stops: the journal written, the store flushed
+    first.connector._store.close()
     second = Published(_config(tiny_llama, tmp_path / "disk"))
     second.report(TieredKVWorkerMetadata())  # the first step: no request yet
     disk = second.events(BlockStored, MEDIUM_DISK)
     assert [h for e in disk for h in e.block_hashes] == _external(request.block_hashes[:12])
     assert [t for e in disk for t in e.token_ids] == request.prompt_token_ids[:12 * BLOCK]
     assert disk[0].parent_block_hash is None and disk[1].parent_block_hash == disk[0].block_hashes[-1]
+
+
+def test_a_stopping_engine_writes_what_it_journaled_since_the_last_interval(tiny_llama: Path,
+                                                                           tmp_path: Path) -> None:
+    """The journal is written at most every ``interval_s``, on a step; what came after the last write is
+    written when the engine stops (`EventJournal.close`), else a restart would not announce it."""
+    from vllm_tiercache.kvcache.event_journal import EventJournal
+
+    engine, request, _ = _stored_and_announced(tiny_llama, tmp_path)
+    tracker = engine.connector._scheduler.events  # type: ignore[union-attr]
+    store, naming = engine.connector._store, tracker.naming
+    journal = EventJournal(store, naming, clock=lambda: 0.0, interval_s=3600)
+    payloads = [ChunkPayload.of(request, 4 * i, 4 * i + 4, BLOCK) for i in range(2)]  # type: ignore[arg-type]
+    journal.add(b"first", payloads[0])
+    journal.flush_due()  # the first write is due at once
+    journal.add(b"second", payloads[1])
+    journal.flush_due()  # within the interval: not written
+    assert [name for name, _ in EventJournal(store, naming, clock=lambda: 0.0).read()] == [b"first"]
+    journal.close()
+    assert [name for name, _ in EventJournal(store, naming, clock=lambda: 0.0).read()] == [b"first", b"second"]
+    journal.close()  # nothing new: no second write of the same segment's entries
+    assert [name for name, _ in EventJournal(store, naming, clock=lambda: 0.0).read()] == [b"first", b"second"]
 
 
 def test_the_journal_reads_back_what_it_wrote_and_ignores_foreign_records() -> None:

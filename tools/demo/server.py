@@ -31,6 +31,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Seconds the engine may take to stop (``--shutdown-timeout``): the connectors flush their stores then.
+SHUTDOWN_TIMEOUT_S = 15
+
+
 class ServerError(RuntimeError):
     """The server exited or never became healthy; the message carries the tail of its log."""
 
@@ -72,6 +76,9 @@ class Server:
             "--no-enable-prefix-caching",
             "--chat-template", str(chat_template), "--chat-template-content-format", "string",
             "--enable-prompt-tokens-details", "--limit-mm-per-prompt", json.dumps({"image": 1}),
+            # vLLM's default (0) kills the engine the moment the server stops, before the connectors hand
+            # their queued writes to disk and Redis; `stop` waits longer than this (grace_s)
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         ]
         if kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer)]
