@@ -4,6 +4,13 @@ import os
 import sys
 from pathlib import Path
 
+# Before anything loads OpenMP (torch): every engine, server and job the suite starts inherits it.
+# vLLM's CPU worker pins its OpenMP threads to every core (GOMP_CPU_AFFINITY) and OpenMP's default wait
+# policy spins; with two test engines on a 2-core machine, each one's waiting threads spin on the cores the
+# other needs. Measured on one test beside one busy core: 210 s spinning, 15 s passive. Passive waiting
+# changes no result: the same threads sum in the same order.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV, refusal
