@@ -41,6 +41,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "gpu"): ("bench.gpu", "CUDA movers, layerwise overlap and GDS reads vs the hardware (torch only)"),
     ("bench", "admission"): ("bench.admission", "admission to the slower tiers: bytes written to disk and Redis and "
                                                 "repeated prompts' hits, on bench serve's trace with one-off prompts"),
+    ("bench", "pins"): ("bench.pins", "a pinned document corpus against one-off prompts many times the memory "
+                                      "tier: the corpus's hits with and without the pin"),
     ("bench", "pd"): ("bench.pd", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
                                   "a raw redis-py read"),
     ("pd-proxy",): ("pd_proxy", "the prefill/decode proxy: prefill (kv_producer), then decode (kv_consumer) "

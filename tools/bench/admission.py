@@ -71,6 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", type=policy_arg, default=policy_arg("always,seen:2,seen:3"),
                         help="comma-separated cases, the first the reference: always, seen:N (default "
                              "always,seen:2,seen:3)")
+    add_trace_arguments(parser)
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--one-off-ratio", type=float_in(0.0, 1e6, low_open=True), default=None,
+                        help="memory tier capacity = the one-off prompts' bytes / this (default 10: the issue's "
+                             "'one-off prompts 10x the memory tier')")
+    memory.add_argument("--memory-share", type=float_in(0.0, 10.0, low_open=True), default=None,
+                        help="memory tier capacity as a share of the repeated prompts' distinct records instead "
+                             "(0.25: bench serve's working set 4x the cache)")
+    parser.add_argument("--no-redis", action="store_true", help="memory and disk only (no redis-server)")
+    parser.add_argument("--work-dir", type=Path, help="disk tiers (default: a temp dir, removed afterwards)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace's options (`build_stream`), shared with `tiercache bench pins`."""
     parser.add_argument("--one-off-share", type=float_in(0.0, 1.0, high_open=True), default=0.8,
                         help="share of the requests that are one-off prompts, in [0, 1) (default %(default)s)")
     parser.add_argument("--users", type=int_at_least(1, 1024), default=16,
@@ -90,17 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="records per chunk, one per layer (default %(default)s)")
     parser.add_argument("--record-kib", type=int_at_least(1, 1 << 20), default=8,
                         help="KiB per record (default %(default)s)")
-    memory = parser.add_mutually_exclusive_group()
-    memory.add_argument("--one-off-ratio", type=float_in(0.0, 1e6, low_open=True), default=None,
-                        help="memory tier capacity = the one-off prompts' bytes / this (default 10: the issue's "
-                             "'one-off prompts 10x the memory tier')")
-    memory.add_argument("--memory-share", type=float_in(0.0, 10.0, low_open=True), default=None,
-                        help="memory tier capacity as a share of the repeated prompts' distinct records instead "
-                             "(0.25: bench serve's working set 4x the cache)")
-    parser.add_argument("--no-redis", action="store_true", help="memory and disk only (no redis-server)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
-    parser.add_argument("--work-dir", type=Path, help="disk tiers (default: a temp dir, removed afterwards)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 @dataclass(frozen=True)
@@ -167,10 +172,10 @@ def run_case(stream: list[Request], admission: dict[str, Any], *, args: argparse
             names = request.chunks
             hit = 0
             for name in names:
-                if any(rec is None for rec in store.get_many(_keys(namespace, name, args.layers))):
+                if any(rec is None for rec in store.get_many(keys(namespace, name, args.layers))):
                     break
                 hit += 1
-            items = [(key, record, None) for name in names[hit:] for key in _keys(namespace, name, args.layers)]
+            items = [(key, record, None) for name in names[hit:] for key in keys(namespace, name, args.layers)]
             if items:
                 store.put_many(items, owned=True)
             store.flush()
@@ -189,7 +194,8 @@ def run_case(stream: list[Request], admission: dict[str, Any], *, args: argparse
     }
 
 
-def _keys(namespace: str, name: str, layers: int) -> list[StoreKey]:
+def keys(namespace: str, name: str, layers: int) -> list[StoreKey]:
+    """The store keys of one chunk's records, one per layer (KV key syntax; the bench's model names)."""
     return [StoreKey(f"{namespace}|kv|bench|fp|tp1r0|{name}|L{layer}") for layer in range(layers)]
 
 
