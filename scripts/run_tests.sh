@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The whole test suite, as `make test` and CI run it, in two passes:
-#  1. every test not marked `serial`, on $TEST_WORKERS pytest-xdist workers (default 2). Whole modules go to
+#  1. every test not marked `serial`, on $TEST_WORKERS pytest-xdist workers (default 3). Whole modules go to
 #     one worker (--dist loadscope), so a module's shared engine or server still starts once. The engine
 #     modules are handed out first, in the order tests/conftest.py puts them (--no-loadscope-reorder keeps
 #     it; xdist would otherwise send the modules with the most tests first, the unit tests, and leave the
 #     engine modules to the end, one worker finishing them while the other idles). An engine's start is
-#     mostly one busy thread (three interpreters importing vLLM in turn), so two side by side on two cores
-#     keep both cores busy.
+#     mostly one busy thread (three interpreters importing vLLM in turn, each waiting on the others), so
+#     three side by side keep two cores busy. Three only since OpenMP waits passively in the suite
+#     (tests/conftest.py): with vLLM's default spinning, engines on shared cores slowed each other down.
 #  2. the tests marked `serial`, alone: their assertions depend on time (a read timeout against a hung
 #     or failing-over server, a lookup budget), which a second engine beside them would stretch.
 # Both passes always run; the script fails if either failed or collected nothing.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WORKERS=${TEST_WORKERS:-2}
+WORKERS=${TEST_WORKERS:-3}
 ARGS=(-q -p no:cacheprovider --durations=15 "$@")
 
 echo "tiercache test: pass 1 of 2, tests not marked serial, on $WORKERS workers"
