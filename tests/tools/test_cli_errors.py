@@ -106,6 +106,19 @@ def test_numeric_options_are_bounded(args: list[str]) -> None:
     assert_one_line_error(tiercache_here(*args), "invalid value", "allowed:")
 
 
+def test_bench_pins_and_admission_refuse_a_work_dir_they_cannot_use_and_pins_a_trace_without_one_offs(
+        tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for bench in (["pins"], ["admission", "--no-redis"]):
+        assert_one_line_error(tiercache_here("bench", *bench, "--work-dir", str(blocker / "sub")), "--work-dir:",
+                              str(blocker))
+    assert_one_line_error(tiercache_here("bench", "pins", "--one-off-share", "0"), "--one-off-share",
+                          "give a share above 0")
+    assert_one_line_error(tiercache_here("bench", "pins", "--pin-budget", "0.95"), "--pin-budget",
+                          "invalid value '0.95'")
+
+
 @pytest.mark.parametrize(("job", "corpus", "extra", "pieces"), [
     ("docs", "a.txt", ["--pin"], ["--pin pins the tags given with --tag; add one, e.g. --tag corpus:v3"]),
     ("images", "a.png", ["--pin"], ["--pin pins the tags given with --tag"]),

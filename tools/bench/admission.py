@@ -35,9 +35,11 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +49,9 @@ from vllm_tiercache.tools.bench.serve_trace import make_workload, messages_for, 
 from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
 from vllm_tiercache.tools.demo.corpus import sentences
 from vllm_tiercache.tools.redis_server import optional_redis_url
+
+if TYPE_CHECKING:
+    from vllm_tiercache.shared.store.tiered import TieredStore
 
 MIB = float(1 << 20)
 
@@ -169,17 +174,8 @@ def run_case(stream: list[Request], admission: dict[str, Any], *, args: argparse
     started = time.perf_counter()
     with build_store({"namespace": namespace, "tiers": tiers}) as store:
         for request in stream:
-            names = request.chunks
-            hit = 0
-            for name in names:
-                if any(rec is None for rec in store.get_many(keys(namespace, name, args.layers))):
-                    break
-                hit += 1
-            items = [(key, record, None) for name in names[hit:] for key in keys(namespace, name, args.layers)]
-            if items:
-                store.put_many(items, owned=True)
-            store.flush()
-            chunks[request.repeated] += len(names)
+            hit = replay(store, namespace, request, record, args.layers)
+            chunks[request.repeated] += len(request.chunks)
             hits[request.repeated] += hit
         stats = store.stats()["tiers"]
     seconds = time.perf_counter() - started
@@ -192,6 +188,40 @@ def run_case(stream: list[Request], admission: dict[str, Any], *, args: argparse
         "one_off_hit": hits[False] / chunks[False] if chunks[False] else None,
         "seconds": seconds,
     }
+
+
+def replay(store: TieredStore, namespace: str, request: Request, record: torch.Tensor, layers: int) -> int:
+    """What the KV connector does with the store for one prompt: load the longest prefix of chunks every
+    layer of which the store returns, store the rest (owned, as the KV saver does), flush the writer (no
+    write dropped for a full queue: the counts are exact). Returns the chunks hit."""
+    hit = 0
+    for name in request.chunks:
+        if any(rec is None for rec in store.get_many(keys(namespace, name, layers))):
+            break
+        hit += 1
+    items = [(key, record, None) for name in request.chunks[hit:] for key in keys(namespace, name, layers)]
+    if items:
+        store.put_many(items, owned=True)
+    store.flush()
+    return hit
+
+
+@contextmanager
+def work_directory(parent: Path | None, prefix: str) -> Iterator[Path]:
+    """A temporary directory for the cases' disk tiers (under ``--work-dir`` when given), removed afterwards;
+    a directory that cannot be made or written is a usage error naming ``--work-dir``."""
+    try:
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as exc:
+        raise UsageError(f"--work-dir: {exc}") from exc
+    try:
+        yield work
+    except OSError as exc:
+        raise UsageError(f"--work-dir: {exc}") from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def keys(namespace: str, name: str, layers: int) -> list[StoreKey]:
@@ -213,7 +243,7 @@ def format_table(results: list[dict[str, Any]], header: str) -> str:
         lines.append(
             f"{r['case']:<10} {r['bytes_written'].get('disk', 0) / MIB:>9.1f} "
             f"{r['bytes_written'].get('redis', 0) / MIB:>9.1f} {r['writes_refused'].get('disk', 0):>8} "
-            f"{ratio:>8} {_pct(r['repeated_hit']):>8} {delta:>+8.1f} {_pct(r['one_off_hit']):>11} "
+            f"{ratio:>8} {pct(r['repeated_hit']):>8} {delta:>+8.1f} {pct(r['one_off_hit']):>11} "
             f"{r['seconds']:>6.1f}")
     lines += ["", "slower x = bytes written to disk and Redis / the first case's; rep. hit = hit chunks / full chunks "
               "of the repeated prompts (Δ: points against the first case); refused = records the disk tier's "
@@ -221,7 +251,8 @@ def format_table(results: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
+    """A ratio as a percentage, '-' for none."""
     return "-" if value is None else f"{value:.1%}"
 
 
@@ -240,20 +271,13 @@ def run(args: argparse.Namespace) -> int:
               f"{args.chunk_size}-token chunk; memory tier {memory_bytes / MIB:.1f} MiB "
               f"({memory_bytes / repeated_bytes:.2f} of the repeated prompts' {distinct} distinct chunks); one-off "
               f"prompts {one_off_bytes / max(memory_bytes, 1):.0f}x the memory tier")
-    if args.work_dir is not None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tiercache-bench-admission-", dir=args.work_dir))
     results = []
-    try:
-        with optional_redis_url(not args.no_redis) as redis_url:
-            for label, admission in args.policies:
-                result = run_case(stream, admission, args=args, work=work, redis_url=redis_url,
-                                  memory_bytes=memory_bytes)
-                results.append({"case": label, **result})
-    except OSError as exc:
-        raise UsageError(f"--work-dir: {exc}") from exc
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_directory(args.work_dir, "tiercache-bench-admission-") as work, \
+            optional_redis_url(not args.no_redis) as redis_url:
+        for label, admission in args.policies:
+            result = run_case(stream, admission, args=args, work=work, redis_url=redis_url,
+                              memory_bytes=memory_bytes)
+            results.append({"case": label, **result})
     if args.json:
         print(json.dumps({"header": header, "cases": results}, indent=2))
     else:

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -36,7 +34,17 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store import build_store
-from vllm_tiercache.tools.bench.admission import MIB, Request, add_trace_arguments, build_stream, chunk_names, keys
+from vllm_tiercache.tools.bench.admission import (
+    MIB,
+    Request,
+    add_trace_arguments,
+    build_stream,
+    chunk_names,
+    keys,
+    pct,
+    replay,
+    work_directory,
+)
 from vllm_tiercache.tools.bench.serve_trace import make_workload
 from vllm_tiercache.tools.cli import UsageError, float_in
 from vllm_tiercache.tools.pin_cmd import pin
@@ -92,15 +100,7 @@ def run_case(stream: list[Request], corpus: list[tuple[str, ...]], *, pinned: bo
             time.sleep(0.01)
         for request in stream:
             names = request.chunks
-            hit = 0
-            for name in names:
-                if any(rec is None for rec in store.get_many(keys(namespace, name, args.layers))):
-                    break
-                hit += 1
-            items = [(key, record, None) for name in names[hit:] for key in keys(namespace, name, args.layers)]
-            if items:
-                store.put_many(items, owned=True)
-            store.flush()
+            hit = replay(store, namespace, request, record, args.layers)
             if request.repeated:
                 hit_chunks += hit
                 total_chunks += len(names)
@@ -122,16 +122,12 @@ def format_table(results: list[dict[str, Any]], header: str) -> str:
     lines = [header, "", head, "-" * len(head)]
     for r in results:
         share = f"{r['corpus_hit'] / base:.1%}" if base and r["corpus_hit"] is not None else "-"
-        lines.append(f"{r['case']:<16} {_pct(r['corpus_hit']):>10} {share:>12} {_pct(r['repeated_hit']):>12} "
+        lines.append(f"{r['case']:<16} {pct(r['corpus_hit']):>10} {share:>12} {pct(r['repeated_hit']):>12} "
                      f"{r['seconds']:>6.1f}")
     lines += ["", "corpus hit = hit chunks / chunks of the repeated prompts that are a document's prefix (the "
               "precomputed corpus); of reference = against the case without one-off prompts; repeated hit = "
               "every chunk of the repeated prompts"]
     return "\n".join(lines)
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,19 +146,12 @@ def run(args: argparse.Namespace) -> int:
               f"corpus {len(corpus)} documents, {corpus_bytes / MIB:.1f} MiB; memory tier {memory_bytes / MIB:.1f} "
               f"MiB (one-off prompts {one_off_bytes / max(memory_bytes, 1):.0f}x it), disk tier "
               f"{memory_bytes * args.disk_ratio / MIB:.1f} MiB; pin_budget {args.pin_budget:g}")
-    if args.work_dir is not None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tiercache-bench-pins-", dir=args.work_dir))
     results = []
-    try:
+    with work_directory(args.work_dir, "tiercache-bench-pins-") as work:
         for label, one_off, pinned in CASES:
             result = run_case(stream if one_off else repeated_only, corpus, pinned=pinned, args=args, work=work,
                               memory_bytes=memory_bytes)
             results.append({"case": label, **result})
-    except OSError as exc:
-        raise UsageError(f"--work-dir: {exc}") from exc
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps({"header": header, "corpus_bytes": corpus_bytes, "memory_bytes": memory_bytes,
                           "cases": results}, indent=2))
