@@ -26,45 +26,17 @@ pytest_plugins = [
 collect_ignore = ["gpu"]
 
 
-#: The engine modules that take longest (summed test durations of a `make test` run with three workers,
-#: 2026-11-27: 389 s down to 69 s), longest first. Handed out first, so the last modules any worker starts
-#: are short ones and the workers finish together (longest-processing-time-first scheduling). A module
-#: missing from the list only starts later; keep it roughly in order when a module grows.
-HEAVIEST_FIRST = (
-    "tests.kv.test_kv_connector",
-    "tests.tools.test_bench_serve",
-    "tests.ec.test_ec_connector",
-    "tests.tools.test_bench_kv",
-    "tests.kv.test_load",
-    "tests.engine.test_kv_events_engine",
-    "tests.faults.test_faults_engine",
-    "tests.tools.test_demo",
-    "tests.naming.test_mm_identifiers",
-    "tests.engine.test_combined_connectors",
-    "tests.engine.test_pd_handoff_engine",
-    "tests.ec.test_ec_stale_engine",
-    "tests.engine.test_metrics_server",
-)
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with engine tests first, the heaviest of them first (`HEAVIEST_FIRST`), each module's tests
-    kept together and in order.
+    """Modules with engine tests first, each module's tests kept together and in order.
 
     Why: `make test` hands whole modules to its xdist workers in this order (scripts/run_tests.sh), and
-    the engine modules take minutes each; started first, longest first, they spread over the workers
-    instead of one worker finishing a long module while the others idle. The sort is stable, so pytest's
-    own grouping by fixture within a module stays as it was.
+    the engine modules take minutes each; started first, they spread over the workers instead of one
+    worker finishing the last of them while the other idles. The sort is stable, so pytest's own
+    grouping by fixture within a module stays as it was.
     """
     engine_modules = {item.module.__name__ for item in items if item.get_closest_marker("engine") and item.module}
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-
-    def order(item: pytest.Item) -> tuple[bool, int]:
-        name = item.module.__name__ if item.module else ""
-        return name not in engine_modules, rank.get(name, len(rank))
-
-    items.sort(key=order)
+    items.sort(key=lambda item: (item.module.__name__ if item.module else "") not in engine_modules)
 
 
 _ENGINE_GUARD_DIR = str(Path(__file__).parent / "support" / "engine_guard")
