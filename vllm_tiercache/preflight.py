@@ -61,16 +61,20 @@ def check_engine_config(vllm_config: Any) -> None:
         from vllm_tiercache.kvcache.connector import check_kv_config
 
         with _named(where):
-            stores.append(check_kv_config(vllm_config, transfer, final_block_size=False).store)
-            check_tier_directories(stores[-1])
+            store = check_kv_config(vllm_config, transfer, final_block_size=False).store
+            check_tier_directories(store)
+        if getattr(transfer, "kv_role", None) != "kv_consumer":  # a consumer never writes
+            stores.append(store)
         checked.append(KV_CONNECTOR_NAME)
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is not None and getattr(ec, "ec_connector", None) == EC_CONNECTOR_NAME:
         from vllm_tiercache.eccache.connector import check_ec_config
 
         with _named("ec_transfer_config (--ec-transfer-config)"):
-            stores.append(check_ec_config(vllm_config)[1])
-            check_tier_directories(stores[-1])
+            store = check_ec_config(vllm_config)[1]
+            check_tier_directories(store)
+        if getattr(ec, "ec_role", None) != "ec_consumer":
+            stores.append(store)
         checked.append(EC_CONNECTOR_NAME)
     warn_if_shutdown_drops_writes(vllm_config, stores)
     manager = getattr(getattr(vllm_config, "ec_manager_config", None), "encoder_cache_manager_cls", None)
@@ -85,7 +89,8 @@ def check_engine_config(vllm_config: Any) -> None:
 
 def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | None:
     """Warn (and return the warning) when vLLM would kill the engine process the moment it stops while a
-    store of ours writes to a slower tier behind the requests.
+    store of ours (``stores``: those of connectors whose role writes) writes to a slower tier behind the
+    requests.
 
     Why: with ``shutdown_timeout`` 0 (vLLM's default) the front end SIGKILLs the engine core right after
     asking it to stop, so the connectors' shutdown never runs: records still queued for disk or Redis, and

@@ -103,6 +103,9 @@ def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) 
                          {"kind": "disk", "path": "{model}/../preflight-disk/d", "capacity": "64MiB"}]}),
         "shutdown_timeout": 15,
     }
+    # a consumer never writes: nothing queued to lose, no warning at vLLM's default timeout
+    cases["a valid consumer config"] = _kv({"tiers": [{"kind": "disk", "path": "{model}/../preflight-disk/c"}]},
+                                           kv_role="kv_consumer")
     cases_json = json.dumps(cases).replace("{model}", str(tiny_llama))
     proc = subprocess.run([sys.executable, "-c", _JOB, str(tiny_llama), cases_json], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=300)
@@ -116,10 +119,12 @@ def test_each_mistake_is_refused_while_vllm_builds_its_config(tiny_llama: Path) 
             assert piece in got["error"], (name, piece, got["error"])
     assert results["a valid config of both connectors and a manager"]["error"] is None
     assert results["a valid config given time to stop"]["error"] is None
+    assert results["a valid consumer config"]["error"] is None
     log = proc.stdout + proc.stderr  # vLLM's logger writes to stdout
     assert "settings checked before the model loads" in log
     # vLLM's default shutdown_timeout 0 kills the engine before queued disk writes land: said once, for the
-    # config without the time to stop, naming the tier and the flag
+    # writing config without the time to stop (not for it given 15 s, nor for the consumer), naming the
+    # tier and the flag
     warning = "writes still queued for the disk tier(s) at that moment are lost"
     assert log.count(warning) == 1 and "pass --shutdown-timeout 15" in log, log[-3000:]
     assert not (tiny_llama.parent / "preflight-disk").exists()  # checked, not created: no side effects
