@@ -92,10 +92,11 @@ def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | 
     store of ours (``stores``: those of connectors whose role writes) writes to a slower tier behind the
     requests.
 
-    Why: with ``shutdown_timeout`` 0 (vLLM's default) the front end SIGKILLs the engine core right after
-    asking it to stop, so the connectors' shutdown never runs: records still queued for disk or Redis, and
-    the event journal's last entries, are lost. That costs misses after the restart (never wrong data),
-    which an operator would otherwise only see as a cold restart."""
+    Why: with ``shutdown_timeout`` 0 (vLLM's default) an OpenAI server SIGKILLs the engine core right after
+    asking it to stop (an offline `LLM` gives it a fixed 5 s), so the connectors' shutdown may never run:
+    records still queued for disk or Redis, and the event journal's last entries, are lost. That costs
+    misses after the restart (never wrong data), which an operator would otherwise only see as a cold
+    restart."""
     if getattr(vllm_config, "shutdown_timeout", None) != 0:
         return None
     from vllm_tiercache.shared.store.api import InProcessTier
@@ -105,10 +106,10 @@ def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | 
                      if not issubclass(tier_class(tier.kind), InProcessTier)})
     if not slower:
         return None
-    message = (f"vllm-tiercache: vLLM kills its engine process at once when it stops (--shutdown-timeout 0, "
-               f"the default), so writes still queued for the {', '.join(slower)} tier(s) at that moment are "
-               "lost (misses after a restart, never wrong data); pass --shutdown-timeout 15 (or "
-               "shutdown_timeout=15) to give the connectors time to finish them")
+    message = (f"vllm-tiercache: with --shutdown-timeout 0 (vLLM's default) a stopping OpenAI server kills its "
+               f"engine process at once (an offline LLM(...) allows it 5 s), so writes still queued for the "
+               f"{', '.join(slower)} tier(s) at that moment are lost (misses after a restart, never wrong data); "
+               "pass --shutdown-timeout 15 to the server to give the connectors time to finish them")
     logger.warning(message)
     return message
 
