@@ -63,7 +63,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named(where):
             store = check_kv_config(vllm_config, transfer, final_block_size=False).store
             check_tier_directories(store)
-        if getattr(transfer, "kv_role", None) != "kv_consumer":  # a consumer never writes
+        if transfer.is_kv_producer:  # the connector's own rule for saving (a consumer never writes)
             stores.append(store)
         checked.append(KV_CONNECTOR_NAME)
     ec = getattr(vllm_config, "ec_transfer_config", None)
@@ -73,7 +73,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named("ec_transfer_config (--ec-transfer-config)"):
             store = check_ec_config(vllm_config)[1]
             check_tier_directories(store)
-        if getattr(ec, "ec_role", None) != "ec_consumer":
+        if ec.is_ec_producer:
             stores.append(store)
         checked.append(EC_CONNECTOR_NAME)
     warn_if_shutdown_drops_writes(vllm_config, stores)
@@ -87,10 +87,9 @@ def check_engine_config(vllm_config: Any) -> None:
                     (time.monotonic() - started) * 1e3)
 
 
-def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | None:
-    """Warn (and return the warning) when vLLM would kill the engine process the moment it stops while a
-    store of ours (``stores``: those of connectors whose role writes) writes to a slower tier behind the
-    requests.
+def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> None:
+    """Warn when vLLM would kill the engine process the moment it stops while a store of ours (``stores``:
+    those of connectors whose role writes) writes to a slower tier behind the requests.
 
     Why: with ``shutdown_timeout`` 0 (vLLM's default) an OpenAI server SIGKILLs the engine core right after
     asking it to stop (an offline `LLM` gives it a fixed 5 s), so the connectors' shutdown may never run:
@@ -98,20 +97,19 @@ def warn_if_shutdown_drops_writes(vllm_config: Any, stores: list[Any]) -> str | 
     misses after the restart (never wrong data), which an operator would otherwise only see as a cold
     restart."""
     if getattr(vllm_config, "shutdown_timeout", None) != 0:
-        return None
+        return
     from vllm_tiercache.shared.store.api import InProcessTier
     from vllm_tiercache.shared.store.registry import tier_class
 
     slower = sorted({tier.kind for store in stores for tier in store.tiers
                      if not issubclass(tier_class(tier.kind), InProcessTier)})
     if not slower:
-        return None
-    message = (f"vllm-tiercache: with --shutdown-timeout 0 (vLLM's default) a stopping OpenAI server kills its "
-               f"engine process at once (an offline LLM(...) allows it 5 s), so writes still queued for the "
-               f"{', '.join(slower)} tier(s) at that moment are lost (misses after a restart, never wrong data); "
-               "pass --shutdown-timeout 15 to the server to give the connectors time to finish them")
-    logger.warning(message)
-    return message
+        return
+    logger.warning("vllm-tiercache: with --shutdown-timeout 0 (vLLM's default) a stopping OpenAI server kills "
+                   "its engine process at once (an offline LLM(...) allows it 5 s), so writes still queued for "
+                   "the %s tier(s) at that moment are lost (misses after a restart, never wrong data); pass "
+                   "--shutdown-timeout 15 to the server to give the connectors time to finish them",
+                   ", ".join(slower))
 
 
 def _our_kv_transfers(vllm_config: Any) -> Iterator[tuple[str, Any]]:
