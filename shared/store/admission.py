@@ -49,7 +49,8 @@ class AdmissionGate:
     def __init__(self, slower: Sequence[Tier], rules: Sequence[AdmissionConfig | None]) -> None:
         self.slower = list(slower)
         self._min_seen = [0 if rule is None or rule.always else rule.min_seen for rule in rules]
-        self._sketch_of: list[FrequencySketch | None] = []
+        #: slower[i]'s sketch, as an index into ``_sketches`` (one sketch per window size); None: always
+        self._sketch_of: list[int | None] = []
         sketches: dict[int, FrequencySketch] = {}
         for rule, threshold in zip(rules, self._min_seen, strict=True):
             if not threshold:
@@ -59,7 +60,7 @@ class AdmissionGate:
             window = rule.window_records
             if window not in sketches:  # halve after `window` increments: the sketch's sample size
                 sketches[window] = FrequencySketch(window, sample_factor=1)
-            self._sketch_of.append(sketches[window])
+            self._sketch_of.append(list(sketches).index(window))
         self._sketches = list(sketches.values())
         self._limit = _REMEMBERED_PER_WINDOW * max((rule.window_records for rule in rules if rule), default=0)
         #: digest -> bit i set: slower[i] refused the record, which the fastest tier still holds
@@ -78,7 +79,7 @@ class AdmissionGate:
     def _passes(self, freqs: list[list[int]], i: int, j: int) -> bool:
         """Whether slower[i] admits the j-th counted key."""
         sketch = self._sketch_of[i]
-        return sketch is None or freqs[self._sketches.index(sketch)][j] >= self._min_seen[i]
+        return sketch is None or freqs[sketch][j] >= self._min_seen[i]
 
     def on_put(self, items: Sequence[Any], *, exempt: bool) -> list[tuple[list[Tier], list[Any]]]:
         """The writes a put makes to the slower tiers: (tiers, items) groups; counts each tier's admitted
