@@ -158,14 +158,21 @@ def test_lost_records_fall_back_to_recompute(pd: PD) -> None:
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
     req = urllib.request.Request(pd.producer.base_url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        params = json.loads(resp.read())["kv_transfer_params"]
-    assert params["tiercache"]["chunks"] == 7  # 28 full blocks: 7 chunks of 4 blocks
-    with pd.redis.client() as client:  # the write landed (a record per chunk and layer) ...
-        deadline = time.monotonic() + 30
-        while client.dbsize() < 7 * 2 and time.monotonic() < deadline:
+    with pd.redis.client() as client:
+        client.flushall()  # the earlier tests' records: what Redis holds next is this prompt's alone
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            params = json.loads(resp.read())["kv_transfer_params"]
+        assert params["tiercache"]["chunks"] == 7  # 28 full blocks: 7 chunks of 4 blocks
+        # the write landed (a record per chunk and layer, all of them: the count stops growing) ...
+        deadline, seen, still_since = time.monotonic() + 60, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            size = client.dbsize()
+            if size != seen:
+                seen, still_since = size, time.monotonic()
+            elif size >= 7 * 2 and time.monotonic() - still_since >= 1.0:
+                break
             time.sleep(0.05)
-        time.sleep(0.5)
+        assert seen >= 7 * 2, f"the producer's records did not reach Redis within 60 s ({seen} keys)"
         client.flushall()  # ... and is lost, as if it had failed
     before = counters(pd.consumer, *NAMES)
     lines = _fallback_lines(pd.consumer)
