@@ -11,9 +11,8 @@ setup: $(STAMP) redis
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	@extra=$$(bash scripts/detect_extra.sh); echo "tiercache setup: installing with extra [$$extra]"; \
-	  $(PY) -m pip install -q -e ".[$$extra,dev]" && \
+	  bash scripts/install_deps.sh $(PY) $$extra && \
 	  if [ "$$extra" = cpu ]; then \
 	    $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
 	  fi
