@@ -45,7 +45,9 @@ install_with_uv() {
     esac
   done < <(uv_flags)
   echo "tiercache setup: installing with uv ($("$uv" --version))"
-  "$uv" pip install -q --python "$PY" "${args[@]}" -e "$SPEC"
+  # pip picks the best version across every index it is given; uv, by default, the first index that has the
+  # package: --index-strategy unsafe-best-match is pip's rule
+  "$uv" pip install -q --python "$PY" --index-strategy unsafe-best-match "${args[@]}" -e "$SPEC"
 }
 
 if ! install_with_uv; then
