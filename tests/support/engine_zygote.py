@@ -7,8 +7,10 @@ child forked after the import is a layout vLLM runs every day. Each child is sti
 what the tests care about: it starts its own engine and its own store, with the environment the test
 gave it, and exits; nothing of it survives into the next job.
 
-What stays outside: jobs in vLLM's multiproc layout (`run_engine(multiproc=True)`) and every OpenAI server
-keep starting from a fresh interpreter, so the process boundaries they test are the real ones.
+Jobs in vLLM's multiproc layout (`run_engine(multiproc=True)`) fork from here too: the forked job is the
+front process (`LLM`), and vLLM still spawns its EngineCore and worker from fresh interpreters, so the
+process boundaries those tests are about are the real ones (one such engine cost ~37 CPU-s from a fresh
+interpreter, ~25 forked). OpenAI servers keep starting from a fresh interpreter (`tools/demo/server.py`).
 
 Protocol, one JSON object per line: the test side writes ``{"module" or "path", "argv", "env", "cwd",
 "stdout", "stderr"}`` (the last two: files for the job's output); the zygote forks, answers ``{"pid": N}`` at

@@ -6,8 +6,7 @@ zygote per test process (each xdist worker) pays that import once; every job is 
 own, with the environment, directory and arguments the test gave it.
 
 A job runs from a fresh interpreter instead when the test is not marked `engine` (the engine guard of
-`tests/support/engine_guard` lives in a fresh interpreter's start-up), when the caller asks
-(``fresh_interpreter=True``: vLLM's multiproc layout tests), or when ``TIERCACHE_TEST_NO_ZYGOTE`` is set
+`tests/support/engine_guard` lives in a fresh interpreter's start-up), or when ``TIERCACHE_TEST_NO_ZYGOTE`` is set
 (to compare, or to rule the zygote out while debugging).
 """
 
@@ -34,15 +33,15 @@ NO_ZYGOTE_ENV = "TIERCACHE_TEST_NO_ZYGOTE"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_job(cmd: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout: float,
-            fresh_interpreter: bool = False) -> subprocess.CompletedProcess[str]:
+def run_job(cmd: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout: float
+            ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(cmd, capture_output=True, text=True)` for ``[sys.executable, "-m", module, *args]`` or
     ``[sys.executable, script, *args]``, forked from the zygote unless the module docstring's exceptions
     apply. Raises `subprocess.TimeoutExpired` after ``timeout`` seconds (the job's process group is killed)."""
     cmd = list(cmd)
     if cmd[0] != sys.executable:
         raise ValueError(f"run_job runs Python jobs only, not {cmd[0]!r}")
-    fresh = fresh_interpreter or GUARD_ENV in env or os.environ.get(NO_ZYGOTE_ENV)
+    fresh = GUARD_ENV in env or os.environ.get(NO_ZYGOTE_ENV)
     if fresh:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if cmd[1] == "-m":
