@@ -28,8 +28,9 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,12 +269,66 @@ def test_redis_killed_and_restarted_under_a_live_server(
 HANG_NOISE_S = 1.5
 
 
+@dataclass
+class HangTarget:
+    """One shape of the hung-Redis test: its server (connector on memory + that Redis) and how to hang it."""
+
+    server: Server
+    pause_s: float
+    pause: Callable[[], object]
+    resume: Callable[[], object]
+    #: A client of the Redis that receives this server's records (on a cluster: the hung master's own).
+    client: Any
+
+
+@pytest.fixture(scope="module")
+def hang_targets(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
+                 request: pytest.FixtureRequest) -> Iterator[dict[str, HangTarget]]:
+    """Both shapes' servers, started side by side before the first of the two tests, so the serial pass
+    waits for one server start instead of two in a row (an idle server beside the other test costs it
+    nothing: its OpenMP threads wait passively)."""
+    work = tmp_path_factory.mktemp("redis-hang")
+    template = work / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+
+    def server(shape: str, url: str) -> Server:
+        kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"namespace": f"redis-hang-{shape}", "chunk_size": 64, "tiers": [
+                  {"kind": "memory", "capacity": "64MiB"},
+                  {"kind": "redis", "url": url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
+        return Server(tiny_llama, work / f"server-{shape}.log", served_name="tiny", chat_template=template,
+                      max_model_len=2048, kv_transfer=kv, stats_dir=work / f"stats-{shape}")
+
+    with contextlib.ExitStack() as stack:
+        # the one server: paused 10 s, many probe periods (retry_after_s 1 s) and socket timeouts (2 s)
+        redis_srv = stack.enter_context(RedisServer())
+        # the session's cluster, restored and emptied as `redis_cluster` does for a test: one master hangs
+        # for less than its node timeout (no failover)
+        cluster = request.getfixturevalue("redis_cluster_session")
+        cluster.start()
+        cluster.flushall()
+        victim = cluster.master_nodes()[0]
+        targets = {
+            "server": HangTarget(stack.enter_context(server("server", redis_srv.url)), 10.0, redis_srv.pause,
+                                 redis_srv.resume, stack.enter_context(redis_srv.client())),
+            # the hung master's own keys: records must reach that shard again, not only the others
+            "cluster": HangTarget(stack.enter_context(server("cluster", cluster.url)),
+                                  cluster.node_timeout_ms / 1000 * 0.8, lambda: cluster.pause(victim),
+                                  lambda: cluster.resume(victim), stack.enter_context(cluster.nodes[victim].client())),
+        }
+        for target in targets.values():
+            target.server.wait_healthy()
+        yield targets
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:  # each orderly stop waits seconds: together
+            list(pool.map(lambda target: target.server.stop(), targets.values()))
+
+
 @pytest.mark.serial
 @pytest.mark.engine
 @pytest.mark.redis
 @pytest.mark.parametrize("shape", ["server", "cluster"])
-def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[list[list[int]]], tmp_path: Path,
-                                          shape: str, request: pytest.FixtureRequest) -> None:
+def test_a_paused_redis_stalls_no_request(baseline: Future[list[list[int]]], hang_targets: dict[str, HangTarget],
+                                          shape: str) -> None:
     """Redis stops answering (SIGSTOP: a hang, not a refusal) under a stream of requests: the one server,
     or one master of a 3 + 3 cluster (a hung shard; the others keep answering).
 
@@ -283,8 +338,8 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
     baseline's, and after SIGCONT the tier comes back by itself (new records reach Redis again) without a
     request paying for a probe.
     """
-    template = tmp_path / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
+    target = hang_targets[shape]
+    server, client = target.server, target.client
     served: list[tuple[int, dict[str, Any], float]] = []
 
     def send(indices: list[int]) -> list[float]:
@@ -296,51 +351,32 @@ def test_a_paused_redis_stalls_no_request(tiny_llama: Path, baseline: Future[lis
             served.append((i, result, seconds[-1]))
         return seconds
 
-    with contextlib.ExitStack() as stack:
-        if shape == "server":  # paused 20 s: many probe periods (retry_after_s 1 s) and socket timeouts
-            pause_s = 20.0
-            redis_srv = stack.enter_context(RedisServer())
-            url, pause, resume, client = redis_srv.url, redis_srv.pause, redis_srv.resume, redis_srv.client()
-        else:  # the session's cluster; one master hangs for less than its node timeout (no failover)
-            cluster = request.getfixturevalue("redis_cluster")
-            pause_s = cluster.node_timeout_ms / 1000 * 0.8
-            victim = cluster.master_nodes()[0]
-            # the hung master's own keys: records must reach that shard again, not only the others
-            url, client = cluster.url, cluster.nodes[victim].client()
-            pause, resume = (lambda: cluster.pause(victim)), (lambda: cluster.resume(victim))
-        kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"namespace": f"redis-hang-{shape}", "chunk_size": 64, "tiers": [
-                  {"kind": "memory", "capacity": "64MiB"},
-                  {"kind": "redis", "url": url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
-        with Server(tiny_llama, tmp_path / "server.log", served_name="tiny", chat_template=template,
-                    max_model_len=2048, kv_transfer=kv, stats_dir=tmp_path / "stats") as server:
-            server.wait_healthy()
-            send(list(range(4)))  # first requests pay one-time costs (kernels, connections)
-            before = send(list(range(4, 10)))
-            pause()
-            try:  # a stream of requests through the whole pause (prompts 10-19 in turn)
-                during: list[float] = []
-                end = time.monotonic() + pause_s
-                while time.monotonic() < end:
-                    during += send([10 + len(during) % 10])
-            finally:
-                resume()
-            stored = client.dbsize()
-            deadline = time.monotonic() + 30
-            rng = random.Random(f"after-{shape}")
-            while client.dbsize() <= stored and time.monotonic() < deadline:
-                for _ in range(4):  # prompts never seen: their saves reach Redis once the tier is back
-                    fresh = _complete(server.base_url, [rng.randrange(3, 259) for _ in range(300)])
-                    assert not fresh["error"], fresh["error"]
-                time.sleep(0.5)
-            back = client.dbsize() > stored
+    send(list(range(4)))  # first requests pay one-time costs (kernels, connections)
+    before = send(list(range(4, 10)))
+    target.pause()
+    try:  # a stream of requests through the whole pause (prompts 10-19 in turn)
+        during: list[float] = []
+        end = time.monotonic() + target.pause_s
+        while time.monotonic() < end:
+            during += send([10 + len(during) % 10])
+    finally:
+        target.resume()
+    stored = client.dbsize()
+    deadline = time.monotonic() + 30
+    rng = random.Random(f"after-{shape}")
+    while client.dbsize() <= stored and time.monotonic() < deadline:
+        for _ in range(4):  # prompts never seen: their saves reach Redis once the tier is back
+            fresh = _complete(server.base_url, [rng.randrange(3, 259) for _ in range(300)])
+            assert not fresh["error"], fresh["error"]
+        time.sleep(0.5)
+    back = client.dbsize() > stored
 
     failed = [(i, r["error"]) for i, r, _ in served if r["error"]]
     assert not failed, failed
     reference = baseline.result()
     wrong = [i for i, r, _ in served if r["tokens"] != reference[i]]
     assert not wrong, f"answers differ from the baseline for prompts {wrong}"
-    print(f"redis {shape} paused {pause_s:g} s: requests before {[round(s, 3) for s in before]} s, "
+    print(f"redis {shape} paused {target.pause_s:g} s: requests before {[round(s, 3) for s in before]} s, "
           f"{len(during)} during, slowest {sorted(round(s, 3) for s in during)[-3:]} s")
     assert max(during) <= max(before) + HANG_NOISE_S, (before, during)
     assert back, "no new record reached Redis within 30 s of SIGCONT: the tier did not come back by itself"
