@@ -4,6 +4,7 @@ arguments, environment, directory and output, its exit code, its exit handlers, 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.zygote_client import EngineZygote
+from tests.support.zygote_client import EngineZygote, ZygoteJob, server_subprocess
 
 # The zygote imports vLLM (what the engine tests share it for); this module starts no engine, but it
 # belongs with the modules that pay for that import once per worker.
@@ -83,6 +84,7 @@ def test_the_job_waits_for_its_threads_before_exiting(tmp_path: Path) -> None:
 
 
 def test_a_timeout_kills_the_job_and_the_zygote_serves_the_next(tmp_path: Path) -> None:
+    zygote = EngineZygote.shared()
     with pytest.raises(subprocess.TimeoutExpired):
         _run(tmp_path, "hang", timeout=10)
     pid = int((tmp_path / "hang.done.started").read_text())
@@ -90,7 +92,46 @@ def test_a_timeout_kills_the_job_and_the_zygote_serves_the_next(tmp_path: Path) 
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(pid)
-    assert _run(tmp_path, "plain")[0] == 0  # a new zygote: the old one was retired with its job
+    assert _run(tmp_path, "plain")[0] == 0
+    assert EngineZygote.shared() is zygote  # answers carry their job's id: no need to retire the zygote
+
+
+def test_a_server_started_through_the_shim_runs_beside_other_jobs_and_stops_on_a_signal(tmp_path: Path) -> None:
+    """What `Server.start` does with `server_subprocess().Popen`: a module job whose output is appended to
+    the log the caller opened, a handle that polls, waits and signals it, while other jobs come and go."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "serve.py").write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        print("serving", sys.argv[1:], os.environ["ZYGOTE_TEST_VAR"], "own group", os.getpgid(0) == os.getpid(),
+              flush=True)
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(7))
+        while True:
+            time.sleep(0.05)
+    """))
+    log = tmp_path / "server.log"
+    env = {**os.environ, "ZYGOTE_TEST_VAR": "server", "PYTHONPATH": str(tmp_path)}
+    shim = server_subprocess()
+    with open(log, "wb") as out:
+        out.write(b"header\n")
+        out.flush()
+        proc = shim.Popen([sys.executable, "-m", "pkg.serve", "--port", "1"], stdout=out, stderr=shim.STDOUT,
+                          stdin=shim.DEVNULL, env=env, start_new_session=True)
+    assert isinstance(proc, ZygoteJob) and proc.pid > 0
+    deadline = time.monotonic() + 30
+    while "serving" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None
+    assert _run(tmp_path, "exit3")[0] == 3  # another job, start to end, while the server runs
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 7 and proc.returncode == 7
+    assert log.read_text() == "header\nserving ['--port', '1'] server own group True\n"
+    # what the zygote cannot fork (not `python -m`, no file for the output) gets the real Popen
+    real = shim.Popen([sys.executable, "-c", "pass"], stdout=shim.DEVNULL)
+    assert isinstance(real, subprocess.Popen) and real.wait(timeout=60) == 0
 
 
 def test_jobs_from_several_threads_each_get_their_own_answer(tmp_path: Path) -> None:

@@ -10,12 +10,15 @@ gave it, and exits; nothing of it survives into the next job.
 Jobs in vLLM's multiproc layout (`run_engine(multiproc=True)`) fork from here too: the forked job is the
 front process (`LLM`), and vLLM still spawns its EngineCore and worker from fresh interpreters, so the
 process boundaries those tests are about are the real ones (one such engine cost ~37 CPU-s from a fresh
-interpreter, ~25 forked). OpenAI servers keep starting from a fresh interpreter (`tools/demo/server.py`).
+interpreter, ~25 forked). So do the tests' OpenAI servers (`tools/demo/server.py`'s `Server`, through
+`tests.support.zygote_client.server_subprocess`): the forked job is the API server's front end.
 
-Protocol, one JSON object per line: the test side writes ``{"module" or "path", "argv", "env", "cwd",
-"stdout", "stderr"}`` (the last two: files for the job's output); the zygote forks, answers ``{"pid": N}`` at
-once, then ``{"rc": CODE}`` when the child exits (a negative code: killed by that signal).
-`tests.support.zygote_client` is the test side.
+Protocol, one JSON object per line: the test side writes ``{"id", "module" or "path", "argv", "env", "cwd",
+"stdout", "stderr", "append"}`` (the output files: ``stderr`` may name the ``stdout`` file, both then share one
+descriptor; ``append`` keeps what the file holds); the zygote forks, answers ``{"id": ID, "pid": N}`` at once,
+then ``{"id": ID, "rc": CODE}`` when that child exits (a negative code: killed by that signal). Jobs run side
+by side (an OpenAI server runs for a whole module while offline engines come and go), so answers come in
+the order things happen and the id says whose they are. `tests.support.zygote_client` is the test side.
 """
 
 from __future__ import annotations
@@ -43,10 +46,16 @@ def _run_child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
+        out = os.open(request["stdout"], mode, 0o644)
+        os.dup2(out, 1)
+        if request["stderr"] == request["stdout"]:
+            os.dup2(out, 2)
+        else:
+            err = os.open(request["stderr"], mode, 0o644)
+            os.dup2(err, 2)
+            os.close(err)
+        os.close(out)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -91,24 +100,46 @@ def _shut_down_as_python_does() -> None:
 
 
 def serve() -> None:
-    """Import `PRELOAD`, then fork a child per request line on stdin until stdin closes."""
+    """Import `PRELOAD`, then fork a child per request line on stdin until stdin closes, and report each
+    child's exit. One thread only (a fork copies the locks other threads hold): requests and exits are
+    watched in one loop, stdin with `select` and the children with non-blocking `waitpid`."""
     import importlib
+    import select
 
     for name in PRELOAD:
         importlib.import_module(name)
-    if threading.active_count() != 1:  # a fork would copy locks other threads hold
+    if threading.active_count() != 1:
         raise SystemExit(f"engine zygote: {threading.active_count()} threads after the imports; a fork is unsafe")
     reply = sys.stdout
-    print(json.dumps({"ready": True}), file=reply, flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_child(request)
-        print(json.dumps({"pid": pid}), file=reply, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+
+    def answer(message: dict[str, Any]) -> None:
+        print(json.dumps(message), file=reply, flush=True)
+
+    answer({"ready": True})
+    jobs: dict[int, Any] = {}  # pid -> the request's id
+    pending = b""
+    while True:  # until stdin closes (the test process is done or gone); jobs still running live on
+        readable, _, _ = select.select([0], [], [], 0.05)
+        if readable:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(request)
+                jobs[pid] = request.get("id")
+                answer({"id": jobs[pid], "pid": pid})
+        while jobs:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in jobs:
+                answer({"id": jobs.pop(pid), "rc": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":
