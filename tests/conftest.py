@@ -14,13 +14,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV, refusal
-from tests.support.zygote_client import server_subprocess
+from tests.support.zygote_client import zygote_subprocess
 from vllm_tiercache.tools.demo import server as demo_server
 
 # The OpenAI servers the tests start (`tools/demo/server.py`'s `Server`) fork their front end from this
 # process's engine zygote instead of importing vLLM afresh; vLLM still spawns their EngineCore and worker.
 # Set here, once, because servers start in module-scoped fixtures, before any per-test fixture could.
-demo_server.subprocess = server_subprocess()  # type: ignore[assignment]
+demo_server.subprocess = zygote_subprocess()  # type: ignore[assignment]
 
 pytest_plugins = [
     "tests.fixtures.redis",

@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.models import REPO, run_engine
+from tests.support.zygote_client import zygote_subprocess
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
@@ -100,7 +101,7 @@ def _records(disk: Path) -> int:
     return sum(1 for _ in disk.rglob("*.rec")) if disk.exists() else 0
 
 
-def _start_engine(spec: dict[str, Any], work: Path, name: str) -> subprocess.Popen[bytes]:
+def _start_engine(spec: dict[str, Any], work: Path, name: str) -> Any:
     """`tests.support.engine_job` in its own process group, in that one process like the consumer and the
     baseline (`run_engine`'s default): SIGKILL stops the worker side's writer wherever it is."""
     work.mkdir(parents=True, exist_ok=True)
@@ -110,8 +111,9 @@ def _start_engine(spec: dict[str, Any], work: Path, name: str) -> subprocess.Pop
     env.pop("TIERCACHE_STATS_DIR", None)
     with open(work / f"{name}.log", "wb") as log:
         job = [sys.executable, "-m", "tests.support.engine_job", str(spec_path), str(work / f"{name}.out")]
-        return subprocess.Popen(job,
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # forked from the engine zygote like `run_engine`'s jobs (a process of its own, its own group)
+        return zygote_subprocess().Popen(job, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
 
 def _run_own_rounds(run: int) -> list[list[list[int]]]:
@@ -120,7 +122,7 @@ def _run_own_rounds(run: int) -> list[list[list[int]]]:
     return [[[rng.randrange(3, 259) for _ in range(1000)] for _ in range(4)] for _ in range(4)]
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: Any) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

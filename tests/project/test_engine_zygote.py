@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.zygote_client import EngineZygote, ZygoteJob, server_subprocess
+from tests.support.zygote_client import EngineZygote, ZygoteJob, zygote_subprocess
 
 # The zygote imports vLLM (what the engine tests share it for); this module starts no engine, but it
 # belongs with the modules that pay for that import once per worker.
@@ -97,7 +97,7 @@ def test_a_timeout_kills_the_job_and_the_zygote_serves_the_next(tmp_path: Path) 
 
 
 def test_a_server_started_through_the_shim_runs_beside_other_jobs_and_stops_on_a_signal(tmp_path: Path) -> None:
-    """What `Server.start` does with `server_subprocess().Popen`: a module job whose output is appended to
+    """What `Server.start` does with `zygote_subprocess().Popen`: a module job whose output is appended to
     the log the caller opened, a handle that polls, waits and signals it, while other jobs come and go."""
     package = tmp_path / "pkg"
     package.mkdir()
@@ -112,7 +112,7 @@ def test_a_server_started_through_the_shim_runs_beside_other_jobs_and_stops_on_a
     """))
     log = tmp_path / "server.log"
     env = {**os.environ, "ZYGOTE_TEST_VAR": "server", "PYTHONPATH": str(tmp_path)}
-    shim = server_subprocess()
+    shim = zygote_subprocess()
     with open(log, "wb") as out:
         out.write(b"header\n")
         out.flush()

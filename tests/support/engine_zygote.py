@@ -11,7 +11,7 @@ Jobs in vLLM's multiproc layout (`run_engine(multiproc=True)`) fork from here to
 front process (`LLM`), and vLLM still spawns its EngineCore and worker from fresh interpreters, so the
 process boundaries those tests are about are the real ones (one such engine cost ~37 CPU-s from a fresh
 interpreter, ~25 forked). So do the tests' OpenAI servers (`tools/demo/server.py`'s `Server`, through
-`tests.support.zygote_client.server_subprocess`): the forked job is the API server's front end.
+`tests.support.zygote_client.zygote_subprocess`): the forked job is the API server's front end.
 
 Protocol, one JSON object per line: the test side writes ``{"id", "module" or "path", "argv", "env", "cwd",
 "stdout", "stderr", "append"}`` (the output files: ``stderr`` may name the ``stdout`` file, both then share one

@@ -1,6 +1,6 @@
 """Run a test's job (``python -m module ...`` or ``python script.py ...``) forked from an interpreter that
 imported vLLM once (`tests.support.engine_zygote`), with `subprocess.run`'s answer (`run_job`), or start one
-that keeps running, with a `subprocess.Popen`-like handle (`EngineZygote.start`; `server_subprocess` makes the
+that keeps running, with a `subprocess.Popen`-like handle (`EngineZygote.start`; `zygote_subprocess` makes the
 OpenAI servers of `tools/demo/server.py` start that way in the tests).
 
 Why: most of a one-process test engine's cost is importing vLLM, and the suite starts dozens of them. One
@@ -217,9 +217,10 @@ class EngineZygote:
                 self.proc.kill()
 
 
-def server_subprocess() -> types.SimpleNamespace:
-    """`subprocess` for `tools/demo/server.py` in the tests: its `Popen` of ``python -m ...`` with the output
-    in a file (what `Server.start` does) forks from the zygote, anything else is the real `Popen`.
+def zygote_subprocess() -> types.SimpleNamespace:
+    """`subprocess` whose `Popen` of ``python -m module ...`` or ``python script.py ...`` in a session of its
+    own, with the output in a file (what `Server.start` does), forks from the zygote; anything else is the
+    real `Popen`. `tools/demo/server.py` gets it in the tests, and tests that start such jobs themselves use it.
 
     Why the module is swapped and not `Server`: `Server.start` runs as it is (its log header, its flags, its
     environment); only where the process comes from changes. Installed once per test process
@@ -230,17 +231,24 @@ def server_subprocess() -> types.SimpleNamespace:
     def popen(args: Sequence[str], *, stdout: Any = None, stderr: Any = None, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, start_new_session: bool = False, **kwargs: Any) -> Any:
         args = list(args)
-        forkable = (args[:2] == [sys.executable, "-m"] and len(args) > 2 and env is not None
-                    and hasattr(stdout, "name") and stderr is subprocess.STDOUT and start_new_session
-                    and kwargs.get("stdin") in (None, subprocess.DEVNULL)
-                    and set(kwargs) <= {"stdin"} and GUARD_ENV not in env and not os.environ.get(NO_ZYGOTE_ENV))
+        module = args[:2] == [sys.executable, "-m"] and len(args) > 2
+        script = len(args) > 1 and args[0] == sys.executable and args[1].endswith(".py")
+        out_path = getattr(stdout, "name", None) if isinstance(getattr(stdout, "name", None), str) else None
+        err_path = (out_path if stderr is subprocess.STDOUT else os.devnull if stderr is subprocess.DEVNULL
+                    else getattr(stderr, "name", None) if isinstance(getattr(stderr, "name", None), str) else None)
+        forkable = ((module or script) and env is not None and out_path and err_path and start_new_session
+                    and kwargs.get("stdin") in (None, subprocess.DEVNULL) and set(kwargs) <= {"stdin"}
+                    and GUARD_ENV not in env and not os.environ.get(NO_ZYGOTE_ENV))
         if not forkable:
             return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                     start_new_session=start_new_session, **kwargs)
-        stdout.flush()
+        for stream in (stdout, stderr):
+            if hasattr(stream, "flush"):
+                stream.flush()
+        target = {"module": args[2], "argv": args[3:]} if module else {"path": args[1], "argv": args[2:]}
         return EngineZygote.shared().start(
-            {"module": args[2], "argv": args[3:], "env": env, "cwd": str(cwd or os.getcwd()),
-             "stdout": stdout.name, "stderr": stdout.name, "append": True}, cmd=args)
+            {**target, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": out_path, "stderr": err_path,
+             "append": True}, cmd=args)
 
     shim.Popen = popen
     return shim

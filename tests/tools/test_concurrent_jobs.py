@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.zygote_client import run_job, zygote_subprocess
 from tests.tools.test_precompute import LLAMA_ENGINE, ROOT, _run_engine
 from vllm_tiercache.shared.stats_dump import read_stats
 
@@ -93,10 +94,11 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
     stats_dir = tmp_path / "serving-stats"
     serving_log = open(tmp_path / "serving.log", "wb")
     engine_script = ROOT / "tests" / "tools" / "test_precompute.py"
-    serving = subprocess.Popen([sys.executable, str(engine_script), json.dumps(spec)], cwd=ROOT,
-                               env=_env(TIERCACHE_STATS_DIR=str(stats_dir), VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-                               stdout=serving_log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    # every engine job forks from the engine zygote (a process of its own, its own group), like run_job's
+    launch = zygote_subprocess().Popen
+    serving = launch([sys.executable, str(engine_script), json.dumps(spec)], cwd=ROOT,
+                     env=_env(TIERCACHE_STATS_DIR=str(stats_dir), VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                     stdout=serving_log, stderr=subprocess.STDOUT, start_new_session=True)
     job_cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "precompute", "docs", "--model", model, "--docs",
                str(tmp_path / "docs"), "--config", json.dumps(store), "--engine-args", json.dumps(LLAMA_ENGINE),
                "--json", "--no-progress"]
@@ -105,16 +107,18 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
                  "--older-than", "2s", "--json"]
     jobs: list[dict[str, Any]] = []
     evictions: list[dict[str, Any]] = []
-    job: subprocess.Popen[str] | None = None
+    job: Any = None
+    job_out = tmp_path / "job.out"
     try:
         while True:
             if job is None or job.poll() is not None:
                 if job is not None:
-                    jobs.append({"code": job.returncode, "out": job.stdout.read() if job.stdout else ""})
+                    jobs.append({"code": job.returncode, "out": job_out.read_text(errors="replace")})
                     job = None
                 if serving.poll() is None:  # a new precompute run while the engine still serves
-                    job = subprocess.Popen(job_cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                    with open(job_out, "wb") as out:
+                        job = launch(job_cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
             ev = subprocess.run(evict_cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
             evictions.append({"code": ev.returncode, "out": ev.stdout, "err": ev.stderr[-2000:]})
             if serving.poll() is not None and job is None:
@@ -148,7 +152,7 @@ def test_precompute_serving_and_evict_at_once(tiny_llama: Path, tmp_path: Path) 
     assert worker["store"]["tiers"]["disk"]["corrupt"] == 0, worker["store"]
     # Afterwards, with nobody evicting: one more job run stores whatever was evicted, and then the index
     # and the files agree, and every indexed record reads back whole.
-    final = subprocess.run(job_cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    final = run_job(job_cmd, cwd=ROOT, env=_env(), timeout=600)
     assert final.returncode == 0, final.stderr[-4000:]
     summary = json.loads(final.stdout[final.stdout.find("{\n"):])
     assert summary["stored"] + summary["skipped"] == len(docs) and summary["failed"] == [], summary
