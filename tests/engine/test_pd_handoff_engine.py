@@ -41,7 +41,9 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = "tiny-llama"
 BLOCK, CHUNK = 32, 128
-WAIT_MS = 1000
+#: The consumer's bound on waiting for promised records. Long enough that a producer on a loaded 2-core
+#: machine gets its records out in time (1 s was outrun once: a fallback where none is expected).
+WAIT_MS = 3000
 LENGTHS = (600, 700, 1100, 1310, 1790)
 
 
@@ -186,10 +188,10 @@ def test_lost_records_fall_back_to_recompute(pd: PD) -> None:
 
 
 def _waits(server: Server) -> tuple[float, float]:
-    """(hand-off loads that waited at most 2.5 s, all hand-off loads) from the wait histogram."""
+    """(hand-off loads that waited at most 5 s, all hand-off loads) from the wait histogram."""
     got = parse(server.metrics())
     name = "vllm:tiercache_kv_handoff_wait_seconds"
-    return value(got, name + "_bucket", le="2.5") or 0.0, value(got, name + "_count") or 0.0
+    return value(got, name + "_bucket", le="5.0") or 0.0, value(got, name + "_count") or 0.0
 
 
 def test_a_hung_producer_write_does_not_stall_the_decode(pd: PD) -> None:
@@ -209,5 +211,5 @@ def test_a_hung_producer_write_does_not_stall_the_decode(pd: PD) -> None:
     assert after["handoff_fallbacks"] - before["handoff_fallbacks"] == 1, pd.consumer.log_tail()
     assert after["handoff_loads"] - before["handoff_loads"] == 1
     within, count = _waits(pd.consumer)
-    assert (within - waits_before[0], count - waits_before[1]) == (1, 1)  # it waited its 1 s bound, no longer
+    assert (within - waits_before[0], count - waits_before[1]) == (1, 1)  # it waited its 3 s bound, no longer
     assert text(decoded) == text(complete(pd.producer.base_url, tokens))
