@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.zygote_client import EngineZygote, ZygoteJob, zygote_subprocess
+from tests.support.zygote_client import EngineZygote, ZygoteJob, process_runs, zygote_subprocess
 
 # The zygote imports vLLM (what the engine tests share it for); this module starts no engine, but it
 # belongs with the modules that pay for that import once per worker.
@@ -52,15 +52,6 @@ def _run(tmp_path: Path, mode: str, timeout: float = 60) -> tuple[int, str, str,
     return code, out.read_text(), err.read_text(), marker
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` runs (a killed job whose zygote is gone may linger as a zombie until init reaps it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
 def test_a_job_gets_its_arguments_environment_directory_and_output(tmp_path: Path) -> None:
     code, out, err, marker = _run(tmp_path, "plain")
     assert code == 0
@@ -89,9 +80,9 @@ def test_a_timeout_kills_the_job_and_the_zygote_serves_the_next(tmp_path: Path) 
         _run(tmp_path, "hang", timeout=10)
     pid = int((tmp_path / "hang.done.started").read_text())
     deadline = time.monotonic() + 60  # SIGKILL was sent; the kernel takes its moment to end the process
-    while _running(pid) and time.monotonic() < deadline:
+    while process_runs(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(pid)
+    assert not process_runs(pid)
     assert _run(tmp_path, "plain")[0] == 0
     assert EngineZygote.shared() is zygote  # answers carry their job's id: no need to retire the zygote
 

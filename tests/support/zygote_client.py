@@ -80,7 +80,7 @@ class ZygoteJob:
         self._ended = threading.Event()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._zygote.gone and not _alive(self.pid):
+        if self.returncode is None and self._zygote.gone and not process_runs(self.pid):
             self.returncode, self.lost = -signal.SIGKILL, True  # its zygote died first: the exit code is lost
         return self.returncode
 
@@ -110,7 +110,7 @@ class ZygoteJob:
         self.send_signal(signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
+def process_runs(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
