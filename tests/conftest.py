@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV, refusal
+from tests.support.module_order import ModuleSecondsRecorder, load_seconds, order_longest_first, recording_requested
 from tests.support.zygote_client import zygote_subprocess
 from vllm_tiercache.tools.demo import server as demo_server
 
@@ -35,15 +36,13 @@ collect_ignore = ["gpu"]
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with engine tests first, each module's tests kept together and in order.
+    """Longest modules first (tests/support/module_order.py says why), each module's tests kept together."""
+    order_longest_first(items, load_seconds())
 
-    Why: `make test` hands whole modules to its xdist workers in this order (scripts/run_tests.sh), and
-    the engine modules take minutes each; started first, they spread over the workers instead of one
-    worker finishing the last of them while the other idles. The sort is stable, so pytest's own
-    grouping by fixture within a module stays as it was.
-    """
-    engine_modules = {item.module.__name__ for item in items if item.get_closest_marker("engine") and item.module}
-    items.sort(key=lambda item: (item.module.__name__ if item.module else "") not in engine_modules)
+
+def pytest_configure(config: pytest.Config) -> None:
+    if recording_requested():
+        config.pluginmanager.register(ModuleSecondsRecorder(), "tiercache-module-seconds")
 
 
 _ENGINE_GUARD_DIR = str(Path(__file__).parent / "support" / "engine_guard")
