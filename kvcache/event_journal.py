@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 SLOTS = 16
 PER_SEGMENT = 256
+#: (sequence number, entries): one record of the ring
+Segment = tuple[int, list[tuple[bytes, ChunkPayload]]]
 
 
 def _tuples(value: Any) -> Any:
@@ -76,6 +78,8 @@ class EventJournal:
         self._entries: list[tuple[bytes, ChunkPayload]] = []
         self._dirty = False
         self._next_write = 0.0
+        #: full segments not yet written (`due` hands them out)
+        self._full: list[Segment] = []
 
     def key(self, slot: int) -> StoreKey:
         return kv_chunk_key(self.naming.namespace, self.naming.identities[0], b"tiercache-events-%02d" % slot,
@@ -83,6 +87,13 @@ class EventJournal:
 
     def read(self) -> list[tuple[bytes, ChunkPayload]]:
         """Every entry of the ring, oldest segment first; later writes continue after the newest segment."""
+        entries, next_seq = self.read_ring()
+        self.continue_at(next_seq)
+        return entries
+
+    def read_ring(self) -> tuple[list[tuple[bytes, ChunkPayload]], int]:
+        """Every entry of the ring, oldest segment first, and the sequence number after the newest segment.
+        Touches no state of the journal: the event tracker runs it off the step (`continue_at` then)."""
         segments = []
         for record in self.store.get_many([self.key(slot) for slot in range(SLOTS)]):
             if record is not None and not record.in_place:
@@ -90,34 +101,46 @@ class EventJournal:
                 if decoded is not None:
                     segments.append(decoded)
         segments.sort(key=lambda segment: segment[0])
-        if segments:
-            self._seq = segments[-1][0] + 1
-        return [entry for _, entries in segments for entry in entries]
+        return [entry for _, entries in segments for entry in entries], (segments[-1][0] + 1 if segments else 0)
+
+    def continue_at(self, seq: int) -> None:
+        """Later writes go to the segments after ``seq - 1`` (the newest one read)."""
+        self._seq = max(self._seq, seq)
 
     def add(self, name: bytes, payload: ChunkPayload) -> None:
         """A chunk the shared tiers hold now; written with its segment when the segment is full, or within
-        ``interval_s`` (`flush_due`)."""
+        ``interval_s`` (`due`)."""
         self._entries.append((name, payload))
         self._dirty = True
         if len(self._entries) >= PER_SEGMENT:
-            self._write()
+            self._full.append((self._seq, self._entries))
             self._seq += 1
             self._entries = []
+            self._dirty = False
+
+    def due(self, *, force: bool = False) -> list[Segment]:
+        """The segments to write now: every full one, and the open one when it changed and ``interval_s``
+        has passed since the last write (or ``force``). Copies: `write` may run on another thread while
+        entries are added."""
+        segments, self._full = self._full, []
+        if self._dirty and (force or self.clock() >= self._next_write):
+            segments.append((self._seq, list(self._entries)))
+            self._dirty = False
+            self._next_write = self.clock() + self.interval_s
+        return segments
+
+    def write(self, segments: list[Segment]) -> None:
+        """Encode and store ``segments`` (from `due`); safe off the step: it reads nothing of the journal."""
+        for seq, entries in segments:
+            tensor = torch.frombuffer(bytearray(encode_segment(seq, entries)), dtype=torch.uint8)
+            # a restarted engine reads it from a shared tier: never held back by the tiers' admission
+            self.store.put(self.key(seq % SLOTS), tensor, None, owned=True, always_admit=True)
 
     def flush_due(self) -> None:
-        if self._dirty and self.clock() >= self._next_write:
-            self._write()
+        """Write what `due` says, here and now."""
+        self.write(self.due())
 
     def close(self) -> None:
         """Write what was journaled since the last write, whatever the interval (the engine is stopping:
         without it, the chunks confirmed in its last ``interval_s`` would not be announced after a restart)."""
-        if self._dirty:
-            self._write()
-
-    def _write(self) -> None:
-        data = encode_segment(self._seq, self._entries)
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        # a restarted engine reads it from a shared tier: never held back by the tiers' admission
-        self.store.put(self.key(self._seq % SLOTS), tensor, None, owned=True, always_admit=True)
-        self._dirty = False
-        self._next_write = self.clock() + self.interval_s
+        self.write(self.due(force=True))

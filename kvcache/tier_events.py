@@ -16,6 +16,10 @@ process learns anyway:
   one record each).
 - at start, the chunks the journal (`vllm_tiercache.kvcache.event_journal`) lists and the shared tiers
   still hold are announced, ``discover_per_step`` per step (at most the journal's 4,096 chunks);
+- the questions to the shared tiers (confirmation, sweep, start-up discovery) and the journal's writes
+  run off the step (`vllm_tiercache.kvcache.off_step`): each step posts one batch when the last one is
+  answered, and applies the answer on the step after it came. A chunk is so announced a step or two
+  after its records land, and a slow or hung shared tier delays its own events, never the step;
 - a load that failed withdraws the chunk from every medium; a connector reset (a new weights generation)
   publishes `AllBlocksCleared`; a reset of vLLM's own prefix cache (vLLM publishes `AllBlocksCleared`,
   and routers then forget the tiers too) re-announces everything still held.
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_tiercache.kvcache.event_journal import EventJournal
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
+from vllm_tiercache.kvcache.off_step import OffStepJob
 from vllm_tiercache.shared.store.api import FileTier, Store, StoreKey
 from vllm_tiercache.shared.vllm_compat import prefix_cache_epoch
 
@@ -56,7 +61,7 @@ class TierEventTracker:
 
     def __init__(self, *, store: Store, naming: KVNaming, clock: Callable[[], float] = time.monotonic,
                  confirm_per_step: int = 8, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
-                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32) -> None:
+                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32, inline: bool = False) -> None:
         self.store = store
         self.naming = naming
         groups = naming.groups
@@ -79,6 +84,10 @@ class TierEventTracker:
         self.journal = EventJournal(store, naming, clock) if self.shared_medium is not None else None
         #: journal entries read at start, not yet checked against the shared tiers (None: not read yet)
         self._discovered: list[tuple[bytes, Any]] | None = None if self.journal is not None else []
+        #: the shared tiers' questions of a step, answered off the step (inline: at once, for tests)
+        self.off_step = OffStepJob("tiercache-kv-events", inline=inline)
+        #: bumped by `reset`: an answer to a question asked before it is about names of the old generation
+        self._generation = 0
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -123,82 +132,136 @@ class TierEventTracker:
         """A connector reset: every name before it belongs to the old weights generation."""
         self.ledger.cleared()
         self._unconfirmed.clear()
+        self._generation += 1
         if self._discovered:
             self._discovered.clear()
         # later names carry the new generation's salt, which no restarted engine computes: not journaled
         self.journal = None
 
     def close(self) -> None:
-        """The engine stops: the journal's last entries are written (the store's flush then stores them)."""
+        """The engine stops: the question in flight is answered (or given up on after 10 s), then the journal's
+        last entries are written (the store's flush then stores them)."""
+        self.off_step.close(10.0)
         if self.journal is not None:
             self.journal.close()
 
     # ----------------------------------------------------------------------------------- once per step
     def take(self) -> list[KVCacheEvent]:
-        """This step's events (vLLM's ``take_events``, called once per step after the workers' reports)."""
+        """This step's events (vLLM's ``take_events``, called once per step after the workers' reports): the
+        shared tiers' last answer applied, their next questions posted, nothing waited for."""
         if self._kv_cache_manager is not None:
             epoch = prefix_cache_epoch(self._kv_cache_manager)
             if epoch is not self._prefix_epoch:
                 self._prefix_epoch = epoch
                 self.ledger.reannounce()
-        if self._discovered is None:
-            self._discovered = self.journal.read()[::-1]  # type: ignore[union-attr]  # popped newest first
-        if self._discovered:
-            self._announce_discovered()
-        if self._unconfirmed:
-            self._confirm_shared()
-        if self.journal is not None:
-            self.journal.flush_due()
-        if self.shared_medium is not None and self.clock() >= self._next_sweep:
-            self._next_sweep = self.clock() + self.sweep_interval_s
-            self._sweep()
+        if self.shared_medium is not None:
+            self.off_step.apply_done()
+            if self.off_step.idle:
+                self._post_questions()
         return self.ledger.take()
 
-    def _confirm_shared(self) -> None:
-        """The oldest chunks waiting: first their last-written record (the last layer of the last rank: the
-        workers write a chunk's layers in order), then, for those that have it, every record."""
-        now = self.clock()
-        batch = [name for _, name in zip(range(self.confirm_per_step), self._unconfirmed, strict=False)]
-        last = self.store.contains_many([self._last_key(name) for name in batch], shared_only=True)
+    def _post_questions(self) -> None:
+        """One batch of what is due: the journal read first (alone), then discovery, confirmation, the sweep
+        and the journal's writes together; the answer is applied by a later `take`."""
+        generation = self._generation
+        if self._discovered is None:
+            assert self.journal is not None
+            journal = self.journal
+
+            def read_applied(ring: tuple[list[tuple[bytes, Any]], int]) -> None:
+                entries, next_seq = ring
+                journal.continue_at(next_seq)
+                self._discovered = entries[::-1] if generation == self._generation else []  # popped newest first
+
+            self.off_step.submit(journal.read_ring, read_applied)
+            if self._discovered is None:  # answered on a later step (at once when inline)
+                return
+        discover = [(name, payload) for name, payload in self._discovered[-self.discover_per_step:]
+                    if not self.ledger.holds(name, self.shared_medium)]  # type: ignore[arg-type]
+        n_discover = min(self.discover_per_step, len(self._discovered))
+        confirm = [name for _, name in zip(range(self.confirm_per_step), self._unconfirmed, strict=False)]
+        sweep: list[bytes] = []
+        if self.clock() >= self._next_sweep:
+            self._next_sweep = self.clock() + self.sweep_interval_s
+            sweep = self._sweep_batch()
+        segments = self.journal.due() if self.journal is not None else []
+        if not (n_discover or confirm or sweep or segments):
+            return
+        discover_names = [name for name, _ in discover]
+
+        def ask() -> tuple[list[bool], list[bool], list[bool]]:
+            if segments:
+                self.journal.write(segments)  # type: ignore[union-attr]
+            return self._in_shared(discover_names), self._confirmed(confirm), self._first_records_held(sweep)
+
+        def answered(answers: tuple[list[bool], list[bool], list[bool]]) -> None:
+            if generation != self._generation:
+                return  # asked about the names of the weights generation before a reset
+            found_discovered, found_confirmed, found_swept = answers
+            del self._discovered[len(self._discovered) - n_discover:]  # type: ignore[index]
+            self._apply_discovered(discover, found_discovered)
+            self._apply_confirmed(confirm, found_confirmed)
+            for name, ok in zip(sweep, found_swept, strict=True):
+                if not ok:
+                    self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+
+        self.off_step.submit(ask, answered)
+
+    # --------------------------------------------------------------- off the step: the shared tiers asked
+    def _confirmed(self, batch: list[bytes]) -> list[bool]:
+        """Chunks waiting for their shared-tier records: first their last-written record (the last layer of
+        the last rank: the workers write a chunk's layers in order), then, for those that have it, every one."""
+        if not batch:
+            return []
+        last = self._contains([self._last_key(name) for name in batch])
         whole = iter(self._in_shared([name for name, ok in zip(batch, last, strict=True) if ok]))
-        found = [ok and next(whole) for ok in last]
+        return [ok and next(whole) for ok in last]
+
+    def _first_records_held(self, batch: list[bytes]) -> list[bool]:
+        """The sweep's question: each chunk's first-written record (layer 0 of rank 0): `tiercache evict`
+        removes every record of a chunk, and the disk's LRU usually drops that one first (written and read
+        first). A chunk that lost only later records is withdrawn by the next lookup that asks for it."""
+        return self._contains([self._first_key(name) for name in batch]) if batch else []
+
+    def _contains(self, keys: list[StoreKey]) -> list[bool]:
+        # waits for the tier's answer on this thread instead of taking the requests' bounded lookup thread
+        return self.store.contains_many(keys, shared_only=True, bounded=False)
+
+    # ------------------------------------------------------------------------ on the step: answers applied
+    def _apply_confirmed(self, batch: list[bytes], found: list[bool]) -> None:
+        now = self.clock()
+        held = []
         for name, ok in zip(batch, found, strict=True):
-            give_up_at = self._unconfirmed.pop(name)
-            if not ok and now < give_up_at:
+            give_up_at = self._unconfirmed.pop(name, None)
+            if give_up_at is None:
+                continue  # withdrawn meanwhile (a failed load)
+            if ok:
+                held.append(name)
+            elif now < give_up_at:
                 self._unconfirmed[name] = give_up_at  # asked again after the others
-        held = [name for name, ok in zip(batch, found, strict=True) if ok]
         self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
         for name in held:
             payload = self.ledger.payload(name)
             if payload is not None and self.journal is not None:
                 self.journal.add(name, payload)
 
-    def _announce_discovered(self) -> None:
-        """Journal entries of an earlier run (or another engine): announce those the shared tiers hold."""
-        assert self._discovered is not None
-        batch = [self._discovered.pop() for _ in range(min(self.discover_per_step, len(self._discovered)))]
-        batch = [(name, payload) for name, payload in batch if not self.ledger.holds(name, self.shared_medium)]
-        found = self._in_shared([name for name, _ in batch])
+    def _apply_discovered(self, batch: list[tuple[bytes, Any]], found: list[bool]) -> None:
+        """Journal entries of an earlier run (or another engine) that the shared tiers hold: announced."""
         for (name, payload), ok in zip(batch, found, strict=True):
             if ok:
                 self.ledger.adopt(name, payload)
         self.ledger.stored_many([name for (name, _), ok in zip(batch, found, strict=True) if ok],
                                 self.shared_medium)  # type: ignore[arg-type]
 
-    def _sweep(self) -> None:
-        """``sweep_chunks`` announced chunks in turn, each by its first-written record (layer 0 of rank 0):
-        `tiercache evict` removes every record of a chunk, and the disk's LRU usually drops that one first (written and
-        read first). A chunk that lost only later records is withdrawn by the next lookup that asks for it."""
+    def _sweep_batch(self) -> list[bytes]:
+        """``sweep_chunks`` announced chunks in turn."""
         held = self.ledger.held_in(self.shared_medium)  # type: ignore[arg-type]
         if not held:
-            return
+            return []
         start = self._sweep_at % len(held)
         batch = [held[(start + i) % len(held)] for i in range(min(self.sweep_chunks, len(held)))]
         self._sweep_at = start + len(batch)
-        found = self.store.contains_many([self._first_key(name) for name in batch], shared_only=True)
-        for name, ok in zip(batch, found, strict=True):
-            if not ok:
-                self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+        return batch
 
     def _first_key(self, name: bytes) -> StoreKey:
         first = self.naming.groups.groups[0]
@@ -212,7 +275,7 @@ class TierEventTracker:
         """Does every record of each chunk (every layer of every group on every rank) sit in a shared tier?"""
         groups = self.naming.groups.groups
         per_chunk = [self.naming.group_keys(name, groups) for name in names]
-        found = self.store.contains_many([key for keys in per_chunk for key in keys], shared_only=True)
+        found = self._contains([key for keys in per_chunk for key in keys])
         result, offset = [], 0
         for keys in per_chunk:
             result.append(all(found[offset:offset + len(keys)]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from tests.support.real_scheduler import cpu_vllm_config, hashed_request, one_gr
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, ChunkPayload, KVEventLedger
+from vllm_tiercache.kvcache.off_step import OffStepJob
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.tier_events import shared_medium
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
@@ -61,12 +63,18 @@ def _config(model: Path, disk: Path, *, events: bool = True, role: str = "kv_bot
 class Published:
     """vLLM's scheduler with its publisher's batches caught."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, *, inline: bool = True) -> None:
+        """``inline``: the tracker's shared-tier questions are answered within the step that asks them, so
+        each test can say what one step publishes (`test_the_shared_tiers_are_asked_off_the_step` runs the
+        connector's own background thread)."""
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(TinyLlamaSpec().num_layers)]
         kv_cache_config = one_group_kv_cache_config(layers, BLOCK, num_kv_heads=2, num_blocks=128)
         self.scheduler: Scheduler = real_scheduler_over(vllm_config, kv_cache_config=kv_cache_config)
         self.batches: list[KVEventBatch] = []
         self.scheduler.kv_event_publisher.publish = self.batches.append  # type: ignore[method-assign]
+        tracker = self.connector._scheduler.events if self.connector._scheduler else None  # type: ignore[union-attr]
+        if tracker is not None and inline:
+            tracker.off_step = OffStepJob("inline", inline=True)
 
     @property
     def connector(self) -> TieredKVConnector:
@@ -178,6 +186,46 @@ def test_disk_is_announced_only_once_every_record_is_there(tiny_llama: Path, tmp
     _play_saves(connector, meta)
     engine.report(TieredKVWorkerMetadata())
     assert len(engine.events(BlockStored, MEDIUM_DISK)) == 3
+
+
+def test_the_shared_tiers_are_asked_off_the_step(tiny_llama: Path, tmp_path: Path) -> None:
+    """The connector's own set-up: confirmation lookups run on the tracker's thread. A step never waits
+    for them (here a lookup held until released), and their answer is announced on a later step."""
+    engine = Published(_config(tiny_llama, tmp_path / "disk"), inline=False)
+    connector = engine.connector
+    tracker = connector._scheduler.events  # type: ignore[union-attr]
+    assert tracker is not None and not tracker.off_step.inline
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(4), BLOCK))
+    engine.finish(out)  # the save is planned (the first step also reads the journal, off the step)
+    _play_saves(connector, meta)
+    assert tracker.off_step.wait(10.0)  # the journal read
+    release, asked = threading.Event(), threading.Event()
+    real_contains = connector._store.contains_many
+
+    def held_contains(*args: Any, **kwargs: Any) -> list[bool]:
+        asked.set()
+        assert release.wait(60.0)
+        return real_contains(*args, **kwargs)
+
+    connector._store.contains_many = held_contains  # type: ignore[method-assign]
+    try:
+        engine.report(TieredKVWorkerMetadata())  # the journal's answer applied; the confirmation posted
+        assert asked.wait(10.0)
+        for _ in range(3):  # steps go on while the question is out (were one waited for, this would hang)
+            engine.report(TieredKVWorkerMetadata())
+        assert not tracker.off_step.idle and engine.events(medium=MEDIUM_DISK) == []
+    finally:
+        release.set()
+        connector._store.contains_many = real_contains  # type: ignore[method-assign]
+    announced: list[Any] = []
+    for _ in range(20):  # a step or two after the answer came
+        assert tracker.off_step.wait(10.0)
+        engine.report(TieredKVWorkerMetadata())
+        announced += engine.events(BlockStored, MEDIUM_DISK)
+        if len(announced) == 3:
+            break
+    assert len(announced) == 3
+    tracker.close()
 
 
 def test_evictions_withdraw_each_tier_on_its_own(tiny_llama: Path, tmp_path: Path) -> None:
@@ -323,6 +371,27 @@ def test_a_stopping_engine_writes_what_it_journaled_since_the_last_interval(tiny
     assert [name for name, _ in EventJournal(store, naming, clock=lambda: 0.0).read()] == [b"first", b"second"]
     journal.close()  # nothing new: no second write of the same segment's entries
     assert [name for name, _ in EventJournal(store, naming, clock=lambda: 0.0).read()] == [b"first", b"second"]
+
+
+def test_the_journal_hands_out_full_segments_and_the_open_one_when_due() -> None:
+    """`due` is what the tracker's background thread writes: copies, so entries added meanwhile are safe."""
+    from vllm_tiercache.kvcache.event_journal import PER_SEGMENT, EventJournal
+
+    request = _Request(list(range(4 * BLOCK)))
+    payload = ChunkPayload.of(request, 0, 4, BLOCK)  # type: ignore[arg-type]
+    journal = EventJournal(None, None, clock=lambda: 0.0, interval_s=3600)  # type: ignore[arg-type]
+    for i in range(PER_SEGMENT):
+        journal.add(b"%04d" % i, payload)
+    full = journal.due()
+    assert [(seq, len(entries)) for seq, entries in full] == [(0, PER_SEGMENT)]
+    journal.add(b"next", payload)
+    opened = journal.due()  # the first write of the open segment is due at once
+    assert [(seq, [name for name, _ in entries]) for seq, entries in opened] == [(1, [b"next"])]
+    journal.add(b"later", payload)
+    assert journal.due() == [] and opened[0][1] == [(b"next", payload)]  # within the interval; the copy kept
+    assert [(seq, [name for name, _ in entries]) for seq, entries in journal.due(force=True)] == [
+        (1, [b"next", b"later"])]
+    assert journal.due(force=True) == []
 
 
 def test_the_journal_reads_back_what_it_wrote_and_ignores_foreign_records() -> None:
