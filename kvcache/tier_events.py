@@ -184,14 +184,15 @@ class TierEventTracker:
         if self.clock() >= self._next_sweep:
             self._next_sweep = self.clock() + self.sweep_interval_s
             sweep = self._sweep_batch()
-        segments = self.journal.due() if self.journal is not None else []
+        journal = self.journal  # a reset sets it to None meanwhile: what was due is still written
+        segments = journal.due() if journal is not None else []
         if not (n_discover or confirm or sweep or segments):
             return
         discover_names = [name for name, _ in discover]
 
         def ask() -> tuple[list[bool], list[bool], list[bool]]:
-            if segments:
-                self.journal.write(segments)  # type: ignore[union-attr]
+            if journal is not None and segments:
+                journal.write(segments)
             return self._in_shared(discover_names), self._confirmed(confirm), self._first_records_held(sweep)
 
         def answered(answers: tuple[list[bool], list[bool], list[bool]]) -> None:
