@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, as `make test` and CI run it, in two passes:
 #  1. every test not marked `serial`, on $TEST_WORKERS pytest-xdist workers (default 3). Whole modules go to
-#     one worker (--dist loadscope), so a module's shared engine or server still starts once. The engine
-#     modules are handed out first, in the order tests/conftest.py puts them (--no-loadscope-reorder keeps
-#     it; xdist would otherwise send the modules with the most tests first, the unit tests, and leave the
-#     engine modules to the end, one worker finishing them while the other idles). An engine's start is
+#     one worker (--dist loadscope), so a module's shared engine or server still starts once. The longest
+#     modules are handed out first, in the order tests/conftest.py puts them (tests/support/module_order.py:
+#     from tests/module_seconds.json; --no-loadscope-reorder keeps it; xdist would otherwise send the
+#     modules with the most tests first, the unit tests, and leave the engine modules to the end, one
+#     worker finishing a long one while the others idle). TIERCACHE_RECORD_MODULE_SECONDS=1 rewrites the
+#     file from the run. An engine's start is
 #     mostly one busy thread (three interpreters importing vLLM in turn, each waiting on the others), so
 #     three side by side keep two cores busy. Three only since OpenMP waits passively in the suite
 #     (tests/conftest.py): with vLLM's default spinning, engines on shared cores slowed each other down.
