@@ -150,6 +150,24 @@ def test_the_decode_takes_every_promised_token_from_the_store(pd: PD) -> None:
     assert [text(a) for a in decoded] == [text(a) for a in plain]
 
 
+def test_a_run_of_handoffs_through_the_proxy_is_counted_by_the_bench(pd: PD) -> None:
+    """`tiercache bench pd --handoffs`' own counting (tools/bench/pd_handoffs.py) on these servers, with the
+    producer's full run as the reference answer: every promised token taken, no fallback, nothing silent."""
+    from vllm_tiercache.tools.bench.pd_handoffs import run_handoffs
+
+    seeds = iter(range(1000, 2000))
+    lines: list[str] = []
+    report = run_handoffs(plain=pd.producer, producer=pd.producer, consumer=pd.consumer, served=SERVED,
+                          lengths=[640, 1000], count=6, prompt=lambda n: prompt(n, seed=next(seeds)), block_size=BLOCK,
+                          progress=lines.append)
+    assert report["promised_tokens"] == 3 * (expected_hit(640) + expected_hit(1000))
+    assert report["taken_tokens"] == report["promised_tokens"] and report["taken_share"] == 1.0, (
+        report, pd.consumer.log_tail())
+    assert (report["received"], report["loads"], report["fallbacks"], report["rejected"]) == (6, 6, 0, 0)
+    assert report["silent_recompute_tokens"] == 0 and report["identical_outputs"] == 6
+    assert lines[-1] == "6/6 hand-offs"
+
+
 def _fallback_lines(server: Server) -> int:
     return server.log_path.read_text(errors="replace").count("fell back to recompute")
 

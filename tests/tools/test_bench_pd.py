@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_tiercache.tools.bench.pd import format_table, kv_bytes
+from vllm_tiercache.tools.bench.pd_handoffs import format_handoffs, promised_tokens
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
 
 
@@ -22,3 +23,15 @@ def test_kv_bytes_of_the_model(tmp_path: Path) -> None:
     model = make_tiny_llama(tmp_path / "m", spec)
     head = spec.hidden_size // spec.num_heads
     assert kv_bytes(model, 100) == spec.num_layers * 2 * spec.num_kv_heads * head * 2 * 100
+
+
+def test_the_handoff_run_counts_full_blocks_short_of_the_last_token_and_reports_silent_recomputes() -> None:
+    assert promised_tokens(640, 32) == 608 and promised_tokens(641, 32) == 640 and promised_tokens(20, 32) == 0
+    run = {"handoffs": 50, "lengths": [600], "promised_tokens": 28800, "taken_tokens": 28800, "taken_share": 1.0,
+           "received": 50, "loads": 50, "fallbacks": 0, "missing_records": 0, "rejected": 0,
+           "silent_recompute_tokens": 0, "identical_outputs": 50}
+    table = format_handoffs({"model": "m", "wait_ms": 3000.0, "handoff_run": run})
+    assert "| 50 | 28800 | 28800 | 100.00% | 50 | 50 | 0 | 0 | 0 | 50/50 |" in table
+    fell_back = {**run, "taken_tokens": 28224, "taken_share": 0.98, "fallbacks": 1, "silent_recompute_tokens": None}
+    assert "| 98.00% | 50 | 50 | 1 | 0 | n/a (fallbacks counted) | 50/50 |" in format_handoffs(
+        {"model": "m", "wait_ms": 3000.0, "handoff_run": fell_back})

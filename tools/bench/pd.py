@@ -38,6 +38,7 @@ SERVED = "bench"
 #: Token ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
 TOKEN_RANGE = (3, 259)
 CHUNK_SIZE = 256
+BLOCK_SIZE = 32  # the servers' --block-size (`Server`'s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserved-cpus", type=int, default=1,
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server (the same for all: comparable)")
     parser.add_argument("--work-dir", help="where the model, logs and traces go (default: a temp dir)")
+    parser.add_argument("--handoffs", type=int, default=0, metavar="N",
+                        help="instead of timing: N prompts (--lengths in turn) through tiercache pd-proxy, counted "
+                             "(tokens taken from the store, fallbacks, silent recomputes) and each output compared "
+                             "with the plain server's (tools/bench/pd_handoffs.py)")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="the shared tier on a local Redis Cluster (3 masters + 3 replicas) instead of one "
+                             "redis-server (the raw-read column is then n/a)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -124,7 +132,11 @@ class PDBench:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
         self.work = work
-        self.lengths = [512] if args.quick else [int(x) for x in args.lengths.split(",") if x.strip()]
+        self.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        if args.quick and not args.handoffs:
+            self.lengths = [512]
+        if args.handoffs < 0 or not self.lengths or min(self.lengths) < 2:
+            raise SystemExit("tiercache bench pd: --handoffs must be >= 0 and --lengths positive token counts")
         self.rng = random.Random(20261126)
 
     def prompt(self, length: int) -> list[int]:
@@ -155,7 +167,7 @@ class PDBench:
     def run(self) -> dict[str, Any]:
         from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
         from vllm_tiercache.tools.bench.kv_medium import redis_get_s
-        from vllm_tiercache.tools.redis_server import RedisServer
+        from vllm_tiercache.tools.redis_server import LocalRedisCluster, RedisServer
         from vllm_tiercache.tools.tiny_models.llama import BENCH_SPEC, TinyLlamaSpec, make_tiny_llama
 
         # bench kv's 12-layer model, its positions raised for the longest prompt (no weight depends on them)
@@ -165,7 +177,8 @@ class PDBench:
         model = make_tiny_llama(self.work / f"model-{'quick' if self.args.quick else 'bench'}-{positions}", spec)
         trace = self.work / "consumer-loads.jsonl"
         rows = []
-        with RedisServer() as redis_server:
+        handoffs: dict[str, Any] = {}
+        with LocalRedisCluster() if self.args.redis_cluster else RedisServer() as redis_server:
             url = redis_server.url
             plain = self.server(model, "plain", None, url, {})
             producer = self.server(model, "producer", "kv_producer", url, {})
@@ -174,12 +187,24 @@ class PDBench:
                 for server in (plain, producer, consumer):
                     server.wait_healthy(timeout_s=600)
                 print("servers up", file=sys.stderr, flush=True)
-                for length in self.lengths:
+                if self.args.handoffs:
+                    from vllm_tiercache.tools.bench.pd_handoffs import run_handoffs
+
+                    handoffs = run_handoffs(
+                        plain=plain, producer=producer, consumer=consumer, served=SERVED, lengths=self.lengths,
+                        count=self.args.handoffs, prompt=self.prompt, block_size=BLOCK_SIZE,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+                for length in [] if self.args.handoffs else self.lengths:
                     rows.append(self.measure(length, plain, producer, consumer, trace, read_load_trace))
-                    rows[-1]["redis_s"] = redis_get_s(kv_bytes(model, (length - 1) // 32 * 32), url)
+                    rows[-1]["redis_s"] = (None if self.args.redis_cluster else
+                                           redis_get_s(kv_bytes(model, (length - 1) // 32 * 32), url))
                     print(f"{length} tokens done", file=sys.stderr, flush=True)
-        return {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
-                "wait_ms": self.args.wait_ms, "reserved_cpus": self.args.reserved_cpus, "rows": rows}
+        report = {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
+                  "redis": "a 3+3 Redis Cluster" if self.args.redis_cluster else "one redis-server",
+                  "wait_ms": self.args.wait_ms, "reserved_cpus": self.args.reserved_cpus, "rows": rows}
+        if self.args.handoffs:
+            report["handoff_run"] = handoffs
+        return report
 
     def measure(self, length: int, plain: Any, producer: Any, consumer: Any, trace: Path,
                 read_load_trace: Any) -> dict[str, Any]:
@@ -226,7 +251,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="tiercache-bench-pd-") as tmp:
             report = PDBench(args, Path(tmp)).run()
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif args.handoffs:
+        from vllm_tiercache.tools.bench.pd_handoffs import format_handoffs
+
+        print(format_handoffs(report))
+    else:
+        print(format_table(report))
     return 0
 
 
