@@ -46,9 +46,21 @@ def run_quick(tmp_path: Path, cases: tuple[str, ...]) -> tuple[str, dict[str, An
     return out, report
 
 
-def assert_tiercache_row(row: dict[str, Any], label: tuple[str, int]) -> None:
-    """A tiercache case: every answer compared with vLLM alone's on the same model, and identical (greedy)."""
-    assert row["compared"] == 16 and row["mismatches"] == 0, label
-    assert row["kv_load_errors"] == 0, label
-    assert row["cached_share_later_turns"] > 0, label
-    assert row["ttft_p50_ratio"] is not None and row["throughput_ratio"] is not None, label
+def rows_checked(report: dict[str, Any], family: str, cases: tuple[str, ...],
+                 baseline: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """The rows by (case, users), every case at users 1 and 4, checked: the family's working set at least 4x
+    vLLM's KV budget; the baseline (vLLM alone) shows no connector; every tiercache case's answers were all
+    compared with vLLM alone's on the same model, and identical (greedy), with no load error and later
+    turns cached."""
+    assert set(report["families"]) == {family} and report["families"][family]["working_set_ratio"] >= 4.0
+    rows = {(r["case"], r["users"]): r for r in report["rows"]}
+    assert set(rows) == {(case, users) for case in cases for users in (1, 4)}
+    for label, row in rows.items():
+        if label[0] == baseline:
+            assert row["kv_hit"] is None and row["ec_hit"] is None, label
+            continue
+        assert row["compared"] == 16 and row["mismatches"] == 0, label
+        assert row["kv_load_errors"] == 0, label
+        assert row["cached_share_later_turns"] > 0, label
+        assert row["ttft_p50_ratio"] is not None and row["throughput_ratio"] is not None, label
+    return rows

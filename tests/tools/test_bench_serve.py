@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.bench_serve_run import assert_tiercache_row, run_quick
+from tests.tools.bench_serve_run import rows_checked, run_quick
 from vllm_tiercache.tools.bench.serve_report import add_ratios
 from vllm_tiercache.tools.bench.serve_trace import (
     kv_budget_tokens,
@@ -87,14 +87,7 @@ def test_bench_serve_quick_text_cases_end_to_end(tmp_path: Path) -> None:
     cases = ("vllm", "memory", "memory-disk")
     out, report = run_quick(tmp_path, cases)
     assert "vllm x1 users:" in out and "memory-disk x4 users:" in out
-    assert set(report["families"]) == {"text"} and report["families"]["text"]["working_set_ratio"] >= 4.0
-    rows = {(r["case"], r["users"]): r for r in report["rows"]}
-    assert set(rows) == {(case, users) for case in cases for users in (1, 4)}
-    for (case, users), row in rows.items():
-        if case == "vllm":
-            assert row["kv_hit"] is None and row["ec_hit"] is None
-        else:
-            assert_tiercache_row(row, (case, users))
+    rows = rows_checked(report, "text", cases, baseline="vllm")
     # with 4 users the working set no longer fits vLLM's cache and the connector loads what it evicted
     for case in ("memory", "memory-disk"):
         assert rows[(case, 4)]["kv_hit"] > 0, case

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.bench_serve_run import assert_tiercache_row, run_quick
+from tests.tools.bench_serve_run import rows_checked, run_quick
 
 
 @pytest.mark.engine
@@ -18,15 +18,7 @@ def test_bench_serve_quick_multimodal_cases_end_to_end(tmp_path: Path) -> None:
     cases = ("mm-vllm", "mm-kv-ec")
     out, report = run_quick(tmp_path, cases)
     assert "mm-vllm x1 users:" in out and "mm-kv-ec x4 users:" in out
-    assert set(report["families"]) == {"multimodal"}
-    assert report["families"]["multimodal"]["working_set_ratio"] >= 4.0
-    rows = {(r["case"], r["users"]): r for r in report["rows"]}
-    assert set(rows) == {(case, users) for case in cases for users in (1, 4)}
-    for (case, users), row in rows.items():
-        if case == "mm-vllm":
-            assert row["kv_hit"] is None and row["ec_hit"] is None
-        else:
-            assert_tiercache_row(row, (case, users))
+    rows = rows_checked(report, "multimodal", cases, baseline="mm-vllm")
     # the encoder connector saved the page images and was asked for them, and the KV connector loaded
     # evicted prefixes. (Its hits are not asserted: on this small trace KV hits and vLLM's own encoder
     # cache cover the repeats first; test_ec_connector proves hits beside the KV connector.)
