@@ -19,14 +19,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1260)
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TIERCACHE_STATS_DIR", None)
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "demo", "--quick", "--work-dir", str(work)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=580,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,  # a hang bound, not a speed target
     )
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
