@@ -61,7 +61,7 @@ class TierEventTracker:
 
     def __init__(self, *, store: Store, naming: KVNaming, clock: Callable[[], float] = time.monotonic,
                  confirm_per_step: int = 8, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
-                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32, inline: bool = False) -> None:
+                 sweep_interval_s: float = 2.0, sweep_chunks: int = 32) -> None:
         self.store = store
         self.naming = naming
         groups = naming.groups
@@ -84,8 +84,8 @@ class TierEventTracker:
         self.journal = EventJournal(store, naming, clock) if self.shared_medium is not None else None
         #: journal entries read at start, not yet checked against the shared tiers (None: not read yet)
         self._discovered: list[tuple[bytes, Any]] | None = None if self.journal is not None else []
-        #: the shared tiers' questions of a step, answered off the step (inline: at once, for tests)
-        self.off_step = OffStepJob("tiercache-kv-events", inline=inline)
+        #: the shared tiers' questions of a step, answered off the step (tests swap in an inline one)
+        self.off_step = OffStepJob("tiercache-kv-events")
         #: bumped by `reset`: an answer to a question asked before it is about names of the old generation
         self._generation = 0
 
