@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -59,8 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _complete(url: str, tokens: list[int], params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
-    body: dict[str, Any] = {"model": SERVED, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
+def complete(url: str, tokens: list[int], params: dict[str, Any] | None = None, *, served: str = SERVED,
+             max_tokens: int = 1, ignore_eos: bool = False) -> tuple[float, dict[str, Any]]:
+    """A greedy completion of ``tokens``: the client's wall time and the server's answer."""
+    body: dict[str, Any] = {"model": served, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if params is not None:
         body["kv_transfer_params"] = params
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -80,18 +85,17 @@ def kv_bytes(model: Path, tokens: int, itemsize: int = 2) -> int:
     return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize * tokens
 
 
+def metric_sum(text: str, name: str) -> float:
+    """The sum of the series ``name`` over all its labels in a `/metrics` text."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
 def _handoff_wait(server: Any) -> tuple[float, float, float]:
     """(seconds waited in all, hand-off loads, records waited for) from the consumer's `/metrics`."""
-    import re
-
     text = server.metrics()
-
-    def sample(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
-
     prefix = "vllm:tiercache_kv_handoff_"
-    return (sample(prefix + "wait_seconds_sum"), sample(prefix + "wait_seconds_count"),
-            sample(prefix + "records_waited_total"))
+    return (metric_sum(text, prefix + "wait_seconds_sum"), metric_sum(text, prefix + "wait_seconds_count"),
+            metric_sum(text, prefix + "records_waited_total"))
 
 
 def _median(values: list[float]) -> float | None:
@@ -197,7 +201,7 @@ class PDBench:
                 for length in [] if self.args.handoffs else self.lengths:
                     rows.append(self.measure(length, plain, producer, consumer, trace, read_load_trace))
                     rows[-1]["redis_s"] = (None if self.args.redis_cluster else
-                                           redis_get_s(kv_bytes(model, (length - 1) // 32 * 32), url))
+                                           redis_get_s(kv_bytes(model, (length - 1) // BLOCK_SIZE * BLOCK_SIZE), url))
                     print(f"{length} tokens done", file=sys.stderr, flush=True)
         report = {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
                   "redis": "a 3+3 Redis Cluster" if self.args.redis_cluster else "one redis-server",
@@ -216,17 +220,17 @@ class PDBench:
         waits: list[float] = []
         for i in range(self.args.prompts + 1):  # the first prompt of each length is a warm-up
             tokens = self.prompt(length)
-            plain_s, _ = _complete(plain.base_url, tokens)
-            resident_s, _ = _complete(plain.base_url, tokens)
-            prefill_s, answer = _complete(producer.base_url, tokens,
+            plain_s, _ = complete(plain.base_url, tokens)
+            resident_s, _ = complete(plain.base_url, tokens)
+            prefill_s, answer = complete(producer.base_url, tokens,
                                           {"do_remote_decode": True, "do_remote_prefill": False})
             wait_before = _handoff_wait(consumer)
-            decode_s, _ = _complete(consumer.base_url, tokens, answer.get("kv_transfer_params"))
+            decode_s, _ = complete(consumer.base_url, tokens, answer.get("kv_transfer_params"))
             for _ in range(50):  # the wait reaches /metrics with a later engine step's stats
                 wait_after = _handoff_wait(consumer)
                 if wait_after[1] > wait_before[1]:
                     break
-                _complete(consumer.base_url, self.prompt(8))
+                complete(consumer.base_url, self.prompt(8))
             waits.append(wait_after[0] - wait_before[0])
             lines, offset = read_load_trace(str(trace), offset) if trace.exists() else ([], offset)
             if i == 0:

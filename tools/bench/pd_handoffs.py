@@ -15,12 +15,11 @@ sends them (one token and ``do_remote_decode`` to the producer, then the request
 
 from __future__ import annotations
 
-import json
-import re
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from vllm_tiercache.tools.bench.pd import complete, metric_sum
 
 #: The consumer's counters read before and after the run (vllm:tiercache_kv_<name>_total).
 COUNTERS = ("hit_tokens", "handoffs_received", "handoff_loads", "handoff_fallbacks", "handoff_missing_records",
@@ -29,19 +28,12 @@ ANSWER_TOKENS = 8
 
 
 def _counters(metrics_text: str) -> dict[str, float]:
-    out = {}
-    for name in COUNTERS:
-        series = rf"^vllm:tiercache_kv_{name}_total(?:{{[^}}]*}})? (\S+)$"
-        out[name] = sum(float(v) for v in re.findall(series, metrics_text, re.MULTILINE))
-    return out
+    return {name: metric_sum(metrics_text, f"vllm:tiercache_kv_{name}_total") for name in COUNTERS}
 
 
 def _answer(url: str, served: str, tokens: list[int]) -> str:
-    body = {"model": served, "prompt": tokens, "max_tokens": ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return str(json.loads(resp.read())["choices"][0]["text"])
+    _, answer = complete(url, tokens, served=served, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+    return str(answer["choices"][0]["text"])
 
 
 def promised_tokens(length: int, block_size: int) -> int:
