@@ -20,6 +20,11 @@ process learns anyway:
   run off the step (`vllm_tiercache.kvcache.off_step`): each step posts one batch when the last one is
   answered, and applies the answer on the step after it came. A chunk is so announced a step or two
   after its records land, and a slow or hung shared tier delays its own events, never the step;
+- a shared tier that does not answer (Redis down or hung past its timeout, some cluster shards down) is
+  no place to load from: what the sweep, a confirmation or a lookup then finds missing is withdrawn, as
+  any missing chunk is, but kept aside (at most `MAX_UNREACHABLE` chunks, with their payloads), and once
+  every shared tier answers again those chunks are asked for once more and announced again if they are
+  still there. An outage so costs the router's view only while it lasts;
 - a load that failed withdraws the chunk from every medium; a connector reset (a new weights generation)
   publishes `AllBlocksCleared`; a reset of vLLM's own prefix cache (vLLM publishes `AllBlocksCleared`,
   and routers then forget the tiers too) re-announces everything still held.
@@ -38,12 +43,16 @@ from vllm_tiercache.kvcache.event_journal import EventJournal
 from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
 from vllm_tiercache.kvcache.off_step import OffStepJob
-from vllm_tiercache.shared.store.api import FileTier, Store, StoreKey
+from vllm_tiercache.shared.store.api import FileTier, ReportsHealth, Store, StoreKey
 from vllm_tiercache.shared.vllm_compat import prefix_cache_epoch
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
+
+#: Chunks withdrawn while a shared tier did not answer, kept to be asked again once it does (the journal's
+#: bound: beyond it, the oldest are left to be found again by the requests that look them up).
+MAX_UNREACHABLE = 4096
 
 
 def shared_medium(store: Store) -> str | None:
@@ -88,6 +97,11 @@ class TierEventTracker:
         self.off_step = OffStepJob("tiercache-kv-events")
         #: bumped by `reset`: an answer to a question asked before it is about names of the old generation
         self._generation = 0
+        #: the shared tiers that know whether they answer (Redis): read from memory, never the network
+        self._health = [tier for tier in store.tiers
+                        if tier.shared_across_processes and isinstance(tier, ReportsHealth)]
+        #: chunks withdrawn while a shared tier did not answer: name -> payload, asked again once it does
+        self._unreachable: OrderedDict[bytes, Any] = OrderedDict()
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -113,7 +127,7 @@ class TierEventTracker:
                 self.ledger.remember(name, request, geometry.chunk_start(end), end)
                 self.ledger.stored(name, medium)
             elif was_asked and self.shared_medium is not None and not ok:
-                self.ledger.removed(name, self.shared_medium)
+                self._withdraw_shared(name, answering=self.shared_answering())
 
     def residency(self, added: Iterable[bytes], evicted: Iterable[bytes]) -> None:
         """The workers' memory tier report of one step."""
@@ -132,6 +146,7 @@ class TierEventTracker:
         """A connector reset: every name before it belongs to the old weights generation."""
         self.ledger.cleared()
         self._unconfirmed.clear()
+        self._unreachable.clear()
         self._generation += 1
         if self._discovered:
             self._discovered.clear()
@@ -176,6 +191,9 @@ class TierEventTracker:
             self.off_step.submit(journal.read_ring, read_applied)
             if self._discovered is None:  # answered on a later step (at once when inline)
                 return
+        if self._unreachable and self.shared_answering():  # back: asked next, as the journal's entries are
+            self._discovered.extend(self._unreachable.items())
+            self._unreachable.clear()
         discover = [(name, payload) for name, payload in self._discovered[-self.discover_per_step:]
                     if not self.ledger.holds(name, self.shared_medium)]  # type: ignore[arg-type]
         n_discover = min(self.discover_per_step, len(self._discovered))
@@ -190,21 +208,28 @@ class TierEventTracker:
             return
         discover_names = [name for name, _ in discover]
 
-        def ask() -> tuple[list[bool], list[bool], list[bool]]:
+        def ask() -> tuple[list[bool], list[bool], list[bool], bool]:
+            answering = self.shared_answering()
             if journal is not None and segments:
                 journal.write(segments)
-            return self._in_shared(discover_names), self._confirmed(confirm), self._first_records_held(sweep)
+            found = self._in_shared(discover_names), self._confirmed(confirm), self._first_records_held(sweep)
+            # a "no" counts as gone only from tiers that answered throughout
+            return *found, answering and self.shared_answering()
 
-        def answered(answers: tuple[list[bool], list[bool], list[bool]]) -> None:
+        def answered(answers: tuple[list[bool], list[bool], list[bool], bool]) -> None:
             if generation != self._generation:
                 return  # asked about the names of the weights generation before a reset
-            found_discovered, found_confirmed, found_swept = answers
+            found_discovered, found_confirmed, found_swept, answering = answers
             del self._discovered[len(self._discovered) - n_discover:]  # type: ignore[index]
+            if not answering:  # what they did not find is not known to be gone: asked again once they answer
+                for (name, payload), ok in zip(discover, found_discovered, strict=True):
+                    if not ok:
+                        self._keep_unreachable(name, payload)
             self._apply_discovered(discover, found_discovered)
-            self._apply_confirmed(confirm, found_confirmed)
+            self._apply_confirmed(confirm, found_confirmed, answering=answering)
             for name, ok in zip(sweep, found_swept, strict=True):
                 if not ok:
-                    self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+                    self._withdraw_shared(name, answering=answering)
 
         self.off_step.submit(ask, answered)
 
@@ -229,7 +254,7 @@ class TierEventTracker:
         return self.store.contains_many(keys, shared_only=True, bounded=False)
 
     # ------------------------------------------------------------------------ on the step: answers applied
-    def _apply_confirmed(self, batch: list[bytes], found: list[bool]) -> None:
+    def _apply_confirmed(self, batch: list[bytes], found: list[bool], *, answering: bool = True) -> None:
         now = self.clock()
         held = []
         for name, ok in zip(batch, found, strict=True):
@@ -240,6 +265,8 @@ class TierEventTracker:
                 held.append(name)
             elif now < give_up_at:
                 self._unconfirmed[name] = give_up_at  # asked again after the others
+            elif not answering:
+                self._keep_unreachable(name)  # its records may have landed before the tier stopped answering
         self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
         for name in held:
             payload = self.ledger.payload(name)
@@ -282,6 +309,25 @@ class TierEventTracker:
             result.append(all(found[offset:offset + len(keys)]))
             offset += len(keys)
         return result
+
+    def shared_answering(self) -> bool:
+        """Every shared tier that knows its health answers in full (no Redis server, no cluster shard down)."""
+        return all(tier.up_share >= 1.0 for tier in self._health)
+
+    def _withdraw_shared(self, name: bytes, *, answering: bool) -> None:
+        """The shared tiers did not find the chunk: withdrawn; kept aside when they were not all answering."""
+        if not answering:
+            self._keep_unreachable(name)
+        self.ledger.removed(name, self.shared_medium)  # type: ignore[arg-type]
+
+    def _keep_unreachable(self, name: bytes, payload: Any = None) -> None:
+        payload = payload if payload is not None else self.ledger.payload(name)
+        if payload is None:
+            return
+        self._unreachable[name] = payload
+        self._unreachable.move_to_end(name)
+        while len(self._unreachable) > MAX_UNREACHABLE:
+            self._unreachable.popitem(last=False)
 
     def _withdraw(self, name: bytes) -> None:
         self._unconfirmed.pop(name, None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from vllm_tiercache.kvcache.events import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REM
 from vllm_tiercache.kvcache.off_step import OffStepJob
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.tier_events import shared_medium
+from vllm_tiercache.tools.redis_server import RedisServer
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
 BLOCK, CHUNK = 16, 64  # 4 blocks per chunk
@@ -427,3 +429,70 @@ def test_an_image_prompts_blocks_carry_its_identifier_as_vllm_announces_it() -> 
     assert whole.extra_keys is not None and later.extra_keys == whole.extra_keys[2:]
     carries = ["img-digest" in repr(keys) for keys in whole.extra_keys]
     assert carries == [False, True, True, True]  # tokens 20..49: blocks 1 to 3
+
+
+def _redis_config(model: Path, url: str) -> VllmConfig:
+    """Memory and one Redis server, whose calls give up after half a second (the pause below outlasts it)."""
+    kv = KVTransferConfig(
+        kv_connector="TieredKVConnector", kv_connector_module_path="vllm_tiercache.kvcache.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"namespace": "ev", "chunk_size": CHUNK, "tiers": [
+            {"kind": "memory", "capacity": "64MiB"},
+            {"kind": "redis", "url": url, "timeout_s": 0.5, "retry_after_s": 0.1}]},
+    )
+    return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=True, max_num_batched_tokens=512,
+                           kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+
+
+def _steps_until(engine: Published, wanted: int, kind: type, medium: str, seconds: float = 30.0) -> list[Any]:
+    """Empty steps (each one takes the tracker's last answer and posts its next questions) until ``wanted``
+    chunks' events of ``kind`` on ``medium`` came, or ``seconds`` passed."""
+    got: list[Any] = []
+    give_up = time.monotonic() + seconds
+    while len(got) < wanted and time.monotonic() < give_up:
+        engine.report(TieredKVWorkerMetadata())
+        got += engine.events(kind, medium)
+        time.sleep(0.02)
+    return got
+
+
+@pytest.mark.redis
+def test_a_hung_redis_holds_no_step_and_what_it_held_is_announced_again_once_it_answers(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """A real redis-server stopped with SIGSTOP (its sockets open, nothing answered): the steps go on while
+    the tracker's question waits on it; what it held is withdrawn once its calls time out (a resend could
+    not load from it), the memory tier's events stay; after SIGCONT the same chunks are announced again."""
+    with RedisServer() as redis_srv:
+        engine = Published(_redis_config(tiny_llama, redis_srv.url), inline=False)
+        connector = engine.connector
+        tracker = connector._scheduler.events  # type: ignore[union-attr]
+        assert tracker is not None and tracker.shared_medium == MEDIUM_REMOTE
+        out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(5), BLOCK))
+        names = _play_saves(connector, meta)  # every layer in memory and, flushed, in Redis
+        engine.finish(out, TieredKVWorkerMetadata(added=set(names)))
+        assert len(engine.events(BlockStored, MEDIUM_MEMORY)) == 3
+        announced = _steps_until(engine, 3, BlockStored, MEDIUM_REMOTE)  # confirmed off the step
+        assert len(announced) == 3
+        assert tracker.off_step.wait(10.0)
+
+        redis_srv.pause()
+        try:
+            tracker._next_sweep = 0.0  # the sweep asks Redis for every announced chunk now
+            engine.report(TieredKVWorkerMetadata())  # posts the sweep, which waits on the stopped server
+            in_flight_steps = 0
+            while not tracker.off_step.idle and in_flight_steps < 5:
+                engine.report(TieredKVWorkerMetadata())  # were a step to wait for Redis, this would hang here
+                in_flight_steps += 1
+            assert in_flight_steps == 5, "the sweep never waited on the stopped server"
+            removed = _steps_until(engine, 3, BlockRemoved, MEDIUM_REMOTE)
+            assert sum(len(e.block_hashes) for e in removed) == 12  # withdrawn: it cannot serve them now
+            assert not tracker.shared_answering()
+            assert engine.events(BlockRemoved, MEDIUM_MEMORY) == []  # the memory tier still serves them
+        finally:
+            redis_srv.resume()
+        back = _steps_until(engine, 3, BlockStored, MEDIUM_REMOTE)
+        assert tracker.shared_answering()
+        # every block announced again, as it was the first time
+        assert sorted(h for e in back for h in e.block_hashes) == sorted(h for e in announced for h in e.block_hashes)
+        assert sum(len(e.block_hashes) for e in back) == 12
+        tracker.close()
