@@ -14,6 +14,11 @@ hash ``{key_prefix}control``), and every `TieredStore` polls them on a backgroun
   when it evicts (`pinned_tags`). An expired pin is removed by the one process whose `remove_control`
   call removes it, which gives Redis records their TTL back (`ExpiresRecords`).
 
+A tier that cannot be read (Redis down, hung past its timeout, failing over) counts with what it said
+at its last good read: a pin it holds stays in force in every memory tier through the outage (a poll that
+forgot it would let one-off traffic evict the pinned corpus), and an invalidation it holds that this
+process has not applied yet is applied once the tier answers again.
+
 Every value is versioned and checksummed (``TCC1`` | u32 xxh32 | JSON); one that does not check is
 ignored (logged once), never trusted. An older build never reads these entries.
 """
@@ -140,6 +145,9 @@ class ControlPoller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
+        #: each source's entries at its last good read (tier name -> entries): what it counts with while
+        #: it cannot be read
+        self._last_read: dict[str, Mapping[str, bytes]] = {}
 
     def start(self) -> None:
         """Start polling (a no-op when no tier keeps control entries)."""
@@ -154,12 +162,13 @@ class ControlPoller:
             if self._stop.is_set():  # closing: the tiers are about to close
                 return control
             try:
-                parse_control(tier.read_control(), control)
-            except Exception as exc:  # an unreachable Redis: the other sources still count
+                self._last_read[tier.name] = tier.read_control()
+            except Exception as exc:  # an unreachable Redis: its last good read counts meanwhile
                 if tier.name not in self._warned:  # info: a tier that is down says so itself, loudly
                     self._warned.add(tier.name)
-                    log.info("tiercache: control entries of tier %s not read (%s); retried every poll",
-                             tier.name, exc)
+                    log.info("tiercache: control entries of tier %s not read (%s); its last read counts "
+                             "meanwhile, retried every poll", tier.name, exc)
+            parse_control(self._last_read.get(tier.name, {}), control)
         fresh = {tag: at for tag, at in control.invalidations.items() if self.applied.get(tag, 0.0) < at}
         if fresh:
             for tier in self.droppers:

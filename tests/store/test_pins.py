@@ -16,6 +16,7 @@ from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.control import Control
 from vllm_tiercache.tools.cli import main as cli_main
 from vllm_tiercache.tools.pin_cmd import pin, read_pins, unpin
+from vllm_tiercache.tools.redis_server import RedisServer
 
 #: one record: 4 KiB of payload (plus its header on disk)
 PAYLOAD = 1024
@@ -182,3 +183,35 @@ def test_pin_cli_refuses_with_the_budget_key_and_pins_when_set(tmp_path: Path, c
     assert "pinned corpus:v3 for 60 s" in capsys.readouterr().out
     assert cli_main(["unpin", "--config", on, "--tag", "corpus:v3", "--tag", "other"]) == 0
     assert "unpinned corpus:v3, other (not pinned before: other)" in capsys.readouterr().out
+
+
+@pytest.mark.redis
+def test_a_pin_read_from_redis_holds_in_memory_while_redis_hangs(tmp_path: Path) -> None:
+    """The pin lives only in Redis's control entries; Redis then stops answering (SIGSTOP). The polls that
+    cannot read it keep counting its last good read, so one-off traffic meanwhile still cannot evict the
+    pinned corpus from the memory tier (a poll that forgot the pin would hand the corpus to the LRU)."""
+    with RedisServer() as redis_srv:
+        config = {"control_poll_s": 0.02, "tiers": [
+            {"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
+            {"kind": "redis", "url": redis_srv.url, "pin_budget": 0.5, "timeout_s": 0.3, "retry_after_s": 0.05}]}
+        pin(config, ["corpus:v3"])
+        with build_store(config) as store:
+            memory, redis_tier = store.tiers
+            store.put_many(_corpus_items())
+            assert store.flush(30.0)
+            _wait_for_polls(store, 1)
+            assert memory._pins == frozenset({"corpus:v3"})
+            redis_srv.pause()
+            try:
+                _wait_for_polls(store, 2)  # at least one whole poll that could not read Redis
+                assert redis_tier.name in store.control._warned  # it did try, and failed
+                assert memory._pins == frozenset({"corpus:v3"})
+                one_offs = _keys("oneoff", 100)  # 12x the memory tier; their Redis copies wait or are skipped
+                for lo in range(0, len(one_offs), 10):
+                    store.put_many([(k, torch.zeros(PAYLOAD), None) for k in one_offs[lo:lo + 10]])
+                assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
+                assert memory.counters.get("evictions") > 50  # the pressure was real
+            finally:
+                redis_srv.resume()
+            _wait_for_polls(store, 2)  # read again once it answers: the pin is still there
+            assert memory._pins == frozenset({"corpus:v3"})
