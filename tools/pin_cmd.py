@@ -16,7 +16,13 @@ A pin is refused, with nothing written, when a tier's ``pin_budget`` is 0 (the m
 when the records of every pinned tag, this one included, would exceed a tier's budget (the message names
 the budget and the bytes). A memory tier's budget cannot be counted from here: it protects what fits.
 
-Exit status: 0; 2 when refused or the command cannot start (one line on stderr, `cli.main`).
+A tier that does not answer (Redis down or hung past its ``timeout_s``) while the pin is checked refuses
+it, with nothing written (`PinError`, naming the tier); one that fails while the pin is being written
+leaves the pin on the tiers that took it and is reported as FAILED (run the command again once it
+answers: pinning and unpinning are idempotent). `unpin` goes on past a failed tier the same way.
+
+Exit status: 0; 1 when a tier failed while writing; 2 when refused or the command cannot start (one line
+on stderr, `cli.main`).
 """
 
 from __future__ import annotations
@@ -33,12 +39,21 @@ from vllm_tiercache.shared.store.control import Control, parse_control, pin_chan
 from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.shared.store.tier_config import format_bytes
 from vllm_tiercache.shared.store.tiered import tier_names
-from vllm_tiercache.tools.cli import UsageError
+from vllm_tiercache.tools.cli import UsageError, one_line
 from vllm_tiercache.tools.jobs import load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument
 
 #: The longest a pin may last (a year): beyond it, pin without --ttl.
 MAX_PIN_TTL_S = 366 * 86400.0
+
+
+class PinError(RuntimeError):
+    """The pin cannot be checked against a tier (it does not answer): refused, nothing written."""
+
+
+def _unanswered(names: Sequence[str], i: int, exc: Exception) -> PinError:
+    return PinError(f"pin refused, nothing written: tier {names[i]} (tiers[{i}]) did not answer while its pins "
+                    f"were counted ({one_line(exc)}); run the command again once it answers")
 
 
 def pin(store_config: dict[str, Any] | None, tags: Sequence[str], ttl_s: float | None = None) -> dict[str, Any]:
@@ -56,16 +71,29 @@ def pin(store_config: dict[str, Any] | None, tags: Sequence[str], ttl_s: float |
                              f"tiers[{i}].pin_budget to the share of its capacity pins may hold, e.g. 0.2")
     result: dict[str, Any] = {"tags": tags, "until": time.time() + ttl_s if ttl_s else None, "tiers": []}
     with build_store(config) as store:
-        pinned = read_pins(store.tiers).pinned_now() | set(tags)
+        control = Control()
         for i, tier in enumerate(store.tiers):
-            result["tiers"].append(_check_budget(tier, config.tiers[i].pin_budget, pinned, f"tiers[{i}]"))
+            try:
+                read_pins([tier], control)
+            except Exception as exc:
+                raise _unanswered(names, i, exc) from exc
+        pinned = control.pinned_now() | set(tags)
+        for i, tier in enumerate(store.tiers):
+            try:
+                result["tiers"].append(_check_budget(tier, config.tiers[i].pin_budget, pinned, f"tiers[{i}]"))
+            except UsageError:
+                raise
+            except Exception as exc:
+                raise _unanswered(names, i, exc) from exc
         changes = pin_changes(tags, result["until"], pin=True)
-        for tier in store.tiers:
-            if isinstance(tier, KeepsControl):
-                tier.write_control(changes)
         for entry, tier in zip(result["tiers"], store.tiers, strict=True):
-            if isinstance(tier, ExpiresRecords):
-                entry["persisted"] = tier.hold_tagged(tags, True)
+            try:  # from here on a failed tier is reported and the others are still pinned
+                if isinstance(tier, KeepsControl):
+                    tier.write_control(changes)
+                if isinstance(tier, ExpiresRecords):
+                    entry["persisted"] = tier.hold_tagged(tags, True)
+            except Exception as exc:
+                entry["error"] = one_line(exc)
     return result
 
 
@@ -78,21 +106,30 @@ def unpin(store_config: dict[str, Any] | None, tags: Sequence[str]) -> dict[str,
         raise UsageError("give at least one --tag to unpin")
     result: dict[str, Any] = {"tags": tags, "tiers": []}
     with build_store(StoreConfig.load(store_config)) as store:
-        known = read_pins(store.tiers).pins
-        result["unknown"] = [tag for tag in tags if tag not in known]
+        known: dict[str, float | None] = {}
+        all_read = True
+        for tier in store.tiers:
+            try:
+                known.update(read_pins([tier]).pins)
+            except Exception:
+                all_read = False  # reported below, when its entries are removed
+        result["unknown"] = [tag for tag in tags if tag not in known] if all_read else []
         for tier in store.tiers:
             entry: dict[str, Any] = {"name": tier.name, "kind": tier.kind}
-            if isinstance(tier, KeepsControl):
-                tier.write_control(pin_changes(tags, None, pin=False))
-            if isinstance(tier, ExpiresRecords):
-                entry["expiring"] = tier.hold_tagged(tags, False)
+            try:  # a failed tier is reported; the others are still unpinned
+                if isinstance(tier, KeepsControl):
+                    tier.write_control(pin_changes(tags, None, pin=False))
+                if isinstance(tier, ExpiresRecords):
+                    entry["expiring"] = tier.hold_tagged(tags, False)
+            except Exception as exc:
+                entry["error"] = one_line(exc)
             result["tiers"].append(entry)
     return result
 
 
-def read_pins(tiers: Sequence[Any]) -> Control:
-    """The control entries of every tier keeping them, merged."""
-    control = Control()
+def read_pins(tiers: Sequence[Any], into: Control | None = None) -> Control:
+    """The control entries of every tier keeping them, merged (into ``into`` when given)."""
+    control = into if into is not None else Control()
     for tier in tiers:
         if isinstance(tier, KeepsControl):
             parse_control(tier.read_control(), control)
@@ -148,7 +185,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     for t in result["tiers"]:
-        detail = t.get("note") or f"{t['pinned_bytes']:,} of {t['budget']:,} pinned bytes"
+        if t.get("error"):
+            print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}; run the command again once it answers")
+            continue
+        if t.get("note"):
+            detail = t["note"]
+        elif "budget" in t:
+            detail = f"{t['pinned_bytes']:,} of {t['budget']:,} pinned bytes"
+        else:
+            detail = f"{t['pinned_bytes']:,} pinned bytes"
         print(f"tier {t['name']} ({t['kind']}): {detail}")
-    print(f"pinned {', '.join(result['tags'])}" + (f" for {args.ttl:g} s" if args.ttl else ""))
-    return 0
+    failed = [t["name"] for t in result["tiers"] if t.get("error")]
+    print(f"pinned {', '.join(result['tags'])}" + (f" for {args.ttl:g} s" if args.ttl else "")
+          + (f", except on {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -19,9 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = unpin(load_store_arg(args.config), args.tags)
+    failed = [t for t in result["tiers"] if t.get("error")]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        for t in failed:
+            print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}; run the command again once it answers")
         print(f"unpinned {', '.join(result['tags'])}"
-              + (f" (not pinned before: {', '.join(result['unknown'])})" if result["unknown"] else ""))
-    return 0
+              + (f" (not pinned before: {', '.join(result['unknown'])})" if result["unknown"] else "")
+              + (f", except on {', '.join(t['name'] for t in failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -215,3 +215,31 @@ def test_a_pin_read_from_redis_holds_in_memory_while_redis_hangs(tmp_path: Path)
                 redis_srv.resume()
             _wait_for_polls(store, 2)  # read again once it answers: the pin is still there
             assert memory._pins == frozenset({"corpus:v3"})
+
+
+@pytest.mark.redis
+def test_pin_and_unpin_against_a_hung_redis_say_which_tier_and_what_was_written(tmp_path: Path, capsys) -> None:
+    """Redis stopped (SIGSTOP) behind a disk tier: `pin` is refused in one line naming the tier, with
+    nothing written anywhere; `unpin` removes the disk's entry, reports Redis as FAILED and exits 1."""
+    with RedisServer() as redis_srv:
+        config = {"tiers": [_disk(tmp_path), {"kind": "redis", "url": redis_srv.url, "pin_budget": 0.5,
+                                              "timeout_s": 0.3}]}
+        store_json = tmp_path / "store.json"
+        store_json.write_text(json.dumps(config))
+        assert cli_main(["pin", "--config", str(store_json), "--tag", "corpus:v3"]) == 0
+        capsys.readouterr()
+        redis_srv.pause()
+        try:
+            assert cli_main(["pin", "--config", str(store_json), "--tag", "corpus:v4"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and "pin refused, nothing written: tier redis (tiers[1]) did not answer" in err
+            assert cli_main(["unpin", "--config", str(store_json), "--tag", "corpus:v3"]) == 1
+            out = capsys.readouterr().out
+            assert "tier redis (redis): FAILED:" in out and "except on redis" in out
+        finally:
+            redis_srv.resume()
+        with build_store(config) as store:
+            disk, redis_tier = store.tiers
+            assert read_pins([disk]).pins == {}  # the disk took the unpin; corpus:v4 was written nowhere
+            assert list(read_pins([redis_tier]).pins) == ["corpus:v3"]  # the run again that it asks for
+        assert cli_main(["unpin", "--config", str(store_json), "--tag", "corpus:v3"]) == 0
