@@ -10,7 +10,8 @@ and restarts see a pin. What it means per tier:
 - redis: the pinned records' keys are PERSISTed (no TTL), and records of a pinned tag written later get
   none; `tiercache unpin` (or the pin's end) gives ``ttl_s`` back. Keys without a TTL are never the
   server's victims under a ``volatile-*`` ``maxmemory-policy``; under ``allkeys-*`` Redis may evict any
-  key, pinned or not (docs/operations.md, pins).
+  key, pinned or not (docs/operations.md, pins): `pin` warns then. Its budget is counted against the
+  server's ``maxmemory`` (a cluster: summed over its primaries), when it has one.
 
 A pin is refused, with nothing written, when a tier's ``pin_budget`` is 0 (the message names the key) or
 when the records of every pinned tag, this one included, would exceed a tier's budget (the message names
@@ -144,10 +145,15 @@ def _check_budget(tier: Any, share: float, pinned: set[str], path: str) -> dict[
     except TierAdminUnsupported:
         entry["note"] = "per process: each serving process protects what fits its pin budget"
         return entry
-    capacity = tier.usage().get("capacity")
+    usage = tier.usage()
+    capacity = usage.get("capacity")
     entry["pinned_bytes"] = pinned_bytes
+    policy = usage.get("eviction_policy") or ""
+    if "allkeys-" in policy:  # Redis may evict any key: PERSIST protects nothing
+        entry["warning"] = (f"its maxmemory-policy is {policy}: Redis may evict pinned records when full; run it "
+                            "with a volatile-* policy (volatile-lru, volatile-lfu) to keep them")
     if not isinstance(capacity, int):
-        entry["note"] = "no capacity known: the budget is not counted here"
+        entry["note"] = "no capacity known (Redis: no maxmemory set): the budget is not counted here"
         return entry
     budget = int(share * capacity)
     entry["budget"] = budget
@@ -195,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             detail = f"{t['pinned_bytes']:,} pinned bytes"
         print(f"tier {t['name']} ({t['kind']}): {detail}")
+        if t.get("warning"):
+            print(f"tier {t['name']} ({t['kind']}): warning: {t['warning']}")
     failed = [t["name"] for t in result["tiers"] if t.get("error")]
     print(f"pinned {', '.join(result['tags'])}" + (f" for {args.ttl:g} s" if args.ttl else "")
           + (f", except on {', '.join(failed)}" if failed else ""))

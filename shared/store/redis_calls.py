@@ -12,7 +12,8 @@ says what a call's failure means for the tier (`redis_errors.classify`), in one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_tiercache.shared.store.counters import TierCounters
@@ -21,6 +22,25 @@ from vllm_tiercache.shared.store.redis_cluster import ClusterRouter
 from vllm_tiercache.shared.store.redis_config import RedisTierConfig
 from vllm_tiercache.shared.store.redis_errors import BUG, DOWN, STALE_MAP_ERRORS, FailureLog, classify, log
 from vllm_tiercache.shared.store.redis_health import SLOT_MAP_REFRESH_S, TierHealth
+
+
+@dataclass(frozen=True)
+class RedisMemory:
+    """A server's ``INFO memory``, or a cluster's summed over its primaries: for ``usage`` and `tiercache pin`."""
+
+    used: int
+    #: the bytes the servers may hold (``maxmemory``, summed), None when one of them has no limit (0)
+    limit: int | None
+    #: each server's ``maxmemory-policy`` (``volatile-lru``, ``allkeys-lru``, ``noeviction``, ...)
+    policies: frozenset[str]
+
+    @classmethod
+    def of(cls, infos: Iterable[Mapping[str, Any]]) -> RedisMemory:
+        infos = list(infos)
+        limits = [int(info.get("maxmemory") or 0) for info in infos]
+        return cls(used=sum(int(info.get("used_memory") or 0) for info in infos),
+                   limit=sum(limits) if limits and all(limits) else None,
+                   policies=frozenset(str(info["maxmemory_policy"]) for info in infos if info.get("maxmemory_policy")))
 
 
 class RedisCalls:
@@ -141,15 +161,16 @@ class RedisCalls:
 
         return self.pipeline(what, queue)
 
-    def used_memory(self) -> int | None:
-        """The server's ``used_memory``; on a cluster the sum over the primaries that answer (one that
-        fails costs its own figure and marks its shard down, not the whole tier). Raises on one server."""
+    def memory(self) -> RedisMemory | None:
+        """What the server says of its memory (`RedisMemory`); on a cluster summed over the primaries that
+        answer (one that fails costs its own figures and marks its shard down, not the whole tier), None
+        when none did. Raises on one server."""
         if self.router is None:
-            return self.client.info("memory").get("used_memory")
-        total, failed = self.router.used_memory(self.client, self.health.outages)
+            return RedisMemory.of([self.client.info("memory")])
+        infos, failed = self.router.memory_info(self.client, self.health.outages)
         if failed:
             self.shards_failed(failed)
-        return total
+        return RedisMemory.of(infos) if infos else None
 
     # ---------------------------------------------------------------------------------------- health
     def shards_failed(self, failed: dict[str, tuple[int, BaseException]]) -> None:

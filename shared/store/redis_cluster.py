@@ -117,24 +117,23 @@ class ClusterRouter:
                 node_client.connection_pool.release(conn)
         return res
 
-    def used_memory(self, client: Any, shards_down: Container[str]
-                    ) -> tuple[int | None, dict[str, tuple[int, BaseException]]]:
-        """The sum of ``used_memory`` over the primaries that answer (None when none did; a shard in
-        ``shards_down`` is left out), and the nodes that failed (name -> a slot it serves, the error)."""
-        total, answered = 0, 0
+    def memory_info(self, client: Any, shards_down: Container[str]
+                    ) -> tuple[list[dict[str, Any]], dict[str, tuple[int, BaseException]]]:
+        """Each answering primary's ``INFO memory`` (a shard in ``shards_down`` is left out), and the nodes
+        that failed (name -> a slot it serves, the error)."""
+        infos: list[dict[str, Any]] = []
         failed: dict[str, tuple[int, BaseException]] = {}
         for node in client.get_primaries():
             if node.name in shards_down:
                 continue
             try:
-                total += int(client.get_redis_connection(node).info("memory")["used_memory"])
-                answered += 1
+                infos.append(client.get_redis_connection(node).info("memory"))
             except NODE_ERRORS as exc:
                 slot = next((s for s, owners in client.nodes_manager.slots_cache.items()
                              if owners and owners[0].name == node.name), None)
                 if slot is not None:
                     failed[node.name] = (slot, exc)
-        return (total if answered else None), failed
+        return infos, failed
 
     # ----------------------------------------------------------------------------------------- probes
     def probe(self, client: Any, health: TierHealth) -> bool:

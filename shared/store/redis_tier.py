@@ -339,11 +339,15 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:
-        """``bytes_used``: the server's ``used_memory``; on a cluster the sum over its masters that answer
-        (the replicas hold copies of the same records; a shard marked down is left out). None when down
-        or unknown."""
-        used = self._calls.run("info", self._calls.used_memory) if not self._health.down else None
-        return {"entries": None, "bytes_used": used, "down": self._health.down, "address": self.address}
+        """``bytes_used``: the server's ``used_memory``; ``capacity``: its ``maxmemory`` (None without a
+        limit); ``eviction_policy``: its ``maxmemory-policy``. On a cluster, sums over its masters that
+        answer (the replicas hold copies of the same records; a shard marked down is left out). None when
+        down or unknown."""
+        memory = self._calls.run("info", self._calls.memory) if not self._health.down else None
+        return {"entries": None, "bytes_used": memory.used if memory else None,
+                "capacity": memory.limit if memory else None,
+                "eviction_policy": ",".join(sorted(memory.policies)) if memory and memory.policies else None,
+                "down": self._health.down, "address": self.address}
 
     def close(self) -> None:
         self._calls.close()

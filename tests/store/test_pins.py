@@ -5,6 +5,7 @@ on real files and a real redis-server.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -243,3 +244,32 @@ def test_pin_and_unpin_against_a_hung_redis_say_which_tier_and_what_was_written(
             assert read_pins([disk]).pins == {}  # the disk took the unpin; corpus:v4 was written nowhere
             assert list(read_pins([redis_tier]).pins) == ["corpus:v3"]  # the run again that it asks for
         assert cli_main(["unpin", "--config", str(store_json), "--tag", "corpus:v3"]) == 0
+
+
+@pytest.mark.redis
+def test_a_redis_pin_is_counted_against_its_maxmemory_and_an_allkeys_policy_is_warned_of(tmp_path: Path,
+                                                                                       capsys) -> None:
+    """Redis's pin budget is a share of its ``maxmemory`` (no tier capacity to read it from); a server
+    that may evict any key gets a warning, since a PERSISTed record is then no safer than another."""
+    with RedisServer() as redis_srv:
+        admin = redis_srv.client()
+        admin.config_set("maxmemory", str(8 * 2**20))
+        admin.config_set("maxmemory-policy", "volatile-lru")
+        tier = {"kind": "redis", "url": redis_srv.url, "pin_budget": 0.001}  # 8,388 bytes: below the corpus
+        with build_store({"tiers": [tier]}) as store:
+            assert store.tiers[0].usage()["capacity"] == 8 * 2**20
+            store.put_many(_corpus_items())
+            assert store.flush(30.0)
+        store_json = tmp_path / "store.json"
+        store_json.write_text(json.dumps({"tiers": [tier]}))
+        assert cli_main(["pin", "--config", str(store_json), "--tag", "corpus:v3"]) == 2
+        err = capsys.readouterr().err
+        assert "above its pin budget of 8,388 bytes (tiers[0].pin_budget 0.001 of its capacity 8.0 MiB)" in err
+        store_json.write_text(json.dumps({"tiers": [{**tier, "pin_budget": 0.5}]}))
+        assert cli_main(["pin", "--config", str(store_json), "--tag", "corpus:v3"]) == 0
+        out = capsys.readouterr().out
+        counted = re.search(r"tier redis \(redis\): ([\d,]+) of 4,194,304 pinned bytes", out)
+        assert counted and int(counted[1].replace(",", "")) >= 8 * PAYLOAD * 4 and "warning" not in out
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        assert cli_main(["pin", "--config", str(store_json), "--tag", "corpus:v3"]) == 0
+        assert "warning: its maxmemory-policy is allkeys-lru" in capsys.readouterr().out
