@@ -11,11 +11,13 @@ from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llam
 
 def test_the_table_gives_the_decode_against_each_reference() -> None:
     row = {"tokens": 2048, "plain_s": 0.5, "resident_s": 0.02, "prefill_s": 0.5, "decode_s": 0.05,
-           "redis_s": 0.02, "fetch_s": 0.01, "copy_s": 0.005, "wait_s": 0.001, "fallbacks": 0}
-    missing = {**row, "tokens": 8192, "redis_s": None, "fetch_s": None}
+           "redis_s": 0.02, "fetch_s": 0.01, "copy_s": 0.005, "wait_s": 0.001, "fallbacks": 0,
+           "resident_queued_s": 0.001, "resident_prefill_s": 0.012, "decode_queued_s": 0.03, "decode_prefill_s": 0.011}
+    missing = {**row, "tokens": 8192, "redis_s": None, "fetch_s": None, "decode_queued_s": None}
     table = format_table({"model": "m", "prompts": 3, "wait_ms": 1000.0, "reserved_cpus": 1, "rows": [row, missing]})
-    assert "| 2048 | 500 ms | 20 ms | 20 ms | 50 ms | 0.10x | 1.00x | 1 ms + 10 ms + 5 ms | 0 |" in table
-    assert "| 8192 | 500 ms | 20 ms | n/a | 50 ms | 0.10x | n/a | n/a | 0 |" in table
+    assert ("| 2048 | 500 ms | 20 ms | 20 ms | 50 ms | 0.10x | 1.00x | 1 ms + 10 ms + 5 ms | 1 ms + 12 ms "
+            "| 30 ms + 11 ms | 0 |") in table
+    assert "| 8192 | 500 ms | 20 ms | n/a | 50 ms | 0.10x | n/a | n/a | 1 ms + 12 ms | n/a + 11 ms | 0 |" in table
 
 
 def test_kv_bytes_of_the_model(tmp_path: Path) -> None:

@@ -18,6 +18,12 @@ table also shows where its load went (store reads, copies into the KV cache).
 
 Absolute seconds depend on the machine and what else runs on it (the three servers share its cores);
 the ratios between columns of one run are the result.
+
+Where a TTFT went inside the server comes from vLLM's own per-request histograms on each server's
+`/metrics`, read before and after the request: ``vllm:request_queue_time_seconds`` (queued until first
+scheduled to compute: for a hand-off, the wait for the records, their load and the steps until vLLM
+schedules the rest of the prompt) and ``vllm:request_prefill_time_seconds`` (scheduled until the first
+token); the rest of the client's TTFT is the API server's own work and the HTTP round trip.
 """
 
 from __future__ import annotations
@@ -98,6 +104,22 @@ def _handoff_wait(server: Any) -> tuple[float, float, float]:
             metric_sum(text, prefix + "records_waited_total"))
 
 
+#: vLLM's per-request histograms whose sums split a TTFT inside the server (module docstring)
+QUEUE_SUM, PREFILL_SUM = "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"
+
+
+def _engine_split(server: Any, tokens: list[int], params: dict[str, Any] | None = None
+                  ) -> tuple[float, Any, float, float]:
+    """`complete` one request on ``server`` and return (its client seconds, its answer, its queued seconds,
+    its prefill seconds), the last two from the server's `/metrics` before and after (vLLM records a
+    request's stats as it finishes, before its response goes out)."""
+    before = server.metrics()
+    seconds, answer = complete(server.base_url, tokens, params)
+    after = server.metrics()
+    return (seconds, answer, metric_sum(after, QUEUE_SUM) - metric_sum(before, QUEUE_SUM),
+            metric_sum(after, PREFILL_SUM) - metric_sum(before, PREFILL_SUM))
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -108,8 +130,9 @@ def format_table(report: dict[str, Any]) -> str:
              f"the consumer waits at most {report['wait_ms']:.0f} ms",
              "",
              "| prompt | plain prefill | resident hit | raw redis-py read | decode (hand-off) | decode / plain "
-             "| decode / (resident + 1.5 x raw) | decode load: wait + reads + copies | fallbacks |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| decode / (resident + 1.5 x raw) | decode load: wait + reads + copies "
+             "| resident in vLLM: queued + prefill | decode in vLLM: queued + prefill | fallbacks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
@@ -124,7 +147,9 @@ def format_table(report: dict[str, Any]) -> str:
             f"{ms(row['wait_s'])} + {ms(row['fetch_s'])} + {ms(row['copy_s'])}")
         lines.append(f"| {row['tokens']} | {ms(row['plain_s'])} | {ms(row['resident_s'])} | {ms(row['redis_s'])} "
                      f"| {ms(row['decode_s'])} | {ratio(row['decode_s'], row['plain_s'])} "
-                     f"| {ratio(row['decode_s'], bound)} | {load} | {row['fallbacks']} |")
+                     f"| {ratio(row['decode_s'], bound)} | {load} "
+                     f"| {ms(row.get('resident_queued_s'))} + {ms(row.get('resident_prefill_s'))} "
+                     f"| {ms(row.get('decode_queued_s'))} + {ms(row.get('decode_prefill_s'))} | {row['fallbacks']} |")
     lines += ["", "Targets: decode / plain <= 0.10x; decode / (resident + 1.5 x raw) <= 1.00x. "
               f"Every server: VLLM_CPU_NUM_OF_RESERVED_CPU={report['reserved_cpus']}, the same machine's cores."]
     return "\n".join(lines)
@@ -212,7 +237,9 @@ class PDBench:
 
     def measure(self, length: int, plain: Any, producer: Any, consumer: Any, trace: Path,
                 read_load_trace: Any) -> dict[str, Any]:
-        times: dict[str, list[float]] = {"plain": [], "resident": [], "prefill": [], "decode": []}
+        times: dict[str, list[float]] = {"plain": [], "resident": [], "prefill": [], "decode": [],
+                                         "resident_queued": [], "resident_prefill": [], "decode_queued": [],
+                                         "decode_prefill": []}
         fetch: list[float] = []
         copy: list[float] = []
         fallbacks = 0
@@ -221,11 +248,12 @@ class PDBench:
         for i in range(self.args.prompts + 1):  # the first prompt of each length is a warm-up
             tokens = self.prompt(length)
             plain_s, _ = complete(plain.base_url, tokens)
-            resident_s, _ = complete(plain.base_url, tokens)
+            resident_s, _, resident_queued, resident_prefill = _engine_split(plain, tokens)
             prefill_s, answer = complete(producer.base_url, tokens,
                                           {"do_remote_decode": True, "do_remote_prefill": False})
             wait_before = _handoff_wait(consumer)
-            decode_s, _ = complete(consumer.base_url, tokens, answer.get("kv_transfer_params"))
+            decode_s, _, decode_queued, decode_prefill = _engine_split(consumer, tokens,
+                                                                       answer.get("kv_transfer_params"))
             for _ in range(50):  # the wait reaches /metrics with a later engine step's stats
                 wait_after = _handoff_wait(consumer)
                 if wait_after[1] > wait_before[1]:
@@ -236,13 +264,19 @@ class PDBench:
             if i == 0:
                 continue
             for name, value in (("plain", plain_s), ("resident", resident_s), ("prefill", prefill_s),
-                                ("decode", decode_s)):
+                                ("decode", decode_s), ("resident_queued", resident_queued),
+                                ("resident_prefill", resident_prefill), ("decode_queued", decode_queued),
+                                ("decode_prefill", decode_prefill)):
                 times[name].append(value)
             fetch += [line["fetch_s"] for line in lines]
             copy += [line["copy_s"] for line in lines]
             fallbacks += sum(1 for line in lines if line.get("failed"))
         return {"tokens": length, "plain_s": _median(times["plain"]), "resident_s": _median(times["resident"]),
                 "prefill_s": _median(times["prefill"]), "decode_s": _median(times["decode"]),
+                "resident_queued_s": _median(times["resident_queued"]),
+                "resident_prefill_s": _median(times["resident_prefill"]),
+                "decode_queued_s": _median(times["decode_queued"]),
+                "decode_prefill_s": _median(times["decode_prefill"]),
                 "fetch_s": _median(fetch), "copy_s": _median(copy), "wait_s": _median(waits[1:]),
                 "fallbacks": fallbacks}
 
