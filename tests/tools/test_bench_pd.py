@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_tiercache.tools.bench.pd import format_table, kv_bytes
+import pytest
+
+from vllm_tiercache.tools.bench.pd import format_table, kv_bytes, worker_cores
 from vllm_tiercache.tools.bench.pd_handoffs import format_handoffs, promised_tokens
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
 
@@ -37,3 +39,10 @@ def test_the_handoff_run_counts_full_blocks_short_of_the_last_token_and_reports_
     fell_back = {**run, "taken_tokens": 28224, "taken_share": 0.98, "fallbacks": 1, "silent_recompute_tokens": None}
     assert "| 98.00% | 50 | 50 | 1 | 0 | n/a (fallbacks counted) | 50/50 |" in format_handoffs(
         {"model": "m", "wait_ms": 3000.0, "handoff_run": fell_back})
+
+
+def test_bind_gives_the_consumer_cores_of_its_own_and_needs_two() -> None:
+    assert worker_cores([0, 1]) == {"plain": "0", "producer": "0", "consumer": "1"}
+    assert worker_cores([0, 1, 2, 3, 4]) == {"plain": "0,1", "producer": "0,1", "consumer": "2,3,4"}
+    with pytest.raises(SystemExit, match="--bind needs at least 2 cores; this process may use 1"):
+        worker_cores([3])

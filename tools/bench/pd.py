@@ -16,6 +16,13 @@ warm-up prompt of that length through every path. The cases run one after the ot
 server computes at a time; the consumer writes a load trace (`TIERCACHE_LOAD_TRACE`) from which the
 table also shows where its load went (store reads, copies into the KV cache).
 
+``--bind`` gives the producer's and the consumer's vLLM workers cores of their own
+(``VLLM_CPU_OMP_THREADS_BIND``: the first half of this process's cores to the producer, and to the plain
+server, which computes alone; the second half to the consumer). Without it vLLM binds every server's
+worker to the same cores, where a hand-off's two sides take turns: a CPU worker keeps polling for its
+next step for a second after each one, and the producer's write to Redis and the consumer's read then
+run several times slower than alone.
+
 Absolute seconds depend on the machine and what else runs on it (the three servers share its cores);
 the ratios between columns of one run are the result.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import re
 import statistics
@@ -48,11 +56,25 @@ CHUNK_SIZE = 256
 BLOCK_SIZE = 32  # the servers' --block-size (`Server`'s)
 
 
+def worker_cores(cores: list[int]) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each server for ``--bind``: the producer and the plain server share
+    the first half of ``cores`` (the plain server computes only while the others are idle), the consumer
+    has the second half."""
+    if len(cores) < 2:
+        raise SystemExit(f"tiercache bench pd: --bind needs at least 2 cores; this process may use {len(cores)}")
+    half = len(cores) // 2
+    first, second = ",".join(map(str, cores[:half])), ",".join(map(str, cores[half:]))
+    return {"plain": first, "producer": first, "consumer": second}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="2048,8192", help="prompt lengths in tokens (default %(default)s)")
     parser.add_argument("--prompts", type=int, default=3, help="measured prompts per length (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke run: the 2-layer tiny model, 512-token prompts")
     parser.add_argument("--wait-ms", type=float, default=1000.0, help="the consumer's handoff_wait_ms")
+    parser.add_argument("--bind", action="store_true",
+                        help="give the producer's and the consumer's vLLM workers cores of their own (the plain "
+                             "server shares the producer's): VLLM_CPU_OMP_THREADS_BIND; needs 2 cores or more")
     parser.add_argument("--reserved-cpus", type=int, default=1,
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server (the same for all: comparable)")
     parser.add_argument("--work-dir", help="where the model, logs and traces go (default: a temp dir)")
@@ -151,7 +173,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"| {ms(row.get('resident_queued_s'))} + {ms(row.get('resident_prefill_s'))} "
                      f"| {ms(row.get('decode_queued_s'))} + {ms(row.get('decode_prefill_s'))} | {row['fallbacks']} |")
     lines += ["", "Targets: decode / plain <= 0.10x; decode / (resident + 1.5 x raw) <= 1.00x. "
-              f"Every server: VLLM_CPU_NUM_OF_RESERVED_CPU={report['reserved_cpus']}, the same machine's cores."]
+              f"Every server: VLLM_CPU_NUM_OF_RESERVED_CPU={report['reserved_cpus']}, the same machine's cores"
+              + (f"; workers bound to cores {report['bind']}." if report.get("bind") else "; workers bound by vLLM.")]
     return "\n".join(lines)
 
 
@@ -161,6 +184,8 @@ class PDBench:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
         self.work = work
+        #: each server's VLLM_CPU_OMP_THREADS_BIND with --bind, else None (vLLM binds them)
+        self.bind = worker_cores(sorted(os.sched_getaffinity(0))) if getattr(args, "bind", False) else None
         self.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
         if args.quick and not args.handoffs:
             self.lengths = [512]
@@ -189,6 +214,8 @@ class PDBench:
         server = Server(model, self.work / f"{name}.log", served_name=SERVED, chat_template=template,
                         max_model_len=max(self.lengths) + 64, kv_transfer=kv, extra_args=extra)
         server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.args.reserved_cpus)
+        if self.bind:
+            server.env["VLLM_CPU_OMP_THREADS_BIND"] = self.bind[name]
         server.env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         server.env.update(extra_env)
         return server
@@ -230,7 +257,8 @@ class PDBench:
                     print(f"{length} tokens done", file=sys.stderr, flush=True)
         report = {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
                   "redis": "a 3+3 Redis Cluster" if self.args.redis_cluster else "one redis-server",
-                  "wait_ms": self.args.wait_ms, "reserved_cpus": self.args.reserved_cpus, "rows": rows}
+                  "wait_ms": self.args.wait_ms, "reserved_cpus": self.args.reserved_cpus, "bind": self.bind,
+                  "rows": rows}
         if self.args.handoffs:
             report["handoff_run"] = handoffs
         return report
