@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     result = pin(load_store_arg(args.config), args.tags, args.ttl)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return 1 if any(t.get("error") for t in result["tiers"]) else 0
     for t in result["tiers"]:
         if t.get("error"):
             print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}; run the command again once it answers")
