@@ -114,8 +114,8 @@ def serve() -> None:
         raise SystemExit(f"engine zygote: {threading.active_count()} threads after the imports; a fork is unsafe")
     # What the imports built lives as long as every child: move it out of the collector's sight, so the full
     # collections vLLM runs while an engine starts and stops walk only the child's own objects (the imports
-    # are ~600,000 objects, about 2.5 CPU-s of collections per engine otherwise), and a child's collections
-    # do not touch, and so copy, the pages it shares with this process. Python's documented pre-fork recipe.
+    # are most of a child's heap), and a child's collections do not touch, and so copy, the pages it shares
+    # with this process. Python's documented pre-fork recipe.
     gc.collect()
     gc.freeze()
     reply = sys.stdout
