@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tiercache.tools.bench.pd import format_table, kv_bytes, worker_cores
-from vllm_tiercache.tools.bench.pd_handoffs import format_handoffs, promised_tokens
+from vllm_tiercache.tools.bench.pd import format_table, kv_bytes, promised_tokens, worker_cores
+from vllm_tiercache.tools.bench.pd_handoffs import format_handoffs
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
 
 

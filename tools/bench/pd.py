@@ -113,6 +113,11 @@ def kv_bytes(model: Path, tokens: int, itemsize: int = 2) -> int:
     return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize * tokens
 
 
+def promised_tokens(length: int, block_size: int) -> int:
+    """What the consumer can take of a ``length``-token prompt: its full blocks, short of the last token."""
+    return (length - 1) // block_size * block_size
+
+
 def metric_sum(text: str, name: str) -> float:
     """The sum of the series ``name`` over all its labels in a `/metrics` text."""
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
@@ -241,7 +246,7 @@ class PDBench:
             consumer = self.server(model, "consumer", "kv_consumer", url, {LOAD_TRACE_ENV: str(trace)})
             with plain, producer, consumer:
                 for server in (plain, producer, consumer):
-                    server.wait_healthy(timeout_s=600)
+                    server.wait_healthy()
                 print("servers up", file=sys.stderr, flush=True)
                 if self.args.handoffs:
                     from vllm_tiercache.tools.bench.pd_handoffs import run_handoffs
@@ -253,7 +258,7 @@ class PDBench:
                 for length in [] if self.args.handoffs else self.lengths:
                     rows.append(self.measure(length, plain, producer, consumer, trace, read_load_trace))
                     rows[-1]["redis_s"] = (None if self.args.redis_cluster else
-                                           redis_get_s(kv_bytes(model, (length - 1) // BLOCK_SIZE * BLOCK_SIZE), url))
+                                           redis_get_s(kv_bytes(model, promised_tokens(length, BLOCK_SIZE)), url))
                     print(f"{length} tokens done", file=sys.stderr, flush=True)
         report = {"model": "tiny Llama" if self.args.quick else "BENCH_SPEC (12 layers)", "prompts": self.args.prompts,
                   "redis": "a 3+3 Redis Cluster" if self.args.redis_cluster else "one redis-server",

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_tiercache.tools.bench.pd import complete, metric_sum
+from vllm_tiercache.tools.bench.pd import complete, metric_sum, promised_tokens
 
 #: The consumer's counters read before and after the run (vllm:tiercache_kv_<name>_total).
 COUNTERS = ("hit_tokens", "handoffs_received", "handoff_loads", "handoff_fallbacks", "handoff_missing_records",
@@ -34,11 +34,6 @@ def _counters(metrics_text: str) -> dict[str, float]:
 def _answer(url: str, served: str, tokens: list[int]) -> str:
     _, answer = complete(url, tokens, served=served, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     return str(answer["choices"][0]["text"])
-
-
-def promised_tokens(length: int, block_size: int) -> int:
-    """What the consumer can take of a ``length``-token prompt: its full blocks, short of the last token."""
-    return (length - 1) // block_size * block_size
 
 
 def run_handoffs(*, plain: Any, producer: Any, consumer: Any, served: str, lengths: list[int], count: int,
