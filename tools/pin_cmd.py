@@ -185,14 +185,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
+def failed_tiers(result: dict[str, Any]) -> list[str]:
+    """The names of the tiers `pin` or `unpin` could not write (their entries carry an ``error``)."""
+    return [t["name"] for t in result["tiers"] if t.get("error")]
+
+
+def failed_line(entry: dict[str, Any]) -> str:
+    """How `pin` and `unpin` print a tier they could not write: what failed, and that a rerun finishes it."""
+    return f"tier {entry['name']} ({entry['kind']}): FAILED: {entry['error']}; run the command again once it answers"
+
+
 def run(args: argparse.Namespace) -> int:
     result = pin(load_store_arg(args.config), args.tags, args.ttl)
+    failed = failed_tiers(result)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 1 if any(t.get("error") for t in result["tiers"]) else 0
+        return 1 if failed else 0
     for t in result["tiers"]:
         if t.get("error"):
-            print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}; run the command again once it answers")
+            print(failed_line(t))
             continue
         if t.get("note"):
             detail = t["note"]
@@ -203,7 +214,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"tier {t['name']} ({t['kind']}): {detail}")
         if t.get("warning"):
             print(f"tier {t['name']} ({t['kind']}): warning: {t['warning']}")
-    failed = [t["name"] for t in result["tiers"] if t.get("error")]
     print(f"pinned {', '.join(result['tags'])}" + (f" for {args.ttl:g} s" if args.ttl else "")
           + (f", except on {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from vllm_tiercache.tools.jobs import load_store_arg
-from vllm_tiercache.tools.pin_cmd import unpin
+from vllm_tiercache.tools.pin_cmd import failed_line, failed_tiers, unpin
 from vllm_tiercache.tools.tag_args import add_tag_argument
 
 
@@ -19,13 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = unpin(load_store_arg(args.config), args.tags)
-    failed = [t for t in result["tiers"] if t.get("error")]
+    failed = failed_tiers(result)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for t in failed:
-            print(f"tier {t['name']} ({t['kind']}): FAILED: {t['error']}; run the command again once it answers")
+        for t in result["tiers"]:
+            if t.get("error"):
+                print(failed_line(t))
         print(f"unpinned {', '.join(result['tags'])}"
               + (f" (not pinned before: {', '.join(result['unknown'])})" if result["unknown"] else "")
-              + (f", except on {', '.join(t['name'] for t in failed)}" if failed else ""))
+              + (f", except on {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
