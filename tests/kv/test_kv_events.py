@@ -51,12 +51,15 @@ BLOCK, CHUNK = 16, 64  # 4 blocks per chunk
 PROMPT_LEN = 200  # 12 full blocks: chunks ending at blocks 4, 8, 12
 
 
-def _config(model: Path, disk: Path, *, events: bool = True, role: str = "kv_both") -> VllmConfig:
+def _config(model: Path, disk: Path | None, *, events: bool = True, role: str = "kv_both",
+            shared_tier: dict[str, Any] | None = None) -> VllmConfig:
+    """Memory and, behind it, a disk tier at ``disk`` (or ``shared_tier`` instead)."""
+    shared = shared_tier or {"kind": "disk", "path": str(disk), "capacity": "64MiB"}
     kv = KVTransferConfig(
         kv_connector="TieredKVConnector", kv_connector_module_path="vllm_tiercache.kvcache.connector",
         kv_role=role,
         kv_connector_extra_config={"namespace": "ev", "chunk_size": CHUNK, "tiers": [
-            {"kind": "memory", "capacity": "64MiB"}, {"kind": "disk", "path": str(disk), "capacity": "64MiB"}]},
+            {"kind": "memory", "capacity": "64MiB"}, shared]},
     )
     return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=True, max_num_batched_tokens=512,
                            kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None)
@@ -431,19 +434,6 @@ def test_an_image_prompts_blocks_carry_its_identifier_as_vllm_announces_it() -> 
     assert carries == [False, True, True, True]  # tokens 20..49: blocks 1 to 3
 
 
-def _redis_config(model: Path, url: str) -> VllmConfig:
-    """Memory and one Redis server, whose calls give up after half a second (the pause below outlasts it)."""
-    kv = KVTransferConfig(
-        kv_connector="TieredKVConnector", kv_connector_module_path="vllm_tiercache.kvcache.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"namespace": "ev", "chunk_size": CHUNK, "tiers": [
-            {"kind": "memory", "capacity": "64MiB"},
-            {"kind": "redis", "url": url, "timeout_s": 0.5, "retry_after_s": 0.1}]},
-    )
-    return cpu_vllm_config(str(model), kv, block_size=BLOCK, prefix_caching=True, max_num_batched_tokens=512,
-                           kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
-
-
 def _steps_until(engine: Published, wanted: int, kind: type, medium: str, seconds: float = 30.0) -> list[Any]:
     """Empty steps (each one takes the tracker's last answer and posts its next questions) until ``wanted``
     chunks' events of ``kind`` on ``medium`` came, or ``seconds`` passed."""
@@ -463,7 +453,9 @@ def test_a_hung_redis_holds_no_step_and_what_it_held_is_announced_again_once_it_
     the tracker's question waits on it; what it held is withdrawn once its calls time out (a resend could
     not load from it), the memory tier's events stay; after SIGCONT the same chunks are announced again."""
     with RedisServer() as redis_srv:
-        engine = Published(_redis_config(tiny_llama, redis_srv.url), inline=False)
+        # Redis's calls give up after half a second: the pause below outlasts them
+        redis = {"kind": "redis", "url": redis_srv.url, "timeout_s": 0.5, "retry_after_s": 0.1}
+        engine = Published(_config(tiny_llama, None, shared_tier=redis), inline=False)
         connector = engine.connector
         tracker = connector._scheduler.events  # type: ignore[union-attr]
         assert tracker is not None and tracker.shared_medium == MEDIUM_REMOTE
