@@ -260,6 +260,17 @@ def test_usage_sums_masters(redis_cluster):
     after = per_master()
     assert sum(before) - 256 * KiB <= used <= sum(after) + 256 * KiB
     assert used > max(after) + 4 * MiB - 256 * KiB  # not one node's figure: the other two masters' records
+    assert tier.usage()["capacity"] is None  # no maxmemory: no bound to count a pin budget against
+    with redis_cluster.node_client(masters[0]) as c:
+        saved = {name: c.config_get(name)[name] for name in ("maxmemory", "maxmemory-policy")}
+    redis_cluster.config_set("maxmemory", str(64 * MiB))
+    redis_cluster.config_set("maxmemory-policy", "volatile-lru")
+    try:  # `tiercache pin` counts Redis's budget against this: the masters' maxmemory, summed
+        usage = tier.usage()
+        assert usage["capacity"] == len(masters) * 64 * MiB and usage["eviction_policy"] == "volatile-lru"
+    finally:
+        for name, value in saved.items():
+            redis_cluster.config_set(name, value)
     tier.close()
 
 
