@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tiercache-setup-stamp
 
 setup: $(STAMP) redis
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install_deps.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@extra=$$(bash scripts/detect_extra.sh); echo "tiercache setup: installing with extra [$$extra]"; \
 	  bash scripts/install_deps.sh $(PY) $$extra && \
