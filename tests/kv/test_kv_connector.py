@@ -145,7 +145,12 @@ def test_consumer_loads_from_redis_in_fresh_process(produced: dict) -> None:
         {
             "model": produced["model"],
             "rounds": [PROMPTS],
-            "kv_transfer_config": kv_config("kv_consumer", [{"kind": "redis", "url": produced["redis_url"]}]),
+            # The scheduler's Redis lookup is bounded (lookup_budget_ms, 100 ms by default; a late answer is a
+            # miss). On a 2-core machine running three engines beside this one its lookup thread was seen to
+            # miss that budget (every prompt computed, nothing cached); this test is about loading across
+            # processes, so the budget is out of its way (tests/kv/test_lookup_budget.py tests the budget).
+            "kv_transfer_config": kv_config("kv_consumer", [{"kind": "redis", "url": produced["redis_url"]}],
+                                            lookup_budget_ms=20000.0),
         },
         work,
         stats_dir=work / "redis-stats",
