@@ -488,3 +488,54 @@ def test_a_hung_redis_holds_no_step_and_what_it_held_is_announced_again_once_it_
         assert sorted(h for e in back for h in e.block_hashes) == sorted(h for e in announced for h in e.block_hashes)
         assert sum(len(e.block_hashes) for e in back) == 12
         tracker.close()
+
+
+@pytest.mark.redis
+@pytest.mark.serial  # a pause shorter than the cluster's 5 s node timeout: no second engine beside it
+def test_a_cluster_shard_that_hangs_withdraws_only_what_it_may_hold_and_its_chunks_come_back(
+        tiny_llama: Path, redis_cluster: Any) -> None:
+    """One master of a real Redis Cluster stopped with SIGSTOP (the other shards answer; the tier's
+    ``up_share`` drops to 2/3): the chunks whose records that shard holds are withdrawn from the shared
+    medium and kept aside, the memory tier's events stay; after SIGCONT every withdrawn chunk is announced
+    again, so the router ends with what it had before."""
+    cluster = redis_cluster
+    redis = {"kind": "redis", "url": cluster.url, "timeout_s": 0.5, "retry_after_s": 0.1}
+    engine = Published(_config(tiny_llama, None, shared_tier=redis), inline=False)
+    tracker = engine.connector._scheduler.events  # type: ignore[union-attr]
+    assert tracker is not None and tracker.shared_medium == MEDIUM_REMOTE
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(5), BLOCK))
+    names = _play_saves(engine.connector, meta)
+    engine.finish(out, TieredKVWorkerMetadata(added=set(names)))
+    announced = _steps_until(engine, 3, BlockStored, MEDIUM_REMOTE)
+    assert sum(len(e.block_hashes) for e in announced) == 12
+    assert tracker.off_step.wait(10.0)
+    cluster.wait_replicated()
+    sizes = {}
+    for i in cluster.master_nodes():
+        with cluster.node_client(i) as client:
+            sizes[i] = client.dbsize()
+    victim = max(sizes, key=sizes.__getitem__)  # the master holding the most records: some chunk needs it
+    assert sizes[victim] > 0
+    cluster.pause(victim)
+    try:
+        tracker._next_sweep = 0.0
+        removed: list[Any] = []
+        give_up = time.monotonic() + 4.0  # within the node timeout: no failover meanwhile
+        while not removed and time.monotonic() < give_up:
+            engine.report(TieredKVWorkerMetadata())
+            removed += engine.events(BlockRemoved, MEDIUM_REMOTE)
+            time.sleep(0.02)
+        removed += _steps_until(engine, 1, BlockRemoved, MEDIUM_REMOTE, seconds=0.3)
+        withdrawn = sorted(h for e in removed for h in e.block_hashes)
+        assert 0 < len(withdrawn) <= 12  # the chunks with a record on the stopped shard, not necessarily all
+        assert not tracker.shared_answering()
+        assert engine.events(BlockRemoved, MEDIUM_MEMORY) == []  # the memory tier still serves them
+    finally:
+        cluster.resume(victim)
+    back: list[Any] = []
+    give_up = time.monotonic() + 30.0
+    while sorted(h for e in back for h in e.block_hashes) != withdrawn and time.monotonic() < give_up:
+        back += _steps_until(engine, 1, BlockStored, MEDIUM_REMOTE, seconds=1.0)
+    assert sorted(h for e in back for h in e.block_hashes) == withdrawn  # each withdrawn chunk, once
+    assert tracker.shared_answering()
+    tracker.close()
