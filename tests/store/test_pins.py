@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +39,36 @@ def _corpus_items() -> list:
 
 def _disk(tmp_path: Path, capacity: str = "80KiB", budget: float = 0.5) -> dict:
     return {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": capacity, "pin_budget": budget}
+
+
+@contextmanager
+def store_with_a_pinned_corpus(redis_url: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(store, memory tier, Redis tier): a 64 KiB memory tier before Redis at ``redis_url``, whose control
+    entries alone hold the pin ``corpus:v3``; the corpus is stored and the memory tier has read the pin."""
+    config = {"control_poll_s": 0.02, "tiers": [
+        {"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
+        {"kind": "redis", "url": redis_url, "pin_budget": 0.5, "timeout_s": 0.3, "retry_after_s": 0.05}]}
+    pin(config, ["corpus:v3"])
+    with build_store(config) as store:
+        memory, redis_tier = store.tiers
+        store.put_many(_corpus_items())
+        assert store.flush(30.0)
+        _wait_for_polls(store, 1)
+        assert memory._pins == frozenset({"corpus:v3"})
+        yield store, memory, redis_tier
+
+
+def assert_the_pin_holds_while_redis_cannot_answer(store: Any, memory: Any, redis_tier: Any) -> None:
+    """Polls that could not read Redis keep its last read: the pin holds, and one-off traffic 12x the memory
+    tier (its Redis copies wait or are skipped) cannot evict the pinned corpus."""
+    _wait_for_polls(store, 2)  # at least one whole poll that could not read Redis
+    assert redis_tier.name in store.control._warned  # it did try, and failed
+    assert memory._pins == frozenset({"corpus:v3"})
+    one_offs = _keys("oneoff", 100)
+    for lo in range(0, len(one_offs), 10):
+        store.put_many([(k, torch.zeros(PAYLOAD), None) for k in one_offs[lo:lo + 10]])
+    assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
+    assert memory.counters.get("evictions") > 50  # the pressure was real
 
 
 def _wait_for_polls(store, n: int = 2) -> None:
@@ -191,31 +224,14 @@ def test_a_pin_read_from_redis_holds_in_memory_while_redis_hangs(tmp_path: Path)
     """The pin lives only in Redis's control entries; Redis then stops answering (SIGSTOP). The polls that
     cannot read it keep counting its last good read, so one-off traffic meanwhile still cannot evict the
     pinned corpus from the memory tier (a poll that forgot the pin would hand the corpus to the LRU)."""
-    with RedisServer() as redis_srv:
-        config = {"control_poll_s": 0.02, "tiers": [
-            {"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
-            {"kind": "redis", "url": redis_srv.url, "pin_budget": 0.5, "timeout_s": 0.3, "retry_after_s": 0.05}]}
-        pin(config, ["corpus:v3"])
-        with build_store(config) as store:
-            memory, redis_tier = store.tiers
-            store.put_many(_corpus_items())
-            assert store.flush(30.0)
-            _wait_for_polls(store, 1)
-            assert memory._pins == frozenset({"corpus:v3"})
-            redis_srv.pause()
-            try:
-                _wait_for_polls(store, 2)  # at least one whole poll that could not read Redis
-                assert redis_tier.name in store.control._warned  # it did try, and failed
-                assert memory._pins == frozenset({"corpus:v3"})
-                one_offs = _keys("oneoff", 100)  # 12x the memory tier; their Redis copies wait or are skipped
-                for lo in range(0, len(one_offs), 10):
-                    store.put_many([(k, torch.zeros(PAYLOAD), None) for k in one_offs[lo:lo + 10]])
-                assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
-                assert memory.counters.get("evictions") > 50  # the pressure was real
-            finally:
-                redis_srv.resume()
-            _wait_for_polls(store, 2)  # read again once it answers: the pin is still there
-            assert memory._pins == frozenset({"corpus:v3"})
+    with RedisServer() as redis_srv, store_with_a_pinned_corpus(redis_srv.url) as (store, memory, redis_tier):
+        redis_srv.pause()
+        try:
+            assert_the_pin_holds_while_redis_cannot_answer(store, memory, redis_tier)
+        finally:
+            redis_srv.resume()
+        _wait_for_polls(store, 2)  # read again once it answers: the pin is still there
+        assert memory._pins == frozenset({"corpus:v3"})
 
 
 @pytest.mark.redis

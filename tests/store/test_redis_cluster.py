@@ -501,36 +501,23 @@ def test_a_pin_holds_in_memory_while_the_master_holding_it_fails_over(redis_clus
     that cannot read it keep its last good read, so one-off traffic during the failover cannot evict the
     pinned corpus from memory; once the replica is promoted the poll reads the pin from it (replicated
     before the kill) and it still holds."""
-    from tests.store.test_pins import CORPUS, PAYLOAD, _corpus_items, _keys, _wait_for_polls
-    from vllm_tiercache.shared.store import build_store
-    from vllm_tiercache.tools.pin_cmd import pin
+    from tests.store.test_pins import (
+        CORPUS,
+        _wait_for_polls,
+        assert_the_pin_holds_while_redis_cannot_answer,
+        store_with_a_pinned_corpus,
+    )
 
     cluster = redis_cluster
-    config = {"control_poll_s": 0.02, "tiers": [
-        {"kind": "memory", "capacity": "64KiB", "pin_budget": 0.6},
-        {"kind": "redis", "url": cluster.url, "pin_budget": 0.5, "timeout_s": 0.3, "retry_after_s": 0.05}]}
-    pin(config, ["corpus:v3"])
-    cluster.wait_replicated()
-    with build_store(config) as store:
-        memory, redis_tier = store.tiers
-        store.put_many(_corpus_items())
-        assert store.flush(30.0)
-        _wait_for_polls(store, 1)
-        assert memory._pins == frozenset({"corpus:v3"})
+    with store_with_a_pinned_corpus(cluster.url) as (store, memory, redis_tier):
+        cluster.wait_replicated()
         client = cluster.client()
         owner_port = client.get_node_from_key(redis_tier._names.control).port
         client.close()
         victim = next(i for i in cluster.master_nodes() if cluster.nodes[i].port == owner_port)
         replica = cluster.replica_of(victim)
         cluster.kill(victim)
-        _wait_for_polls(store, 2)  # at least one whole poll that could not read the control hash
-        assert redis_tier.name in store.control._warned  # it did try, and failed
-        assert memory._pins == frozenset({"corpus:v3"})
-        one_offs = _keys("oneoff", 100)  # 12x the memory tier
-        for lo in range(0, len(one_offs), 10):
-            store.put_many([(k, torch.zeros(PAYLOAD), None) for k in one_offs[lo:lo + 10]])
-        assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
-        assert memory.counters.get("evictions") > 50  # the pressure was real
+        assert_the_pin_holds_while_redis_cannot_answer(store, memory, redis_tier)
         cluster.wait_promoted(replica)
         deadline = time.monotonic() + 30.0
         while not _reads_control(redis_tier):
@@ -539,7 +526,6 @@ def test_a_pin_holds_in_memory_while_the_master_holding_it_fails_over(redis_clus
         _wait_for_polls(store, 2)  # read from the promoted replica: the pin is still there
         assert memory._pins == frozenset({"corpus:v3"})
         assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
-
 
 def _reads_control(tier: RedisTier) -> bool:
     """Whether the tier reads a non-empty control hash now (False while its shard cannot answer)."""
