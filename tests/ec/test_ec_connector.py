@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
 from tests.support.zygote_client import run_job
 from vllm_tiercache.eccache.managers import LRUEncoderCacheManager
 from vllm_tiercache.shared.stats_dump import read_stats
@@ -200,8 +201,8 @@ def test_redis_producer_then_fresh_consumer_process(
     tiny_blip2: Path, baseline: dict, redis_url: str, tmp_path: Path
 ) -> None:
     """Redis is the only tier: the producer's encoder outputs reach a consumer engine in another process."""
-    # a scheduler's Redis lookup waits 100 ms by default (then a miss): out of the way on a loaded machine
-    extra = {"namespace": "ecredis", "lookup_budget_ms": 20000.0, "tiers": [{"kind": "redis", "url": redis_url}]}
+    extra = {"namespace": "ecredis", "lookup_budget_ms": PATIENT_LOOKUP_BUDGET_MS,
+             "tiers": [{"kind": "redis", "url": redis_url}]}
     stored, fresh = [1, 2], [3]
     # An ec_producer engine is an encode-only instance (vLLM generates no tokens there).
     prod = run_mm_engine(tmp_path, "redis-producer", model=str(tiny_blip2), images=stored, role="ec_producer",

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.ec.test_ec_connector import ONE_IMAGE_MANAGER, _image
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
 from vllm_tiercache.shared.store.counters import STORE_COUNTER_HELP
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
@@ -120,9 +121,7 @@ def test_metrics_list_every_series_from_the_start_and_count_disk_and_redis(
     template = tmp_path / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     disk = tmp_path / "disk"
-    # lookup_budget_ms: the third request must find Redis, which a scheduler's lookup waits on only 100 ms by
-    # default (a late answer is a miss); on a loaded 2-core machine the first lookup can take longer
-    store = {"namespace": "metrics", "lookup_budget_ms": 20000.0, "tiers": [
+    store = {"namespace": "metrics", "lookup_budget_ms": PATIENT_LOOKUP_BUDGET_MS, "tiers": [
         {"kind": "memory", "capacity": "16KiB"},
         {"kind": "disk", "path": str(disk), "capacity": "1GiB"},
         {"kind": "redis", "url": redis_url},

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.models import run_engine as run_one_process_engine
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
 from vllm_tiercache.shared.stats_dump import read_stats
 
 pytestmark = pytest.mark.engine
@@ -145,12 +146,8 @@ def test_consumer_loads_from_redis_in_fresh_process(produced: dict) -> None:
         {
             "model": produced["model"],
             "rounds": [PROMPTS],
-            # The scheduler's Redis lookup is bounded (lookup_budget_ms, 100 ms by default; a late answer is a
-            # miss). On a 2-core machine running three engines beside this one its lookup thread was seen to
-            # miss that budget (every prompt computed, nothing cached); this test is about loading across
-            # processes, so the budget is out of its way (tests/kv/test_lookup_budget.py tests the budget).
             "kv_transfer_config": kv_config("kv_consumer", [{"kind": "redis", "url": produced["redis_url"]}],
-                                            lookup_budget_ms=20000.0),
+                                            lookup_budget_ms=PATIENT_LOOKUP_BUDGET_MS),
         },
         work,
         stats_dir=work / "redis-stats",
