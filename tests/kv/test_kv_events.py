@@ -519,12 +519,8 @@ def test_a_cluster_shard_that_hangs_withdraws_only_what_it_may_hold_and_its_chun
     cluster.pause(victim)
     try:
         tracker._next_sweep = 0.0
-        removed: list[Any] = []
-        give_up = time.monotonic() + 4.0  # within the node timeout: no failover meanwhile
-        while not removed and time.monotonic() < give_up:
-            engine.report(TieredKVWorkerMetadata())
-            removed += engine.events(BlockRemoved, MEDIUM_REMOTE)
-            time.sleep(0.02)
+        # within the node timeout (no failover meanwhile); then a few more steps, for any later removal
+        removed = _steps_until(engine, 1, BlockRemoved, MEDIUM_REMOTE, seconds=4.0)
         removed += _steps_until(engine, 1, BlockRemoved, MEDIUM_REMOTE, seconds=0.3)
         withdrawn = sorted(h for e in removed for h in e.block_hashes)
         assert 0 < len(withdrawn) <= 12  # the chunks with a record on the stopped shard, not necessarily all
@@ -532,10 +528,7 @@ def test_a_cluster_shard_that_hangs_withdraws_only_what_it_may_hold_and_its_chun
         assert engine.events(BlockRemoved, MEDIUM_MEMORY) == []  # the memory tier still serves them
     finally:
         cluster.resume(victim)
-    back: list[Any] = []
-    give_up = time.monotonic() + 30.0
-    while sorted(h for e in back for h in e.block_hashes) != withdrawn and time.monotonic() < give_up:
-        back += _steps_until(engine, 1, BlockStored, MEDIUM_REMOTE, seconds=1.0)
+    back = _steps_until(engine, len(removed), BlockStored, MEDIUM_REMOTE)
     assert sorted(h for e in back for h in e.block_hashes) == withdrawn  # each withdrawn chunk, once
     assert tracker.shared_answering()
     tracker.close()

@@ -527,6 +527,7 @@ def test_a_pin_holds_in_memory_while_the_master_holding_it_fails_over(redis_clus
         assert memory._pins == frozenset({"corpus:v3"})
         assert memory.contains_many(CORPUS) == [True] * len(CORPUS)
 
+
 def _reads_control(tier: RedisTier) -> bool:
     """Whether the tier reads a non-empty control hash now (False while its shard cannot answer)."""
     try:
