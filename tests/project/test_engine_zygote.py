@@ -3,6 +3,7 @@ arguments, environment, directory and output, its exit code, its exit handlers, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -131,3 +132,67 @@ def test_jobs_from_several_threads_each_get_their_own_answer(tmp_path: Path) -> 
         codes = list(pool.map(lambda m: _run(tmp_path / m, m)[0] if (tmp_path / m).mkdir(exist_ok=True) is None
                               else None, [f"{m}" for m in modes]))
     assert codes == [3, 0, 1, 0]
+
+
+SPAWNING_JOB = textwrap.dedent("""
+    import json, multiprocessing, os, sys, time
+
+    def child(report):
+        print("from the spawned child", flush=True)
+        with open(report + ".tmp", "w") as fh:
+            json.dump({"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "cwd": os.getcwd(),
+                       "var": os.environ.get("ZYGOTE_TEST_VAR"), "argv": sys.argv[1:],
+                       "vllm_imported": "vllm" in sys.modules}, fh)
+        os.replace(report + ".tmp", report)
+        if sys.argv[1] == "hang":
+            time.sleep(600)
+
+    if __name__ == "__main__":
+        report = os.path.join(os.getcwd(), "child.json")
+        proc = multiprocessing.get_context("spawn").Process(target=child, args=(report,))
+        proc.start()
+        print("job", json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0)}), flush=True)
+        proc.join()
+        sys.exit(proc.exitcode)
+""")
+
+
+def _start_spawning_job(tmp_path: Path, mode: str) -> tuple[ZygoteJob, Path]:
+    script = tmp_path / "spawning_job.py"
+    script.write_text(SPAWNING_JOB)
+    out = tmp_path / "out.txt"
+    env = {**os.environ, "ZYGOTE_TEST_VAR": f"set for {mode}"}
+    job = EngineZygote.shared().start({"path": str(script), "argv": [mode], "env": env, "cwd": str(tmp_path),
+                                       "stdout": str(out), "stderr": str(out)}, cmd=[sys.executable, str(script)])
+    return job, out
+
+
+def test_a_process_the_job_spawns_is_forked_from_the_imports_with_the_jobs_environment_and_group(tmp_path) -> None:
+    """vLLM spawns its EngineCore and workers (a fresh interpreter each, on CPU); in a zygote job they come
+    from the zygote's fork server (tests/support/spawned_from_zygote.py), with what a spawned process gets."""
+    job, out = _start_spawning_job(tmp_path, "plain")
+    assert job.wait(timeout=120) == 0, out.read_text()
+    child = json.loads((tmp_path / "child.json").read_text())
+    parent = json.loads(out.read_text().split("job ", 1)[1].splitlines()[0])
+    assert child["vllm_imported"]  # forked after the zygote's imports: nothing to import again
+    assert child["ppid"] != parent["pid"]  # the fork server's child, not the job's
+    assert child["pgid"] == parent["pgid"] == parent["pid"]  # in the job's group, as a spawned process is
+    assert (child["var"], child["cwd"], child["argv"]) == ("set for plain", str(tmp_path), ["plain"])
+    assert "from the spawned child" in out.read_text()  # the job's standard streams
+
+
+def test_a_forked_spawn_ends_when_the_process_that_started_it_is_killed(tmp_path) -> None:
+    """Only the job is SIGKILLed, not its group: its child, whose parent is the fork server, ends anyway."""
+    job, _ = _start_spawning_job(tmp_path, "hang")
+    report = tmp_path / "child.json"
+    deadline = time.monotonic() + 120
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = json.loads(report.read_text())
+    assert process_runs(child["pid"])
+    os.kill(job.pid, signal.SIGKILL)
+    assert job.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while process_runs(child["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_runs(child["pid"])

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV
+from tests.support.job_process import job_request
 
 #: Set (to anything) to run every job from a fresh interpreter, never from the zygote.
 NO_ZYGOTE_ENV = "TIERCACHE_TEST_NO_ZYGOTE"
@@ -218,9 +219,9 @@ class EngineZygote:
 
 
 def zygote_subprocess() -> types.SimpleNamespace:
-    """`subprocess` whose `Popen` of ``python -m module ...`` or ``python script.py ...`` in a session of its
-    own, with the output in a file (what `Server.start` does), forks from the zygote; anything else is the
-    real `Popen`. `tools/demo/server.py` gets it in the tests, and tests that start such jobs themselves use it.
+    """`subprocess` whose `Popen` of ``python -m module ...`` or ``python script.py ...`` with its output in
+    files (what `Server.start` does) forks from the zygote; anything else is the real `Popen`.
+    `tools/demo/server.py` gets it in the tests, and tests that start such jobs themselves use it.
 
     Why the module is swapped and not `Server`: `Server.start` runs as it is (its log header, its flags, its
     environment); only where the process comes from changes. Installed once per test process
@@ -231,24 +232,11 @@ def zygote_subprocess() -> types.SimpleNamespace:
     def popen(args: Sequence[str], *, stdout: Any = None, stderr: Any = None, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, start_new_session: bool = False, **kwargs: Any) -> Any:
         args = list(args)
-        module = args[:2] == [sys.executable, "-m"] and len(args) > 2
-        script = len(args) > 1 and args[0] == sys.executable and args[1].endswith(".py")
-        out_path = getattr(stdout, "name", None) if isinstance(getattr(stdout, "name", None), str) else None
-        err_path = (out_path if stderr is subprocess.STDOUT else os.devnull if stderr is subprocess.DEVNULL
-                    else getattr(stderr, "name", None) if isinstance(getattr(stderr, "name", None), str) else None)
-        forkable = ((module or script) and env is not None and out_path and err_path and start_new_session
-                    and kwargs.get("stdin") in (None, subprocess.DEVNULL) and set(kwargs) <= {"stdin"}
-                    and GUARD_ENV not in env and not os.environ.get(NO_ZYGOTE_ENV))
-        if not forkable:
+        request = job_request(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, kwargs=kwargs)
+        if request is None or GUARD_ENV in request["env"] or os.environ.get(NO_ZYGOTE_ENV):
             return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                     start_new_session=start_new_session, **kwargs)
-        for stream in (stdout, stderr):
-            if hasattr(stream, "flush"):
-                stream.flush()
-        target = {"module": args[2], "argv": args[3:]} if module else {"path": args[1], "argv": args[2:]}
-        return EngineZygote.shared().start(
-            {**target, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": out_path, "stderr": err_path,
-             "append": True}, cmd=args)
+        return EngineZygote.shared().start({**request, "group": start_new_session}, cmd=args)
 
     shim.Popen = popen
     return shim

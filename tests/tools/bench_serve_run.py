@@ -1,6 +1,6 @@
 """Runs `tiercache bench serve --quick` through its real command line and checks what every case must show.
 
-Why a subprocess: the benchmark starts and kills whole process groups of vLLM servers; run from the test
+Why a process of its own: the benchmark starts and kills whole process groups of vLLM servers; run from the test
 it proves the command line, the exit status and the clean-up, not only the functions. Only counts are
 checked (every case ran, nothing failed, answers identical to vLLM alone, the connector hit), never
 timings: this machine's cores are shared with whatever else runs.
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.support.zygote_client import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,10 +27,10 @@ def run_quick(tmp_path: Path, cases: tuple[str, ...]) -> tuple[str, dict[str, An
     out_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TIERCACHE_STATS_DIR", None)
-    proc = subprocess.run(
+    proc = run_job(  # forked from the engine zygote, as are the servers it starts
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "serve", "--quick", "--cases", ",".join(cases),
          "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--plot", str(plot)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=ROOT, env=env, timeout=TIMEOUT_S,
     )
     out = proc.stdout
     assert proc.returncode == 0, f"bench serve failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-4000:]}"
