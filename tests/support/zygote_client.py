@@ -6,8 +6,8 @@ OpenAI servers of `tools/demo/server.py` start that way in the tests).
 Why: most of a one-process test engine's cost is importing vLLM, and the suite starts dozens of them. One
 zygote per test process (each xdist worker) pays that import once; every job is still a process of its
 own, with the environment, directory and arguments the test gave it. An OpenAI server forked from the zygote
-skips its front end's import of vLLM (~10 CPU-s of the ~40 a server start costs); vLLM still spawns its
-EngineCore and worker from fresh interpreters, as in production.
+skips its front end's import of vLLM, and the EngineCore and worker vLLM starts for it come from the zygote's
+fork server (`tests.support.spawned_from_zygote`) instead of fresh interpreters.
 
 A job runs from a fresh interpreter instead when the test is not marked `engine` (the engine guard of
 `tests/support/engine_guard` lives in a fresh interpreter's start-up), or when ``TIERCACHE_TEST_NO_ZYGOTE`` is set
