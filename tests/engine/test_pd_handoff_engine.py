@@ -9,7 +9,7 @@ with the producer's ``kv_transfer_params`` to the consumer). Two server starts s
   tokens on `/metrics` are exactly the producer's full-chunk tokens, one short of each prompt), with no
   fallback; its outputs equal the producer's own full run of the prompt (a ``kv_producer`` never loads, so
   that run computes everything; both servers pin ``VLLM_CPU_NUM_OF_RESERVED_CPU``); both sides count the
-  hand-offs;
+  hand-offs; and the same again with a Redis Cluster as the shared tier (a pair of servers of its own);
 - the producer's records lost (its Redis write failed): the consumer waits its bound, recomputes, counts
   the fallback and logs it, and answers the same tokens;
 - Redis paused for writes (the producer's write hangs): the consumer waits no longer than its bound (its
@@ -18,6 +18,7 @@ with the producer's ``kv_transfer_params`` to the consumer). Two server starts s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,7 +35,7 @@ from tests.engine.test_metrics_server import parse, value
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
 from vllm_tiercache.tools.pd_proxy import running_proxy
-from vllm_tiercache.tools.redis_server import RedisServer
+from vllm_tiercache.tools.redis_server import LocalRedisCluster, RedisServer
 
 pytestmark = pytest.mark.engine
 
@@ -69,20 +70,26 @@ def _server(model: Path, workdir: Path, name: str, role: str, redis_url: str) ->
     return server
 
 
+@contextlib.contextmanager
+def _pair(model: Path, workdir: Path, redis_url: str) -> Iterator[tuple[Server, Server, str]]:
+    """A producer and a consumer on ``redis_url``, healthy, and the proxy in front of them."""
+    producer = _server(model, workdir, "producer", "kv_producer", redis_url)
+    consumer = _server(model, workdir, "consumer", "kv_consumer", redis_url)
+    with producer, consumer:
+        producer.wait_healthy(timeout_s=300)
+        consumer.wait_healthy(timeout_s=300)
+        with running_proxy([producer.base_url], [consumer.base_url]) as proxy:
+            yield producer, consumer, proxy
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_llama: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     if not redis_server.running:
         redis_server.start()
     with redis_server.client() as client:
         client.flushall()
-    workdir = tmp_path_factory.mktemp("pd")
-    producer = _server(tiny_llama, workdir, "producer", "kv_producer", redis_server.url)
-    consumer = _server(tiny_llama, workdir, "consumer", "kv_consumer", redis_server.url)
-    with producer, consumer:
-        producer.wait_healthy(timeout_s=300)
-        consumer.wait_healthy(timeout_s=300)
-        with running_proxy([producer.base_url], [consumer.base_url]) as proxy:
-            yield PD(producer, consumer, proxy, redis_server)
+    with _pair(tiny_llama, tmp_path_factory.mktemp("pd"), redis_server.url) as (producer, consumer, proxy):
+        yield PD(producer, consumer, proxy, redis_server)
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -130,23 +137,43 @@ NAMES = ("hit_tokens", "handoff_loads", "handoffs_received", "handoff_fallbacks"
 
 
 def test_the_decode_takes_every_promised_token_from_the_store(pd: PD) -> None:
-    before = counters(pd.consumer, *NAMES)
-    offered_before = counters(pd.producer, "handoffs_offered")["handoffs_offered"]
-    prompts = [prompt(length, seed=i) for i, length in enumerate(LENGTHS)]
-    decoded = [complete(pd.proxy, tokens) for tokens in prompts]
+    assert_every_promised_token_is_taken(pd.producer, pd.consumer, pd.proxy, seed=0)
+
+
+def test_the_decode_takes_every_promised_token_through_a_redis_cluster(
+        tiny_llama: Path, redis_cluster: LocalRedisCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same hand-off with the shared tier a 3-master Redis Cluster: the producer's records of one prompt
+    land on several masters (their keys hash to other slots), and the consumer takes every one."""
+    with _pair(tiny_llama, tmp_path_factory.mktemp("pd-cluster"), redis_cluster.url) as (producer, consumer, proxy):
+        assert_every_promised_token_is_taken(producer, consumer, proxy, seed=100)
+    holding = []
+    for node in redis_cluster.master_nodes():
+        with redis_cluster.node_client(node) as client:
+            holding.append(client.dbsize() > 0)
+    assert sum(holding) > 1, "every record on one master: the hand-off would not cross shards"
+
+
+def assert_every_promised_token_is_taken(producer: Server, consumer: Server, proxy: str, seed: int) -> None:
+    """Prompts of `LENGTHS` through the proxy: the consumer takes exactly the promised tokens of each one from
+    the store, with no fallback and none rejected, both sides count the hand-offs, and the answers equal the
+    producer's own full run of the prompts."""
+    before = counters(consumer, *NAMES)
+    offered_before = counters(producer, "handoffs_offered")["handoffs_offered"]
+    prompts = [prompt(length, seed=seed + i) for i, length in enumerate(LENGTHS)]
+    decoded = [complete(proxy, tokens) for tokens in prompts]
     want = {"hit_tokens": before["hit_tokens"] + sum(expected_hit(n) for n in LENGTHS),
             "handoff_loads": before["handoff_loads"] + len(LENGTHS)}
-    after = settled(pd.consumer, want)
+    after = settled(consumer, want)
     assert after["hit_tokens"] - before["hit_tokens"] == sum(expected_hit(n) for n in LENGTHS), (
-        after, pd.consumer.log_tail())
+        after, consumer.log_tail())
     assert after["handoff_loads"] - before["handoff_loads"] == len(LENGTHS)
     assert after["handoffs_received"] - before["handoffs_received"] == len(LENGTHS)
-    assert after["handoff_fallbacks"] == before["handoff_fallbacks"], pd.consumer.log_tail()
+    assert after["handoff_fallbacks"] == before["handoff_fallbacks"], consumer.log_tail()
     assert after["handoffs_rejected"] == before["handoffs_rejected"]
-    offered = settled(pd.producer, {"handoffs_offered": offered_before + len(LENGTHS)})["handoffs_offered"]
+    offered = settled(producer, {"handoffs_offered": offered_before + len(LENGTHS)})["handoffs_offered"]
     assert offered - offered_before == len(LENGTHS)
     # the producer computes the whole prompt itself (a kv_producer never loads): the tokens must agree
-    plain = [complete(pd.producer.base_url, tokens) for tokens in prompts]
+    plain = [complete(producer.base_url, tokens) for tokens in prompts]
     assert [text(a) for a in decoded] == [text(a) for a in plain]
 
 
