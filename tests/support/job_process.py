@@ -11,8 +11,10 @@ process group of its own, as ``start_new_session`` gives: the default).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -113,3 +115,24 @@ def _path_of(stream: Any) -> str | None:
         return os.devnull
     name = getattr(stream, "name", None)
     return name if isinstance(name, str) else None
+
+
+class JobHandle:
+    """The signalling half of a `subprocess.Popen` handle, over ``pid`` and `poll`: for a job that is not this
+    process's child (the zygote's, or the fork server's), so the handle answers from what its starter says."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

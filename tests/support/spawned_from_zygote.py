@@ -41,7 +41,7 @@ from multiprocessing import (
 from pathlib import Path
 from typing import Any
 
-from tests.support.job_process import become_job, job_request
+from tests.support.job_process import JobHandle, become_job, job_request
 
 #: Keys this module adds to multiprocessing's preparation data (`spawn.prepare` ignores keys it does not know).
 _ENV = "tiercache_env"
@@ -180,9 +180,9 @@ def _install_in_tools() -> None:
         importlib.import_module(name).subprocess = forked_subprocess()  # type: ignore[attr-defined]
 
 
-class ForkedJob:
+class ForkedJob(JobHandle):
     """A Python job forked from the fork server, read like a `subprocess.Popen`: ``pid``, ``returncode``,
-    `poll`, `wait`, `send_signal`, `terminate`, `kill`."""
+    `poll`, `wait`, and `JobHandle`'s signals."""
 
     def __init__(self, proc: process.BaseProcess, args: list[str]) -> None:
         self.args = args
@@ -202,17 +202,6 @@ class ForkedJob:
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def forked_subprocess() -> types.SimpleNamespace:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV
-from tests.support.job_process import job_request
+from tests.support.job_process import JobHandle, job_request
 
 #: Set (to anything) to run every job from a fresh interpreter, never from the zygote.
 NO_ZYGOTE_ENV = "TIERCACHE_TEST_NO_ZYGOTE"
@@ -64,7 +64,7 @@ def run_job(cmd: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout
                                            err.read_text(errors="replace"))
 
 
-class ZygoteJob:
+class ZygoteJob(JobHandle):
     """A job forked by the zygote, read like a `subprocess.Popen`: ``pid``, ``returncode``, `poll`, `wait`,
     `send_signal`. The job is the zygote's child, not this process's: its exit code comes as the zygote's
     answer."""
@@ -98,17 +98,6 @@ class ZygoteJob:
                 self._ended.wait(pause)
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def process_runs(pid: int) -> bool:
