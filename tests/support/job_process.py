@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import traceback
+import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -136,3 +138,24 @@ class JobHandle:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def subprocess_starting_jobs(start: Callable[[list[str], dict[str, Any]], Any]) -> types.SimpleNamespace:
+    """`subprocess`, whose `Popen` of a Python job with its output in files (`job_request`) is handed to
+    ``start(args, request)``, request with its ``group`` (``start_new_session``); ``start`` returns the job's
+    handle, or None to leave the call to the real `Popen`, which gets everything else too."""
+    shim = types.SimpleNamespace(**{name: getattr(subprocess, name) for name in dir(subprocess)
+                                    if not name.startswith("__")})
+
+    def popen(args: Sequence[str], *, stdout: Any = None, stderr: Any = None, env: dict[str, str] | None = None,
+              cwd: str | Path | None = None, start_new_session: bool = False, **kwargs: Any) -> Any:
+        args = list(args)
+        request = job_request(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, kwargs=kwargs)
+        job = None if request is None else start(args, {**request, "group": start_new_session})
+        if job is None:
+            return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
+                                    start_new_session=start_new_session, **kwargs)
+        return job
+
+    shim.Popen = popen
+    return shim

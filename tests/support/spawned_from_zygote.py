@@ -26,7 +26,6 @@ import socket
 import subprocess
 import threading
 import types
-from collections.abc import Sequence
 from multiprocessing import (
     connection,
     context,
@@ -38,10 +37,9 @@ from multiprocessing import (
     spawn,
     util,
 )
-from pathlib import Path
 from typing import Any
 
-from tests.support.job_process import JobHandle, become_job, job_request
+from tests.support.job_process import JobHandle, become_job, subprocess_starting_jobs
 
 #: Keys this module adds to multiprocessing's preparation data (`spawn.prepare` ignores keys it does not know).
 _ENV = "tiercache_env"
@@ -206,19 +204,11 @@ class ForkedJob(JobHandle):
 
 def forked_subprocess() -> types.SimpleNamespace:
     """`subprocess`, whose `Popen` of ``python -m module ...`` or ``python script.py ...`` with its output in
-    files (or discarded) forks the job from the fork server (`tests.support.job_process` makes it the job);
-    anything else gets the real `Popen`."""
-    shim = types.SimpleNamespace(**{name: getattr(subprocess, name) for name in dir(subprocess)
-                                    if not name.startswith("__")})
+    files forks the job from the fork server (`tests.support.job_process` makes it the job); anything else
+    gets the real `Popen`."""
 
-    def popen(args: Sequence[str], *, stdout: Any = None, stderr: Any = None, env: dict[str, str] | None = None,
-              cwd: str | Path | None = None, start_new_session: bool = False, **kwargs: Any) -> Any:
-        args = list(args)
-        request = job_request(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, kwargs=kwargs)
-        if request is None:
-            return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
-                                    start_new_session=start_new_session, **kwargs)
-        proc = context.SpawnProcess(target=become_job, args=({**request, "group": start_new_session},),
+    def start(args: list[str], request: dict[str, Any]) -> ForkedJob:
+        proc = context.SpawnProcess(target=become_job, args=(request,),
                                     name=f"job {request.get('module') or request.get('path')}")
         proc.start()
         # Not one of this process's children for multiprocessing: its exit handler would wait for a server
@@ -226,5 +216,4 @@ def forked_subprocess() -> types.SimpleNamespace:
         process._children.discard(proc)  # type: ignore[attr-defined]
         return ForkedJob(proc, args)
 
-    shim.Popen = popen
-    return shim
+    return subprocess_starting_jobs(start)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tests.support.engine_guard.sitecustomize import GUARD_ENV
-from tests.support.job_process import JobHandle, job_request
+from tests.support.job_process import JobHandle, subprocess_starting_jobs
 
 #: Set (to anything) to run every job from a fresh interpreter, never from the zygote.
 NO_ZYGOTE_ENV = "TIERCACHE_TEST_NO_ZYGOTE"
@@ -215,17 +215,10 @@ def zygote_subprocess() -> types.SimpleNamespace:
     Why the module is swapped and not `Server`: `Server.start` runs as it is (its log header, its flags, its
     environment); only where the process comes from changes. Installed once per test process
     (tests/conftest.py), because servers start in module-scoped fixtures, before any per-test fixture."""
-    shim = types.SimpleNamespace(**{name: getattr(subprocess, name) for name in dir(subprocess)
-                                    if not name.startswith("__")})
 
-    def popen(args: Sequence[str], *, stdout: Any = None, stderr: Any = None, env: dict[str, str] | None = None,
-              cwd: str | Path | None = None, start_new_session: bool = False, **kwargs: Any) -> Any:
-        args = list(args)
-        request = job_request(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, kwargs=kwargs)
-        if request is None or GUARD_ENV in request["env"] or os.environ.get(NO_ZYGOTE_ENV):
-            return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
-                                    start_new_session=start_new_session, **kwargs)
-        return EngineZygote.shared().start({**request, "group": start_new_session}, cmd=args)
+    def start(args: list[str], request: dict[str, Any]) -> ZygoteJob | None:
+        if GUARD_ENV in request["env"] or os.environ.get(NO_ZYGOTE_ENV):
+            return None  # a fresh interpreter: see the module's docstring
+        return EngineZygote.shared().start(request, cmd=args)
 
-    shim.Popen = popen
-    return shim
+    return subprocess_starting_jobs(start)
