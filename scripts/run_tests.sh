@@ -6,9 +6,9 @@
 #     from tests/module_seconds.json; --no-loadscope-reorder keeps it; xdist would otherwise send the
 #     modules with the most tests first, the unit tests, and leave the engine modules to the end, one
 #     worker finishing a long one while the others idle). TIERCACHE_RECORD_MODULE_SECONDS=1 rewrites the
-#     file from the run. An engine's start is
-#     mostly one busy thread (three interpreters importing vLLM in turn, each waiting on the others), so
-#     three side by side keep two cores busy. Three only since OpenMP waits passively in the suite
+#     file from the run. Three workers on two cores, because much of a test's time is waiting (a server's
+#     health polls, its requests, Redis failovers), not computing; a fourth made a whole run slower (19:04
+#     against 18:19 on a 2-core VM). Three only since OpenMP waits passively in the suite
 #     (tests/conftest.py): with vLLM's default spinning, engines on shared cores slowed each other down.
 #  2. the tests marked `serial`, alone: their assertions depend on time (a read timeout against a hung
 #     or failing-over server, a lookup budget), which a second engine beside them would stretch.
