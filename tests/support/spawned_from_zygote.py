@@ -93,14 +93,11 @@ class _ForkedSpawn(popen_forkserver.Popen):
     interpreter would have inherited from this process."""
 
     def _launch(self, process_obj: process.BaseProcess) -> None:
-        stdio = [fd for fd in (0, 1, 2) if _is_open(fd)]
         watch_r, watch_w = os.pipe()  # this process holds watch_w only: the child sees EOF when it is gone
-        indexes = {"stdio": {fd: self.duplicate_for_child(fd) for fd in stdio},
-                   "watch": self.duplicate_for_child(watch_r)}
         prep_data = spawn.get_preparation_data(process_obj._name)
         prep_data[_ENV] = dict(os.environ)
-        prep_data[_STDIO] = indexes["stdio"]
-        prep_data[_PARENT_WATCH] = indexes["watch"]
+        prep_data[_STDIO] = {fd: self.duplicate_for_child(fd) for fd in (0, 1, 2) if _is_open(fd)}
+        prep_data[_PARENT_WATCH] = self.duplicate_for_child(watch_r)
         prep_data[_GROUP] = os.getpgid(0)
         buf = io.BytesIO()
         context.set_spawning_popen(self)
