@@ -302,10 +302,10 @@ def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, r
         with redis_server.client() as client:
             conn = _kv_connector(worker(store), store)
             conn.get_kv_connector_stats()  # starts the refresh thread
-            for _ in range(50):
-                if store._cached_usage():
-                    break
+            deadline = time.monotonic() + 60.0  # the first refresh's INFO must land before the reset below
+            while not store._cached_usage() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            assert store._cached_usage(), "the background usage refresh never answered"
             client.config_resetstat()
             reports = []
             for i in range(40):  # 40 engine steps, half of them with writes, over 4 gauge intervals
