@@ -50,6 +50,9 @@ class ChunkSave:
     urgent: bool = False
     #: the request's tags (`vllm_tiercache.kvcache.request_tags`), written into the records' meta
     tags: tuple[str, ...] = ()
+    #: the share of its prompt the request reused (`RequestState.reused_share`): a slower tier whose
+    #: admission has ``reused_prompt_share`` may admit the records at once (None: not known)
+    reused_share: float | None = None
 
 
 @dataclass

@@ -56,6 +56,9 @@ class RequestState:
     handoff: object = None
     #: the planned load is that promise's: asynchronous, and it waits for records still in flight
     handoff_load: bool = False
+    #: the share of the prompt already computed at the request's first step (vLLM's prefix cache and the
+    #: store's hits); its saves carry it to the slower tiers' admission (`ChunkSave.reused_share`)
+    reused_share: float | None = None
 
     def forget_load(self) -> None:
         """No load planned any more (it was planned into a step, or the lookup's hit was not used)."""

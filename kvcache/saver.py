@@ -51,6 +51,8 @@ class GatheredRecord(NamedTuple):
     urgent: bool = False
     #: the request's tags (`ChunkSave.tags`), written into the record's meta
     tags: tuple[str, ...] = ()
+    #: the share of its prompt the request reused (`ChunkSave.reused_share`), for the store's admission
+    reused_share: float | None = None
 
 
 class KVSaver:
@@ -99,7 +101,8 @@ class KVSaver:
         gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
         for save, blocks in zip(saves, gathered, strict=True):
             self.gathered.append(GatheredRecord(self.key(save.chunk_hash, layer), blocks, save.chunk_hash,
-                                                last_layer, save.first, save.urgent, save.tags))
+                                                last_layer, save.first, save.urgent, save.tags,
+                                                save.reused_share))
 
     def hand_off(self) -> None:
         """Hand this step's gathered records to the saver thread (the copies are ours: no waiting)."""
@@ -128,11 +131,9 @@ class KVSaver:
         while (batch := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
-                for urgent in (True, False):  # a hand-off's records first, ahead of the store's queue
-                    items = [(record.key, record.blocks, self._meta(record)) for record in batch
-                             if record.urgent == urgent]
-                    if items:
-                        self.store.put_many(items, owned=True, urgent=urgent)
+                for (urgent, reused_share), records in self._put_groups(batch):
+                    self.store.put_many([(record.key, record.blocks, self._meta(record)) for record in records],
+                                        owned=True, urgent=urgent, reused_share=reused_share)
                 done = {record.chunk_hash for record in batch if record.last_layer}
                 self._report_resident(batch, done)
                 with self._counters_lock:
@@ -145,6 +146,15 @@ class KVSaver:
             finally:
                 with self._queued_lock:
                     self.queued -= len(batch)
+
+    @staticmethod
+    def _put_groups(batch: list[GatheredRecord]) -> list[tuple[tuple[bool, float | None], list[GatheredRecord]]]:
+        """The batch's records by what their put tells the store: a hand-off's (urgent) first, ahead of the
+        store's queue, then by the share of its prompt each request reused (the slower tiers' admission)."""
+        groups: dict[tuple[bool, float | None], list[GatheredRecord]] = {}
+        for record in batch:
+            groups.setdefault((record.urgent, record.reused_share), []).append(record)
+        return sorted(groups.items(), key=lambda group: not group[0][0])
 
     def _report_resident(self, batch: list[GatheredRecord], done: set[bytes]) -> None:
         """Report the chunks saved whole in this batch whose every layer the memory tier holds now."""

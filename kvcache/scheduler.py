@@ -311,6 +311,10 @@ class KVSchedulerSide:
         computed_before: dict[str, int] = {
             new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
         }
+        for req_id, reused in computed_before.items():  # vLLM's prefix cache and our hits, at the first step
+            state = self._requests.get(req_id)
+            if state is not None and state.reused_share is None:
+                state.reused_share = min(1.0, reused / max(1, state.request.num_prompt_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed_before[req_id] = cached.num_computed_tokens[i]
@@ -357,8 +361,8 @@ class KVSchedulerSide:
                 saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
                 if saves is not None:
                     urgent, tags = wants_remote_decode(request), request_tags(request)
-                    for save in saves:
-                        save.urgent, save.tags = urgent, tags  # a hand-off: written first
+                    for save in saves:  # a hand-off: written first
+                        save.urgent, save.tags, save.reused_share = urgent, tags, state.reused_share
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
                     if self.events is not None:

@@ -12,7 +12,10 @@ Policies: ``always`` (every put is written through: the default, which keeps the
 record survives a restart and is seen by the other machines at once) and ``seen`` (a record is written
 down once it has been asked for ``min_seen`` times, counting the put that stored it, in the frequency
 sketch W-TinyLFU uses, `vllm_tiercache.shared.eviction.sketch.FrequencySketch`, which forgets counts
-after ``window_records`` accesses). Measured: docs/benchmarks.md, "Admission to the slower tiers".
+after ``window_records`` accesses; or, with ``reused_prompt_share``, at once when the put comes from a
+request whose prompt was mostly reused: a conversation's next turn and a question on a cached document
+extend a prefix that is being asked again, and their new chunks are the next turn's prefix). Measured:
+docs/benchmarks.md, "Admission to the slower tiers".
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ ADMISSION_POLICIES: tuple[str, ...] = get_args(AdmissionPolicy)
 MAX_MIN_SEEN = 15
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 24
 DEFAULT_WINDOW = 1 << 16
+#: Chosen with `tiercache bench admission` (docs/benchmarks.md): a turn or a question on a cached document
+#: reuses most of its prompt, a one-off prompt under a shared system prompt little of it; 0.25 to 0.75 gave
+#: the same hits and bytes on bench serve's trace.
+DEFAULT_REUSED_PROMPT_SHARE = 0.5
 _SECTION_ALLOWED = 'a mapping such as {"policy": "seen", "min_seen": 2}'
 
 
@@ -56,6 +63,14 @@ class AdmissionConfig:
         "within about this many record accesses is still counted; the sketch costs 64 to 128 bytes "
         "per record of the window.")),
         Allowed(f"an int from {MIN_WINDOW} to {MAX_WINDOW}")] = DEFAULT_WINDOW
+    reused_prompt_share: Annotated[float | None, Field(ge=0.0, le=1.0, description=(
+        "seen: a put from a request whose prompt was at least this share reused (vLLM's prefix cache and "
+        "this store's hits, at the request's first step) is admitted at once, without waiting for "
+        "min_seen: it extends a prefix that is being asked again (a conversation's next turn, a question "
+        "on a cached document), so its new chunks are likely the next request's prefix. A fresh prompt "
+        "(nothing reused) still waits for min_seen. null: off. Puts that carry no request (encoder "
+        "outputs) never use it.")),
+        Allowed("a number from 0 to 1, or null")] = DEFAULT_REUSED_PROMPT_SHARE
 
     @property
     def always(self) -> bool:

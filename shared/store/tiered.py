@@ -151,6 +151,20 @@ def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _tier_error(tier: Tier, what: str, exc: BaseException) -> None:
+    """A tier bug (tiers handle their own backend errors) becomes a miss plus a log line."""
+    tier.counters.add(errors=1)
+    log.exception("tiercache: %s tier %s failed: %s", tier.name, what, exc)
+
+
+def _tier_usage(tier: Tier) -> dict[str, Any]:
+    """The tier's `Tier.usage`, or what went wrong asking it (stats must not fail for one tier)."""
+    try:
+        return dict(tier.usage())
+    except Exception as exc:
+        return {"entries": None, "bytes_used": None, "usage_error": str(exc)}
+
+
 class TieredStore:
     """The process's store: thread-safe, never raises for a backend problem, see module docstring."""
 
@@ -182,13 +196,13 @@ class TieredStore:
         #: The budget of the schedulers' lookups, and each remote tier's lookup thread (by tier index).
         self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
         self._bounded: dict[int, BoundedLookup] = {
-            i: BoundedLookup(t, self._tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
+            i: BoundedLookup(t, _tier_error) for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)}
         self.control = ControlPoller(self.tiers, config.control_poll_s)  # invalidations, pins (`control`)
         self.control.start()
         #: each slower tier's admission (`vllm_tiercache.shared.store.admission`); tiers built by the caller
         #: have no config here: they admit everything
         rules = [getattr(tc, "admission", None) for tc in config.tiers[1:]] if tiers is config_tiers else []
-        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1))
+        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1), self.tiers[0])
         if self._admission.active and isinstance(self.tiers[0], ReportsEvictions):
             self.tiers[0].add_eviction_listener(self._admission.forget)
 
@@ -231,7 +245,7 @@ class TieredStore:
                 try:
                     res = tier.contains_many([keys[i] for i in missing])
                 except Exception as exc:
-                    self._tier_error(tier, "contains_many", exc)
+                    _tier_error(tier, "contains_many", exc)
                     continue
             still = []
             for i, hit in zip(missing, res, strict=True):
@@ -271,7 +285,7 @@ class TieredStore:
                 else:
                     res = tier.get_many([keys[i] for i in missing])
             except Exception as exc:
-                self._tier_error(tier, "get_many", exc)
+                _tier_error(tier, "get_many", exc)
                 res = [None] * len(missing)
             elapsed = time.perf_counter() - start
             still, promoted, nbytes = [], [], 0
@@ -309,18 +323,26 @@ class TieredStore:
             try:
                 tier.prefetch_many(wanted)
             except Exception as exc:  # a hint: never let it fail a load
-                self._tier_error(tier, "prefetch_many", exc)
+                _tier_error(tier, "prefetch_many", exc)
 
     def _write_down(self, groups: list[tuple[list[Tier], list[Item]]], urgent: bool = False) -> None:
         """Queue each (slower tiers, items) group, readable from the write-behind buffer until written."""
         for tiers, items in groups:
             self._write_behind.hold(items)
-            if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
-                self._write_behind.release(items)
+            self._submit(tiers, items, urgent)
+
+    def _submit(self, tiers: list[Tier], items: list[Item], urgent: bool) -> None:
+        """Queue held ``items`` for ``tiers``: released from the write-behind buffer once written, or at once
+        when the queue drops them; queued ones are backed copies for the fastest tier from now on."""
+        if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
+            self._write_behind.release(items)
+        else:
+            self._admission.backed(items)
 
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
         self._put_sync(self.tiers[0], items)
+        self._admission.backed(items)  # read from a slower tier: a backed copy
         if found_tier > 1:
             self._writer.submit(self.tiers[1:found_tier], items)
 
@@ -330,11 +352,12 @@ class TieredStore:
         self.put_many([(key, tensor, meta)], owned=owned, always_admit=always_admit)
 
     def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False,
-                 always_admit: bool = False) -> None:
+                 always_admit: bool = False, reused_share: float | None = None) -> None:
         """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full;
         ``urgent`` ones, which another engine waits for, go ahead of the queue and are never dropped).
         Each slower tier takes what its admission admits (`vllm_tiercache.shared.store.admission`);
-        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it.
+        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it, and ``reused_share``
+        (the share of its prompt the putting request reused; None: no request) may admit the put at once.
 
         ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
         keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
@@ -351,28 +374,21 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        groups = self._admission.on_put(mine, exempt=always_admit or urgent)
+        groups = self._admission.on_put(mine, exempt=always_admit or urgent, reused_share=reused_share)
         for _, admitted in groups:  # before the fastest tier, which may evict one of them right away
             self._write_behind.hold(admitted)
         self._put_sync(self.tiers[0], mine)
         for tiers, admitted in groups:
-            if not self._writer.submit(tiers, admitted, on_done=self._write_behind.release, urgent=urgent):
-                self._write_behind.release(admitted)
+            self._submit(tiers, admitted, urgent)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
         try:
             tier.put_many(items)
         except Exception as exc:
-            self._tier_error(tier, "put_many", exc)
+            _tier_error(tier, "put_many", exc)
             tier.counters.add(dropped_writes=len(items))
         tier.counters.add(write_seconds=time.perf_counter() - start)
-
-    @staticmethod
-    def _tier_error(tier: Tier, what: str, exc: BaseException) -> None:
-        """A tier bug (tiers handle their own backend errors) becomes a miss plus a log line."""
-        tier.counters.add(errors=1)
-        log.exception("tiercache: %s tier %s failed: %s", tier.name, what, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued slower-tier writes are done; False when ``timeout`` passed first."""
@@ -429,7 +445,7 @@ class TieredStore:
                 usage = cached.get(tier.name)
                 entry.update(usage["raw"] if usage else {"entries": None, "bytes_used": None})
             else:
-                entry.update(self._tier_usage(tier))
+                entry.update(_tier_usage(tier))
             tiers[tier.name] = entry
         return {
             "namespace": self.config.namespace,
@@ -440,13 +456,6 @@ class TieredStore:
                        "past_budget": sum(b.past_budget for b in self._bounded.values()),
                        "busy": sum(b.busy for b in self._bounded.values())},
         }
-
-    @staticmethod
-    def _tier_usage(tier: Tier) -> dict[str, Any]:
-        try:
-            return dict(tier.usage())
-        except Exception as exc:
-            return {"entries": None, "bytes_used": None, "usage_error": str(exc)}
 
     # ------------------------------------------------------------------------------------ /metrics
     def take_counter_deltas(self) -> dict[str, Any]:
@@ -506,7 +515,7 @@ class TieredStore:
         """Ask every tier for its usage now (the refresh thread's one pass; tests call it directly)."""
         snapshot: dict[str, dict[str, Any]] = {}
         for tier in self.tiers:
-            raw = self._tier_usage(tier)
+            raw = _tier_usage(tier)
             used, capacity = raw.get("bytes_used"), raw.get("capacity")
             snapshot[tier.name] = {"raw": raw, "bytes_used": used if isinstance(used, int) else None,
                                    "capacity": capacity if isinstance(capacity, int) else None}

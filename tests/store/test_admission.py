@@ -8,6 +8,8 @@ refused per tier; a restart finds on disk exactly what was admitted.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -119,6 +121,9 @@ def test_a_restart_hits_only_what_was_admitted(tmp_path):
     ({"policy": "seen", "min_seen": 16}, "tiers[1].admission.min_seen: invalid value 16"),
     ({"min_sen": 2}, "tiers[1].admission.min_sen: unknown key of admission; did you mean 'min_seen'?"),
     ("seen", "tiers[1].admission: invalid value 'seen'; allowed: a mapping"),
+    ({"policy": "seen", "reused_prompt_share": 1.5},
+     "tiers[1].admission.reused_prompt_share: invalid value 1.5; allowed: a number from 0 to 1, or null"),
+    ({"policy": "seen", "reused_prompt_share": "half"}, "tiers[1].admission.reused_prompt_share: invalid value 'half'"),
 ])
 def test_a_bad_admission_names_the_key(tmp_path, admission, message):
     with pytest.raises(ConfigError) as err:
@@ -153,4 +158,87 @@ def test_an_exempt_put_of_a_record_held_in_memory_only_is_not_written_down_again
 def test_the_start_up_line_says_what_a_tier_admits(tmp_path):
     from vllm_tiercache.shared.store import describe_tiers
 
-    assert describe_tiers(_config(tmp_path)).endswith("lru admits seen>=2")
+    assert describe_tiers(_config(tmp_path)).endswith("lru admits seen>=2 or reused>=0.5")
+    only_seen = _config(tmp_path, disk={"policy": "seen", "min_seen": 3, "reused_prompt_share": None})
+    assert describe_tiers(only_seen).endswith("lru admits seen>=3")
+
+
+@pytest.mark.parametrize(("share", "admitted"), [(0.75, [True, True, False]), (0.5, [True, True, False]),
+                                                  (0.4, [True, False, False]), (None, [True, False, False]),
+                                                  (0.95, [True, True, True])])
+def test_a_put_from_a_request_that_reused_its_prompt_is_admitted_at_once(tmp_path, redis_url, share, admitted):
+    """A turn that reused most of its prompt extends a prefix being asked again: each tier whose share it
+    reaches takes its new chunks at once; a fresh prompt (or a put with no request) waits for min_seen."""
+    cfg = _config(tmp_path, redis_url, disk={"policy": "seen", "min_seen": 2},
+                  redis={"policy": "seen", "min_seen": 2, "reused_prompt_share": 0.9})
+    assert cfg.tiers[1].admission.reused_prompt_share == 0.5  # the default
+    with build_store(cfg) as store:
+        store.put_many([(_k(1), _t(1), None)], reused_share=share)
+        assert _held(store, _k(1)) == admitted
+        refused = admitted.count(False)
+        assert _counter(store, "disk", "writes_refused") + _counter(store, "redis", "writes_refused") == refused
+
+
+def test_reuse_admits_nothing_when_off(tmp_path):
+    with build_store(_config(tmp_path, disk={"policy": "seen", "min_seen": 2, "reused_prompt_share": None})) as store:
+        store.put_many([(_k(1), _t(1), None)], reused_share=1.0)
+        assert _held(store, _k(1)) == [True, False]
+
+
+def _kib(seed: int) -> torch.Tensor:
+    return torch.full((256,), float(seed))  # 1 KiB
+
+
+def test_memory_evicts_backed_copies_before_the_only_copies(tmp_path):
+    """A record admission kept out of the slower tiers lives in memory only, so memory lets the records a
+    slower tier holds go first (oldest access first), then the policy's order. A record read back from
+    disk is a backed copy again."""
+    with build_store(_config(tmp_path, mem="3KiB")) as store:  # 3 records of 1 KiB
+        store.put(_k("fresh-1"), _kib(1))  # refused by disk: the only copy
+        store.put(_k("backed"), _kib(2), always_admit=True)  # on disk too
+        store.put(_k("fresh-2"), _kib(3))
+        store.put(_k("fresh-3"), _kib(4))  # full: LRU would drop fresh-1; the backed copy goes
+        assert _held(store, _k("fresh-1")) == [True, False]
+        assert _held(store, _k("backed")) == [False, True]
+        assert torch.equal(store.get(_k("backed")).tensor, _kib(2))  # read from disk: back in memory, backed
+        store.put(_k("fresh-4"), _kib(5))
+        assert _held(store, _k("backed")) == [False, True]
+        assert [_held(store, _k(f"fresh-{i}"))[0] for i in (1, 2, 3, 4)] == [False, True, True, True]
+        store.get(_k("fresh-2"))  # a hit: admitted and written down, a backed copy from now on
+        assert _held(store, _k("fresh-2")) == [True, True]
+        store.put(_k("fresh-5"), _kib(6))
+        assert [_held(store, _k(f"fresh-{i}"))[0] for i in (2, 3, 4, 5)] == [False, True, True, True]
+
+
+def test_without_a_selective_tier_memory_evicts_in_its_policys_order(tmp_path):
+    with build_store(_config(tmp_path, mem="3KiB", disk={"policy": "always"})) as store:
+        store.put(_k("oldest"), _kib(1))
+        for i in range(3):
+            store.put(_k(i), _kib(i))
+        assert _held(store, _k("oldest")) == [False, True]
+        assert [_held(store, _k(i))[0] for i in range(3)] == [True, True, True]
+
+
+def test_pinned_backed_records_stay_in_memory_under_a_flood_of_only_copies(tmp_path):
+    """Pinned records are written everywhere (backed), and backed copies go first: the pin still wins."""
+    from vllm_tiercache.tools.pin_cmd import pin
+
+    config = {"control_poll_s": 0.02, "tiers": [
+        {"kind": "memory", "capacity": "8KiB", "pin_budget": 0.5},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "16MiB", "pin_budget": 0.5,
+         "admission": {"policy": "seen", "min_seen": 2}}]}
+    corpus = [_k(f"corpus-{i}") for i in range(3)]
+    with build_store(config) as store:
+        store.put_many([(key, _kib(i), {"tags": ["corpus:v3"]}) for i, key in enumerate(corpus)], always_admit=True)
+        assert store.flush(10)
+        pin(config, ["corpus:v3"])
+        deadline = store.control.polls + 3
+        while store.control.polls < deadline:
+            time.sleep(0.02)
+        store.put(_k("backed"), _kib(9), always_admit=True)
+        for i in range(40):
+            store.put(_k(f"one-off-{i}"), _kib(i))
+        memory = store.tiers[0]
+        assert memory.contains_many(corpus) == [True] * 3
+        assert memory.contains_many([_k("backed")]) == [False]
+        assert sum(memory.contains_many([_k(f"one-off-{i}") for i in range(40)])) == 5  # 8 KiB - the corpus

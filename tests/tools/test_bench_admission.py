@@ -34,8 +34,16 @@ def test_the_table_compares_write_through_with_seen(tmp_path, capsys):
     assert seen["repeated_hit"] <= always["repeated_hit"]
 
 
+def test_seen_only_is_seen_without_reuse_admission():
+    (seen,), (only,) = admission.policy_arg("seen:2"), admission.policy_arg("seen-only:3")
+    assert seen == ("seen:2", {"policy": "seen", "min_seen": 2})
+    assert only == ("seen-only:3", {"policy": "seen", "min_seen": 3, "reused_prompt_share": None})
+
+
 def test_bad_cases_are_usage_errors():
     with pytest.raises(SystemExit):
         _args("--policies", "seen:1")
     with pytest.raises(SystemExit):
         _args("--policies", "sometimes")
+    with pytest.raises(SystemExit):
+        _args("--policies", "seen-only:1")

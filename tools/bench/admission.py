@@ -13,7 +13,8 @@ mixed in at random until they are ``--one-off-share`` of the requests. Tokens ar
 generated models' tokenizer. Each request does what the KV connector does with the store: full chunks of
 ``--chunk-size`` tokens, named by a chain hash of the prefix, one record per layer; the longest prefix of
 chunks every layer of which the store returns (`get_many`, a load) is a hit, the rest is stored
-(`put_many`, owned, as the KV saver does). The writer is flushed after each request, so no write is
+(`put_many`, owned, with the share of the prompt's chunks that hit as its ``reused_share``, as the KV
+saver does). The writer is flushed after each request, so no write is
 dropped for a full queue and the counts are exact.
 
 What it leaves out: vLLM's own prefix cache (in a server it answers some repeats before the store is
@@ -65,8 +66,10 @@ def policy_arg(text: str) -> list[tuple[str, dict[str, Any]]]:
             out.append((part, {"policy": "always"}))
         elif name == "seen" and n.isdigit() and 2 <= int(n) <= 15:
             out.append((part, {"policy": "seen", "min_seen": int(n)}))
+        elif name == "seen-only" and n.isdigit() and 2 <= int(n) <= 15:
+            out.append((part, {"policy": "seen", "min_seen": int(n), "reused_prompt_share": None}))
         else:
-            raise argparse.ArgumentTypeError(f"{part!r}: a case is always or seen:N (N from 2 to 15)")
+            raise argparse.ArgumentTypeError(f"{part!r}: a case is always, seen:N or seen-only:N (N from 2 to 15)")
     if not out:
         raise argparse.ArgumentTypeError("name at least one case, e.g. always,seen:2")
     return out
@@ -74,7 +77,8 @@ def policy_arg(text: str) -> list[tuple[str, dict[str, Any]]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", type=policy_arg, default=policy_arg("always,seen:2,seen:3"),
-                        help="comma-separated cases, the first the reference: always, seen:N (default "
+                        help="comma-separated cases, the first the reference: always, seen:N (the default "
+                             "reused_prompt_share), seen-only:N (reused_prompt_share off) (default "
                              "always,seen:2,seen:3)")
     add_trace_arguments(parser)
     memory = parser.add_mutually_exclusive_group()
@@ -201,7 +205,7 @@ def replay(store: TieredStore, namespace: str, request: Request, record: torch.T
         hit += 1
     items = [(key, record, None) for name in request.chunks[hit:] for key in keys(namespace, name, layers)]
     if items:
-        store.put_many(items, owned=True)
+        store.put_many(items, owned=True, reused_share=hit / len(request.chunks))
     store.flush()
     return hit
 
