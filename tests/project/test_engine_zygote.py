@@ -196,3 +196,26 @@ def test_a_forked_spawn_ends_when_the_process_that_started_it_is_killed(tmp_path
     while process_runs(child["pid"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not process_runs(child["pid"])
+
+
+def test_vllms_kill_of_a_process_the_fork_server_already_reaped_is_not_an_error(monkeypatch) -> None:
+    """A forked spawn leaves no zombie: between vLLM's `is_alive()` and its `kill_process_tree` it may be gone,
+    and psutil's `NoSuchProcess` must not fail vLLM's shutdown (other errors still do)."""
+    import psutil
+    from vllm.utils import system_utils
+    from vllm.v1 import utils as v1_utils
+
+    from tests.support import spawned_from_zygote
+
+    def vanished(pid: int) -> None:
+        if pid == 7:
+            raise psutil.NoSuchProcess(pid)
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(system_utils, "kill_process_tree", vanished)
+    monkeypatch.setattr(v1_utils, "kill_process_tree", vanished)
+    spawned_from_zygote._tolerate_vanished_processes()
+    assert v1_utils.kill_process_tree is not vanished
+    v1_utils.kill_process_tree(7)
+    with pytest.raises(PermissionError):
+        v1_utils.kill_process_tree(8)

@@ -12,8 +12,10 @@ of its own that vLLM pickles its work to, with the parent's environment, directo
 and `sys.argv` (a fresh interpreter inherits those; a fork of the server would have the server's, so they
 travel with the request: `_prepare_as_spawned`), and in its parent's process group. What a test could still
 tell apart: the process's parent is the fork server, so each one also ends itself when the process that started
-it ends (`_end_with_parent`), as it would have if that process's group had been swept with SIGKILL; and vLLM's
-`LD_PRELOAD` (tcmalloc, torch's libgomp), which only an exec applies, is not loaded: allocation speed, not results.
+it ends (`_end_with_parent`), as it would have if that process's group had been swept with SIGKILL; a process
+that ends is reaped by the fork server at once, so it leaves no zombie for its starter to find
+(`_tolerate_vanished_processes`); and vLLM's `LD_PRELOAD` (tcmalloc, torch's libgomp), which only an exec
+applies, is not loaded: allocation speed, not results.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import types
 from multiprocessing import (
@@ -85,7 +88,29 @@ def install() -> None:
             os._exit(0)
     listener.close()
     os.close(alive_r)
+    _tolerate_vanished_processes()
     _install_in_tools()
+
+
+def _tolerate_vanished_processes() -> None:
+    """vLLM's shutdown asks `is_alive()` of its EngineCore, then kills its process tree (psutil). A spawned
+    child that ends in between stays a zombie until its starter reaps it, so psutil still finds it; one the
+    fork server started is reaped by the server at once, and psutil then raises `NoSuchProcess` out of vLLM's
+    shutdown (seen: a CI run's EngineCore ending on `abort`). Gone is what the kill wanted: the names vLLM
+    imported `kill_process_tree` under take a version that says so."""
+    import psutil
+    from vllm.utils import system_utils
+
+    original = system_utils.kill_process_tree
+
+    def kill_process_tree(pid: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            original(pid)
+
+    for name in ("vllm.utils.system_utils", "vllm.v1.utils", "vllm.entrypoints.launchers.dp_supervisor"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "kill_process_tree", None) is original:
+            module.kill_process_tree = kill_process_tree  # type: ignore[attr-defined]
 
 
 class _ForkedSpawn(popen_forkserver.Popen):
