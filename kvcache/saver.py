@@ -131,9 +131,12 @@ class KVSaver:
         while (batch := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
-                for (urgent, reused_share), records in self._put_groups(batch):
-                    self.store.put_many([(record.key, record.blocks, self._meta(record)) for record in records],
-                                        owned=True, urgent=urgent, reused_share=reused_share)
+                for urgent in (True, False):  # a hand-off's records first, ahead of the store's queue
+                    records = [record for record in batch if record.urgent == urgent]
+                    if records:
+                        self.store.put_many([(record.key, record.blocks, self._meta(record)) for record in records],
+                                            owned=True, urgent=urgent,
+                                            reused_shares=[record.reused_share for record in records])
                 done = {record.chunk_hash for record in batch if record.last_layer}
                 self._report_resident(batch, done)
                 with self._counters_lock:
@@ -146,15 +149,6 @@ class KVSaver:
             finally:
                 with self._queued_lock:
                     self.queued -= len(batch)
-
-    @staticmethod
-    def _put_groups(batch: list[GatheredRecord]) -> list[tuple[tuple[bool, float | None], list[GatheredRecord]]]:
-        """The batch's records by what their put tells the store: a hand-off's (urgent) first, ahead of the
-        store's queue, then by the share of its prompt each request reused (the slower tiers' admission)."""
-        groups: dict[tuple[bool, float | None], list[GatheredRecord]] = {}
-        for record in batch:
-            groups.setdefault((record.urgent, record.reused_share), []).append(record)
-        return sorted(groups.items(), key=lambda group: not group[0][0])
 
     def _report_resident(self, batch: list[GatheredRecord], done: set[bytes]) -> None:
         """Report the chunks saved whole in this batch whose every layer the memory tier holds now."""

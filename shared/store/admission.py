@@ -21,10 +21,6 @@ is remembered here (its digest and the tiers that refused it, bounded). A memory
 count to the threshold hands the memory copy to the background writer for those tiers (write-behind, as
 any put). A record the memory tier evicts first is forgotten here; its count stays in the sketch.
 
-Only copies last longer: while some slower tier admits selectively, the gate tells a fastest tier that
-declares `KeepsOnlyCopiesLonger` (memory) which of its records a slower tier holds too (`backed`: queued
-writes and reads from a slower tier), and that tier evicts those first.
-
 Exempt (always admitted to every tier): puts with ``always_admit`` (precomputed and pinned records, the
 KV event journal) and ``urgent`` puts (a prefill/decode hand-off, which another engine waits for).
 
@@ -40,7 +36,7 @@ from typing import Any
 
 from vllm_tiercache.shared.eviction.sketch import FrequencySketch
 from vllm_tiercache.shared.store.admission_config import AdmissionConfig
-from vllm_tiercache.shared.store.api import KeepsOnlyCopiesLonger, Record, StoreKey, Tier
+from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
 
 #: Records refused somewhere and still in memory that are remembered, per window record: past this the
 #: oldest are forgotten (their next put, with a count past the threshold, is admitted anyway).
@@ -52,8 +48,7 @@ class AdmissionGate:
 
     ``rules[i]`` is the rule of ``slower[i]`` (None: always)."""
 
-    def __init__(self, slower: Sequence[Tier], rules: Sequence[AdmissionConfig | None], fastest: Tier | None = None
-                 ) -> None:
+    def __init__(self, slower: Sequence[Tier], rules: Sequence[AdmissionConfig | None]) -> None:
         self.slower = list(slower)
         self._min_seen = [0 if rule is None or rule.always else rule.min_seen for rule in rules]
         #: slower[i] admits a put whose request reused at least this share of its prompt (None: never)
@@ -77,9 +72,6 @@ class AdmissionGate:
         self._lock = threading.Lock()
         #: False when every slower tier admits everything: puts skip the gate
         self.active = any(self._min_seen)
-        #: the fastest tier to tell of its backed copies (none while every record is written everywhere: its
-        #: policy's order is then the whole story)
-        self._keeps_only_copies = fastest if self.active and isinstance(fastest, KeepsOnlyCopiesLonger) else None
 
     def _count(self, keys: Sequence[StoreKey]) -> list[list[int]]:
         """Count one access of each key; its frequency in each sketch (by sketch index), lock held."""
@@ -94,15 +86,15 @@ class AdmissionGate:
         return sketch is None or freqs[sketch][j] >= self._min_seen[i]
 
     def _admits_reuse(self, i: int, reused_share: float | None) -> bool:
-        """Whether slower[i] admits every record of a put whose request reused ``reused_share`` of its prompt."""
+        """Whether slower[i] admits a record whose request reused ``reused_share`` of its prompt."""
         threshold = self._reused_share[i]
         return threshold is not None and reused_share is not None and reused_share >= threshold
 
-    def on_put(self, items: Sequence[Any], *, exempt: bool, reused_share: float | None = None
+    def on_put(self, items: Sequence[Any], *, exempt: bool, reused_shares: Sequence[float | None] | None = None
                ) -> list[tuple[list[Tier], list[Any]]]:
         """The writes a put makes to the slower tiers: (tiers, items) groups; counts each tier's admitted
-        and refused records. ``exempt``: every tier takes every item. ``reused_share``: the share of its
-        prompt the putting request reused (None: the put has no request)."""
+        and refused records. ``exempt``: every tier takes every item. ``reused_shares``: per item, the share
+        of its prompt the putting request reused (None: no request)."""
         if exempt or not self.active:
             if self.active:  # written everywhere now: nothing left to write down on its next use
                 with self._lock:
@@ -114,11 +106,11 @@ class AdmissionGate:
         groups: dict[int, list[Any]] = {}
         with self._lock:
             freqs = self._count([item[0] for item in items])
-            by_reuse = [self._admits_reuse(i, reused_share) for i in range(len(self.slower))]
             for j, item in enumerate(items):
+                share = reused_shares[j] if reused_shares is not None else None
                 refused = 0
                 for i in range(len(self.slower)):
-                    if not by_reuse[i] and not self._passes(freqs, i, j):
+                    if not self._passes(freqs, i, j) and not self._admits_reuse(i, share):
                         refused |= 1 << i
                 if refused:
                     self._remember(item[0].digest, refused)
@@ -185,11 +177,6 @@ class AdmissionGate:
         self._refused[digest] = refused
         if len(self._refused) > self._limit:
             del self._refused[next(iter(self._refused))]
-
-    def backed(self, items: Sequence[Any]) -> None:
-        """A slower tier holds ``items`` now (or its writer, until written): the fastest tier evicts them first."""
-        if self._keeps_only_copies is not None:
-            self._keeps_only_copies.mark_backed([item[0] for item in items])
 
     def forget(self, digest: bytes) -> None:
         """The fastest tier dropped the record: nothing is left to write down (its count stays)."""

@@ -121,7 +121,7 @@ class Store(Protocol):
     tensors the caller will never mutate (no copy); ``urgent`` puts (a prefill/decode hand-off's records)
     reach the slower tiers ahead of the writes already queued; ``always_admit`` puts (precomputed and
     pinned records) and ``urgent`` ones bypass the slower tiers' admission (`vllm_tiercache.shared.store.admission`),
-    and a put's ``reused_share`` (the share of its prompt the putting request reused) may admit it at once.
+    and a put's ``reused_shares`` (per record, the share of its prompt the putting request reused) may admit at once.
     """
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
@@ -142,7 +142,7 @@ class Store(Protocol):
             owned: bool = False, always_admit: bool = False) -> None: ...
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
                  owned: bool = False, urgent: bool = False, always_admit: bool = False,
-                 reused_share: float | None = None) -> None: ...
+                 reused_shares: Sequence[float | None] | None = None) -> None: ...
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
         """A hint that ``keys`` will be read soon, for the tiers declaring `Prefetches`."""
         ...
@@ -295,16 +295,6 @@ class InProcessTier(ReportsEvictions):
     leaves out the keys it holds."""
 
 
-class KeepsOnlyCopiesLonger(ABC):
-    """Told which of its records a slower tier also holds, evicts those first (memory, when some slower tier
-    admits selectively): a record that admission kept out of the slower tiers lives here only, and losing
-    it costs a recompute, where losing a copy costs a slower tier's read."""
-
-    @abstractmethod
-    def mark_backed(self, keys: Sequence[StoreKey]) -> None:
-        """A slower tier holds (or its writer is writing) these records now: evict them before the only copies."""
-
-
 class FileTier:
     """Keeps its records in files (disk, GDS): a KV hit served from such tiers alone is what vLLM counts as a
     disk hit (`CacheHitSource.DISK`, `vllm_tiercache.kvcache.scheduler`). A declaration with no members."""
@@ -369,5 +359,5 @@ class ExpiresRecords(ABC):
 
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
-    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, KeepsOnlyCopiesLonger,
-    FileTier, TakesPayloadAllocator, KeepsControl, HonorsPins, DropsTagged, ExpiresRecords)
+    RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator,
+    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords)

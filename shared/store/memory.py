@@ -14,19 +14,12 @@ are in its meta; the tier indexes tagged records by tag and remembers when each 
 `drop_tagged` (an invalidation the store's control poller saw) drops exactly the records of a tag written
 before the invalidation, and eviction skips the records of pinned tags (`set_pinned_tags`), up to
 ``pin_budget`` of the capacity, while unpinned records remain.
-
-Only copies last longer (`KeepsOnlyCopiesLonger`): when a slower tier admits selectively, the store tells
-this tier which records a slower tier also holds (`mark_backed`), and eviction takes those first, oldest
-access first, before the policy's order: a record admission kept out of the slower tiers is lost for good
-when it leaves, a backed one costs a slower tier's read. Without `mark_backed` calls (every slower tier
-admits everything) eviction is the policy's alone.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,7 +30,6 @@ from vllm_tiercache.shared.store.api import (
     DropsTagged,
     HonorsPins,
     InProcessTier,
-    KeepsOnlyCopiesLonger,
     Record,
     StoredRecord,
     StoreKey,
@@ -51,7 +43,7 @@ from vllm_tiercache.shared.store.tags import tags_of
 _PER_PROCESS = "a memory tier lives inside each serving process; another process cannot list or delete its records"
 
 
-class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
+class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
     """Bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
 
     kind = "memory"
@@ -73,8 +65,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
         self.policy = make_policy(config.policy, self.capacity, "memory.policy")
         self._bytes = 0
         self._evict_listeners: list[Callable[[bytes], None]] = []
-        #: the records a slower tier also holds (`mark_backed`), least recently accessed first: evicted first
-        self._backed: OrderedDict[bytes, None] = OrderedDict()
 
     def add_eviction_listener(self, listener: Callable[[bytes], None]) -> None:
         """Call `listener(digest)` after a record leaves this tier (the KV connector's residency reports)."""
@@ -91,8 +81,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
                 entry = self._items.get(k.digest)
                 if entry is not None:
                     self.policy.access(k.digest)
-                    if k.digest in self._backed:
-                        self._backed.move_to_end(k.digest)
                     out.append(entry[0])
                 else:
                     out.append(None)
@@ -112,7 +100,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
                     self._bytes -= old[1]
                     self.policy.remove(key.digest)
                     self._untag(key.digest, old[0])
-                    self._backed.pop(key.digest, None)
                 record = Record(tensor, dict(meta or {}))
                 self._items[key.digest] = (record, size)
                 self._tag(key.digest, record)
@@ -125,7 +112,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
                     gone = self._items.pop(digest)
                     self._bytes -= gone[1]
                     self._untag(digest, gone[0])
-                    self._backed.pop(digest, None)
                     if digest == key.digest and old is None:
                         # Refused on arrival: never resident, nobody to tell, and not a put either.
                         refused += 1
@@ -182,51 +168,11 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
         self._protected_cache = protected
         return protected
 
-    def mark_backed(self, keys: Sequence[StoreKey]) -> None:
-        """A slower tier holds these records (or its writer holds them until written): evict them first."""
-        with self._lock:
-            for key in keys:
-                if key.digest in self._items:
-                    self._backed[key.digest] = None
-                    self._backed.move_to_end(key.digest)
-
     def _victims(self, need: int) -> list[bytes]:
-        """Backed records first (`mark_backed`), then the policy's victims for what ``need`` bytes still
-        lack: unpinned records first; pinned ones only when no unpinned record is left to free the rest.
-        Pinned records the policy walked past are moved to its recent end, so the next eviction does not
-        walk past the pinned corpus again."""
+        """The policy's victims for ``need`` bytes: unpinned records first; pinned ones only when no
+        unpinned record is left to free the rest. Pinned records the policy walked past are moved to its
+        recent end, so the next eviction does not walk past the pinned corpus again."""
         protected = self._protected() if self._pins and self._pin_budget > 0 else set()
-        victims = self._backed_victims(need, protected) if self._backed else []
-        if victims:
-            need -= sum(self._items[d][1] for d in victims)
-            if need <= 0:
-                return victims
-        return victims + self._policy_victims(need, protected)
-
-    def _backed_victims(self, need: int, protected: set[bytes]) -> list[bytes]:
-        """The oldest backed, unpinned records whose sizes reach ``need``, forgotten by the policy. Pinned
-        ones walked past leave the backed order (the policy's order keeps them), so no eviction walks past
-        the pinned corpus again."""
-        victims: list[bytes] = []
-        passed: list[bytes] = []
-        freed = 0
-        for digest in self._backed:
-            if freed >= need:
-                break
-            if digest in protected:
-                passed.append(digest)
-            else:
-                victims.append(digest)
-                freed += self._items[digest][1]
-        for digest in passed:
-            del self._backed[digest]
-        for digest in victims:
-            del self._backed[digest]
-            self.policy.remove(digest)
-        return victims
-
-    def _policy_victims(self, need: int, protected: set[bytes]) -> list[bytes]:
-        """The policy's victims for ``need`` bytes, pinned records last (see `_victims`)."""
         if not protected:
             return self.policy.evict(need)
         passed: list[bytes] = []
@@ -265,7 +211,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
                     self._bytes -= size
                     self.policy.remove(digest)
                     self._untag(digest, record)
-                    self._backed.pop(digest, None)
                     dropped.append(digest)
         if dropped:
             self.counters.add(invalidated=len(dropped))
@@ -297,7 +242,6 @@ class MemoryTier(InProcessTier, KeepsOnlyCopiesLonger, DropsTagged, HonorsPins):
             self._items.clear()
             self._tagged.clear()
             self._written.clear()
-            self._backed.clear()
             self._bytes = 0
             self.policy = make_policy(self.config.policy, self.capacity, "memory.policy")
 

@@ -202,7 +202,7 @@ class TieredStore:
         #: each slower tier's admission (`vllm_tiercache.shared.store.admission`); tiers built by the caller
         #: have no config here: they admit everything
         rules = [getattr(tc, "admission", None) for tc in config.tiers[1:]] if tiers is config_tiers else []
-        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1), self.tiers[0])
+        self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1))
         if self._admission.active and isinstance(self.tiers[0], ReportsEvictions):
             self.tiers[0].add_eviction_listener(self._admission.forget)
 
@@ -329,20 +329,12 @@ class TieredStore:
         """Queue each (slower tiers, items) group, readable from the write-behind buffer until written."""
         for tiers, items in groups:
             self._write_behind.hold(items)
-            self._submit(tiers, items, urgent)
-
-    def _submit(self, tiers: list[Tier], items: list[Item], urgent: bool) -> None:
-        """Queue held ``items`` for ``tiers``: released from the write-behind buffer once written, or at once
-        when the queue drops them; queued ones are backed copies for the fastest tier from now on."""
-        if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
-            self._write_behind.release(items)
-        else:
-            self._admission.backed(items)
+            if not self._writer.submit(tiers, items, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(items)
 
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
         self._put_sync(self.tiers[0], items)
-        self._admission.backed(items)  # read from a slower tier: a backed copy
         if found_tier > 1:
             self._writer.submit(self.tiers[1:found_tier], items)
 
@@ -352,12 +344,12 @@ class TieredStore:
         self.put_many([(key, tensor, meta)], owned=owned, always_admit=always_admit)
 
     def put_many(self, items: Sequence[Item], *, owned: bool = False, urgent: bool = False,
-                 always_admit: bool = False, reused_share: float | None = None) -> None:
+                 always_admit: bool = False, reused_shares: Sequence[float | None] | None = None) -> None:
         """Store records: fastest tier now, slower tiers queued (dropped and counted when the queue is full;
         ``urgent`` ones, which another engine waits for, go ahead of the queue and are never dropped).
         Each slower tier takes what its admission admits (`vllm_tiercache.shared.store.admission`);
-        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it, and ``reused_share``
-        (the share of its prompt the putting request reused; None: no request) may admit the put at once.
+        ``always_admit`` (precomputed, pinned records) and ``urgent`` puts bypass it, and ``reused_shares``
+        (per item, the share of its prompt the putting request reused; None: no request) may admit at once.
 
         ``owned=True``: the caller hands the tensors over and never mutates them afterwards, so the store
         keeps them as they are instead of copying (CPU, contiguous tensors only; others are still copied
@@ -374,12 +366,13 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        groups = self._admission.on_put(mine, exempt=always_admit or urgent, reused_share=reused_share)
+        groups = self._admission.on_put(mine, exempt=always_admit or urgent, reused_shares=reused_shares)
         for _, admitted in groups:  # before the fastest tier, which may evict one of them right away
             self._write_behind.hold(admitted)
         self._put_sync(self.tiers[0], mine)
         for tiers, admitted in groups:
-            self._submit(tiers, admitted, urgent)
+            if not self._writer.submit(tiers, admitted, on_done=self._write_behind.release, urgent=urgent):
+                self._write_behind.release(admitted)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()

@@ -13,8 +13,8 @@ mixed in at random until they are ``--one-off-share`` of the requests. Tokens ar
 generated models' tokenizer. Each request does what the KV connector does with the store: full chunks of
 ``--chunk-size`` tokens, named by a chain hash of the prefix, one record per layer; the longest prefix of
 chunks every layer of which the store returns (`get_many`, a load) is a hit, the rest is stored
-(`put_many`, owned, with the share of the prompt's chunks that hit as its ``reused_share``, as the KV
-saver does). The writer is flushed after each request, so no write is
+(`put_many`, owned, with the share of the prompt's chunks that hit as each record's reused share, as
+the KV saver does). The writer is flushed after each request, so no write is
 dropped for a full queue and the counts are exact.
 
 What it leaves out: vLLM's own prefix cache (in a server it answers some repeats before the store is
@@ -22,7 +22,8 @@ asked, so a repeat reaches the store later, or not at all), time (`tiercache ben
 miss that stores) and other processes (a second instance's misses on records this one kept in memory).
 
 Printed per case: bytes written to disk and to Redis, the records refused, the hit ratio (hit chunks /
-full chunks) of the repeated prompts and of the one-off prompts, and against the first case: the slower
+full chunks) of the repeated prompts and of the one-off prompts, the share of the records hit that the
+memory tier served (a hit from disk or Redis costs a read), and against the first case: the slower
 tiers' bytes and the repeated prompts' hit ratio in points.
 """
 
@@ -188,6 +189,8 @@ def run_case(stream: list[Request], admission: dict[str, Any], *, args: argparse
         "bytes_written": {name: tier["bytes_written"] for name, tier in slower.items()},
         "writes_refused": {name: tier["writes_refused"] for name, tier in slower.items()},
         "writes_admitted": {name: tier["writes_admitted"] for name, tier in slower.items()},
+        "memory_hit_share": (stats["memory"]["hits"] / total_hits
+                             if (total_hits := sum(tier["hits"] for tier in stats.values())) else None),
         "repeated_hit": hits[True] / chunks[True] if chunks[True] else None,
         "one_off_hit": hits[False] / chunks[False] if chunks[False] else None,
         "seconds": seconds,
@@ -205,7 +208,7 @@ def replay(store: TieredStore, namespace: str, request: Request, record: torch.T
         hit += 1
     items = [(key, record, None) for name in request.chunks[hit:] for key in keys(namespace, name, layers)]
     if items:
-        store.put_many(items, owned=True, reused_share=hit / len(request.chunks))
+        store.put_many(items, owned=True, reused_shares=[hit / len(request.chunks)] * len(items))
     store.flush()
     return hit
 
@@ -237,20 +240,21 @@ def format_table(results: list[dict[str, Any]], header: str) -> str:
     """One line per case; the ratios are against the first case."""
     base = results[0]
     base_bytes = sum(base["bytes_written"].values())
-    head = (f"{'case':<10} {'disk MiB':>9} {'redis MiB':>9} {'refused':>8} {'slower x':>8} {'rep. hit':>8} "
-            f"{'Δ points':>8} {'one-off hit':>11} {'s':>6}")
+    head = (f"{'case':<11} {'disk MiB':>9} {'redis MiB':>9} {'refused':>8} {'slower x':>8} {'rep. hit':>8} "
+            f"{'Δ points':>8} {'from mem.':>9} {'one-off hit':>11} {'s':>6}")
     lines = [header, "", head, "-" * len(head)]
     for r in results:
         written = sum(r["bytes_written"].values())
         ratio = f"{written / base_bytes:.2f}x" if base_bytes else "-"
         delta = (r["repeated_hit"] - base["repeated_hit"]) * 100 if r["repeated_hit"] is not None else 0.0
         lines.append(
-            f"{r['case']:<10} {r['bytes_written'].get('disk', 0) / MIB:>9.1f} "
+            f"{r['case']:<11} {r['bytes_written'].get('disk', 0) / MIB:>9.1f} "
             f"{r['bytes_written'].get('redis', 0) / MIB:>9.1f} {r['writes_refused'].get('disk', 0):>8} "
-            f"{ratio:>8} {pct(r['repeated_hit']):>8} {delta:>+8.1f} {pct(r['one_off_hit']):>11} "
-            f"{r['seconds']:>6.1f}")
+            f"{ratio:>8} {pct(r['repeated_hit']):>8} {delta:>+8.1f} {pct(r['memory_hit_share']):>9} "
+            f"{pct(r['one_off_hit']):>11} {r['seconds']:>6.1f}")
     lines += ["", "slower x = bytes written to disk and Redis / the first case's; rep. hit = hit chunks / full chunks "
-              "of the repeated prompts (Δ: points against the first case); refused = records the disk tier's "
+              "of the repeated prompts (Δ: points against the first case); from mem. = the share of the records hit "
+              "that the memory tier served (the rest: a disk or Redis read); refused = records the disk tier's "
               "admission kept in memory only"]
     return "\n".join(lines)
 
