@@ -50,6 +50,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, 
 
 from vllm_tiercache.eccache.metrics import PendingCounts
 from vllm_tiercache.shared.generations import Generation, generation_mm_name
+from vllm_tiercache.shared.request_tags import request_tags
 from vllm_tiercache.shared.residency import ResidencyChanges, ResidentSet
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.store.counters import add_nested
@@ -87,6 +88,9 @@ class TieredECMetadata(ECConnectorMetadata):
     #: the weights generation's salt (None before the engine's first reset): the worker names the records
     #: it loads and saves with it, from this step on (`vllm_tiercache.shared.generations`)
     generation: bytes | None = None
+    #: mm_hash -> the tags its requests give (`vllm_tiercache.shared.request_tags`), for the items vLLM
+    #: encodes this step: the worker writes them into the records it saves
+    tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,6 +161,8 @@ class ECSchedulerSide:
         self.generation = Generation()
         #: mm_hash -> stored? (True, False or RESIDENT), prefetched this step; cleared by build_connector_meta.
         self._step_answers: dict[str, bool | str] = {}
+        #: mm_hash -> tags of the requests vLLM encodes it for this step (`TieredECMetadata.tags`)
+        self._step_tags: dict[str, tuple[str, ...]] = {}
         self._promised: set[str] = set()
         self._pending: dict[str, LoadItem] = {}
         #: Counter increments not yet handed to vLLM's stats (this side's and the workers' reports).
@@ -275,10 +281,14 @@ class ECSchedulerSide:
             self._pending[mm_hash] = LoadItem(
                 mm_hash, request.request_id, index, request.get_num_encoder_embeds(index)
             )
+        elif tags := request_tags(request):  # encoded this step: its record carries the request's tags
+            self._step_tags[mm_hash] = tuple(dict.fromkeys(self._step_tags.get(mm_hash, ()) + tags))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> TieredECMetadata:
         """This step's loads; ends the step (its answers and promises are dropped)."""
-        meta = TieredECMetadata(loads=list(self._pending.values()), generation=self.generation.salt)
+        meta = TieredECMetadata(loads=list(self._pending.values()), generation=self.generation.salt,
+                                tags=self._step_tags)
+        self._step_tags = {}
         if meta.loads and scheduler_output is not None:
             # A reference, not a copy, and not modified here (see TieredECMetadata).
             meta.scheduled_encoder_inputs = scheduler_output.scheduled_encoder_inputs

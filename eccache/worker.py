@@ -49,6 +49,7 @@ from vllm_tiercache.shared.generations import generation_mm_name
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.store.counters import GaugeChanges
+from vllm_tiercache.shared.store.tags import TAGS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,15 @@ class ECWorkerSide:
         self._gauges = GaugeChanges(store)
         #: the weights generation's salt of the last bound metadata (None before the engine's first reset)
         self.generation: bytes | None = None
+        #: mm_hash -> its requests' tags, from the last bound metadata (`TieredECMetadata.tags`)
+        self._tags: dict[str, tuple[str, ...]] = {}
         _WORKER_STORES.add(store)
 
     def set_generation(self, metadata: TieredECMetadata) -> None:
-        """Take the generation of this step's metadata (vLLM binds it before the step's loads and saves)."""
+        """Take the generation and the requests' tags of this step's metadata (vLLM binds it before the
+        step's loads and saves)."""
         self.generation = metadata.generation
+        self._tags = metadata.tags
 
     def _record_key(self, mm_hash: str) -> StoreKey:
         """The key of `mm_hash`'s record in the current generation."""
@@ -188,8 +193,10 @@ class ECWorkerSide:
         if owned:
             cpu = cpu.to("cpu")
         try:
-            self._store.put(self._record_key(mm_hash), cpu, {"mm_hash": mm_hash, "shape": list(cpu.shape)},
-                            owned=owned)
+            meta: dict[str, Any] = {"mm_hash": mm_hash, "shape": list(cpu.shape)}
+            if tags := self._tags.get(mm_hash):
+                meta[TAGS_KEY] = list(tags)
+            self._store.put(self._record_key(mm_hash), cpu, meta, owned=owned)
         except Exception:
             logger.exception("tiercache EC: store write failed for %s", mm_hash)
             self._count(save_errors=1)

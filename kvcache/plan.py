@@ -48,7 +48,7 @@ class ChunkSave:
     first: int = 0
     #: a prefill/decode hand-off's record: written to the slower tiers ahead of other queued writes
     urgent: bool = False
-    #: the request's tags (`vllm_tiercache.kvcache.request_tags`), written into the records' meta
+    #: the request's tags (`vllm_tiercache.shared.request_tags`), written into the records' meta
     tags: tuple[str, ...] = ()
     #: the share of its prompt the request reused (`RequestState.reused_share`): a slower tier whose
     #: admission has ``reused_prompt_share`` may admit the records at once (None: not known)

@@ -45,9 +45,9 @@ from vllm_tiercache.kvcache.handoff import (
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
-from vllm_tiercache.kvcache.request_tags import request_tags
 from vllm_tiercache.kvcache.tier_events import TierEventTracker
 from vllm_tiercache.shared.generations import Generation
+from vllm_tiercache.shared.request_tags import request_tags
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import FileTier, Store
 from vllm_tiercache.shared.vllm_compat import CacheHitSource, waiting_for_remote_kv

@@ -6,6 +6,7 @@ after another one reaches the connector. Three chat requests: image 1, image 2, 
 an encoder-cache hit served from the worker's memory tier, so `/metrics` must say: 1 hit, 2 misses, 1 load
 of one image's embeddings (8 x hidden float32 bytes), 2 saves, no failures. The numbers get there through
 vLLM's own path only (`get_ec_connector_stats` -> `SchedulerStats` -> `ECConnectorProm`), not the stats files.
+The second request carries tags (``kv_transfer_params.tiercache_tags``): its image's record has them on disk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.ec.test_ec_connector import IMAGE_TOKENS, ONE_IMAGE_MANAGER, _image
+from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
 
@@ -35,14 +37,16 @@ def _data_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _chat(server: Server, seed: int) -> dict:
-    body = {
+def _chat(server: Server, seed: int, tags: list[str] | None = None) -> dict:
+    body: dict = {
         "model": SERVED, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": _data_url(seed)}},
             {"type": "text", "text": "Question: what is in the picture? Answer:"},
         ]}],
     }
+    if tags:  # a serving request's tags, as for the KV connector (`vllm_tiercache.shared.request_tags`)
+        body["kv_transfer_params"] = {"tiercache_tags": tags}
     req = urllib.request.Request(server.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -79,7 +83,7 @@ def test_metrics_show_encoder_cache_hits_loads_and_bytes(tiny_blip2: Path, tmp_p
         before = ec_metrics(server.metrics())
         assert before.get("hits") == 0 and before.get("loads") == 0, before  # exported from the start
         for seed in (1, 2, 1):
-            answer = _chat(server, seed)
+            answer = _chat(server, seed, tags=["doc:image-2"] if seed == 2 else None)
             assert answer["choices"][0]["message"]["content"] is not None
         deadline = time.monotonic() + 30
         while True:  # stats reach the front end with the step's outputs; allow the last one to land
@@ -91,3 +95,6 @@ def test_metrics_show_encoder_cache_hits_loads_and_bytes(tiny_blip2: Path, tmp_p
     assert got["loads"] == 1 and got["bytes_loaded"] == image_bytes, got
     assert got["saves"] == 2 and got["bytes_saved"] == 2 * image_bytes, got
     assert got["load_failures"] == 0 and got["recomputed"] == 0 and got["lookup_errors"] == 0, got
+    # the tagged request's encoder output carries its tags on disk, where `tiercache evict --tag` finds it
+    with build_store({"namespace": "metrics", "tiers": [{"kind": "disk", "path": str(tmp_path / "disk")}]}) as store:
+        assert sorted(record.tags for record in store.tiers[0].iter_stored()) == [(), ("doc:image-2",)]

@@ -382,3 +382,51 @@ def test_failed_load_is_added_to_the_steps_scheduled_inputs(tmp_path: Path) -> N
 def test_no_frame_walk_left() -> None:
     source = (Path(__file__).resolve().parents[2] / "eccache" / "worker.py").read_text()
     assert "_getframe" not in source and "f_locals" not in source
+
+
+# ----------------------------------------------------------------------------------------------- tags
+
+
+def test_a_requests_tags_reach_the_encoder_outputs_it_computes(tiny_blip2: Path, tmp_path: Path, caplog) -> None:
+    """``kv_transfer_params={"tiercache_tags": [...]}`` on a request: the real scheduler's metadata carries
+    them for the items vLLM encodes this step (not for one it loads), the worker writes them into the
+    records, and the disk tier indexes them (what `tiercache evict --tag` finds). Bad tags are ignored."""
+    import logging
+
+    from vllm_tiercache.shared.request_tags import TAGS_PARAM
+
+    def tagged(req_id: str, identifiers: list[str], tags: list[str]) -> Request:
+        request = _request(req_id, identifiers)
+        request.kv_transfer_params = {TAGS_PARAM: tags}  # what vLLM takes from sampling_params.extra_args
+        return request
+
+    scheduler = _scheduler(tiny_blip2, _ec_config(tmp_path))
+    try:
+        _store_item(scheduler, IMG_B)
+        scheduler.add_request(tagged("doc", [IMG_A, IMG_B], ["doc:7", "corpus:v3"]))
+        scheduler.add_request(tagged("also", [IMG_A], ["tenant:a"]))
+        scheduler.add_request(tagged("bad", [IMG_C], ["ok", "bad\ttag"]))
+        with caplog.at_level(logging.WARNING):
+            out = scheduler.schedule()
+        meta = out.ec_connector_metadata
+        assert isinstance(meta, TieredECMetadata)
+        assert [item.mm_hash for item in meta.loads] == [IMG_B]
+        # "also" shares IMG_A, which vLLM encodes once, for "doc": the record carries the encoding request's
+        # tags. IMG_C's tags were bad: none.
+        assert meta.tags == {IMG_A: ("doc:7", "corpus:v3")}
+        assert "kv_transfer_params.tiercache_tags ignored" in caplog.text
+
+        connector = _connector(scheduler)
+        worker = ECWorkerSide(connector._store, connector._key, device=torch.device("cpu"), dtype=torch.float32,
+                              hidden_size=128, save_enabled=True, counters=ECCounters())
+        worker.set_generation(meta)
+        for ident in (IMG_A, IMG_C):
+            worker.save_caches({ident: torch.ones(IMAGE_TOKENS, 128)}, ident)
+        assert connector._store.flush(10.0)
+        (disk,) = connector._store.tiers
+        tags = {record.text: record.tags for record in disk.iter_stored()}
+        assert tags == {connector._key(IMG_A).text: ("doc:7", "corpus:v3"),
+                        connector._key(IMG_B).text: (), connector._key(IMG_C).text: ()}
+        assert scheduler.schedule().ec_connector_metadata.tags == {}  # per step
+    finally:
+        _close(scheduler)

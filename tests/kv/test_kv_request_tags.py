@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.kv.test_kv_handoff import LAYERS, _connector, _request, _save_every_layer, _scheduler, tokens
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
-from vllm_tiercache.kvcache.request_tags import TAGS_PARAM
+from vllm_tiercache.shared.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.store.api import StoreKey
 
 

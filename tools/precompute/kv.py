@@ -42,9 +42,9 @@ from typing import Any
 from vllm_tiercache.kvcache.groups import KVGroups
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.options import KVConnectorOptions
-from vllm_tiercache.kvcache.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.files import replace_json
+from vllm_tiercache.shared.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store import build_store

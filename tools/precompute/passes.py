@@ -50,7 +50,7 @@ def produce(
     ``rekey``: called once the prompts ran, while the engine still runs; the items (same order) with the
     keys the engine really writes, when only the running engine can tell them (a hybrid model's KV cache
     groups: `vllm_tiercache.tools.precompute.kv`). ``transfer_params``: each item's ``kv_transfer_params``
-    (a document's tags, `vllm_tiercache.kvcache.request_tags`), None for none.
+    (a document's tags, `vllm_tiercache.shared.request_tags`), None for none.
     """
     if not todo:
         return set()

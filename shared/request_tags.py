@@ -1,10 +1,12 @@
 """Tags a serving request gives the records it saves: ``kv_transfer_params={"tiercache_tags": [...]}``.
 
-Why through ``kv_transfer_params``: it is the one per-request field vLLM hands a KV connector (the OpenAI
-server takes it from the request body), and `tiercache precompute docs` tags its documents the same way,
-so a precomputed document and a request that saves it name it alike. The scheduler side reads the tags once
-per save plan (`ChunkSave.tags`), the worker writes them into each record's meta (`KVSaver`), and
-`tiercache evict --tag` / `tiercache pin --tag` find the records by them.
+Why through ``kv_transfer_params``: it is the per-request field the OpenAI server takes from the request
+body and vLLM keeps on its `Request` whichever connectors run, and `tiercache precompute docs` tags its
+documents the same way, so a precomputed document and a request that saves it name it alike. Both
+connectors read it on their scheduler side: the KV one once per save plan (`ChunkSave.tags`, written into
+each record's meta by `KVSaver`), the encoder one per encoder input it lets vLLM compute
+(`TieredECMetadata.tags`, written by the EC worker's save). `tiercache evict --tag` / `tiercache pin --tag`
+find the records by them.
 
 A request with bad tags is served all the same, its records saved untagged, with one warning per process:
 a tag is the operator's label, never a reason to fail a request.
@@ -35,6 +37,6 @@ def request_tags(request: Any) -> tuple[str, ...]:
     except ValueError as exc:
         if "bad" not in _warned:
             _warned.add("bad")
-            log.warning("TieredKVConnector: request %s: kv_transfer_params.%s ignored (%s); its records are "
+            log.warning("tiercache: request %s: kv_transfer_params.%s ignored (%s); its records are "
                         "saved without tags", getattr(request, "request_id", "?"), TAGS_PARAM, exc)
         return ()
