@@ -48,6 +48,13 @@ class OffStepJob:
         with self._cond:
             return self._state == "idle"
 
+    @property
+    def settled(self) -> bool:
+        """`idle`, read without the lock (one attribute read: the step's fast path). Only the caller's
+        thread moves the state back to idle, so a True here stays true until it posts; a False may be a
+        job that finished a moment ago, seen on the next call."""
+        return self._state == "idle"
+
     def submit(self, work: Callable[[], Any], apply: Callable[[Any], None]) -> bool:
         """Run ``work()`` off the step; ``apply(result)`` runs in the caller's `apply_done` after it finished.
         False (nothing posted) while another job is out or after `close`. Inline: both run now."""
@@ -67,6 +74,8 @@ class OffStepJob:
     def apply_done(self) -> bool:
         """In the caller's thread: apply the finished job's answer (once). True when one was applied; a job
         that raised was logged by the thread and is dropped here (its questions are asked again later)."""
+        if self._state != "done":  # read without the lock: only the job's thread sets "done"; seen next time
+            return False
         with self._cond:
             if self._state != "done":
                 return False

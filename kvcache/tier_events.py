@@ -171,9 +171,17 @@ class TierEventTracker:
                 self.ledger.reannounce()
         if self.shared_medium is not None:
             self.off_step.apply_done()
-            if self.off_step.idle:
+            if self.off_step.settled and self._questions_due():
                 self._post_questions()
         return self.ledger.take()
+
+    def _questions_due(self) -> bool:
+        """Whether `_post_questions` would ask anything: a few attribute reads, so that a step with nothing to
+        ask (most decode steps) costs no lists, no lock and no clock beyond the sweep's."""
+        journal = self.journal
+        return bool(self._discovered is None or self._discovered or self._unconfirmed
+                    or (self._unreachable and self.shared_answering()) or (journal is not None and journal.is_due)
+                    or self.clock() >= self._next_sweep)
 
     def _post_questions(self) -> None:
         """One batch of what is due: the journal read first (alone), then discovery, confirmation, the sweep

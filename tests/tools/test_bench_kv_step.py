@@ -31,4 +31,10 @@ def test_quick_run_counts_the_connectors_calls_per_decode_step() -> None:
     total = sum(row["us_per_step"] for row in report["methods"])
     assert abs(total - report["connector_us_per_step"]) < 1e-6 * max(total, 1), report
     assert 0 < report["connector_share"] < 1 and report["step_ms"] > 0, report
+    # the step thread's CPU per method: never more than the method's wall time (plus the clocks' grain)
+    cpu = sum(row["cpu_us_per_step"] for row in report["methods"])
+    assert abs(cpu - report["connector_cpu_us_per_step"]) < 1e-6 * max(cpu, 1), report
+    assert 0 < cpu <= total * 1.05 + 5, report
+    # the connector's background threads, by name (work moved off the step is still counted)
+    assert "tiercache-kv-saver" in report["threads_cpu_us_per_step"], report
     assert "decoding" in done.stderr  # progress

@@ -13,9 +13,20 @@ worker are here, with their connector objects). ``--requests`` random prompts ar
 prefill stores their chunks; the bench waits until the slower tiers hold them), then again with
 ``--new-tokens`` to generate: vLLM's prefix cache supplies the prompts, so the measured steps are decode
 steps with the whole batch running. A step is counted once per scheduler-side `build_connector_meta` call.
+Between the two passes, the slower tiers' writes are drained and a short request runs enough steps for the
+event tracker to confirm the stored chunks (with ``--events``): one-time work per stored chunk, not the
+cost of a step.
 ``--events``: vLLM publishes KV cache events, and the connector its tiers' (`kvcache/tier_events.py`);
 ``--compare-events`` runs without and with them and prints the ratio.
 The timer itself adds about a microsecond per call.
+
+Two clocks per method: wall time (what the step waits for) and the step thread's CPU time
+(`time.thread_time`). They differ by the time the step's thread waited for the interpreter lock while
+another thread ran (vLLM's event publisher, the connector's saver, writer and event threads): a wall
+figure of a few microseconds' work can read tens of microseconds, and move from run to run by more than
+the code costs. The CPU time is what the connector's own code costs the step; the CPU of the connector's
+background threads (named ``tiercache-*``) over the same steps is printed beside it, so work moved off
+the step is still counted.
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ class MethodTimer:
 
     def __init__(self, connector_cls: Any) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        #: the calling thread's CPU seconds per method (no interpreter-lock waits)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.on = False
         self._cls = connector_cls
@@ -86,10 +99,11 @@ class MethodTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return method(*args, **kwargs)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
+                self.cpu_seconds[name] += time.thread_time() - cpu
                 self.seconds[name] += time.perf_counter() - started
                 self.calls[name] += 1
         return timed
@@ -136,15 +150,22 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     print(f"tiercache-bench: storing {args.requests} prompts of {args.prompt_len} tokens", file=sys.stderr)
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
     _drain_stores()  # the measured steps do not share the process with the stored prompts' slower-tier writes
+    # ... nor with the event tracker's confirmation of the stored chunks (8 chunks a step, each announced
+    # once: a cost per stored chunk, not per step), which a short request's steps let it finish first
+    settle_steps = args.requests * args.prompt_len // args.chunk_size // 8 + 4
+    llm.generate(TokensPrompt(prompt_token_ids=[rng.randrange(*TOKEN_RANGE) for _ in range(BLOCK_SIZE)]),
+                 SamplingParams(max_tokens=settle_steps, ignore_eos=True), use_tqdm=False)
     timer = MethodTimer(TieredKVConnector)
     try:
         print(f"tiercache-bench: decoding {args.new_tokens} tokens each", file=sys.stderr)
+        threads_before = _tiercache_thread_cpu()
         timer.on = True
         started = time.perf_counter()
         outputs = llm.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)
         wall = time.perf_counter() - started
         timer.on = False
+        threads_after = _tiercache_thread_cpu()
     finally:
         timer.restore()
         llm.llm_engine.engine_core.shutdown()  # the store flushed, before the caller removes its files
@@ -153,16 +174,39 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     methods = [{"method": name, "calls_per_step": timer.calls[name] / steps if steps else None,
                 "us_per_step": timer.seconds[name] / steps * 1e6 if steps else None}
                for name in sorted(timer.seconds, key=lambda n: -timer.seconds[n])]
+    for row in methods:
+        row["cpu_us_per_step"] = timer.cpu_seconds[row["method"]] / steps * 1e6 if steps else None
     total = sum(timer.seconds.values())
+    threads: dict[str, float] = defaultdict(float)
+    for ident, (name, seconds) in threads_after.items():
+        threads[name] += seconds - threads_before.get(ident, (name, 0.0))[1]
     return {
         "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "chunk_size": args.chunk_size, "tiers": [t["kind"] for t in tiers], "steps": steps, "events": args.events,
         "prefix_cached_tokens": statistics.median(cached) if cached else 0,
         "step_ms": wall / steps * 1e3 if steps else None,
         "connector_us_per_step": total / steps * 1e6 if steps else None,
+        "connector_cpu_us_per_step": sum(timer.cpu_seconds.values()) / steps * 1e6 if steps else None,
+        "threads_cpu_us_per_step": {name: seconds / steps * 1e6 for name, seconds in sorted(threads.items())}
+        if steps else {},
         "connector_share": total / wall if wall else None,
         "methods": methods,
     }
+
+
+def _tiercache_thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each live ``tiercache-*`` thread of this process: thread id -> (name, seconds)
+    (each thread's own CPU clock: nanoseconds, where /proc's counts are 10 ms ticks)."""
+    import threading
+
+    out: dict[int, tuple[str, float]] = {}
+    for thread in threading.enumerate():
+        if thread.name.startswith("tiercache-") and thread.ident is not None:
+            try:
+                out[thread.ident] = (thread.name, time.clock_gettime(time.pthread_getcpuclockid(thread.ident)))
+            except (OSError, ProcessLookupError):  # ended meanwhile
+                continue
+    return out
 
 
 def _drain_stores() -> None:
@@ -178,10 +222,14 @@ def format_table(report: dict[str, Any]) -> str:
              f"prompt tokens (from vLLM's prefix cache), {report['new_tokens']} new tokens each, chunk_size "
              f"{report['chunk_size']}, tiers {'+'.join(report['tiers'])}, KV events "
              f"{'on' if report.get('events') else 'off'}; {report['steps']} steps",
-             f"  {'method':32s} {'calls/step':>10s} {'us/step':>9s}"]
+             f"  {'method':32s} {'calls/step':>10s} {'us/step':>9s} {'CPU us/step':>11s}"]
     for row in report["methods"]:
-        lines.append(f"  {row['method']:32s} {row['calls_per_step']:10.1f} {row['us_per_step']:9.1f}")
-    lines.append(f"  {'connector, all methods':32s} {'':10s} {report['connector_us_per_step']:9.1f}")
+        lines.append(f"  {row['method']:32s} {row['calls_per_step']:10.1f} {row['us_per_step']:9.1f} "
+                     f"{row['cpu_us_per_step']:11.1f}")
+    lines.append(f"  {'connector, all methods':32s} {'':10s} {report['connector_us_per_step']:9.1f} "
+                 f"{report['connector_cpu_us_per_step']:11.1f}")
+    for name, us in report["threads_cpu_us_per_step"].items():
+        lines.append(f"  {'thread ' + name:32s} {'':10s} {'':9s} {us:11.1f}")
     lines.append(f"engine step (wall / steps, same run): {report['step_ms']:.3f} ms; the connector's share of it: "
                  f"{report['connector_share'] * 100:.1f}%")
     return "\n".join(lines)
@@ -210,18 +258,36 @@ def compare_events(argv: list[str], repeats: int) -> str:
                    *(["--events"] if events else [])]
             done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
             runs[events].append(json.loads(done.stdout))
-    median = {events: sorted(reports, key=lambda r: r["connector_us_per_step"])[len(reports) // 2]
-              for events, reports in runs.items()}
+    median = {events: sorted(reports, key=_cpu_with_threads)[len(reports) // 2] for events, reports in runs.items()}
     off, on = median[False], median[True]
     lines = [format_table(off), "", format_table(on), "",
-             f"median of {repeats} runs each (alternating, fresh processes)",
+             f"median of {repeats} runs each (alternating, fresh processes; the tables: the median run by CPU)",
              f"{'':32s} {'events off':>12s} {'events on':>12s} {'on / off':>9s}"]
-    for label, key in (("connector us/step", "connector_us_per_step"), ("engine step ms", "step_ms")):
-        lines.append(f"{label:32s} {off[key]:12.3f} {on[key]:12.3f} {on[key] / off[key]:9.3f}")
-    every = " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[False])
-    lines.append(f"connector us/step of every run: off {every}; on "
-                 + " ".join(f"{r['connector_us_per_step']:.0f}" for r in runs[True]))
+    rows: tuple[tuple[str, Any], ...] = (
+        ("connector us/step (wall)", lambda r: r["connector_us_per_step"]),
+        ("connector CPU us/step", lambda r: r["connector_cpu_us_per_step"]),
+        ("+ tiercache threads' CPU", _cpu_with_threads), ("engine step ms", lambda r: r["step_ms"]))
+    for label, value in rows:  # the median of each figure over the runs
+        low, high = (statistics.median(value(r) for r in runs[events]) for events in (False, True))
+        lines.append(f"{label:32s} {low:12.3f} {high:12.3f} {high / low:9.3f}")
+    take = statistics.median(_method_cpu(r, "take_events") for r in runs[True])
+    off_cpu = statistics.median(r["connector_cpu_us_per_step"] for r in runs[False])
+    lines.append(f"{'take_events CPU us/step (on)':32s} {'':12s} {take:12.3f} {take / off_cpu:9.3f}  "
+                 "(events' own per-step method, against the connector's CPU without events)")
+    for label, value in rows[:3]:
+        lines.append(f"{label} of every run: off " + " ".join(f"{value(r):.0f}" for r in runs[False])
+                     + "; on " + " ".join(f"{value(r):.0f}" for r in runs[True]))
     return "\n".join(lines)
+
+
+def _method_cpu(report: dict[str, Any], method: str) -> float:
+    """One method's CPU us per step in a report (0 when it was not called)."""
+    return next((row["cpu_us_per_step"] for row in report["methods"] if row["method"] == method), 0.0)
+
+
+def _cpu_with_threads(report: dict[str, Any]) -> float:
+    """The connector's CPU on the step's thread plus its background threads' CPU, per step."""
+    return report["connector_cpu_us_per_step"] + sum(report["threads_cpu_us_per_step"].values())
 
 
 def _passed_on(args: argparse.Namespace) -> list[str]:
