@@ -148,8 +148,7 @@ class TierEventTracker:
         self._unconfirmed.clear()
         self._unreachable.clear()
         self._generation += 1
-        if self._discovered:
-            self._discovered.clear()
+        self._discovered = []  # nothing to discover (a reset before the journal was read: never read it)
         # later names carry the new generation's salt, which no restarted engine computes: not journaled
         self.journal = None
 

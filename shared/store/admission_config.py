@@ -63,14 +63,15 @@ class AdmissionConfig:
         "within about this many record accesses is still counted; the sketch costs 64 to 128 bytes "
         "per record of the window.")),
         Allowed(f"an int from {MIN_WINDOW} to {MAX_WINDOW}")] = DEFAULT_WINDOW
-    reused_prompt_share: Annotated[float | None, Field(ge=0.0, le=1.0, description=(
+    reused_prompt_share: Annotated[float | None, Field(gt=0.0, le=1.0, description=(
         "seen: a put from a request whose prompt was at least this share reused (vLLM's prefix cache and "
         "this store's hits, at the request's first step) is admitted at once, without waiting for "
         "min_seen: it extends a prefix that is being asked again (a conversation's next turn, a question "
         "on a cached document), so its new chunks are likely the next request's prefix. A fresh prompt "
-        "(nothing reused) still waits for min_seen. null: off. Puts that carry no request (encoder "
+        "(nothing reused) still waits for min_seen; so does a one-off prompt under a shared system prompt "
+        "shorter than this share of it. null: off. Puts that carry no request (encoder "
         "outputs) never use it.")),
-        Allowed("a number from 0 to 1, or null")] = DEFAULT_REUSED_PROMPT_SHARE
+        Allowed("a number above 0 and at most 1, or null")] = DEFAULT_REUSED_PROMPT_SHARE
 
     @property
     def always(self) -> bool:

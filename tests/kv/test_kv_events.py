@@ -276,6 +276,20 @@ def test_resets_clear_or_reannounce(tiny_llama: Path, tmp_path: Path) -> None:
     assert [type(e) for e in events] == [AllBlocksCleared, AllBlocksCleared]
 
 
+def test_a_connector_reset_before_the_first_step_leaves_the_steps_working(tiny_llama: Path, tmp_path: Path) -> None:
+    """A weight update before any request: the start-up journal is never read (its names are of the old
+    weights), and later steps announce as usual."""
+    engine = Published(_config(tiny_llama, tmp_path / "disk"))
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.report(TieredKVWorkerMetadata())
+    engine.report(TieredKVWorkerMetadata())
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(1), BLOCK))
+    names = _play_saves(engine.connector, meta)
+    engine.finish(out, TieredKVWorkerMetadata(added=set(names)))
+    engine.report(TieredKVWorkerMetadata())
+    assert len(engine.events(BlockStored, MEDIUM_MEMORY)) == 3
+
+
 def test_a_lookup_announces_what_a_restarted_engine_finds_on_disk(tiny_llama: Path, tmp_path: Path) -> None:
     first, request, _ = _stored_and_announced(tiny_llama, tmp_path)
     first.connector._store.close()

@@ -120,7 +120,8 @@ def test_a_restart_hits_only_what_was_admitted(tmp_path):
     ({"min_sen": 2}, "tiers[1].admission.min_sen: unknown key of admission; did you mean 'min_seen'?"),
     ("seen", "tiers[1].admission: invalid value 'seen'; allowed: a mapping"),
     ({"policy": "seen", "reused_prompt_share": 1.5},
-     "tiers[1].admission.reused_prompt_share: invalid value 1.5; allowed: a number from 0 to 1, or null"),
+     "tiers[1].admission.reused_prompt_share: invalid value 1.5; allowed: a number above 0 and at most 1, or null"),
+    ({"policy": "seen", "reused_prompt_share": 0}, "tiers[1].admission.reused_prompt_share: invalid value 0;"),
     ({"policy": "seen", "reused_prompt_share": "half"}, "tiers[1].admission.reused_prompt_share: invalid value 'half'"),
 ])
 def test_a_bad_admission_names_the_key(tmp_path, admission, message):

@@ -75,6 +75,7 @@ def install() -> None:
     server.ensure_running = resource_tracker.ensure_running
     context.SpawnProcess._Popen = staticmethod(_ForkedSpawn)  # type: ignore[method-assign]
     spawn.prepare = _prepare_as_spawned
+    _tolerate_vanished_processes()  # before the fork: the server's children (the tools' jobs) inherit it
     pid = os.fork()
     if pid == 0:
         try:
@@ -88,7 +89,6 @@ def install() -> None:
             os._exit(0)
     listener.close()
     os.close(alive_r)
-    _tolerate_vanished_processes()
     _install_in_tools()
 
 
@@ -97,15 +97,20 @@ def _tolerate_vanished_processes() -> None:
     child that ends in between stays a zombie until its starter reaps it, so psutil still finds it; one the
     fork server started is reaped by the server at once, and psutil then raises `NoSuchProcess` out of vLLM's
     shutdown (seen: a CI run's EngineCore ending on `abort`). Gone is what the kill wanted: the names vLLM
-    imported `kill_process_tree` under take a version that says so."""
+    imported `kill_process_tree` under take a version that lists the tree again when a process vanished
+    under it (the others still get their SIGKILL; a parent that is gone ends it)."""
     import psutil
     from vllm.utils import system_utils
 
     original = system_utils.kill_process_tree
 
     def kill_process_tree(pid: int) -> None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            original(pid)
+        for _ in range(3):
+            try:
+                original(pid)
+                return
+            except psutil.NoSuchProcess:
+                continue
 
     for name in ("vllm.utils.system_utils", "vllm.v1.utils", "vllm.entrypoints.launchers.dp_supervisor"):
         module = sys.modules.get(name)

@@ -152,7 +152,10 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     _drain_stores()  # the measured steps do not share the process with the stored prompts' slower-tier writes
     # ... nor with the event tracker's confirmation of the stored chunks (8 chunks a step, each announced
     # once: a cost per stored chunk, not per step), which a short request's steps let it finish first
-    settle_steps = args.requests * args.prompt_len // args.chunk_size // 8 + 4
+    from vllm_tiercache.kvcache.tier_events import TierEventTracker
+
+    confirm_per_step = TierEventTracker.__init__.__kwdefaults__["confirm_per_step"]
+    settle_steps = args.requests * args.prompt_len // args.chunk_size // confirm_per_step + 4
     llm.generate(TokensPrompt(prompt_token_ids=[rng.randrange(*TOKEN_RANGE) for _ in range(BLOCK_SIZE)]),
                  SamplingParams(max_tokens=settle_steps, ignore_eos=True), use_tqdm=False)
     timer = MethodTimer(TieredKVConnector)
@@ -178,8 +181,8 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
         row["cpu_us_per_step"] = timer.cpu_seconds[row["method"]] / steps * 1e6 if steps else None
     total = sum(timer.seconds.values())
     threads: dict[str, float] = defaultdict(float)
-    for ident, (name, seconds) in threads_after.items():
-        threads[name] += seconds - threads_before.get(ident, (name, 0.0))[1]
+    for (native_id, name), seconds in threads_after.items():
+        threads[name] += seconds - threads_before.get((native_id, name), 0.0)
     return {
         "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "chunk_size": args.chunk_size, "tiers": [t["kind"] for t in tiers], "steps": steps, "events": args.events,
@@ -194,18 +197,20 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     }
 
 
-def _tiercache_thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of each live ``tiercache-*`` thread of this process: thread id -> (name, seconds)
-    (each thread's own CPU clock: nanoseconds, where /proc's counts are 10 ms ticks)."""
+def _tiercache_thread_cpu() -> dict[tuple[int, str], float]:
+    """CPU seconds so far of each live ``tiercache-*`` thread of this process: (native id, name) -> seconds,
+    from /proc's ``schedstat`` (nanoseconds on the CPU; its ``stat`` counts 10-ms ticks). A thread that ends
+    in between is left out; one that starts counts from zero."""
     import threading
 
-    out: dict[int, tuple[str, float]] = {}
+    out: dict[tuple[int, str], float] = {}
     for thread in threading.enumerate():
-        if thread.name.startswith("tiercache-") and thread.ident is not None:
+        if thread.name.startswith("tiercache-") and thread.native_id is not None:
             try:
-                out[thread.ident] = (thread.name, time.clock_gettime(time.pthread_getcpuclockid(thread.ident)))
-            except (OSError, ProcessLookupError):  # ended meanwhile
+                text = Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text()
+            except OSError:  # ended meanwhile
                 continue
+            out[(thread.native_id, thread.name)] = int(text.split()[0]) / 1e9
     return out
 
 
