@@ -263,22 +263,49 @@ class TierEventTracker:
     # ------------------------------------------------------------------------ on the step: answers applied
     def _apply_confirmed(self, batch: list[bytes], found: list[bool], *, answering: bool = True) -> None:
         now = self.clock()
-        held = []
+        found_now: dict[bytes, float] = {}
         for name, ok in zip(batch, found, strict=True):
             give_up_at = self._unconfirmed.pop(name, None)
             if give_up_at is None:
                 continue  # withdrawn meanwhile (a failed load)
             if ok:
-                held.append(name)
+                found_now[name] = give_up_at
             elif now < give_up_at:
                 self._unconfirmed[name] = give_up_at  # asked again after the others
             elif not answering:
                 self._keep_unreachable(name)  # its records may have landed before the tier stopped answering
+        held = self._after_their_parents(found_now)
         self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
         for name in held:
             payload = self.ledger.payload(name)
             if payload is not None and self.journal is not None:
                 self.journal.add(name, payload)
+
+    def _after_their_parents(self, found: dict[bytes, float]) -> list[bytes]:
+        """Of the chunks just found on the shared tiers, those announced now: a chunk whose parent chunk still
+        waits for its own confirmation waits too (asked again), so a router never gets a chunk's blocks before
+        its parent's (a consumer may drop a block whose parent it does not know). It happens when the parent's
+        records land later than the child's, or the parent was asked again behind it."""
+        if not found:
+            return []
+        waiting = set()
+        for name in self._unconfirmed:
+            payload = self.ledger.payload(name)
+            if payload is not None:
+                waiting.add(payload.block_hashes[-1])
+        held = []
+        for name in sorted(found, key=self._start_block):  # parents first: a deferred parent defers its child
+            payload = self.ledger.payload(name)
+            if payload is not None and payload.parent_block_hash is not None and payload.parent_block_hash in waiting:
+                self._unconfirmed[name] = found[name]
+                waiting.add(payload.block_hashes[-1])
+            else:
+                held.append(name)
+        return held
+
+    def _start_block(self, name: bytes) -> int:
+        payload = self.ledger.payload(name)
+        return payload.start_block if payload is not None else 0
 
     def _apply_discovered(self, batch: list[tuple[bytes, Any]], found: list[bool]) -> None:
         """Journal entries of an earlier run (or another engine) that the shared tiers hold: announced."""

@@ -193,6 +193,30 @@ def test_disk_is_announced_only_once_every_record_is_there(tiny_llama: Path, tmp
     assert len(engine.events(BlockStored, MEDIUM_DISK)) == 3
 
 
+def test_a_chunk_found_on_disk_before_its_parent_waits_for_it(tiny_llama: Path, tmp_path: Path) -> None:
+    """The children's records land first (or the parent was asked again behind them): nothing is announced
+    on disk until the parent is, then all of it, parent first."""
+    engine = Published(_config(tiny_llama, tmp_path / "disk"))
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(3), BLOCK))
+    engine.finish(out)
+    connector = engine.connector
+    naming = connector._scheduler.naming  # type: ignore[union-attr]
+    saves = meta.requests[0].saves
+    assert len(saves) == 3
+    for save in saves[1:]:  # every record of the second and third chunks, none of the first
+        for layer in naming.groups.groups[save.group].layers:
+            connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(4, 4))
+    assert connector._store.flush(10.0)
+    for _ in range(3):
+        engine.report(TieredKVWorkerMetadata())
+        assert engine.events(BlockStored, MEDIUM_DISK) == []
+    _play_saves(connector, meta)
+    engine.report(TieredKVWorkerMetadata())
+    disk = engine.events(BlockStored, MEDIUM_DISK)
+    assert len(disk) == 3 and disk[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in disk[1:]] == [e.block_hashes[-1] for e in disk[:-1]]
+
+
 def test_the_shared_tiers_are_asked_off_the_step(tiny_llama: Path, tmp_path: Path) -> None:
     """The connector's own set-up: confirmation lookups run on the tracker's thread. A step never waits
     for them (here a lookup held until released), and their answer is announced on a later step."""
