@@ -53,14 +53,15 @@ def _prompt(seed: int) -> list[int]:
 
 
 class Indexer:
-    """Dynamo's standalone indexer for one worker (id 1) publishing on ``zmq_port``."""
+    """Dynamo's standalone indexer for one worker (id 1) publishing on ``zmq_port``, serving ``model_name``."""
 
-    def __init__(self, zmq_port: int, log_path: Path) -> None:
+    def __init__(self, zmq_port: int, log_path: Path, model_name: str = SERVED) -> None:
         self.port = free_port()
+        self.model_name = model_name
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo.indexer", "--block-size", str(BLOCK), "--threads", "1",
-             "--port", str(self.port), "--model-name", SERVED, "--workers", f"1=tcp://127.0.0.1:{zmq_port}"],
+             "--port", str(self.port), "--model-name", model_name, "--workers", f"1=tcp://127.0.0.1:{zmq_port}"],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while True:
@@ -74,7 +75,7 @@ class Indexer:
 
     def query(self, tokens: list[int], lora: str | None = None) -> dict[str, int]:
         """This worker's matched tokens per tier (gpu, cpu, disk; 0 when nothing matches)."""
-        body: dict[str, Any] = {"token_ids": tokens, "model_name": SERVED}
+        body: dict[str, Any] = {"token_ids": tokens, "model_name": self.model_name}
         if lora is not None:
             body["lora_name"] = lora
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/query", data=json.dumps(body).encode(),
