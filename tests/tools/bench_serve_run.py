@@ -22,14 +22,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = 1200
 
 
-def run_quick(tmp_path: Path, cases: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-    """Run `--quick` on `cases`; assert it succeeded, printed its table and plot; return stdout and the JSON."""
+def run_quick(tmp_path: Path, cases: tuple[str, ...], extra_args: tuple[str, ...] = ()) -> tuple[str, dict[str, Any]]:
+    """Run `--quick` on `cases` (and `extra_args`); assert it succeeded, printed its table and plot; return
+    stdout and the JSON."""
     out_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TIERCACHE_STATS_DIR", None)
     proc = run_job(  # forked from the engine zygote, as are the servers it starts
         [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "serve", "--quick", "--cases", ",".join(cases),
-         "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--plot", str(plot)],
+         "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--plot", str(plot), *extra_args],
         cwd=ROOT, env=env, timeout=TIMEOUT_S,
     )
     out = proc.stdout

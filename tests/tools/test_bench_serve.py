@@ -1,4 +1,5 @@
-"""`tiercache bench serve`: its trace, working set and ratios, and `--quick` end to end on the text cases.
+"""`tiercache bench serve`: its trace, working set and ratios, and `--quick --events` end to end on the text
+cases (the events audit: a real router's index against what resends reuse).
 
 The end-to-end run is the real CLI entry in a subprocess (tests/tools/bench_serve_run.py says why); the
 multimodal cases run in their own module (test_bench_serve_multimodal.py), so the two halves of
@@ -85,10 +86,19 @@ def test_budget_rounds_to_blocks_and_respects_the_minimum() -> None:
 @pytest.mark.timeout(1260)
 def test_bench_serve_quick_text_cases_end_to_end(tmp_path: Path) -> None:
     cases = ("vllm", "memory", "memory-disk")
-    out, report = run_quick(tmp_path, cases)
+    out, report = run_quick(tmp_path, cases, extra_args=("--events",))
     assert "vllm x1 users:" in out and "memory-disk x4 users:" in out
     rows = rows_checked(report, "text", cases, baseline="vllm")
     # with 4 users the working set no longer fits vLLM's cache and the connector loads what it evicted
     for case in ("memory", "memory-disk"):
         assert rows[(case, 4)]["kv_hit"] > 0, case
         assert rows[(case, 4)]["kv_loaded_tokens"] > 0, case
+    # --events: Dynamo's indexer, asked before each of the run's distinct prompts is resent, promised only
+    # what the resend then reused (the connector's tiers included), and showed all of it
+    assert "KV events audit" in out
+    assert set(report["events_audit"]) == {"memory", "memory-disk"}
+    for case, audit in report["events_audit"].items():
+        assert audit["prompts"] == 32, (case, audit)  # 2 levels x 8 sessions x 2 turns, all distinct
+        assert audit["tier_promised_blocks"] > 0, (case, audit)  # the tiers' events, not only vLLM's GPU ones
+        assert audit["over_promised_blocks"] == 0, (case, audit)
+        assert audit["under_announced_blocks"] == 0, (case, audit)

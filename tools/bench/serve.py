@@ -27,6 +27,7 @@ and the encoder connector on one store); each family of cases has its own trace,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import re
@@ -42,7 +43,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.tools.bench import serve_multimodal
+from vllm_tiercache.tools.bench import serve_events, serve_multimodal
+from vllm_tiercache.tools.bench.router_index import INSTALL_HINT, DynamoIndexer, events_config
 from vllm_tiercache.tools.bench.serve_load import GroupRSS, RequestResult, run_level
 from vllm_tiercache.tools.bench.serve_report import (
     BASELINE,
@@ -59,8 +61,10 @@ from vllm_tiercache.tools.bench.serve_trace import (
     kv_budget_tokens,
     kv_geometry,
     make_workload,
+    messages_for,
     working_set_tokens,
 )
+from vllm_tiercache.tools.demo.server import free_port
 from vllm_tiercache.tools.redis_server import optional_redis_url
 
 BLOCK_SIZE = 32  # the demo server's --block-size
@@ -152,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, help="models, tiers, logs (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", type=Path, dest="json_path", help="write the full results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT percentiles and throughput vs users")
+    parser.add_argument("--events", action="store_true",
+                        help="text tiercache cases publish vLLM's KV cache events to NVIDIA Dynamo's indexer; after "
+                             "the trace, every distinct prompt is resent and the index's promise is compared with "
+                             "what the resend reused (over-promised / under-announced blocks)")
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -179,6 +187,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchServeError(f"--{key.replace('_', '-')} must be at least 1")
     if args.chunk_size % BLOCK_SIZE:
         raise BenchServeError(f"--chunk-size must be a multiple of the block size {BLOCK_SIZE}")
+    s["events"] = bool(getattr(args, "events", False))
+    if s["events"]:
+        if not any(c in TEXT_CASES and c != BASELINE for c in s["cases"]):
+            raise BenchServeError(f"--events audits the text tiercache cases ({','.join(TEXT_CASES[1:])}); "
+                                  "none is among --cases")
+        if importlib.util.find_spec("dynamo") is None:
+            raise BenchServeError(f"--events: {INSTALL_HINT}")
     return s
 
 
@@ -338,22 +353,28 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
     stats_dir = work / "stats" / case
     shutil.rmtree(stats_dir, ignore_errors=True)
     shutil.rmtree(work / "tiers" / case, ignore_errors=True)
+    events_port = free_port() if settings["events"] and family.name == "text" and kv_transfer is not None else None
+    events_args = ["--kv-events-config", json.dumps(events_config(events_port))] if events_port else []
     server = Server(family.model, work / "logs" / f"server-{case}.log", served_name=SERVED_NAME,
                     chat_template=ctx["template"], max_model_len=family.max_model_len, kv_transfer=kv_transfer,
                     ec_transfer=ec_transfer, stats_dir=stats_dir if connected else None,
                     extra_args=["--enable-prefix-caching", "--max-num-seqs", str(max(settings["users"])),
-                                "--kv-cache-memory-bytes", str(family.kv_bytes), *family.engine_args])
+                                "--kv-cache-memory-bytes", str(family.kv_bytes), *family.engine_args, *events_args])
     # The budget is the byte-exact flag; VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it when set.
     server.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(ctx["reserved_cpus"])
     rows: list[dict[str, Any]] = []
     answers: dict[tuple[int, int, int], str] = {}
-    with server:
+    with ExitStack() as running:
+        running.enter_context(server)
         progress.line(f"case {case}: starting the server ({server.log_path})")
         boot = server.wait_healthy()
         assert server.proc is not None
         kv_tokens = _kv_tokens_from_log(server.log_path)
         progress.line(f"case {case}: healthy after {boot:.0f}s; vLLM KV cache {kv_tokens} tokens")
+        indexer = running.enter_context(DynamoIndexer(
+            {1: events_port}, block_size=BLOCK_SIZE, model_name=SERVED_NAME,
+            log_path=work / "logs" / f"indexer-{case}.log")) if events_port else None
         _warmup(server.base_url, family, settings)
         rss = GroupRSS(server.proc.pid).start()
         try:
@@ -384,7 +405,38 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
                               f"mismatches {row['mismatches']}/{row['compared']}")
         finally:
             rss.stop()
+        if indexer is not None:
+            ctx.setdefault("audits", {})[case] = _audit_events(case, server.base_url, indexer, family, answers,
+                                                                progress)
     return rows, answers
+
+
+def _audit_events(case: str, base_url: str, indexer: DynamoIndexer, family: _Family,
+                  answers: dict[tuple[int, int, int], str], progress: _Progress) -> serve_events.EventsAudit:
+    """Every distinct prompt of the case's run (the answered ones), audited against the index."""
+    messages = []
+    for workload in family.workloads:
+        for session in workload.sessions:
+            said = [answers.get((workload.level, session.index, turn)) for turn in range(len(session.questions))]
+            for turn in range(len(session.questions)):
+                if said[turn] is None:
+                    break
+                messages.append(messages_for(workload, session, turn, [str(a) for a in said[:turn]]))
+    prompts = serve_events.distinct_chat_prompts(base_url, SERVED_NAME, messages)
+    progress.line(f"case {case}: events audit of {len(prompts)} distinct prompts, one at a time")
+    step = max(1, len(prompts) // 4)
+
+    def on_progress(done: int, so_far: serve_events.EventsAudit) -> None:
+        if done % step == 0 and done < len(prompts):
+            progress.line(f"  {case} audit: {done}/{len(prompts)} prompts, over-promised "
+                          f"{so_far.over_promised_blocks} blocks, under-announced {so_far.under_announced_blocks}")
+
+    result = serve_events.audit_prompts(base_url, SERVED_NAME, indexer, 1, prompts, block_size=BLOCK_SIZE,
+                                        allowed_ids=family.allowed, on_progress=on_progress)
+    progress.line(f"case {case}: events audit: {result.promised_blocks} blocks promised ({result.tier_promised_blocks} "
+                  f"by the tiers alone), {result.over_promised_blocks} over-promised, "
+                  f"{result.under_announced_blocks} under-announced")
+    return result
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -494,12 +546,15 @@ def _run(args: argparse.Namespace) -> int:
                                                  if r["family"] == name and r["kv_cache_tokens"]), None)
                                      for name in families},
             "rows": rows, "case_errors": errors, "targets": targets,
+            "events_audit": {case: a.as_dict() for case, a in ctx.get("audits", {}).items()},
         }
         print()
         for family in families.values():
             print(f"{family.name} cases: working set {family.working_set} tokens / vLLM KV budget {family.budget} "
                   f"tokens = {family.ws_ratio:.2f}x (ratios against {family.baseline})")
         print(format_table(rows))
+        if ctx.get("audits"):
+            print(serve_events.format_audits(ctx["audits"]))
         for t in targets:
             marks = ", ".join(f"{name} {'ok' if ok else 'MISSED'}" for name, ok in t["checks"].items())
             print(f"targets, {t['case']} at {t['users']} users: {marks}")
