@@ -103,6 +103,8 @@ class KVEventLedger:
         self._refs: dict[tuple[Any, str], int] = {}
         self._queue: list[KVCacheEvent] = []
         self._queued_blocks = 0
+        #: a chunk's last block hash -> its name: a chunk's parent chunk is the one ending at its parent block
+        self._ending_at: dict[Any, bytes] = {}
 
     # ------------------------------------------------------------------------------------------ state
     def remember(self, name: bytes, request: Request, start_block: int, end_block: int) -> None:
@@ -110,17 +112,31 @@ class KVEventLedger:
         if name in self._payloads:
             self._payloads.move_to_end(name)
             return
-        self._payloads[name] = ChunkPayload.of(request, start_block, end_block, self.block_size)
+        self._add(name, ChunkPayload.of(request, start_block, end_block, self.block_size))
         while len(self._payloads) > self.max_chunks:
             oldest = next(iter(self._payloads))
             for medium in list(self._held.get(oldest, ())):
                 self.removed(oldest, medium)
-            self._payloads.pop(oldest, None)
+            payload = self._payloads.pop(oldest)
+            if self._ending_at.get(payload.block_hashes[-1]) == oldest:
+                del self._ending_at[payload.block_hashes[-1]]
 
     def adopt(self, name: bytes, payload: ChunkPayload) -> None:
         """Remember a payload read back from the journal (`vllm_tiercache.kvcache.event_journal`)."""
         if name not in self._payloads:
-            self._payloads[name] = payload
+            self._add(name, payload)
+
+    def _add(self, name: bytes, payload: ChunkPayload) -> None:
+        self._payloads[name] = payload
+        if payload.block_hashes:
+            self._ending_at[payload.block_hashes[-1]] = name
+
+    def parent_of(self, name: bytes) -> bytes | None:
+        """The name of the chunk that ends where ``name`` begins, if this ledger knows it."""
+        payload = self._payloads.get(name)
+        if payload is None or payload.parent_block_hash is None:
+            return None
+        return self._ending_at.get(payload.parent_block_hash)
 
     def payload(self, name: bytes) -> ChunkPayload | None:
         return self._payloads.get(name)
@@ -182,6 +198,7 @@ class KVEventLedger:
     def cleared(self) -> None:
         """Everything announced is void (a connector reset: a new weights generation names new chunks)."""
         self._payloads.clear()
+        self._ending_at.clear()
         self._held.clear()
         self._refs.clear()
         self._queue = [AllBlocksCleared()]

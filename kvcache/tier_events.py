@@ -199,7 +199,9 @@ class TierEventTracker:
             if self._discovered is None:  # answered on a later step (at once when inline)
                 return
         if self._unreachable and self.shared_answering():  # back: asked next, as the journal's entries are
-            self._discovered.extend(self._unreachable.items())
+            # taken from the end, 16 at a time: parents last, so a batch never comes before its parents' batch
+            back = sorted(self._unreachable.items(), key=lambda item: -getattr(item[1], "start_block", 0))
+            self._discovered.extend(back)
             self._unreachable.clear()
         discover = [(name, payload) for name, payload in self._discovered[-self.discover_per_step:]
                     if not self.ledger.holds(name, self.shared_medium)]  # type: ignore[arg-type]
@@ -285,20 +287,15 @@ class TierEventTracker:
         """Of the chunks just found on the shared tiers, those announced now: a chunk whose parent chunk still
         waits for its own confirmation waits too (asked again), so a router never gets a chunk's blocks before
         its parent's (a consumer may drop a block whose parent it does not know). It happens when the parent's
-        records land later than the child's, or the parent was asked again behind it."""
-        if not found:
-            return []
-        waiting = set()
-        for name in self._unconfirmed:
-            payload = self.ledger.payload(name)
-            if payload is not None:
-                waiting.add(payload.block_hashes[-1])
+        records land later than the child's, or the parent was asked again behind it. One dict lookup per
+        chunk: the ledger names each chunk's parent chunk."""
         held = []
+        deferred: set[bytes] = set()
         for name in sorted(found, key=self._start_block):  # parents first: a deferred parent defers its child
-            payload = self.ledger.payload(name)
-            if payload is not None and payload.parent_block_hash is not None and payload.parent_block_hash in waiting:
+            parent = self.ledger.parent_of(name)
+            if parent is not None and (parent in deferred or parent in self._unconfirmed):
                 self._unconfirmed[name] = found[name]
-                waiting.add(payload.block_hashes[-1])
+                deferred.add(name)
             else:
                 held.append(name)
         return held

@@ -283,8 +283,10 @@ def test_the_same_text_with_another_image_hashes_to_other_blocks(seen: dict[str,
     assert [list(pair) for pair in two[0].extra] == [[seen["mm2"], 0]]
 
 
-def test_dynamo_reports_the_image_prompt_on_the_host_tier_and_a_resend_loads_exactly_that(
+def test_dynamo_reports_the_prompts_tokens_on_the_host_tier_and_a_resend_loads_exactly_that(
         seen: dict[str, Any]) -> None:
+    """Dynamo keys by tokens only (last test), so its host-tier match is for this text after an image: image 1's
+    own blocks on the host tier are proven by the raw events above, the resend's load by ``cached_tokens``."""
     tiers = seen["gpu_let_go"]
     assert tiers["gpu"] < PREFIX <= tiers["cpu"], (tiers, seen["logs"])
     assert tiers["cpu"] == PREFIX  # never more than the connector can give

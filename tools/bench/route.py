@@ -9,15 +9,17 @@ both can read.
 1. Home: document i is sent to A when i is even, to B when odd (its KV lands in that instance's memory
    tier and in Redis). One filler prompt per instance then pushes the last document out of vLLM's cache.
 2. Route: for each document with a new question, the indexer is asked; the router's pick is the instance
-   with the longest host-tier (``cpu``) match, then the longest lower-tier (``disk``) match, as Dynamo's
-   weights (host above disk) would pick. The prompt is sent to the pick, and the same document with
+   with the longest host-tier (``cpu``) match, then the longest lower-tier (``disk``) match: host above
+   disk, as Dynamo's tier weights rank them (its router sums weighted overlaps; with documents of one
+   length both orders agree). The prompt is sent to the pick, and the same document with
    another question to the other instance (which can load it from Redis), and a fresh document of the
    same length to the pick (what neither cache helps: the prefill).
 
 Printed: per document the indexer's matches per instance and tier, the pick, and each request's time to
-first token and reused tokens; then the medians and their ratios. Nothing is asserted: a routing
-benchmark states what it measured. The requests run one at a time with a pause between them (a vLLM CPU
-worker keeps polling for a second after its last step, and would otherwise slow the other server).
+first token and reused tokens; then the medians and their ratios. Timings are printed, never asserted
+(CI's quick run checks only the counts: tests/tools/test_bench_route.py). The requests run one at a
+time with a pause between them (a vLLM CPU worker keeps polling for a second after its last step, and
+would otherwise slow the other server).
 """
 
 from __future__ import annotations

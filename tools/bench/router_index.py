@@ -59,16 +59,19 @@ class DynamoIndexer:
              "--port", str(self.port), "--model-name", model_name, "--workers", spec],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                self.query([1, 2, 3])
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RouterIndexError(f"dynamo.indexer did not answer on port {self.port}; see {log_path}"
-                                           ) from None
-                time.sleep(0.3)
+        try:
+            while True:
+                try:
+                    self.query([1, 2, 3])
+                    return
+                except (OSError, RouterIndexError):
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RouterIndexError(f"dynamo.indexer did not answer on port {self.port}; see "
+                                               f"{log_path}") from None
+                    time.sleep(0.3)
+        except BaseException:
+            self.stop()
+            raise
 
     def query(self, tokens: list[int], lora_name: str | None = None) -> dict[int, dict[str, int]]:
         """Matched tokens per worker id and tier (``gpu``, ``cpu``, ``disk``); a worker with no match is absent."""

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.tools.bench import serve_events, serve_multimodal
-from vllm_tiercache.tools.bench.router_index import INSTALL_HINT, DynamoIndexer, events_config
+from vllm_tiercache.tools.bench.router_index import INSTALL_HINT, DynamoIndexer, RouterIndexError, events_config
 from vllm_tiercache.tools.bench.serve_load import GroupRSS, RequestResult, run_level
 from vllm_tiercache.tools.bench.serve_report import (
     BASELINE,
@@ -372,9 +372,12 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
         assert server.proc is not None
         kv_tokens = _kv_tokens_from_log(server.log_path)
         progress.line(f"case {case}: healthy after {boot:.0f}s; vLLM KV cache {kv_tokens} tokens")
-        indexer = running.enter_context(DynamoIndexer(
-            {1: events_port}, block_size=BLOCK_SIZE, model_name=SERVED_NAME,
-            log_path=work / "logs" / f"indexer-{case}.log")) if events_port else None
+        try:
+            indexer = running.enter_context(DynamoIndexer(
+                {1: events_port}, block_size=BLOCK_SIZE, model_name=SERVED_NAME,
+                log_path=work / "logs" / f"indexer-{case}.log")) if events_port else None
+        except RouterIndexError as exc:
+            raise BenchServeError(str(exc)) from None
         _warmup(server.base_url, family, settings)
         rss = GroupRSS(server.proc.pid).start()
         try:
@@ -406,8 +409,12 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
         finally:
             rss.stop()
         if indexer is not None:
-            ctx.setdefault("audits", {})[case] = _audit_events(case, server.base_url, indexer, family, answers,
-                                                                progress)
+            try:
+                ctx.setdefault("audits", {})[case] = _audit_events(case, server.base_url, indexer, family, answers,
+                                                                    progress)
+            except (OSError, RouterIndexError) as exc:  # the case's rows stand; the audit is reported as failed
+                ctx.setdefault("audit_errors", {})[case] = f"{type(exc).__name__}: {exc}"
+                progress.line(f"case {case}: events audit FAILED: {exc}")
     return rows, answers
 
 
@@ -547,6 +554,7 @@ def _run(args: argparse.Namespace) -> int:
                                      for name in families},
             "rows": rows, "case_errors": errors, "targets": targets,
             "events_audit": {case: a.as_dict() for case, a in ctx.get("audits", {}).items()},
+            "events_audit_errors": ctx.get("audit_errors", {}),
         }
         print()
         for family in families.values():
@@ -565,6 +573,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.plot:
             plot = write_plot(rows, args.plot)
             print(f"plot: {plot}" if plot else "plot: not written (matplotlib is not installed)")
+        errors.update({f"{case} (events audit)": msg for case, msg in ctx.get("audit_errors", {}).items()})
         return _verdict(settings, rows, ran, errors, args.quick)
 
 

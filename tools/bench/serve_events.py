@@ -7,11 +7,16 @@ indexer how many tokens this instance holds for the prompt (its longest match on
 Dynamo's tiers are cumulative), then it sends the prompt (one answer token) and reads how many prompt
 tokens vLLM did not compute (``cached_tokens``: its own prefix cache plus the connector's load).
 
-A prompt's last token is always computed, so what the index promises is its match capped at the prompt's
-last full block before that token. Over-promised blocks are promised blocks the resend then computed (a
-router sent the request for a prefix that was not there); under-announced blocks are blocks the resend
-reused that the index did not show (a router scored this instance too low). The first is the issue's
-"0 announced blocks that a resend then fails to load"; the second shows that the index keeps up.
+Before each question the index must show the previous resend on the GPU (vLLM publishes a step's
+events before it answers, but Dynamo ingests on one thread of a busy machine), then a short settle lets
+the tiers' own events of that step out: the memory tier's residency and a disk confirmation go out a
+step later, so with a memory tier smaller than the run and no disk, a just-evicted chunk may still show
+as promised. A prompt's last token is always computed, so what the index promises is its match capped at
+the prompt's last full block before that token. Over-promised blocks are promised blocks the resend then
+computed (a router sent the request for a prefix that was not there; "tiers" counts those beyond what
+vLLM's own GPU events promised); under-announced blocks are blocks the resend reused that the index did
+not show (a router scored this instance too low). The first is the issue's "0 announced blocks that a
+resend then fails to load"; the second shows that the index keeps up.
 
 Why one at a time after the trace, not during it: under concurrency an index answer and the request it
 routes are separated by other requests' steps, so a record a tier evicts in between is a race any router
@@ -29,9 +34,11 @@ from typing import Any
 
 from vllm_tiercache.tools.bench.router_index import DynamoIndexer, chat_token_ids, complete
 
-#: Seconds between a resend's answer and the next question: vLLM publishes a step's events after the step,
-#: and the DISK medium is confirmed off the step, a step or two later.
+#: Seconds between a resend's answer and the next question, besides waiting for the index to show the
+#: resent prompt on the GPU: the tiers' own events (memory residency, a DISK confirmation) go out a step later.
 SETTLE_S = 0.3
+#: The longest wait for Dynamo's indexer to show a resent prompt (it ingests on one thread of a busy machine).
+CATCH_UP_S = 10.0
 
 
 @dataclass
@@ -48,6 +55,8 @@ class EventsAudit:
     lower_tier_promised_blocks: int = 0
     reused_blocks: int = 0
     over_promised_blocks: int = 0
+    #: of those, beyond what vLLM's own GPU events promised: the connector's events' share
+    over_promised_by_tiers: int = 0
     over_promised_prompts: int = 0
     under_announced_blocks: int = 0
     seconds: float = 0.0
@@ -62,8 +71,12 @@ def audit_prompts(base_url: str, model: str, indexer: DynamoIndexer, worker: int
     """Ask, resend, compare, for each prompt in turn (see the module docstring)."""
     out = EventsAudit()
     start = time.monotonic()
+    previous: list[int] | None = None
     for i, tokens in enumerate(prompts):
         time.sleep(SETTLE_S)
+        if previous is not None:  # the index has taken the last resend's GPU blocks in
+            _catch_up(indexer, worker, previous, (len(previous) - 1) // block_size * block_size)
+        previous = tokens
         tiers = indexer.query(tokens).get(worker, {})
         matched = max(tiers.values(), default=0)
         limit = (len(tokens) - 1) // block_size * block_size
@@ -79,12 +92,20 @@ def audit_prompts(base_url: str, model: str, indexer: DynamoIndexer, worker: int
         out.reused_blocks += reused // block_size
         over = -(-max(0, promised - reused) // block_size)
         out.over_promised_blocks += over
+        out.over_promised_by_tiers += -(-max(0, promised - max(reused, on_gpu)) // block_size)
         out.over_promised_prompts += over > 0
         out.under_announced_blocks += max(0, reused - promised) // block_size
         if on_progress is not None:
             on_progress(i + 1, out)
     out.seconds = time.monotonic() - start
     return out
+
+
+def _catch_up(indexer: DynamoIndexer, worker: int, tokens: list[int], expected: int) -> None:
+    """Wait (at most `CATCH_UP_S`) until the index matches ``expected`` tokens of ``tokens`` on this worker."""
+    deadline = time.monotonic() + CATCH_UP_S
+    while max(indexer.query(tokens).get(worker, {}).values(), default=0) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def distinct_chat_prompts(base_url: str, model: str, messages: list[list[dict[str, Any]]]) -> list[list[int]]:
@@ -108,6 +129,6 @@ def format_audits(audits: dict[str, EventsAudit]) -> str:
     for case, a in audits.items():
         lines.append(f"{case:<20} {a.prompts:>7} {a.tier_matched_prompts:>12} {a.promised_blocks:>9} "
                      f"{a.tier_promised_blocks:>9} {a.lower_tier_promised_blocks:>9} {a.reused_blocks:>7} "
-                     f"{f'{a.over_promised_blocks} ({a.over_promised_prompts} pr.)':>13} "
+                     f"{f'{a.over_promised_blocks} ({a.over_promised_by_tiers} tiers)':>13} "
                      f"{a.under_announced_blocks:>15} {a.seconds:>8.1f}")
     return "\n".join(lines)
