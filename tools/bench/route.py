@@ -43,6 +43,7 @@ from vllm_tiercache.tools.bench.router_index import (
     complete,
     events_config,
 )
+from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 SERVED = "bench-route"
 BLOCK_SIZE = 32  # the servers' --block-size (`Server`'s)
@@ -56,8 +57,10 @@ WORKERS = (1, 2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--docs", type=int, default=6, help="documents, homed on A and B in turn (default %(default)s)")
-    parser.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document (default %(default)s)")
+    parser.add_argument("--docs", type=int_at_least(2, 1000), default=6,
+                        help="documents, homed on A and B in turn (default %(default)s)")
+    parser.add_argument("--doc-tokens", type=int_at_least(CHUNK_SIZE, 32_000), default=2048,
+                        help="tokens per document (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke run: the 2-layer tiny model, 4 documents of 512")
     parser.add_argument("--reserved-cpus", type=int, default=1,
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU of both servers (default %(default)s)")
@@ -208,12 +211,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("dynamo") is None:
-        print(f"tiercache bench route: error: {INSTALL_HINT}", file=sys.stderr)
-        return 1
-    if args.docs < 2 or args.doc_tokens < CHUNK_SIZE:
-        print(f"tiercache bench route: error: --docs must be at least 2 and --doc-tokens at least {CHUNK_SIZE}",
-              file=sys.stderr)
-        return 1
+        raise UsageError(INSTALL_HINT)
     try:
         if args.work_dir:
             work = Path(args.work_dir)
