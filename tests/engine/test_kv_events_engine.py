@@ -25,8 +25,6 @@ import contextlib
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -35,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer
 from vllm_tiercache.tools.demo.server import Server, free_port
 from vllm_tiercache.tools.evict_cmd import evict
 from vllm_tiercache.tools.tiny_models.lora import make_tiny_lora
@@ -53,45 +52,18 @@ def _prompt(seed: int) -> list[int]:
 
 
 class Indexer:
-    """Dynamo's standalone indexer for one worker (id 1) publishing on ``zmq_port``, serving ``model_name``."""
+    """Dynamo's standalone indexer for one worker (id 1) publishing on ``zmq_port``, serving ``model_name``
+    (the benchmarks' `DynamoIndexer`, answering for that worker alone)."""
 
     def __init__(self, zmq_port: int, log_path: Path, model_name: str = SERVED) -> None:
-        self.port = free_port()
-        self.model_name = model_name
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--block-size", str(BLOCK), "--threads", "1",
-             "--port", str(self.port), "--model-name", model_name, "--workers", f"1=tcp://127.0.0.1:{zmq_port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.query([1, 2, 3])
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dynamo.indexer did not answer; see {log_path}") from None
-                time.sleep(0.3)
+        self._dynamo = DynamoIndexer({1: zmq_port}, block_size=BLOCK, model_name=model_name, log_path=log_path)
 
     def query(self, tokens: list[int], lora: str | None = None) -> dict[str, int]:
         """This worker's matched tokens per tier (gpu, cpu, disk; 0 when nothing matches)."""
-        body: dict[str, Any] = {"token_ids": tokens, "model_name": self.model_name}
-        if lora is not None:
-            body["lora_name"] = lora
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/query", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            answer = json.loads(resp.read())
-        worker = answer.get("instances", {}).get("1", {})
-        return {tier: int(worker.get(tier, 0)) for tier in ("gpu", "cpu", "disk")}
+        return self._dynamo.query(tokens, lora).get(1, dict.fromkeys(TIERS, 0))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+        self._dynamo.stop()
 
 
 def _complete(server: Server, tokens: list[int], model: str = SERVED) -> int:

@@ -217,6 +217,30 @@ def test_a_chunk_found_on_disk_before_its_parent_waits_for_it(tiny_llama: Path, 
     assert [e.parent_block_hash for e in disk[1:]] == [e.block_hashes[-1] for e in disk[:-1]]
 
 
+def test_a_chunk_whose_parent_never_lands_is_announced_once_the_parent_is_given_up(tiny_llama: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Waiting for a parent is bounded by the parent's own confirmation time: then the children are
+    announced (loadable after a prefix vLLM itself holds, which a router matches on its GPU blocks)."""
+    engine = Published(_config(tiny_llama, tmp_path / "disk"))
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(5), BLOCK))
+    engine.finish(out)
+    connector = engine.connector
+    tracker = connector._scheduler.events  # type: ignore[union-attr]
+    naming = connector._scheduler.naming  # type: ignore[union-attr]
+    for save in meta.requests[0].saves[1:]:
+        for layer in naming.groups.groups[save.group].layers:
+            connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(4, 4))
+    assert connector._store.flush(10.0)
+    engine.report(TieredKVWorkerMetadata())
+    assert engine.events(BlockStored, MEDIUM_DISK) == []
+    tracker.clock = lambda: time.monotonic() + tracker.confirm_timeout_s + 1  # the parent's time is up
+    engine.report(TieredKVWorkerMetadata())  # the parent is given up, the children wait no more ...
+    engine.report(TieredKVWorkerMetadata())  # ... and are found on the next ask
+    disk = engine.events(BlockStored, MEDIUM_DISK)
+    assert len(disk) == 2 and disk[0].parent_block_hash is not None
+    assert disk[1].parent_block_hash == disk[0].block_hashes[-1]
+
+
 def test_the_shared_tiers_are_asked_off_the_step(tiny_llama: Path, tmp_path: Path) -> None:
     """The connector's own set-up: confirmation lookups run on the tracker's thread. A step never waits
     for them (here a lookup held until released), and their answer is announced on a later step."""
