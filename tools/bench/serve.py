@@ -61,7 +61,6 @@ from vllm_tiercache.tools.bench.serve_trace import (
     kv_budget_tokens,
     kv_geometry,
     make_workload,
-    messages_for,
     working_set_tokens,
 )
 from vllm_tiercache.tools.demo.server import free_port
@@ -410,40 +409,13 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
             rss.stop()
         if indexer is not None:
             try:
-                ctx.setdefault("audits", {})[case] = _audit_events(case, server.base_url, indexer, family, answers,
-                                                                    progress)
+                ctx.setdefault("audits", {})[case] = serve_events.audit_case(
+                    case, server.base_url, SERVED_NAME, indexer, family.workloads, answers, block_size=BLOCK_SIZE,
+                    allowed_ids=family.allowed, line=progress.line)
             except (OSError, RouterIndexError) as exc:  # the case's rows stand; the audit is reported as failed
                 ctx.setdefault("audit_errors", {})[case] = f"{type(exc).__name__}: {exc}"
                 progress.line(f"case {case}: events audit FAILED: {exc}")
     return rows, answers
-
-
-def _audit_events(case: str, base_url: str, indexer: DynamoIndexer, family: _Family,
-                  answers: dict[tuple[int, int, int], str], progress: _Progress) -> serve_events.EventsAudit:
-    """Every distinct prompt of the case's run (the answered ones), audited against the index."""
-    messages = []
-    for workload in family.workloads:
-        for session in workload.sessions:
-            said = [answers.get((workload.level, session.index, turn)) for turn in range(len(session.questions))]
-            for turn in range(len(session.questions)):
-                if said[turn] is None:
-                    break
-                messages.append(messages_for(workload, session, turn, [str(a) for a in said[:turn]]))
-    prompts = serve_events.distinct_chat_prompts(base_url, SERVED_NAME, messages)
-    progress.line(f"case {case}: events audit of {len(prompts)} distinct prompts, one at a time")
-    step = max(1, len(prompts) // 4)
-
-    def on_progress(done: int, so_far: serve_events.EventsAudit) -> None:
-        if done % step == 0 and done < len(prompts):
-            progress.line(f"  {case} audit: {done}/{len(prompts)} prompts, over-promised "
-                          f"{so_far.over_promised_blocks} blocks, under-announced {so_far.under_announced_blocks}")
-
-    result = serve_events.audit_prompts(base_url, SERVED_NAME, indexer, 1, prompts, block_size=BLOCK_SIZE,
-                                        allowed_ids=family.allowed, on_progress=on_progress)
-    progress.line(f"case {case}: events audit: {result.promised_blocks} blocks promised ({result.tier_promised_blocks} "
-                  f"by the tiers alone), {result.over_promised_blocks} over-promised, "
-                  f"{result.under_announced_blocks} under-announced")
-    return result
 
 
 # ------------------------------------------------------------------------------------------ targets

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_tiercache.tools.bench.router_index import DynamoIndexer, chat_token_ids, complete
+from vllm_tiercache.tools.bench.serve_trace import Workload, messages_for
 
 #: Seconds between a resend's answer and the next question, besides waiting for the index to show the
 #: resent prompt on the GPU: the tiers' own events (memory residency, a DISK confirmation) go out a step later.
@@ -106,6 +107,36 @@ def _catch_up(indexer: DynamoIndexer, worker: int, tokens: list[int], expected: 
     deadline = time.monotonic() + CATCH_UP_S
     while max(indexer.query(tokens).get(worker, {}).values(), default=0) < expected and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def audit_case(case: str, base_url: str, model: str, indexer: DynamoIndexer, workloads: list[Workload],
+               answers: dict[tuple[int, int, int], str], *, block_size: int, allowed_ids: list[int] | None,
+               line: Callable[[str], None]) -> EventsAudit:
+    """Every distinct prompt of a case's run (its answered requests, rebuilt with their answers), audited
+    against the index, with progress lines."""
+    messages = []
+    for workload in workloads:
+        for session in workload.sessions:
+            said = [answers.get((workload.level, session.index, turn)) for turn in range(len(session.questions))]
+            for turn in range(len(session.questions)):
+                if said[turn] is None:
+                    break
+                messages.append(messages_for(workload, session, turn, [str(a) for a in said[:turn]]))
+    prompts = distinct_chat_prompts(base_url, model, messages)
+    line(f"case {case}: events audit of {len(prompts)} distinct prompts, one at a time")
+    step = max(1, len(prompts) // 4)
+
+    def on_progress(done: int, so_far: EventsAudit) -> None:
+        if done % step == 0 and done < len(prompts):
+            line(f"  {case} audit: {done}/{len(prompts)} prompts, over-promised {so_far.over_promised_blocks} "
+                 f"blocks, under-announced {so_far.under_announced_blocks}")
+
+    result = audit_prompts(base_url, model, indexer, 1, prompts, block_size=block_size, allowed_ids=allowed_ids,
+                           on_progress=on_progress)
+    line(f"case {case}: events audit: {result.promised_blocks} blocks promised ({result.tier_promised_blocks} by "
+         f"the tiers alone, {result.lower_tier_promised_blocks} by disk / Redis alone), "
+         f"{result.over_promised_blocks} over-promised, {result.under_announced_blocks} under-announced")
+    return result
 
 
 def distinct_chat_prompts(base_url: str, model: str, messages: list[list[dict[str, Any]]]) -> list[list[int]]:
