@@ -387,10 +387,14 @@ def test_no_frame_walk_left() -> None:
 # ----------------------------------------------------------------------------------------------- tags
 
 
-def test_a_requests_tags_reach_the_encoder_outputs_it_computes(tiny_blip2: Path, tmp_path: Path, caplog) -> None:
+def test_a_requests_tags_reach_the_encoder_outputs_it_computes(tiny_blip2: Path, tmp_path: Path, caplog,
+                                                               monkeypatch) -> None:
     """``kv_transfer_params={"tiercache_tags": [...]}`` on a request: the real scheduler's metadata carries
     them for the items vLLM encodes this step (not for one it loads), the worker writes them into the
     records, and the disk tier indexes them (what `tiercache evict --tag` finds). Bad tags are ignored."""
+    from vllm_tiercache.shared import request_tags
+
+    monkeypatch.setattr(request_tags, "_warned", set())  # warned once per process: not by an earlier test
     import logging
 
     from vllm_tiercache.shared.request_tags import TAGS_PARAM

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from tests.kv.test_kv_handoff import LAYERS, _connector, _request, _save_every_layer, _scheduler, tokens
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
+from vllm_tiercache.shared import request_tags
 from vllm_tiercache.shared.request_tags import TAGS_PARAM
 from vllm_tiercache.shared.store.api import StoreKey
 
 
 def test_a_requests_tags_reach_its_records_and_bad_tags_are_ignored(tiny_llama: Path, tmp_path: Path,
-                                                                  caplog) -> None:
+                                                                  caplog, monkeypatch) -> None:
+    monkeypatch.setattr(request_tags, "_warned", set())  # warned once per process: not by an earlier test
     producer = _scheduler(tiny_llama, tmp_path / "disk", "kv_producer")
     connector = _connector(producer)
     producer.add_request(_request("tagged", tokens(600, seed=0), {TAGS_PARAM: ["doc:7", "corpus:v3"]}))

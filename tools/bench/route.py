@@ -42,6 +42,7 @@ from vllm_tiercache.tools.bench.router_index import (
     RouterIndexError,
     complete,
     events_config,
+    wait_until_indexed,
 )
 from vllm_tiercache.tools.cli import UsageError, int_at_least
 
@@ -140,7 +141,8 @@ class RouteBench:
                 with DynamoIndexer(ports, block_size=BLOCK_SIZE, model_name=SERVED,
                                    log_path=self.work / "indexer.log") as indexer:
                     _progress("servers and indexer up; warming up")
-                    for server in servers.values():  # first-request costs, outside the measurement
+                    for worker, server in servers.items():  # first-request costs, outside the measurement
+                        wait_until_indexed(indexer, server.base_url, SERVED, worker, block_size=BLOCK_SIZE)
                         self._send(server, self.tokens(self.doc_tokens + QUESTION_TOKENS))
                     for i, doc in enumerate(docs):
                         self._send(servers[WORKERS[i % 2]], doc + self.tokens(QUESTION_TOKENS))

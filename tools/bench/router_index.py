@@ -99,6 +99,26 @@ class DynamoIndexer:
         self.stop()
 
 
+def wait_until_indexed(indexer: DynamoIndexer, base_url: str, model: str, worker: int, *, block_size: int,
+                       timeout_s: float = 60.0) -> None:
+    """Send a short probe prompt to the instance until the indexer shows its first block for ``worker``: a zmq
+    subscriber misses what was published before its subscription reached the publisher, so a benchmark
+    must not count on the index before this. Raises `RouterIndexError` when the index never shows it."""
+    import random
+
+    deadline = time.monotonic() + timeout_s
+    rng = random.Random()
+    while time.monotonic() < deadline:
+        probe = [rng.randrange(3, 250) for _ in range(2 * block_size)]  # plain byte ids of the tiny models
+        complete(base_url, model, probe)
+        for _ in range(20):
+            if indexer.query(probe).get(worker, {}).get("gpu", 0) >= block_size:
+                return
+            time.sleep(0.1)
+    raise RouterIndexError(f"the indexer never showed worker {worker}'s blocks within {timeout_s:.0f}s: is the "
+                           f"server publishing KV events (--kv-events-config)? see {indexer.log_path}")
+
+
 @dataclass(frozen=True)
 class Completion:
     """One completion of given prompt token ids: vLLM's reused prompt tokens and the time to its first token."""

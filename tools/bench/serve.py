@@ -44,7 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.tools.bench import serve_events, serve_multimodal
-from vllm_tiercache.tools.bench.router_index import INSTALL_HINT, DynamoIndexer, RouterIndexError, events_config
+from vllm_tiercache.tools.bench.router_index import (
+    INSTALL_HINT,
+    DynamoIndexer,
+    RouterIndexError,
+    events_config,
+    wait_until_indexed,
+)
 from vllm_tiercache.tools.bench.serve_load import GroupRSS, RequestResult, run_level
 from vllm_tiercache.tools.bench.serve_report import (
     BASELINE,
@@ -375,6 +381,8 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
             indexer = running.enter_context(DynamoIndexer(
                 {1: events_port}, block_size=BLOCK_SIZE, model_name=SERVED_NAME,
                 log_path=work / "logs" / f"indexer-{case}.log")) if events_port else None
+            if indexer is not None:
+                wait_until_indexed(indexer, server.base_url, SERVED_NAME, 1, block_size=BLOCK_SIZE)
         except RouterIndexError as exc:
             raise BenchServeError(str(exc)) from None
         _warmup(server.base_url, family, settings)
