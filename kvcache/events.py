@@ -168,10 +168,11 @@ class KVEventLedger:
 
     def stored_many(self, names: Iterable[bytes], medium: str) -> None:
         """`stored` for each of ``names``, parents first (a consumer drops a block whose parent it does not know)."""
-        for name in self._parents_first(names):
+        for name in self.parents_first(names):
             self.stored(name, medium)
 
-    def _parents_first(self, names: Iterable[bytes]) -> list[bytes]:
+    def parents_first(self, names: Iterable[bytes]) -> list[bytes]:
+        """``names`` whose payload is known, sorted so that a chunk's parent chunk comes before it."""
         known = [name for name in names if name in self._payloads]
         return sorted(known, key=lambda name: self._payloads[name].start_block)
 
@@ -207,7 +208,7 @@ class KVEventLedger:
     def reannounce(self) -> None:
         """Queue `BlockStored` again for every held chunk (in the order they were learned, so parents come
         first): a consumer dropped them all, e.g. on vLLM's own `AllBlocksCleared` after a prefix-cache reset."""
-        for name in self._parents_first(self._held):
+        for name in self.parents_first(self._held):
             payload, media = self._payloads[name], self._held[name]
             for medium in sorted(media):
                 self._queue_stored(payload, medium)

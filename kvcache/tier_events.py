@@ -200,7 +200,7 @@ class TierEventTracker:
                 return
         if self._unreachable and self.shared_answering():  # back: asked next, as the journal's entries are
             # taken from the end, 16 at a time: parents last, so a batch never comes before its parents' batch
-            back = sorted(self._unreachable.items(), key=lambda item: -getattr(item[1], "start_block", 0))
+            back = sorted(self._unreachable.items(), key=lambda item: -item[1].start_block)
             self._discovered.extend(back)
             self._unreachable.clear()
         discover = [(name, payload) for name, payload in self._discovered[-self.discover_per_step:]
@@ -290,19 +290,13 @@ class TierEventTracker:
         records land later than the child's, or the parent was asked again behind it. One dict lookup per
         chunk: the ledger names each chunk's parent chunk."""
         held = []
-        deferred: set[bytes] = set()
-        for name in sorted(found, key=self._start_block):  # parents first: a deferred parent defers its child
+        for name in self.ledger.parents_first(found):  # a deferred parent is back in _unconfirmed: defers its child
             parent = self.ledger.parent_of(name)
-            if parent is not None and (parent in deferred or parent in self._unconfirmed):
+            if parent is not None and parent in self._unconfirmed:
                 self._unconfirmed[name] = found[name]
-                deferred.add(name)
             else:
                 held.append(name)
         return held
-
-    def _start_block(self, name: bytes) -> int:
-        payload = self.ledger.payload(name)
-        return payload.start_block if payload is not None else 0
 
     def _apply_discovered(self, batch: list[tuple[bytes, Any]], found: list[bool]) -> None:
         """Journal entries of an earlier run (or another engine) that the shared tiers hold: announced."""
