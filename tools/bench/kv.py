@@ -44,9 +44,7 @@ from vllm_tiercache.kvcache.options import LOAD_MODES
 from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv_engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv_report import CaseResult, format_table, hit_breakdown
-
-#: Tokens ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
-TOKEN_RANGE = (3, 259)
+from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
 
 #: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
 TARGETS: list[tuple[str, str, float]] = [

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
 from vllm_tiercache.tools.bench.router_index import (
     INSTALL_HINT,
     Completion,
@@ -49,8 +50,6 @@ from vllm_tiercache.tools.cli import UsageError, int_at_least
 SERVED = "bench-route"
 BLOCK_SIZE = 32  # the servers' --block-size (`Server`'s)
 CHUNK_SIZE = 256
-#: Token ids of the byte tokenizer that are plain bytes (0-2 are <unk>, <s>, </s>).
-TOKEN_RANGE = (3, 259)
 QUESTION_TOKENS = 24
 #: Seconds between requests: the other server's CPU worker stops polling, the events of the last step go out.
 PAUSE_S = 1.5

@@ -82,6 +82,16 @@ class DynamoIndexer:
         return {int(worker): {tier: int(tiers.get(tier, 0)) for tier in TIERS}
                 for worker, tiers in (answer.get("instances") or {}).items()}
 
+    def wait_matched(self, tokens: list[int], worker: int, at_least: int, timeout_s: float) -> bool:
+        """Ask until ``worker`` matches at least ``at_least`` tokens of ``tokens`` on some tier (events reach
+        the index a moment after vLLM publishes them); False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while max(self.query(tokens).get(worker, {}).values(), default=0) < at_least:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -106,15 +116,15 @@ def wait_until_indexed(indexer: DynamoIndexer, base_url: str, model: str, worker
     must not count on the index before this. Raises `RouterIndexError` when the index never shows it."""
     import random
 
+    from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
+
     deadline = time.monotonic() + timeout_s
     rng = random.Random()
     while time.monotonic() < deadline:
-        probe = [rng.randrange(3, 250) for _ in range(2 * block_size)]  # plain byte ids of the tiny models
+        probe = [rng.randrange(*TOKEN_RANGE) for _ in range(2 * block_size)]  # the tiny models' plain byte ids
         complete(base_url, model, probe)
-        for _ in range(20):
-            if indexer.query(probe).get(worker, {}).get("gpu", 0) >= block_size:
-                return
-            time.sleep(0.1)
+        if indexer.wait_matched(probe, worker, block_size, timeout_s=2.0):
+            return
     raise RouterIndexError(f"the indexer never showed worker {worker}'s blocks within {timeout_s:.0f}s: is the "
                            f"server publishing KV events (--kv-events-config)? see {indexer.log_path}")
 

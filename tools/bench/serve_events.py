@@ -76,7 +76,7 @@ def audit_prompts(base_url: str, model: str, indexer: DynamoIndexer, worker: int
     for i, tokens in enumerate(prompts):
         time.sleep(SETTLE_S)
         if previous is not None:  # the index has taken the last resend's GPU blocks in
-            _catch_up(indexer, worker, previous, (len(previous) - 1) // block_size * block_size)
+            indexer.wait_matched(previous, worker, (len(previous) - 1) // block_size * block_size, CATCH_UP_S)
         previous = tokens
         tiers = indexer.query(tokens).get(worker, {})
         matched = max(tiers.values(), default=0)
@@ -100,13 +100,6 @@ def audit_prompts(base_url: str, model: str, indexer: DynamoIndexer, worker: int
             on_progress(i + 1, out)
     out.seconds = time.monotonic() - start
     return out
-
-
-def _catch_up(indexer: DynamoIndexer, worker: int, tokens: list[int], expected: int) -> None:
-    """Wait (at most `CATCH_UP_S`) until the index matches ``expected`` tokens of ``tokens`` on this worker."""
-    deadline = time.monotonic() + CATCH_UP_S
-    while max(indexer.query(tokens).get(worker, {}).values(), default=0) < expected and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def audit_case(case: str, base_url: str, model: str, indexer: DynamoIndexer, workloads: list[Workload],
