@@ -542,13 +542,16 @@ def test_a_hung_redis_holds_no_step_and_what_it_held_is_announced_again_once_it_
             assert sum(len(e.block_hashes) for e in removed) == 12  # withdrawn: it cannot serve them now
             assert not tracker.shared_answering()
             assert engine.events(BlockRemoved, MEDIUM_MEMORY) == []  # the memory tier still serves them
+            tracker.discover_per_step = 1  # asked again one chunk per batch: the batches' order shows
         finally:
             redis_srv.resume()
         back = _steps_until(engine, 3, BlockStored, MEDIUM_REMOTE)
         assert tracker.shared_answering()
-        # every block announced again, as it was the first time
+        # every block announced again, as it was the first time, and each chunk after its parent
         assert sorted(h for e in back for h in e.block_hashes) == sorted(h for e in announced for h in e.block_hashes)
         assert sum(len(e.block_hashes) for e in back) == 12
+        assert back[0].parent_block_hash is None
+        assert [e.parent_block_hash for e in back[1:]] == [e.block_hashes[-1] for e in back[:-1]]
         tracker.close()
 
 
