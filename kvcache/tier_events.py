@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 #: Chunks withdrawn while a shared tier did not answer, kept to be asked again once it does (the journal's
 #: bound: beyond it, the oldest are left to be found again by the requests that look them up).
 MAX_UNREACHABLE = 4096
+#: Chunks asked of the shared tiers per batch for their confirmation (`bench kv-step` sizes its settling by it).
+CONFIRM_PER_STEP = 8
 
 
 def shared_medium(store: Store) -> str | None:
@@ -69,7 +71,7 @@ class TierEventTracker:
     """Everything the scheduler side does for KV cache events (see the module docstring)."""
 
     def __init__(self, *, store: Store, naming: KVNaming, clock: Callable[[], float] = time.monotonic,
-                 confirm_per_step: int = 8, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
+                 confirm_per_step: int = CONFIRM_PER_STEP, discover_per_step: int = 16, confirm_timeout_s: float = 30.0,
                  sweep_interval_s: float = 2.0, sweep_chunks: int = 32) -> None:
         self.store = store
         self.naming = naming

@@ -153,10 +153,9 @@ def measure(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     _drain_stores()  # the measured steps do not share the process with the stored prompts' slower-tier writes
     # ... nor with the event tracker's confirmation of the stored chunks (8 chunks a step, each announced
     # once: a cost per stored chunk, not per step), which a short request's steps let it finish first
-    from vllm_tiercache.kvcache.tier_events import TierEventTracker
+    from vllm_tiercache.kvcache.tier_events import CONFIRM_PER_STEP
 
-    confirm_per_step = TierEventTracker.__init__.__kwdefaults__["confirm_per_step"]
-    settle_steps = args.requests * args.prompt_len // args.chunk_size // confirm_per_step + 4
+    settle_steps = args.requests * args.prompt_len // args.chunk_size // CONFIRM_PER_STEP + 4
     llm.generate(TokensPrompt(prompt_token_ids=[rng.randrange(*TOKEN_RANGE) for _ in range(BLOCK_SIZE)]),
                  SamplingParams(max_tokens=settle_steps, ignore_eos=True), use_tqdm=False)
     timer = MethodTimer(TieredKVConnector)
