@@ -279,8 +279,11 @@ class HangTarget:
     pause_s: float
     pause: Callable[[], object]
     resume: Callable[[], object]
-    #: A client of the Redis that receives this server's records (on a cluster: the hung master's own).
-    client: Any
+    #: Records held now by the Redis that receives this server's records (on a cluster: by the master
+    #: serving the hung master's slots, whichever node that is after the pause).
+    stored: Callable[[], int]
+    #: What the Redis side looks like, for a failure's message.
+    describe: Callable[[], str]
 
 
 @pytest.fixture(scope="module")
@@ -310,13 +313,26 @@ def hang_targets(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
         cluster.start()
         cluster.flushall()
         victim = cluster.master_nodes()[0]
+        # a key of the hung master's slots: records must reach that shard again, not only the others; counted
+        # on whichever node serves it then (a loaded machine may have it fail over during the pause)
+        marker = next(key for key in (f"slot-of-{i}" for i in range(1000)) if cluster.node_of(key) == victim)
+        one_server = stack.enter_context(redis_srv.client())
+
+        def shard_stored() -> int:
+            with cluster.node_client(cluster.node_of(marker)) as client:
+                return int(client.dbsize())
+
+        def cluster_roles() -> str:
+            return f"victim node {victim}; roles now " + ", ".join(
+                f"{i}: {cluster.role(i) if node.running and not node.paused else 'down'}"
+                for i, node in enumerate(cluster.nodes))
+
         targets = {
             "server": HangTarget(stack.enter_context(server("server", redis_srv.url)), 10.0, redis_srv.pause,
-                                 redis_srv.resume, stack.enter_context(redis_srv.client())),
-            # the hung master's own keys: records must reach that shard again, not only the others
+                                 redis_srv.resume, lambda: int(one_server.dbsize()), lambda: "one server"),
             "cluster": HangTarget(stack.enter_context(server("cluster", cluster.url)),
                                   cluster.node_timeout_ms / 1000 * 0.8, lambda: cluster.pause(victim),
-                                  lambda: cluster.resume(victim), stack.enter_context(cluster.nodes[victim].client())),
+                                  lambda: cluster.resume(victim), shard_stored, cluster_roles),
         }
         for target in targets.values():
             target.server.wait_healthy()
@@ -341,7 +357,7 @@ def test_a_paused_redis_stalls_no_request(baseline: Future[list[list[int]]], han
     request paying for a probe.
     """
     target = hang_targets[shape]
-    server, client = target.server, target.client
+    server = target.server
     served: list[tuple[int, dict[str, Any], float]] = []
 
     def send(indices: list[int]) -> list[float]:
@@ -363,15 +379,15 @@ def test_a_paused_redis_stalls_no_request(baseline: Future[list[list[int]]], han
             during += send([10 + len(during) % 10])
     finally:
         target.resume()
-    stored = client.dbsize()
+    stored = target.stored()
     deadline = time.monotonic() + 30
     rng = random.Random(f"after-{shape}")
-    while client.dbsize() <= stored and time.monotonic() < deadline:
+    while target.stored() <= stored and time.monotonic() < deadline:
         for _ in range(4):  # prompts never seen: their saves reach Redis once the tier is back
             fresh = _complete(server.base_url, [rng.randrange(3, 259) for _ in range(300)])
             assert not fresh["error"], fresh["error"]
         time.sleep(0.5)
-    back = client.dbsize() > stored
+    back = target.stored() > stored
 
     failed = [(i, r["error"]) for i, r, _ in served if r["error"]]
     assert not failed, failed
@@ -381,7 +397,9 @@ def test_a_paused_redis_stalls_no_request(baseline: Future[list[list[int]]], han
     print(f"redis {shape} paused {target.pause_s:g} s: requests before {[round(s, 3) for s in before]} s, "
           f"{len(during)} during, slowest {sorted(round(s, 3) for s in during)[-3:]} s")
     assert max(during) <= max(before) + HANG_NOISE_S, (before, during)
-    assert back, "no new record reached Redis within 30 s of SIGCONT: the tier did not come back by itself"
+    logged = [line for line in server.log_tail(20_000).splitlines() if "tiercache" in line][-12:]
+    assert back, ("no new record reached Redis within 30 s of SIGCONT: the tier did not come back by itself "
+                  f"({target.describe()}); the server's last tiercache lines:\n" + "\n".join(logged))
 
 
 def test_tier_deltas_survive_a_redis_tier_that_was_down() -> None:
