@@ -5,6 +5,8 @@ alone. Advised ahead, the reads of a whole step are queued at once while the fir
 read can tell a page-cache miss (``RWF_NOWAIT``), the advice is deferred until a read finds a file that is
 not wholly in the page cache, and never given for a step whose files are all there: the advice costs an
 open, an fadvise and a close per file, and a warm read needs none of it (figures: docs/benchmarks-kv.md).
+A ``RWF_NOWAIT`` read that misses starts the kernel's own read-ahead of that file, which may finish before
+the read looks again: then the read succeeds and no advice is given, the file being in the page cache.
 """
 
 from __future__ import annotations
