@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_tiercache.tools.bench.pd import promised_tokens
 from vllm_tiercache.tools.bench.router_index import DynamoIndexer, chat_token_ids, complete
 from vllm_tiercache.tools.bench.serve_trace import Workload, messages_for
 
@@ -76,11 +77,11 @@ def audit_prompts(base_url: str, model: str, indexer: DynamoIndexer, worker: int
     for i, tokens in enumerate(prompts):
         time.sleep(SETTLE_S)
         if previous is not None:  # the index has taken the last resend's GPU blocks in
-            indexer.wait_matched(previous, worker, (len(previous) - 1) // block_size * block_size, CATCH_UP_S)
+            indexer.wait_matched(previous, worker, promised_tokens(len(previous), block_size), CATCH_UP_S)
         previous = tokens
         tiers = indexer.query(tokens).get(worker, {})
         matched = max(tiers.values(), default=0)
-        limit = (len(tokens) - 1) // block_size * block_size
+        limit = promised_tokens(len(tokens), block_size)
         promised = min(matched, limit)
         on_gpu = min(tiers.get("gpu", 0), limit)
         on_host = min(max(tiers.get("cpu", 0), on_gpu), limit)
