@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer
+from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer, events_config
 from vllm_tiercache.tools.demo.server import Server, free_port
 from vllm_tiercache.tools.evict_cmd import evict
 from vllm_tiercache.tools.tiny_models.lora import make_tiny_lora
@@ -94,11 +94,10 @@ def _server(model: Path, work: Path, name: str, store: dict[str, Any], zmq_port:
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
           "kv_role": "kv_both", "kv_connector_extra_config": {**store, "chunk_size": CHUNK}}
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_port}", "topic": ""}
     server = Server(model, work / f"{name}.log", served_name=SERVED, chat_template=template, max_model_len=512,
                     kv_transfer=kv, extra_args=[
                         "--enable-prefix-caching", "--num-gpu-blocks-override", "17",
-                        "--kv-events-config", json.dumps(events),
+                        "--kv-events-config", json.dumps(events_config(zmq_port)),
                         "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
                         "--lora-modules", f"{LORA}={adapter}"])
     i = server.args.index("--limit-mm-per-prompt")  # a text model

@@ -41,6 +41,7 @@ import pytest
 
 from tests.ec.test_ec_metrics_server import _data_url
 from tests.engine.test_kv_events_engine import Indexer, _until
+from vllm_tiercache.tools.bench.router_index import events_config
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server, free_port
 
@@ -180,11 +181,10 @@ def _server(model: Path, work: Path, zmq_port: int) -> Server:
     ]}
     kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
           "kv_role": "kv_both", "kv_connector_extra_config": store}
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_port}", "topic": ""}
     server = Server(model, work / "server.log", served_name=SERVED, chat_template=template, max_model_len=256,
                     kv_transfer=kv, extra_args=[
                         "--enable-prefix-caching", "--num-gpu-blocks-override", "9",
-                        "--kv-events-config", json.dumps(events)])
+                        "--kv-events-config", json.dumps(events_config(zmq_port))])
     server.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), server.env.get("PYTHONPATH")) if p)
     return server
 

@@ -38,6 +38,7 @@ from typing import Any
 from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
 from vllm_tiercache.tools.bench.router_index import (
     INSTALL_HINT,
+    TIERS,
     Completion,
     DynamoIndexer,
     RouterIndexError,
@@ -187,7 +188,7 @@ def _report(rows: list[_Row], doc_tokens: int, quick: bool) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     def tiers(m: dict[str, int]) -> str:
-        return "/".join(str(m.get(t, 0)) for t in ("gpu", "cpu", "disk"))
+        return "/".join(str(m.get(t, 0)) for t in TIERS)
 
     lines = [f"bench route: {report['model']}, documents of {report['doc_tokens']} tokens, two instances on one "
              "redis-server; Dynamo's indexer matches per instance as gpu/cpu/disk tokens (cumulative)",
