@@ -112,15 +112,17 @@ class Published:
 
 def _play_saves(connector: TieredKVConnector, meta: TieredKVMetadata) -> list[bytes]:
     """What the worker does with the plan's saves: a record per layer into the store (memory, then disk)."""
+    return _put_records(connector, [save for plan in meta.requests for save in plan.saves])
+
+
+def _put_records(connector: TieredKVConnector, saves: list[Any]) -> list[bytes]:
+    """Every layer's record of each of ``saves`` into the store, flushed to every tier; their chunk names."""
     naming = connector._scheduler.naming  # type: ignore[union-attr]
-    names = []
-    for plan in meta.requests:
-        for save in plan.saves:
-            for layer in naming.groups.groups[save.group].layers:
-                connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(len(save.block_ids), 4))
-            names.append(save.chunk_hash)
+    for save in saves:
+        for layer in naming.groups.groups[save.group].layers:
+            connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(len(save.block_ids), 4))
     assert connector._store.flush(10.0)
-    return names
+    return [save.chunk_hash for save in saves]
 
 
 def _prompt(seed: int) -> list[int]:
@@ -200,13 +202,9 @@ def test_a_chunk_found_on_disk_before_its_parent_waits_for_it(tiny_llama: Path, 
     out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(3), BLOCK))
     engine.finish(out)
     connector = engine.connector
-    naming = connector._scheduler.naming  # type: ignore[union-attr]
     saves = meta.requests[0].saves
     assert len(saves) == 3
-    for save in saves[1:]:  # every record of the second and third chunks, none of the first
-        for layer in naming.groups.groups[save.group].layers:
-            connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(4, 4))
-    assert connector._store.flush(10.0)
+    _put_records(connector, saves[1:])  # every record of the second and third chunks, none of the first
     for _ in range(3):
         engine.report(TieredKVWorkerMetadata())
         assert engine.events(BlockStored, MEDIUM_DISK) == []
@@ -226,11 +224,7 @@ def test_a_chunk_whose_parent_never_lands_is_announced_once_the_parent_is_given_
     engine.finish(out)
     connector = engine.connector
     tracker = connector._scheduler.events  # type: ignore[union-attr]
-    naming = connector._scheduler.naming  # type: ignore[union-attr]
-    for save in meta.requests[0].saves[1:]:
-        for layer in naming.groups.groups[save.group].layers:
-            connector._store.put(naming.record_key(save.chunk_hash, layer, 0), torch.zeros(4, 4))
-    assert connector._store.flush(10.0)
+    _put_records(connector, meta.requests[0].saves[1:])  # not the first chunk's
     engine.report(TieredKVWorkerMetadata())
     assert engine.events(BlockStored, MEDIUM_DISK) == []
     tracker.clock = lambda: time.monotonic() + tracker.confirm_timeout_s + 1  # the parent's time is up
