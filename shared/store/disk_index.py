@@ -100,11 +100,16 @@ class DiskIndex:
         self.dir = index_dir
         self.env = _open_env(index_dir)
         try:
-            self.entries = self.env.open_db(b"entries")
-            self.by_atime = self.env.open_db(b"atime")
-            self.meta = self.env.open_db(b"meta")
-            self.tags = self.env.open_db(b"tags")
-            self.control = self.env.open_db(b"control")
+            # In a transaction of our own: `open_db` without one begins its write transaction holding the
+            # GIL (py-lmdb 3.0), and deadlocks against a thread of this process that holds the write lock
+            # of this shared environment and waits for the GIL (a writer's commit renames files inside its
+            # transaction). `begin(write=True)` waits for the lock with the GIL released.
+            with self.env.begin(write=True) as txn:
+                self.entries = self.env.open_db(b"entries", txn=txn)
+                self.by_atime = self.env.open_db(b"atime", txn=txn)
+                self.meta = self.env.open_db(b"meta", txn=txn)
+                self.tags = self.env.open_db(b"tags", txn=txn)
+                self.control = self.env.open_db(b"control", txn=txn)
             with self.env.begin() as txn:
                 self.total(txn)
         except lmdb.Error:

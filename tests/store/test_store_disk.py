@@ -7,6 +7,9 @@ import logging
 import multiprocessing as mp
 import os
 import stat
+import threading
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -233,6 +236,46 @@ def test_two_processes_share_one_directory(tmp_path):
         assert t.counters.get("corrupt") == 0
     finally:
         t.close()
+
+
+def _open_while_this_processs_writer_commits(path: str, q: Any) -> None:
+    """A tier's background writer holds the index's write lock while its commit renames files (the GIL
+    released and taken back for each), and a second tier opens the same directory in this process (one
+    LMDB environment, shared): the open must wait for the lock without the GIL, or neither goes on."""
+    first = DiskTier(DiskTierConfig(path=path, capacity=1 << 20))
+    committing = threading.Event()
+    rename = os.replace
+
+    def slow_rename(src: str, dst: str) -> None:
+        committing.set()
+        time.sleep(1.0)
+        rename(src, dst)
+
+    os.replace = slow_rename
+    writer = threading.Thread(target=first.put_many, args=([(_k("w"), _t(64), None)],))
+    writer.start()
+    assert committing.wait(10)
+    second = DiskTier(DiskTierConfig(path=path, capacity=1 << 20))
+    writer.join(10)
+    os.replace = rename
+    q.put(second.get_many([_k("w")])[0] is not None)
+    second.close()
+    first.close()
+
+
+def test_a_tier_opens_while_a_writer_in_this_process_holds_the_index(tmp_path):
+    """Seen as a hung test: `tiercache evict` (in process) opened a tier while the engine's disk writer
+    committed. In a process of its own, so that a deadlock fails this test instead of hanging the run."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_open_while_this_processs_writer_commits, args=(str(tmp_path / "d"), q))
+    proc.start()
+    proc.join(60)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        pytest.fail("opening a second tier on the directory deadlocked with the first tier's commit")
+    assert proc.exitcode == 0 and q.get(timeout=5) is True
 
 
 def test_gds_falls_back_to_posix_with_one_warning(tmp_path, caplog):
