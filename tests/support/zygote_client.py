@@ -64,6 +64,15 @@ def run_job(cmd: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout
                                            err.read_text(errors="replace"))
 
 
+def run_tiercache(args: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``tiercache ARGS`` through its real command line (`run_job`: forked from the zygote, as are the servers
+    it starts), from the repository root; ``$TIERCACHE_STATS_DIR`` is not passed on (the command's servers
+    must not write their stats where the test run's own engines write theirs)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TIERCACHE_STATS_DIR", None)
+    return run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", *args], env=env, cwd=REPO, timeout=timeout)
+
+
 class ZygoteJob(JobHandle):
     """A job forked by the zygote, read like a `subprocess.Popen`: ``pid``, ``returncode``, `poll`, `wait`,
     `send_signal`. The job is the zygote's child, not this process's: its exit code comes as the zygote's

@@ -9,14 +9,11 @@ timings: this machine's cores are shared with whatever else runs.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.zygote_client import run_job
+from tests.support.zygote_client import run_tiercache
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: A bound against a hung run, not a speed target: a loaded CI machine has taken 114 s per server start.
 TIMEOUT_S = 1200
@@ -26,13 +23,9 @@ def run_quick(tmp_path: Path, cases: tuple[str, ...], extra_args: tuple[str, ...
     """Run `--quick` on `cases` (and `extra_args`); assert it succeeded, printed its table and plot; return
     stdout and the JSON."""
     out_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TIERCACHE_STATS_DIR", None)
-    proc = run_job(  # forked from the engine zygote, as are the servers it starts
-        [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "serve", "--quick", "--cases", ",".join(cases),
-         "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--plot", str(plot), *extra_args],
-        cwd=ROOT, env=env, timeout=TIMEOUT_S,
-    )
+    proc = run_tiercache(
+        ["bench", "serve", "--quick", "--cases", ",".join(cases), "--work-dir", str(tmp_path / "work"),
+         "--json", str(out_json), "--plot", str(plot), *extra_args], timeout=TIMEOUT_S)
     out = proc.stdout
     assert proc.returncode == 0, f"bench serve failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-4000:]}"
     # progress while it ran, then the table

@@ -10,16 +10,12 @@ its memory tier, the other instance from Redis).
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.zygote_client import run_job
+from tests.support.zygote_client import run_tiercache
 from vllm_tiercache.tools.bench.route import pick_worker
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_pick_is_the_longest_host_match_then_the_longest_lower_tier_match() -> None:
@@ -33,10 +29,8 @@ def test_the_pick_is_the_longest_host_match_then_the_longest_lower_tier_match() 
 @pytest.mark.timeout(900)
 def test_bench_route_quick_picks_each_documents_home(tmp_path: Path) -> None:
     out_json = tmp_path / "route.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TIERCACHE_STATS_DIR", None)
-    proc = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "route", "--quick",
-                    "--work-dir", str(tmp_path / "work"), "--json", str(out_json)], cwd=ROOT, env=env, timeout=840)
+    proc = run_tiercache(["bench", "route", "--quick", "--work-dir", str(tmp_path / "work"), "--json", str(out_json)],
+                         timeout=840)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
     assert "TTFT medians" in proc.stdout
     report = json.loads(out_json.read_text())

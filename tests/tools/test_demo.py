@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.zygote_client import run_job
+from tests.support.zygote_client import run_tiercache
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -25,12 +23,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.timeout(1260)
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TIERCACHE_STATS_DIR", None)
-    proc = run_job(  # forked from the engine zygote, as are the servers and producer jobs it starts
-        [sys.executable, "-m", "vllm_tiercache.tools.cli", "demo", "--quick", "--work-dir", str(work)],
-        cwd=ROOT, env=env, timeout=1200,  # a hang bound, not a speed target
-    )
+    # forked from the engine zygote, as are the servers and producer jobs it starts; a hang bound, not a speed target
+    proc = run_tiercache(["demo", "--quick", "--work-dir", str(work)], timeout=1200)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
 
