@@ -371,7 +371,7 @@ def test_master_paused_other_shards_serve(redis_cluster, caplog):
     call that finds it hanging waits one timeout, then every call returns at once, the other shards' keys
     hit and its keys miss; after SIGCONT it serves again by itself."""
     cluster = redis_cluster
-    timeout_s = 0.5
+    timeout_s = 1.0  # one timeout plus a loaded machine's overhead stays apart from two (0.93 s seen at 0.5)
     tier = _tier(cluster.url, timeout_s=timeout_s, retry_after_s=0.3)
     keys, owners = _spread(cluster, tier, 12)
     tensors = [_bytes(3 * KiB, i) for i in range(len(keys))]
@@ -405,7 +405,8 @@ def test_master_paused_other_shards_serve(redis_cluster, caplog):
         back_s = time.monotonic() - resumed
     print(f"\npause test: {len(calls)} calls during the pause, slowest {max(calls):.3f}s, others at most "
           f"{sorted(calls)[-2]:.3f}s; shard served again {back_s:.2f}s after SIGCONT")
-    assert max(calls) < timeout_s + 0.4  # the one call that found it hanging: one timeout
+    # the one call that found it hanging (a get_many, then a contains_many) waited one timeout: two take 2x
+    assert max(calls) < 2 * timeout_s
     assert sorted(calls)[-2] < 0.25  # every other call: at once
     assert len(_shard_lines(caplog, "unreachable")) == 1
     assert len(_shard_lines(caplog, "reachable again")) == 1
