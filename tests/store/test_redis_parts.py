@@ -217,7 +217,8 @@ def test_down_then_the_prober_alone_brings_it_back(caplog: pytest.LogCaptureFixt
         assert probe.called.wait(30)
         assert health.down  # the probe failed
         probe.answer = True
-        _wait(lambda: not health.down)
+        # the prober marks it up, then logs its line after the lock: wait for the line, not only the state
+        _wait(lambda: not health.down and any("reachable again" in r.getMessage() for r in caplog.records))
     assert threading.get_ident() not in probe.threads
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "unreachable" in lines[0] and "tried: single server" in lines[0]
