@@ -56,8 +56,8 @@ from vllm_tiercache.eccache.scheduler import ECSchedulerSide, TieredECMetadata, 
 from vllm_tiercache.eccache.worker import ECWorkerSide, worker_in_process
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.counters import Counters
-from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
-from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
+from vllm_tiercache.shared.naming.keys import EncoderIdentity, encoder_key, weights_of
+from vllm_tiercache.shared.naming.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats, write_stats_file
 from vllm_tiercache.shared.store import describe_tiers, get_store

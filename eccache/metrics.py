@@ -20,8 +20,9 @@ from typing import Any
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, PromMetric, PromMetricT
 
 from vllm_tiercache.eccache.options import ECConnectorOptions
-from vllm_tiercache.shared.metric_families import configured_tiers, counter_families
+from vllm_tiercache.shared.metric_families import counter_families
 from vllm_tiercache.shared.store.counters import store_series
+from vllm_tiercache.shared.store.series import configured_tiers
 
 #: Counter -> help text. Names match `vllm_tiercache.eccache.connector.COUNTER_NAMES` (the keys of the stats data).
 EC_METRICS: dict[str, str] = {

@@ -3,7 +3,7 @@
 Why: vLLM 0.32 hashes ``("lora", lora_name, lora_path)`` into every block of a LoRA request, so the
 blocks' hashes change with the adapter's name and path but not with its weights. An adapter retrained
 and written again under the same path (the everyday fine-tuning workflow, as for base weights: see
-`vllm_tiercache.shared.weights_identity`) would meet the old adapter's KV after a restart and give
+`vllm_tiercache.shared.naming.weights_identity`) would meet the old adapter's KV after a restart and give
 outputs that match neither adapter. So a LoRA request's chunks are named by vLLM's block hash mixed with a
 digest of the adapter's files (`adapter_chunk_hash`, which `vllm_tiercache.kvcache.naming.RequestNames`
 applies with the other salts), computed once per file and remembered by its stat signature like the base
@@ -19,7 +19,7 @@ stall every request of the engine. The first request of a newly loaded adapter w
 `KVSchedulerSide.adapter_wait_s` (1 s); until the digest is ready the adapter's requests are neither
 looked up nor saved (they are computed, as without the cache).
 
-Encoder outputs of tower-connector LoRA requests are keyed by the adapter's name (`shared/keys.py`), not
+Encoder outputs of tower-connector LoRA requests are keyed by the adapter's name (`shared/naming/keys.py`), not
 its files: retraining such an adapter in place needs `tiercache evict` for the encoder records.
 """
 
@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.shared.weights_identity import digest_directory
+from vllm_tiercache.shared.naming.weights_identity import digest_directory
 
 log = logging.getLogger(__name__)
 

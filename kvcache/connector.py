@@ -29,8 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_tiercache.kvcache.cpu_warmup import allow_amx_tiles, warm_cpu_attention
-from vllm_tiercache.kvcache.events import events_enabled
+from vllm_tiercache.kvcache.events.ledger import events_enabled
+from vllm_tiercache.kvcache.load.cpu_warmup import allow_amx_tiles, warm_cpu_attention
 from vllm_tiercache.kvcache.metrics import TieredKVPromMetrics, TieredKVStats, copy_stats_data
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.options import DEFAULT_LOAD_FAILURE_POLICY, KVConnectorOptions
@@ -38,8 +38,8 @@ from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.hashing import check_seed_is_stable
-from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy
+from vllm_tiercache.shared.naming.hashing import check_seed_is_stable
+from vllm_tiercache.shared.naming.mm_identifiers import MultiModalIdentifierPolicy
 from vllm_tiercache.shared.store import describe_tiers, get_store
 from vllm_tiercache.shared.vllm_compat import (
     CacheHitSource,

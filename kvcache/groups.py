@@ -118,7 +118,7 @@ class KVGroups:
         groups: list[KVGroup] = []
         problems: list[str] = []
         # A layer's number in keys is its position among all KV cache layers sorted by model layer index:
-        # the order the worker registers them in (`vllm_tiercache.kvcache.layout.PagedLayout.learn`).
+        # the order the worker registers them in (`vllm_tiercache.kvcache.blocks.layout.PagedLayout.learn`).
         try:
             names = sorted({name for group in specs for name in group.layer_names}, key=layer_index)
         except ValueError as exc:

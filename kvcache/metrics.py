@@ -29,8 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from vllm_tiercache.kvcache.options import KVConnectorOptions
-from vllm_tiercache.shared.metric_families import configured_tiers, counter_families, gauge_family
+from vllm_tiercache.shared.metric_families import counter_families, gauge_family
 from vllm_tiercache.shared.store.counters import add_nested, store_series
+from vllm_tiercache.shared.store.series import configured_tiers
 
 _COUNTERS = (
     "loaded_blocks",
@@ -40,11 +41,11 @@ _COUNTERS = (
     "saved_bytes",
     "dropped_saves",
     "generation_resets",
-    # prefill/decode hand-offs (vllm_tiercache.kvcache.handoff): the scheduler's promises ...
+    # prefill/decode hand-offs (vllm_tiercache.kvcache.handoff.promise): the scheduler's promises ...
     "handoffs_offered",
     "handoffs_received",
     "handoffs_rejected",
-    # ... and the workers' loads of them (vllm_tiercache.kvcache.handoff_wait)
+    # ... and the workers' loads of them (vllm_tiercache.kvcache.handoff.wait)
     "handoff_loads",
     "handoff_records_waited",
     "handoff_fallbacks",

@@ -8,11 +8,11 @@ chunks offline, before any engine runs, to skip what is stored. All three use `K
 The rule: a prompt's full blocks are grouped into chunks of `ChunkGeometry.blocks_per_chunk` blocks; the
 last chunk may be partial, and is stored only with ``save_partial_chunks``. A chunk is named by vLLM's
 chain hash at its last block (the engine's ``request.block_hashes[end - 1]``; offline, the same hash from
-`vllm_tiercache.shared.hashing`), which holds the request's extra keys (multimodal identifiers, LoRA name
+`vllm_tiercache.shared.naming.hashing`), which holds the request's extra keys (multimodal identifiers, LoRA name
 and path, ``cache_salt``), mixed with the salts vLLM's hash lacks: the LoRA adapter's content digest
 (`vllm_tiercache.kvcache.adapters`) and the weights generation after a reset
 (`vllm_tiercache.shared.generations`). It is stored as one record per layer and tensor-parallel rank
-(`vllm_tiercache.shared.keys.kv_chunk_key`). Under vLLM's hybrid KV cache manager a sliding-window
+(`vllm_tiercache.shared.naming.keys.kv_chunk_key`). Under vLLM's hybrid KV cache manager a sliding-window
 group's records hold only the chunk's blocks inside a window, and their keys carry the group's tag
 (`vllm_tiercache.kvcache.groups`); offline naming knows no groups and names full-attention records.
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
+from vllm_tiercache.kvcache.blocks.layout import layout_tag
 from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
-from vllm_tiercache.kvcache.layout import layout_tag
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.generations import generation_chunk_hash
-from vllm_tiercache.shared.hashing import (
+from vllm_tiercache.shared.naming.hashing import (
     BlockExtraKeys,
     MMInput,
     assert_engine_seed_matches,
@@ -42,7 +42,7 @@ from vllm_tiercache.shared.hashing import (
     check_seed_is_stable,
     chunk_boundaries,
 )
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key, weights_of
+from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key, weights_of
 from vllm_tiercache.shared.store.api import StoreKey
 
 

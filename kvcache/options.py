@@ -35,7 +35,7 @@ DEFAULT_LOAD_FAILURE_POLICY = "recompute"
 LoadMode = Literal["auto", "layerwise", "before_forward"]
 LOAD_MODES: tuple[str, ...] = get_args(LoadMode)
 #: Default and upper bound of ``handoff_wait_ms``: how long a consumer's prefill/decode hand-off waits for
-#: the records its producer promised (`vllm_tiercache.kvcache.handoff`); docs/serving.md says why 1 s.
+#: the records its producer promised (`vllm_tiercache.kvcache.handoff.promise`); docs/serving.md says why 1 s.
 DEFAULT_HANDOFF_WAIT_MS = 1000.0
 MAX_HANDOFF_WAIT_MS = 60000.0
 #: Env var that overrides ``chunk_size`` (applied last, over every config source).
@@ -70,7 +70,7 @@ class KVConnectorOptions:
     # Taken as truthy, as it always was (not a strict bool).
     warmup_cpu_attention: Annotated[bool, BeforeValidator(bool), Field(description=(
         "Run the CPU attention kernel once when the KV caches are registered (see "
-        "vllm_tiercache.kvcache.cpu_warmup)."))] = True
+        "vllm_tiercache.kvcache.load.cpu_warmup)."))] = True
 
     handoff_wait_ms: Annotated[float, Strict(), Field(ge=0, le=MAX_HANDOFF_WAIT_MS, allow_inf_nan=False, description=(
         "Prefill/decode hand-off (docs/serving.md): the longest a consumer's request that carries a producer's "

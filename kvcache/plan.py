@@ -63,7 +63,7 @@ class RequestPlan:
     #: the loads are one whole-request load vLLM waits for (``load_kv_async``): the request is reported
     #: finished, or failed, receiving (a model with several KV cache groups; see `KVSchedulerSide`)
     whole_request: bool = False
-    #: a prefill/decode hand-off's load (`vllm_tiercache.kvcache.handoff`): always asynchronous (vLLM waits
+    #: a prefill/decode hand-off's load (`vllm_tiercache.kvcache.handoff.promise`): always asynchronous (vLLM waits
     #: for it), waiting at most this long for promised records still in flight; None: not a hand-off
     handoff_wait_s: float | None = None
 

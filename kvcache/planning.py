@@ -51,7 +51,7 @@ class RequestState:
     next_save_block: int = 0
     #: False: the request is never looked up and never saved (`KVSchedulerSide.request_cacheable`)
     cacheable: bool = True
-    #: a producer's hand-off promise the request carries, once checked (`vllm_tiercache.kvcache.handoff`):
+    #: a producer's hand-off promise the request carries, once checked (`vllm_tiercache.kvcache.handoff.promise`):
     #: None not checked yet, False none or unusable
     handoff: object = None
     #: the planned load is that promise's: asynchronous, and it waits for records still in flight

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_tiercache.kvcache.adapters import AdapterDigests
-from vllm_tiercache.kvcache.handoff import (
+from vllm_tiercache.kvcache.events.tracker import TierEventTracker
+from vllm_tiercache.kvcache.handoff.promise import (
     HandoffCounters,
     check_promise,
     plan_handoff_load,
@@ -45,7 +46,6 @@ from vllm_tiercache.kvcache.handoff import (
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
-from vllm_tiercache.kvcache.tier_events import TierEventTracker
 from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.request_tags import request_tags
 from vllm_tiercache.shared.residency import ResidentSet
@@ -86,7 +86,7 @@ class KVSchedulerSide:
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
         be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`).
         `publish_events`: vLLM publishes KV cache events; the tiers' holdings are then announced
-        (`vllm_tiercache.kvcache.tier_events`; nothing of it runs otherwise)."""
+        (`vllm_tiercache.kvcache.events.tracker`; nothing of it runs otherwise)."""
         self.store = store
         self.naming = naming
         self.can_load = can_load
@@ -134,7 +134,7 @@ class KVSchedulerSide:
         #: what the tiers can serve, told to routers as KV cache events (None: vLLM publishes none, or this
         #: engine loads nothing: a kv_producer, a model the connector cannot load; a router must not count on it)
         self.events = TierEventTracker(store=store, naming=naming) if publish_events and self.can_load else None
-        #: prefill/decode hand-offs (`vllm_tiercache.kvcache.handoff`): how long a consumer's load waits for
+        #: prefill/decode hand-offs (`vllm_tiercache.kvcache.handoff.promise`): how long a consumer's load waits for
         #: promised records, this engine's id in its promises, and their counts
         self.handoff_wait_s = handoff_wait_s
         self.engine_id = engine_id

@@ -1,8 +1,8 @@
 """Worker side of TieredKVConnector: the coordinator of its loader and its saver in a vLLM worker process.
 
 `KVWorkerSide` learns the paged KV cache (`register_kv_caches`) and hands it to a `KVLoader`
-(`vllm_tiercache.kvcache.loader`: a step's hits, layer by layer, and what failed) and a `KVSaver`
-(`vllm_tiercache.kvcache.saver`: the per-layer gathers and the saver thread), routes each step's plan to
+(`vllm_tiercache.kvcache.load.loader`: a step's hits, layer by layer, and what failed) and a `KVSaver`
+(`vllm_tiercache.kvcache.save.saver`: the per-layer gathers and the saver thread), routes each step's plan to
 them, and reports for both: the counters and gauges vLLM's stats carry, the residency changes and failed
 chunks the scheduler side hears of, the stats file, and the shutdown. The connector asks the loader
 directly for what it calls on every layer or step without work for the coordinator (`wait_for_layer_load`,
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.kvcache.layout import PagedLayout
-from vllm_tiercache.kvcache.loader import KVLoader
+from vllm_tiercache.kvcache.blocks.layout import PagedLayout
+from vllm_tiercache.kvcache.blocks.transfer import BlockMover, CudaBlockMover, make_mover
+from vllm_tiercache.kvcache.load.loader import KVLoader
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.kvcache.saver import KVSaver
-from vllm_tiercache.kvcache.transfer import BlockMover, CudaBlockMover, make_mover
+from vllm_tiercache.kvcache.save.saver import KVSaver
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
 from vllm_tiercache.shared.stats_dump import ENV_VAR as STATS_DIR_ENV
 from vllm_tiercache.shared.stats_dump import dump_stats

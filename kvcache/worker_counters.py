@@ -23,7 +23,7 @@ class WorkerCounters:
     saved_bytes: int = 0
     dropped_saves: int = 0
     save_seconds: list[float] = field(default_factory=list)
-    #: prefill/decode hand-off loads (`vllm_tiercache.kvcache.handoff_wait`): loads, records that were not
+    #: prefill/decode hand-off loads (`vllm_tiercache.kvcache.handoff.wait`): loads, records that were not
     #: there yet and came within the wait, loads that fell back to recompute, records that never came, and
     #: each load's wait
     handoff_loads: int = 0

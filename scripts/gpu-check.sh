@@ -64,7 +64,7 @@ suite=${PIPESTATUS[0]}
 "$PY" -m vllm_tiercache.tools.cli bench gpu "${QUICK[@]}" --json > "$RESULTS/bench-gpu.json"
 bench=$?
 if [ $bench -eq 0 ]; then
-  "$PY" -c "import json, sys; from vllm_tiercache.tools.bench.gpu import format_report; \
+  "$PY" -c "import json, sys; from vllm_tiercache.tools.bench.gpu.command import format_report; \
 print(format_report(json.load(open(sys.argv[1]))))" "$RESULTS/bench-gpu.json" | tee "$RESULTS/bench-gpu.txt"
 fi
 echo "gpu-check: suite exit $suite, bench exit $bench; logs in $RESULTS/"

@@ -60,9 +60,6 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, WrapValidator
 from vllm_tiercache.shared.eviction import POLICIES
 from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH
-from vllm_tiercache.shared.store.disk_config import DEFAULT_DISK_CAPACITY, DiskTierConfig, GdsTierConfig
-from vllm_tiercache.shared.store.memory_config import DEFAULT_MEMORY_CAPACITY, MemoryTierConfig
-from vllm_tiercache.shared.store.redis_config import DEFAULT_PART_SIZE, REDIS_SCHEMES, RedisTierConfig
 from vllm_tiercache.shared.store.tier_config import (
     Allowed,
     Bool,
@@ -73,6 +70,10 @@ from vllm_tiercache.shared.store.tier_config import (
     validate,
 )
 from vllm_tiercache.shared.store.tier_config import invalid as _err
+from vllm_tiercache.shared.store.tiers.disk.config import DEFAULT_DISK_CAPACITY, DiskTierConfig
+from vllm_tiercache.shared.store.tiers.gds.config import GdsTierConfig
+from vllm_tiercache.shared.store.tiers.memory.config import DEFAULT_MEMORY_CAPACITY, MemoryTierConfig
+from vllm_tiercache.shared.store.tiers.redis.config import DEFAULT_PART_SIZE, REDIS_SCHEMES, RedisTierConfig
 
 # The tier config classes live beside their tiers (see `vllm_tiercache.shared.store.registry`); these
 # names stay importable from here.

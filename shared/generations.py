@@ -4,7 +4,7 @@ Why: vLLM 0.32 can change a running engine's weights without a restart (RL train
 ``reload_weights`` / weight-sync RPCs between ``pause_generation(clear_cache=True)`` and resume, sleep
 mode). It then resets its caches: ``Scheduler.reset_prefix_cache(reset_connector=True)`` calls the KV
 connector's ``reset_cache``, ``Scheduler.reset_encoder_cache`` drops its encoder outputs. Our records are
-named by the weights' digest *on disk* (`vllm_tiercache.shared.weights_identity`), which an in-place
+named by the weights' digest *on disk* (`vllm_tiercache.shared.naming.weights_identity`), which an in-place
 update does not change, so without more the connectors would keep serving KV and encoder outputs computed
 with the old weights: silently wrong outputs.
 

@@ -8,12 +8,8 @@ Doing each of these one way keeps the series of the three alike (names, help tex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vllm_tiercache.shared.config import StoreConfig
-    from vllm_tiercache.shared.store.counters import TierSpec
+from collections.abc import Mapping
+from typing import Any
 
 
 def counter_families(counter_cls: Any, prefix: str, help_by_name: Mapping[str, str],
@@ -35,23 +31,3 @@ def gauge_family(gauge_cls: Any, name: str, documentation: str, labelnames: list
         return gauge_cls(name=name, documentation=documentation, labelnames=labelnames, multiprocess_mode="mostrecent")
     except TypeError:
         return gauge_cls(name=name, documentation=documentation, labelnames=labelnames)
-
-
-def configured_tiers(vllm_config: Any, transfer_attr: str, extra_config_attr: str,
-                     load_options: Callable[[dict[str, Any]], tuple[Any, StoreConfig]],
-                     ) -> tuple[list[TierSpec], str, int]:
-    """(tier specs, store config key, workers per engine) of the store a connector's config declares
-    (`series_spec`), for `StoreSeries.add_configured_tiers`; no tiers when vLLM's config has no transfer
-    config at ``transfer_attr`` (``kv_transfer_config`` or ``ec_transfer_config``).
-
-    ``load_options`` is the connector's options loader (`KVConnectorOptions.load`, `ECConnectorOptions.load`),
-    which splits the connector's extra config into its options and the store config.
-    """
-    transfer = getattr(vllm_config, transfer_attr, None)
-    if transfer is None:
-        return [], "", 1
-    # Imported here: the tiered store imports the store counters, which build their gauges with this module.
-    from vllm_tiercache.shared.store.tiered import series_spec
-
-    _, store_config = load_options(dict(getattr(transfer, extra_config_attr) or {}))
-    return series_spec(store_config, vllm_config)

@@ -31,19 +31,20 @@ DISTRIBUTION = "vllm-tiercache"
 #: command words -> (module under `vllm_tiercache.tools`, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("bench.tiers", "put/get throughput per tier vs plain copy, file and redis-py"),
-    ("bench", "kv"): ("bench.kv", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
-    ("bench", "kv-step"): ("bench.kv_step", "the KV connector's own time per engine step while decoding, "
+    ("bench", "kv"): ("bench.kv.command", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
+    ("bench", "kv-step"): ("bench.kv.step", "the KV connector's own time per engine step while decoding, "
                                             "against the step"),
     ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
-    ("bench", "serve"): ("bench.serve", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
+    ("bench", "serve"): ("bench.serve.command", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
                                         "throughput vs vLLM alone"),
-    ("bench", "gpu"): ("bench.gpu", "CUDA movers, layerwise overlap and GDS reads vs the hardware (torch only)"),
+    ("bench", "gpu"): ("bench.gpu.command", "CUDA movers, layerwise overlap and GDS reads vs the hardware "
+                                            "(torch only)"),
     ("bench", "admission"): ("bench.admission", "admission to the slower tiers: bytes written to disk and Redis and "
                                                 "repeated prompts' hits, on bench serve's trace with one-off prompts"),
     ("bench", "pins"): ("bench.pins", "a pinned document corpus against one-off prompts many times the memory "
                                       "tier: the corpus's hits with and without the pin"),
-    ("bench", "pd"): ("bench.pd", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
+    ("bench", "pd"): ("bench.pd.command", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
                                   "a raw redis-py read"),
     ("bench", "route"): ("bench.route", "two instances on one Redis behind Dynamo's indexer: does the tiers' events "
                                         "routing pick the faster instance"),
@@ -161,7 +162,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
     types: list[type[BaseException]] = [ConfigError, UsageError, argparse.ArgumentTypeError]
     for module, name in (("vllm_tiercache.tools.jobs", "JobError"),
-                         ("vllm_tiercache.shared.store.disk", "DiskTierError"),
+                         ("vllm_tiercache.shared.store.tiers.disk.tier", "DiskTierError"),
                          ("vllm_tiercache.tools.redis_server", "RedisServerError"),
                          ("vllm_tiercache.tools.pin_cmd", "PinError")):
         cls = getattr(sys.modules.get(module), name, None)

@@ -1,7 +1,7 @@
 """`tiercache evict`: remove records after a model or adapter update, or by age.
 
 Keys carry the namespace and the model name as their first and third fields
-(``{ns}|kv|{model}|...``, ``{ns}|enc|{model}|...``, read by `vllm_tiercache.shared.keys.parse_key_text`),
+(``{ns}|kv|{model}|...``, ``{ns}|enc|{model}|...``, read by `vllm_tiercache.shared.naming.keys.parse_key_text`),
 so invalidation is a filter over key texts, handed to each tier's `Tier.delete_stored` (this command
 never asks which kind a tier is):
 
@@ -41,11 +41,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_tiercache.shared.config import StoreConfig
-from vllm_tiercache.shared.keys import parse_key_text
+from vllm_tiercache.shared.naming.keys import parse_key_text
+from vllm_tiercache.shared.naming.weights_identity import model_names
 from vllm_tiercache.shared.store.api import KeepsControl, StoredRecord, TierAdminUnsupported
 from vllm_tiercache.shared.store.control import invalidation_changes
 from vllm_tiercache.shared.store.tags import validate_tags
-from vllm_tiercache.shared.weights_identity import model_names
 from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument

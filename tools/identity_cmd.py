@@ -4,7 +4,7 @@ Why: a precompute job and the servers that read its records must agree on the na
 canonical name, the weights digest and the fingerprints, or every lookup misses. Run this with the
 serving engine's model, store config and engine options on each side and compare the lines (or
 ``--json``). Reading the weights once may take a while for a large model; later runs reuse the digests
-(see `vllm_tiercache.shared.weights_identity`).
+(see `vllm_tiercache.shared.naming.weights_identity`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def identity(model: str, store: dict[str, Any] | None, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What `TieredKVConnector` and `TieredECConnector` would put in their keys for this engine config."""
-    from vllm_tiercache.kvcache.layout import layout_tag
+    from vllm_tiercache.kvcache.blocks.layout import layout_tag
     from vllm_tiercache.shared.config import StoreConfig
-    from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, weights_of
+    from vllm_tiercache.shared.naming.keys import EncoderIdentity, KVModelIdentity, weights_of
 
     config = StoreConfig.load(store or None)
     vllm_config = engine_config(model, engine_kwargs)

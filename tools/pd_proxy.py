@@ -8,7 +8,7 @@ installed wheel, so this is the same flow as a small command (docs/serving.md ha
    ``"kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}``;
 2. as soon as it answers, the same request goes to a decode instance (``kv_consumer``) with the
    ``kv_transfer_params`` the prefill instance returned (TieredKVConnector's promise of the records it
-   stored: `vllm_tiercache.kvcache.handoff`); the decode instance's answer, streamed or not, is the
+   stored: `vllm_tiercache.kvcache.handoff.promise`); the decode instance's answer, streamed or not, is the
    client's.
 
 A prefill that fails or returns no params is not fatal: the decode instance then computes the prompt

@@ -37,9 +37,9 @@ from typing import Any
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store.api import ExpiresRecords, KeepsControl, TierAdminUnsupported
 from vllm_tiercache.shared.store.control import Control, parse_control, pin_changes
+from vllm_tiercache.shared.store.series import tier_names
 from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.shared.store.tier_config import format_bytes
-from vllm_tiercache.shared.store.tiered import tier_names
 from vllm_tiercache.tools.cli import UsageError, one_line
 from vllm_tiercache.tools.jobs import load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument

@@ -1,7 +1,7 @@
 """`tiercache stats`: what a store holds (entries and bytes per tier and per namespace) and hit counters.
 
 Every number comes from the tier contract (`Tier.iter_stored`, `Tier.usage`), so this command never
-asks which kind a tier is; key texts are read with `vllm_tiercache.shared.keys.parse_key_text`. Where
+asks which kind a tier is; key texts are read with `vllm_tiercache.shared.naming.keys.parse_key_text`. Where
 each tier gets them, and why:
 
 - disk / gds: the LMDB index (no record file is read). Each entry keeps its key text, so records are
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.config import StoreConfig
-from vllm_tiercache.shared.keys import parse_key_text
+from vllm_tiercache.shared.naming.keys import parse_key_text
 from vllm_tiercache.shared.store.api import TierAdminUnsupported
 from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import load_store_arg

@@ -135,7 +135,7 @@ def _our_kv_transfers(vllm_config: Any) -> Iterator[tuple[str, Any]]:
 def _named(where: str) -> Iterator[None]:
     """A `ConfigError` (or the refusal of a hash seed that differs per process) raised inside is raised
     again as a `ConfigError` with the vLLM setting it came from in front."""
-    from vllm_tiercache.shared.hashing import UnstableHashSeedError
+    from vllm_tiercache.shared.naming.hashing import UnstableHashSeedError
 
     try:
         yield
@@ -160,7 +160,7 @@ def check_tier_directories(store: Any) -> None:
 
 def _unusable_directory(path: str) -> str | None:
     """Why the tier could not create or write ``path``, or None when it can (or this cannot be told)."""
-    from vllm_tiercache.shared.store.disk_config import nearest_existing_ancestor
+    from vllm_tiercache.shared.store.tiers.disk.config import nearest_existing_ancestor
 
     probe = nearest_existing_ancestor(path)
     if probe is None:

@@ -4,7 +4,7 @@ Adding a policy is one module in this package (an `EvictionPolicy`, see `base`) 
 `_POLICIES` below. Everything that lists policies reads them from here, never from a list of its own:
 
 - `make_policy`, which both owners call (the store's memory tier, the encoder cache managers);
-- the memory tier's ``policy`` field (`vllm_tiercache.shared.store.memory_config`: the entries with
+- the memory tier's ``policy`` field (`vllm_tiercache.shared.store.tiers.memory.config`: the entries with
   ``memory_tier``), hence its validation, its error messages and its JSON schema;
 - the EC connector's ``encoder_cache_policy`` and the managers' ``manager_config`` (`vllm_tiercache.eccache.options`):
   their types, texts, errors and schema, and which policy takes which option (its constructor's keyword

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, Record, Store, StoreKey, Tier
     from vllm_tiercache.shared.store.counters import TierCounters
-    from vllm_tiercache.shared.store.disk import DiskTier
-    from vllm_tiercache.shared.store.gds import GdsTier
-    from vllm_tiercache.shared.store.memory import MemoryTier
-    from vllm_tiercache.shared.store.redis_tier import RedisTier
     from vllm_tiercache.shared.store.tiered import TieredStore, make_tier
+    from vllm_tiercache.shared.store.tiers.disk.tier import DiskTier
+    from vllm_tiercache.shared.store.tiers.gds.tier import GdsTier
+    from vllm_tiercache.shared.store.tiers.memory.tier import MemoryTier
+    from vllm_tiercache.shared.store.tiers.redis.tier import RedisTier
 
 __all__ = [
     "KEY_DIGEST_SIZE",
@@ -47,8 +47,8 @@ __all__ = [
 #: itself, half-initialized: an import cycle).
 _LAZY = {
     "KEY_DIGEST_SIZE": "api", "Record": "api", "Store": "api", "StoreKey": "api", "Tier": "api",
-    "TierCounters": "counters", "DiskTier": "disk", "GdsTier": "gds", "MemoryTier": "memory",
-    "RedisTier": "redis_tier", "TieredStore": "tiered", "make_tier": "tiered",
+    "TierCounters": "counters", "DiskTier": "tiers.disk.tier", "GdsTier": "tiers.gds.tier",
+    "MemoryTier": "tiers.memory.tier", "RedisTier": "tiers.redis.tier", "TieredStore": "tiered", "make_tier": "tiered",
 }
 
 

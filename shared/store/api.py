@@ -1,8 +1,9 @@
 """The contract every part of vllm-tiercache codes against: what a store key is and what a store does.
 
-Connectors never touch a tier directly. They build keys with `vllm_tiercache.shared.keys`, turn them into `StoreKey`s,
-and talk to one `TieredStore` per process (see `vllm_tiercache.shared.store.get_store`). Keeping this file tiny and
-dependency-free lets the scheduler side, the worker side and the offline jobs agree on one interface.
+Connectors never touch a tier directly. They build keys with `vllm_tiercache.shared.naming.keys`, turn them
+into `StoreKey`s, and talk to one `TieredStore` per process (see `vllm_tiercache.shared.store.get_store`).
+Keeping this file tiny and dependency-free lets the scheduler side, the worker side and the offline jobs
+agree on one interface.
 
 A tier is `Tier` plus the optional capabilities below it (`TIER_CAPABILITIES`), each declared by naming
 its class among the tier class's bases: `class DiskTier(ReadsInto, Prefetches, TakesPayloadAllocator)`.
@@ -41,7 +42,7 @@ def key_text_bytes(text: str) -> bytes:
 
 @dataclass(frozen=True)
 class StoreKey:
-    """A record's identity: the canonical text of a `vllm_tiercache.shared.keys` key and its digest.
+    """A record's identity: the canonical text of a `vllm_tiercache.shared.naming.keys` key and its digest.
 
     The text is for humans (stats, logs); tiers only ever use `digest`, so no key can become a path.
     Any str hashes (see `key_text_bytes`).
@@ -62,7 +63,8 @@ class StoreKey:
 
     @property
     def namespace(self) -> str:
-        """First field of the canonical text (every `vllm_tiercache.shared.keys` key starts with its namespace)."""
+        """First field of the canonical text (every `vllm_tiercache.shared.naming.keys` key starts with its
+        namespace)."""
         return self.text.split("|", 1)[0]
 
 
@@ -91,7 +93,7 @@ class StoredRecord:
     Why not a `StoreKey`: tiers name records by digest only and keep the key text beside them just for
     these commands. ``text`` is ``""`` for a record stored without it (a disk index rebuilt from record
     headers, Redis records written before texts were kept); parse it with
-    `vllm_tiercache.shared.keys.parse_key_text`.
+    `vllm_tiercache.shared.naming.keys.parse_key_text`.
     """
 
     text: str
@@ -171,6 +173,20 @@ class Store(Protocol):
         ...
 
 
+class TierCounting(Protocol):
+    """What a tier's ``counters`` are (every built-in tier's: `vllm_tiercache.shared.store.counters.TierCounters`).
+
+    The store reports their growth each engine step (`Store.take_counter_deltas`), and most steps count
+    nothing: ``version`` moves with every `add`, so an unchanged version tells the store so without a
+    snapshot (which takes the counters' lock and builds a dict per tier).
+    """
+
+    version: int
+
+    def add(self, **deltas: float) -> None: ...
+    def snapshot(self) -> dict[str, Any]: ...
+
+
 class Tier(Protocol):
     """One level of a `TieredStore` (memory, disk, gds, redis). Connectors never use tiers directly.
 
@@ -187,7 +203,7 @@ class Tier(Protocol):
     kind: str
     #: True when another process (a scheduler beside its worker, a precompute job) sees what this tier holds.
     shared_across_processes: bool
-    counters: Any  # vllm_tiercache.shared.store.counters.TierCounters
+    counters: TierCounting
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...

@@ -1,7 +1,8 @@
 """The tier registry: each tier kind names its config class and its tier class, by dotted path.
 
-A built-in tier kind is a config module, a tier module and one line in `_TIERS` below (the full list of
-what it touches: docs/architecture.md, "Where each kind of change goes"); from outside the package, one
+A built-in tier kind is a folder `tiers/<kind>/` (its `config.py`, its `tier.py`, its parts) and one line
+in `_TIERS` below (the full list of what it touches: docs/architecture.md, "Where each kind of change
+goes"); from outside the package, one
 `register_tier(kind, config_path, tier_path)` call before the store config is read. This is the one module
 that knows kinds: everything else uses the tier contract of `vllm_tiercache.shared.store.api` (the tier's
 declared capabilities), never a kind name. `vllm_tiercache.shared.config` parses a ``tiers[i]`` item with
@@ -10,9 +11,10 @@ declared capabilities), never a kind name. `vllm_tiercache.shared.config` parses
 
 Why dotted paths, imported on first use (as vLLM's KVConnectorFactory and kv_offload factory register
 by module path): a tier class pulls in its backend (lmdb, redis-py, kvikio, torch), and reading a config
-must not import any of it; this module imports only the standard library. The built-in config classes
-live in their own small modules (`memory_config`, `disk_config`, `redis_config`, on `tier_config`) for
-the same reason: every tier module imports torch, through `api` at least.
+must not import any of it; this module imports only the standard library. Each built-in kind is one folder,
+`tiers/<kind>/`, whose config class lives in its own small module (`config.py`, on `tier_config`) apart
+from the tier class (`tier.py`) for the same reason: every tier module imports torch, through `api` at
+least.
 
 The contract (see `vllm_tiercache.shared.store.tier_config`):
 
@@ -32,10 +34,10 @@ from typing import Any
 
 #: kind -> (config class, tier class), fastest kinds first; a leading "." is relative to this package
 _TIERS: dict[str, tuple[str, str]] = {
-    "memory": (".memory_config.MemoryTierConfig", ".memory.MemoryTier"),
-    "disk": (".disk_config.DiskTierConfig", ".disk.DiskTier"),
-    "gds": (".disk_config.GdsTierConfig", ".gds.GdsTier"),
-    "redis": (".redis_config.RedisTierConfig", ".redis_tier.RedisTier"),
+    "memory": (".tiers.memory.config.MemoryTierConfig", ".tiers.memory.tier.MemoryTier"),
+    "disk": (".tiers.disk.config.DiskTierConfig", ".tiers.disk.tier.DiskTier"),
+    "gds": (".tiers.gds.config.GdsTierConfig", ".tiers.gds.tier.GdsTier"),
+    "redis": (".tiers.redis.config.RedisTierConfig", ".tiers.redis.tier.RedisTier"),
 }
 
 

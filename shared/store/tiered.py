@@ -15,7 +15,7 @@ by default a put makes one private copy (`own_tensor`: one pass over the bytes, 
 A caller that hands over a tensor nobody touches afterwards (a freshly gathered block tensor, a
 device-to-host copy made for the store) passes ``owned=True``: the store keeps that very tensor, the
 memory tier holds it and the slower tiers write from it, with no copy. Either way that is the store's
-only copy; what a tier adds on its way out is the tier's own (Redis: see `redis_tier`).
+only copy; what a tier adds on its way out is the tier's own (Redis: see `tiers/redis/tier.py`).
 
 The schedulers' lookups never wait on the network: ``contains_many(..., shared_only=True)`` (the lookup
 a scheduler makes for every new request, synchronously, on the engine's one scheduling thread) asks a
@@ -67,7 +67,8 @@ from vllm_tiercache.shared.store.api import (
 from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
-from vllm_tiercache.shared.store.registry import make_tier, tier_class
+from vllm_tiercache.shared.store.registry import make_tier
+from vllm_tiercache.shared.store.series import tier_names
 from vllm_tiercache.shared.store.write_behind import WriteBehindBuffer
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
 from vllm_tiercache.shared.threads import background_thread
@@ -76,39 +77,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two background refreshes of the tiers' usage (`gauge_report`).
 USAGE_REFRESH_S = 5.0
-
-
-def tier_names(tier_configs: Sequence[Any]) -> list[str]:
-    """The name each configured tier gets in a store: its kind, then kind1, kind2... for repeats."""
-    names, seen = [], {}
-    for tc in tier_configs:
-        n = seen.get(tc.kind, 0)
-        seen[tc.kind] = n + 1
-        names.append(tc.kind if n == 0 else f"{tc.kind}{n}")
-    return names
-
-
-def series_spec(config: StoreConfig, vllm_config: Any) -> tuple[list[tuple[str, int | None, bool]], str, int]:
-    """(tier specs, store key, workers per engine): what a connector's metrics need to create every
-    store series at start (`tier_specs`), to tell stores apart, and to sum per-worker gauges."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    workers = int(getattr(parallel, "world_size", 1) or 1)
-    return tier_specs(config), config.cache_key(), workers
-
-
-def tier_specs(config: StoreConfig) -> list[tuple[str, int | None, bool]]:
-    """(name, capacity or None, shared across processes) of each configured tier, without opening any."""
-    out = []
-    for name, tc in zip(tier_names(config.tiers), config.tiers, strict=True):
-        try:
-            shared = bool(tier_class(tc.kind).shared_across_processes)
-        except Exception:  # a tier whose module does not import here can't be built here either; counted
-            # as shared: the memory tier's module needs nothing this store lacks, so only another kind can
-            # fail to import, and every other built-in kind is shared
-            shared = True
-        capacity = getattr(tc, "capacity", None)
-        out.append((name, capacity if isinstance(capacity, int) else None, shared))
-    return out
 
 
 #: An integer dtype of each element size: a CPU copy moves bytes, so any dtype of that size is viewed as it.
@@ -186,7 +154,7 @@ class TieredStore:
         self._reported: dict[str, dict[str, Any]] = {}
         self._reported_write_behind = 0
         #: every tier's `Counters.version` when `_reported` was taken (None: not known, take a snapshot)
-        self._reported_versions: tuple[int | None, ...] | None = None
+        self._reported_versions: tuple[int, ...] | None = None
         #: The background usage refresh (`gauge_report`): its latest snapshot and its thread.
         self._usage_lock = threading.Lock()
         self._usage: dict[str, dict[str, Any]] = {}
@@ -460,9 +428,9 @@ class TieredStore:
         with self._reported_lock:  # the snapshot too: two callers must not swap baselines
             # Every engine step asks, and most steps count nothing: the counters' versions, read before
             # the snapshot (an add in between is in it, and moves the version again), say so for free.
-            versions = tuple(getattr(tier.counters, "version", None) for tier in self.tiers)
+            versions = tuple(tier.counters.version for tier in self.tiers)
             write_behind = self._write_behind.hits
-            if (versions == self._reported_versions and None not in versions
+            if (versions == self._reported_versions
                     and write_behind == self._reported_write_behind):
                 return {}
             now = {tier.name: tier.counters.snapshot() for tier in self.tiers}

@@ -545,20 +545,20 @@ def test_ssl_options_are_the_ones_redis_py_takes():
 def test_a_disk_capacity_above_the_filesystem_is_a_warning(tmp_path, caplog, monkeypatch):
     import os
 
-    from vllm_tiercache.shared.store import disk_config
+    from vllm_tiercache.shared.store.tiers.disk import config as disk_config
 
     monkeypatch.setattr(disk_config, "_WARNED", set())
 
     st = os.statvfs(tmp_path)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     target = tmp_path / "not" / "yet" / "made"  # the tier makes it: the nearest existing parent is measured
-    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.tiers.disk.config"):
         cfg = StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(target), "capacity": total + 4096}]})
     assert cfg.tiers[0].capacity == total + 4096  # a warning, not an error
     msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(msgs) == 1 and msgs[0].startswith("tiers[0].capacity: ") and "whole filesystem" in msgs[0], msgs
     caplog.clear()
-    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.tiers.disk.config"):
         StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": free // 2}]})
         StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(target), "capacity": total + 4096}]})
     assert not caplog.records  # within the free space: quiet; the same warning again: once per process
@@ -566,17 +566,17 @@ def test_a_disk_capacity_above_the_filesystem_is_a_warning(tmp_path, caplog, mon
     # records on the same filesystem, so a capacity a few KiB above the free space measured here could be
     # below the free space the config then sees (seen once on a 3-worker run)
     if total - free > 64 << 20:
-        with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.disk_config"):
+        with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.tiers.disk.config"):
             between = free + (total - free) // 2
             StoreConfig.from_dict({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": between}]})
         assert ["space free now" in r.getMessage() for r in caplog.records] == [True]
 
 
 def test_a_memory_capacity_above_the_machine_is_a_warning(caplog, monkeypatch):
-    from vllm_tiercache.shared.store import memory_config
+    from vllm_tiercache.shared.store.tiers.memory import config as memory_config
 
     monkeypatch.setattr(memory_config, "_WARNED", set())
-    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.memory_config"):
+    with caplog.at_level("WARNING", logger="vllm_tiercache.shared.store.tiers.memory.config"):
         cfg = StoreConfig.from_dict({"tiers": [{"kind": "memory", "capacity": "1EiB"}]})
     assert cfg.tiers[0].capacity == 1 << 60
     assert any("more than this machine's memory" in r.getMessage() for r in caplog.records), caplog.records

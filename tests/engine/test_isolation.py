@@ -1,7 +1,7 @@
 """Isolation on real vLLM engines: another namespace, model, `cache_salt` or LoRA adapter never hits.
 
 Why real engines: the separation comes from two places that only a running engine combines: the key
-text (namespace, model, KV fingerprint, see `shared/keys.py`) and vLLM's own block hashes, which carry
+text (namespace, model, KV fingerprint, see `shared/naming/keys.py`) and vLLM's own block hashes, which carry
 the `cache_salt` on the first block and the LoRA name and path on every block. A tenant that hit
 another's entries would read their KV (a leak, and wrong tokens for another adapter).
 

@@ -178,9 +178,9 @@ def assert_every_promised_token_is_taken(producer: Server, consumer: Server, pro
 
 
 def test_a_run_of_handoffs_through_the_proxy_is_counted_by_the_bench(pd: PD) -> None:
-    """`tiercache bench pd --handoffs`' own counting (tools/bench/pd_handoffs.py) on these servers, with the
+    """`tiercache bench pd --handoffs`' own counting (tools/bench/pd/handoffs.py) on these servers, with the
     producer's full run as the reference answer: every promised token taken, no fallback, nothing silent."""
-    from vllm_tiercache.tools.bench.pd_handoffs import run_handoffs
+    from vllm_tiercache.tools.bench.pd.handoffs import run_handoffs
 
     seeds = iter(range(1000, 2000))
     lines: list[str] = []

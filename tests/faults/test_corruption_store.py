@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.store_workers import expected_meta, expected_tensor, fault_key, matches
 from vllm_tiercache.shared.store import build_store, records
-from vllm_tiercache.shared.store.redis_tier import RedisTier
+from vllm_tiercache.shared.store.tiers.redis.tier import RedisTier
 from vllm_tiercache.tools.redis_server import RedisServer
 
 #: Records corrupted on disk per kind; 8 kinds -> 144 corrupted records (at least 100 were asked for).

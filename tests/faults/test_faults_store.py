@@ -35,7 +35,7 @@ from tests.support.store_workers import (
 )
 from vllm_tiercache.shared.config import DiskTierConfig
 from vllm_tiercache.shared.store import DiskTier, build_store
-from vllm_tiercache.shared.store.disk_index import DiskIndex
+from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 
 pytestmark = pytest.mark.serial
 

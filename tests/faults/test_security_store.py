@@ -31,7 +31,7 @@ PRODUCT = ("vllm_tiercache", "shared", "kvcache", "eccache", "tools")
 _UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
 _LOADERS = {"load", "loads", "Unpickler", "_load", "_loads"}
 #: pickle.dumps only serialises for hashing (vLLM's sha256/xxhash prefix hashes); nothing is unpickled.
-_PICKLE_FOR_HASHING_ONLY = {"shared/hashing.py"}
+_PICKLE_FOR_HASHING_ONLY = {"shared/naming/hashing.py"}
 
 
 def unsafe_deserialization(source: str, filename: str) -> list[str]:
@@ -198,7 +198,7 @@ def test_redis_password_right_wrong_and_missing(caplog: pytest.LogCaptureFixture
         for url, reason in ((srv.url.replace("s3cret-pw", "wrong-pw"), "invalid username-password"),
                             (srv.url.replace(":s3cret-pw@", ""), "authenticated")):
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.redis_tier"):
+            with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.tiers.redis.tier"):
                 bad = _tier(url)
                 assert bad.get_many([_k(1)]) == [None]
                 assert bad.contains_many([_k(1)]) == [False]
@@ -226,7 +226,7 @@ def test_redis_tls_with_ca_and_plain_client_refused(caplog: pytest.LogCaptureFix
                  (srv.url, {}, "certificate verify failed")]
         for url, kw, expect in cases:
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.redis_tier"):
+            with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.tiers.redis.tier"):
                 bad = _tier(url, **kw)
                 assert bad.get_many([_k(1)]) == [None]
                 bad.put_many([(_k(3), torch.arange(3), None)])
@@ -242,7 +242,7 @@ def test_unreachable_redis_names_address_and_what_was_tried(caplog: pytest.LogCa
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="vllm_tiercache.shared.store.tiers.redis.tier"):
         tier = _tier(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
         assert tier.get_many([_k(1)]) == [None]
         tier.put_many([(_k(1), torch.arange(3), None)])
@@ -259,7 +259,7 @@ def test_unreachable_redis_names_address_and_what_was_tried(caplog: pytest.LogCa
 def test_unusable_disk_path_names_the_path_and_what_was_tried(tmp_path: Path) -> None:
     """A disk tier path under a regular file: one clear error at start, naming the directory, the OS
     error and what was attempted, instead of a bare errno from deep inside LMDB."""
-    from vllm_tiercache.shared.store.disk import DiskTierError
+    from vllm_tiercache.shared.store.tiers.disk.tier import DiskTierError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -6,7 +6,7 @@ orders of `vllm.v1.kv_cache_layout.KVCacheLayout`: layer-outermost (``LBHNC`` th
 the NHD order, ``LHBNC`` with heads outside blocks) or block-outermost (``BLHNC``, ``BLNHC``, ``BHLNC``:
 a block holds every layer's page, so one layer's blocks are not contiguous). The connector's movers see
 only the per-layer views. `layer_views` mirrors `vllm.v1.kv_cache_interface.create_kv_cache_views` for
-unpadded pages; tests/kv/test_transfer_layouts.py checks it against vLLM's own function on the CPU.
+unpadded pages; tests/kv/blocks/test_transfer_layouts.py checks it against vLLM's own function on the CPU.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_tiercache.kvcache.transfer import BlockMover, block_spans
+from vllm_tiercache.kvcache.blocks.transfer import BlockMover, block_spans
 
 #: block id lists a request really gets: a fresh pool's ascending run, a cycled pool's descending run,
 #: scattered blocks, one block, and a mix

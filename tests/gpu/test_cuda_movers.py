@@ -10,7 +10,7 @@ import torch
 
 from tests.gpu.kv_layouts import LAYOUTS, layer_views
 from tests.gpu.mover_checks import bits, check_gather_scatter_bit_for_bit
-from vllm_tiercache.kvcache.transfer import CudaBlockMover, block_spans, make_mover
+from vllm_tiercache.kvcache.blocks.transfer import CudaBlockMover, block_spans, make_mover
 
 GEOMETRY = {"num_layers": 3, "num_blocks": 64, "num_kv_heads": 8, "block_size": 16, "head_size": 128}
 #: GPU cycles the mover's stream sleeps to keep a copy pending while the test looks (~0.1 s on an H100)
@@ -218,7 +218,7 @@ def test_a_disk_record_read_into_pinned_memory_loads_directly_and_outlives_its_p
 
 def test_without_pinned_records_saves_are_staged_into_pageable_memory(device):
     """What gathers fall back to when pinned memory cannot be had: the same bytes, pageable records."""
-    from vllm_tiercache.kvcache.transfer import CudaBlockMover
+    from vllm_tiercache.kvcache.blocks.transfer import CudaBlockMover
 
     _, layers = layer_views("BLNHC", dtype=torch.bfloat16, device=device, **GEOMETRY)
     mover = CudaBlockMover(device, pinned_records=False)

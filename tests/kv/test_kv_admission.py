@@ -2,7 +2,7 @@
 waits for its second use. On vLLM's real `Scheduler` (prefix caching on, so the second prompt's reuse is
 vLLM's own cache hit) and the real worker side, over a memory tier and a disk tier whose admission is
 ``{"policy": "seen", "min_seen": 2}`` (``reused_prompt_share`` at its default, 0.5). No engine: the
-scheduler and the worker side are driven directly, as in `tests/kv/test_kv_handoff.py`, whose helpers
+scheduler and the worker side are driven directly, as in `tests/kv/handoff/test_handoff.py`, whose helpers
 these are.
 """
 
@@ -13,7 +13,18 @@ from pathlib import Path
 from vllm.config import KVTransferConfig
 from vllm.v1.outputs import KVConnectorOutput
 
-from tests.kv.test_kv_handoff import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SPEC, _caches, _output, _request, _worker, tokens
+from tests.kv.handoff.test_handoff import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    NUM_BLOCKS,
+    SPEC,
+    _caches,
+    _output,
+    _request,
+    _worker,
+    tokens,
+)
 from tests.support.real_scheduler import cpu_vllm_config, one_group_kv_cache_config, real_scheduler
 from vllm_tiercache.kvcache.connector import TieredKVConnector
 from vllm_tiercache.kvcache.plan import TieredKVMetadata

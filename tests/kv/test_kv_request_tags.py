@@ -1,7 +1,7 @@
 """A serving request's ``kv_transfer_params={"tiercache_tags": [...]}`` reach the records it saves: the real
 vLLM scheduler plans the saves with the tags, the real worker side writes them into the records' meta,
 and the disk tier indexes them (what `tiercache evict --tag` finds). No engine: the scheduler and the
-worker side are driven directly, as in `tests/kv/test_kv_handoff.py`, whose helpers these are.
+worker side are driven directly, as in `tests/kv/handoff/test_handoff.py`, whose helpers these are.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tests.kv.test_kv_handoff import LAYERS, _connector, _request, _save_every_layer, _scheduler, tokens
+from tests.kv.handoff.test_handoff import LAYERS, _connector, _request, _save_every_layer, _scheduler, tokens
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.shared import request_tags
 from vllm_tiercache.shared.request_tags import TAGS_PARAM

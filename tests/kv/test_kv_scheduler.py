@@ -24,9 +24,9 @@ from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.naming.weights_identity import digest_directory
 from vllm_tiercache.shared.store import build_store
-from vllm_tiercache.shared.weights_identity import digest_directory
 
 BLOCK, CHUNK = 32, 128  # 4 blocks per chunk
 IDENTITY = KVModelIdentity(

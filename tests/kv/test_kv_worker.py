@@ -8,15 +8,15 @@ import threading
 import pytest
 import torch
 
-from vllm_tiercache.kvcache.layout import PagedLayout, UnsupportedLayoutError
-from vllm_tiercache.kvcache.load_trace import LOAD_TRACE_ENV, read_load_trace
-from vllm_tiercache.kvcache.loader import KVLoader
+from vllm_tiercache.kvcache.blocks.layout import PagedLayout, UnsupportedLayoutError
+from vllm_tiercache.kvcache.blocks.transfer import BlockMover
+from vllm_tiercache.kvcache.load.loader import KVLoader
+from vllm_tiercache.kvcache.load.trace import LOAD_TRACE_ENV, read_load_trace
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
-from vllm_tiercache.kvcache.saver import MAX_PENDING_SAVES, GatheredRecord, KVSaver
-from vllm_tiercache.kvcache.transfer import BlockMover
+from vllm_tiercache.kvcache.save.saver import MAX_PENDING_SAVES, GatheredRecord, KVSaver
 from vllm_tiercache.kvcache.worker import KVWorkerSide
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
 
 BLOCK, HEADS, HEAD = 32, 2, 64
@@ -277,7 +277,7 @@ def test_a_chunk_the_memory_tier_refused_is_never_reported_resident(tmp_path) ->
 
 
 def test_block_runs_group_consecutive_ids() -> None:
-    from vllm_tiercache.kvcache.transfer import block_runs
+    from vllm_tiercache.kvcache.blocks.transfer import block_runs
 
     assert block_runs([]) == []
     assert block_runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
@@ -324,7 +324,7 @@ def test_disk_hits_land_in_the_kv_cache_in_place_and_corrupt_ones_fail_their_blo
 
 
 def test_block_spans_follow_ascending_and_descending_ids() -> None:
-    from vllm_tiercache.kvcache.transfer import block_spans
+    from vllm_tiercache.kvcache.blocks.transfer import block_spans
 
     assert block_spans([]) == []
     assert block_spans([5, 6, 7, 2, 3, 9]) == [(0, 5, 3, 1), (3, 2, 2, 1), (5, 9, 1, 1)]
@@ -355,7 +355,7 @@ def test_loads_into_descending_blocks_are_exact(store) -> None:
 def test_descending_copies_into_a_strided_layer_land_too() -> None:
     """A layer that is not one contiguous tensor (a view with strides) takes descending spans block by
     block: a numpy view of it would be a copy, and the writes would be lost."""
-    from vllm_tiercache.kvcache.transfer import BlockMover, block_spans
+    from vllm_tiercache.kvcache.blocks.transfer import BlockMover, block_spans
 
     both = torch.zeros(NUM_BLOCKS, 2, HEADS, BLOCK, HEAD)
     layer = both[:, 0]  # every other half of each block: not contiguous

@@ -138,7 +138,7 @@ def test_paused_server_lookups_stay_within_budget_and_tier_comes_back(store: Tie
     caller = threading.get_ident()
     worst = 0.0
     saw_down = False
-    with caplog.at_level(logging.INFO, logger="vllm_tiercache.shared.store.redis_tier"):
+    with caplog.at_level(logging.INFO, logger="vllm_tiercache.shared.store.tiers.redis.tier"):
         redis_server.pause()
         try:
             end = time.monotonic() + 3.0  # past the hung call's timeouts (2 x 0.5 s) and several probes

@@ -1,4 +1,4 @@
-"""vllm_tiercache.shared.hashing must give the engine's own block hashes, computed by vLLM 0.32's own code.
+"""vllm_tiercache.shared.naming.hashing must give the engine's own block hashes, computed by vLLM 0.32's own code.
 
 vLLM is imported unconditionally: without it these tests must fail, not skip, because equality with the
 engine is the whole point of the module.
@@ -26,8 +26,8 @@ from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.request import Request
 
 from tests.support.hashing_helpers import chunk_hashes, extra_keys_of
-from vllm_tiercache.shared import hashing as th
-from vllm_tiercache.shared.hashing import (
+from vllm_tiercache.shared.naming import hashing as th
+from vllm_tiercache.shared.naming.hashing import (
     HASH_ALGOS,
     BlockExtraKeys,
     MMInput,
@@ -468,7 +468,7 @@ def test_chunk_hashes_reuse_request_block_hashes() -> None:
 
 _CHILD = """
 import json, sys
-from vllm_tiercache.shared.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes
+from vllm_tiercache.shared.naming.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes
 extras = BlockExtraKeys(mm_inputs=((5, 40, "lora1:" + "a" * 64),), lora_name="lora1", lora_path="/p",
                         cache_salt="salt")
 tokens = [1000 + (i % 97) for i in range(100)]

@@ -1,4 +1,4 @@
-"""vllm_tiercache.shared.keys: a key changes exactly when the cached bytes would, and is the same in every process."""
+"""shared.naming.keys: a key changes exactly when the cached bytes would, and is the same in every process."""
 
 from __future__ import annotations
 
@@ -17,10 +17,16 @@ from hypothesis import strategies as st
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 
 from tests.support.hashing_helpers import chunk_hashes
-from vllm_tiercache.shared.hashing import BlockExtraKeys, block_hashes
-from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key, validate_field
+from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, block_hashes
+from vllm_tiercache.shared.naming.keys import (
+    EncoderIdentity,
+    KVModelIdentity,
+    encoder_key,
+    kv_chunk_key,
+    validate_field,
+)
+from vllm_tiercache.shared.naming.weights_identity import digest_directory
 from vllm_tiercache.shared.store.api import KEY_DIGEST_SIZE, StoreKey
-from vllm_tiercache.shared.weights_identity import digest_directory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -228,8 +234,8 @@ def test_encoder_key_carries_the_full_identifier() -> None:
 _CHILD = """
 import json
 from tests.support.hashing_helpers import chunk_hashes
-from vllm_tiercache.shared.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes
-from vllm_tiercache.shared.keys import KVModelIdentity, kv_chunk_key
+from vllm_tiercache.shared.naming.hashing import HASH_ALGOS, BlockExtraKeys, block_hashes
+from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
 ident = KVModelIdentity("m", "bfloat16", 2, 2, 64, 16, "nhd", 1, 0)
 extras = BlockExtraKeys(mm_inputs=((3, 30, "img"),), lora_name="l", lora_path="/l", cache_salt="s")
 out = {}

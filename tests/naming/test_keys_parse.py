@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_tiercache.shared.keys import (
+from vllm_tiercache.shared.naming.keys import (
     EncoderIdentity,
     KeyFields,
     KVModelIdentity,

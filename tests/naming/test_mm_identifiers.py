@@ -20,7 +20,11 @@ import pytest
 from tests.ec.test_ec_connector import ONE_IMAGE_MANAGER, run_mm_engine
 from tests.engine.test_combined_connectors import TEXT_A, TEXT_B, disk_keys, kv_worker
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.mm_identifiers import MultiModalIdentifierPolicy, refusal_message, uses_per_process_names
+from vllm_tiercache.shared.naming.mm_identifiers import (
+    MultiModalIdentifierPolicy,
+    refusal_message,
+    uses_per_process_names,
+)
 
 SHA = "ab" * 32
 

@@ -18,8 +18,8 @@ from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroup, KVGroups
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.shared.generations import generation_chunk_hash
-from vllm_tiercache.shared.hashing import BlockExtraKeys, block_hashes
-from vllm_tiercache.shared.keys import KVModelIdentity
+from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, block_hashes
+from vllm_tiercache.shared.naming.keys import KVModelIdentity
 from vllm_tiercache.shared.store.api import StoreKey
 
 IDENTITY = KVModelIdentity(model="pin", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, block_size=16,

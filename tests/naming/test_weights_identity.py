@@ -9,8 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tiercache.shared import weights_identity
-from vllm_tiercache.shared.weights_identity import DIGEST_CACHE_NAME, digest_directory, model_names, resolve_weights
+from vllm_tiercache.shared.naming import weights_identity
+from vllm_tiercache.shared.naming.weights_identity import (
+    DIGEST_CACHE_NAME,
+    digest_directory,
+    model_names,
+    resolve_weights,
+)
 
 
 def _model(directory: Path, seed: int) -> Path:

@@ -276,8 +276,8 @@ def test_the_tiers_connections_send_a_payload_as_it_is(request: pytest.FixtureRe
     """The packer the tier's connections use puts the payload's own memoryview among the buffers it writes
     to the socket (redis-py's hiredis packer would copy it into one bytes object per command); a small
     command is packed as redis-py packs it."""
-    from vllm_tiercache.shared.store.redis_tier import make_client
-    from vllm_tiercache.shared.store.redis_wire import BufferConnection, BufferPacker
+    from vllm_tiercache.shared.store.tiers.redis.tier import make_client
+    from vllm_tiercache.shared.store.tiers.redis.wire import BufferConnection, BufferPacker
 
     url = request.getfixturevalue("redis_url") if deployment == "server" else \
         request.getfixturevalue("redis_cluster").url

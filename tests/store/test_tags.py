@@ -16,11 +16,11 @@ import lmdb
 import pytest
 import torch
 
-from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
+from vllm_tiercache.shared.naming.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
-from vllm_tiercache.shared.store.disk_index import DiskIndex
 from vllm_tiercache.shared.store.tags import MAX_TAG_LENGTH, MAX_TAGS, validate_tags, with_tags
+from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 from vllm_tiercache.tools.cli import main as cli_main
 from vllm_tiercache.tools.evict_cmd import evict
 from vllm_tiercache.tools.stats_cmd import collect

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_tiercache.shared.hashing import BlockExtraKeys, MMInput, chunk_boundaries
+from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, MMInput, chunk_boundaries
 
 
 def extra_keys_of(request: Any) -> BlockExtraKeys:

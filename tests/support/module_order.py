@@ -29,7 +29,7 @@ NEW_ENGINE_MODULE_SECONDS = 120.0
 
 
 def module_path(nodeid: str) -> str:
-    """`tests/kv/test_load.py` from `tests/kv/test_load.py::test_x[param]`."""
+    """`tests/kv/load/test_load.py` from `tests/kv/load/test_load.py::test_x[param]`."""
     return nodeid.split("::", 1)[0]
 
 

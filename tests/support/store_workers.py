@@ -111,7 +111,7 @@ def audit_disk_dir(path: str, capacity: int, known: dict[bytes, tuple[int, str]]
     from pathlib import Path
 
     from vllm_tiercache.shared.config import DiskTierConfig
-    from vllm_tiercache.shared.store.disk import DiskTier
+    from vllm_tiercache.shared.store.tiers.disk.tier import DiskTier
 
     root = Path(path)
     tier = DiskTier(DiskTierConfig(path=path, capacity=capacity))
@@ -284,8 +284,8 @@ def zygote(_opts: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the test's stall report
     # Import the tiers once here, not in every child (the store package imports them lazily).
-    import vllm_tiercache.shared.store.disk
-    import vllm_tiercache.shared.store.redis_tier  # noqa: F401
+    import vllm_tiercache.shared.store.tiers.disk.tier
+    import vllm_tiercache.shared.store.tiers.redis.tier  # noqa: F401
 
     _say("zygote ready")
     for line in sys.stdin:

@@ -190,7 +190,7 @@ def test_main_turns_the_user_errors_into_one_line_and_status_2(monkeypatch, caps
     import types
 
     from vllm_tiercache.shared.config import ConfigError
-    from vllm_tiercache.shared.store.disk import DiskTierError
+    from vllm_tiercache.shared.store.tiers.disk.tier import DiskTierError
     from vllm_tiercache.tools.jobs import JobError
 
     raised: list[BaseException] = []

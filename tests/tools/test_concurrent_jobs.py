@@ -57,7 +57,7 @@ def _audit(disk: Path) -> dict[str, Any]:
     """A fresh disk tier on the directory: does the index match the files, and does every entry read?"""
     from vllm_tiercache.shared.config import DiskTierConfig
     from vllm_tiercache.shared.store.api import StoreKey
-    from vllm_tiercache.shared.store.disk import DiskTier
+    from vllm_tiercache.shared.store.tiers.disk.tier import DiskTier
 
     tier = DiskTier(DiskTierConfig(path=str(disk), capacity=1 << 30))
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_tiercache.shared.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
+from vllm_tiercache.shared.naming.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey, TierAdminUnsupported
 from vllm_tiercache.tools.cli import main as cli_main

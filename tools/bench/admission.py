@@ -47,7 +47,7 @@ import torch
 
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
-from vllm_tiercache.tools.bench.serve_trace import make_workload, messages_for, render
+from vllm_tiercache.tools.bench.serve.trace import make_workload, messages_for, render
 from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
 from vllm_tiercache.tools.demo.corpus import sentences
 from vllm_tiercache.tools.redis_server import optional_redis_url

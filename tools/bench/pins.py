@@ -45,7 +45,7 @@ from vllm_tiercache.tools.bench.admission import (
     replay,
     work_directory,
 )
-from vllm_tiercache.tools.bench.serve_trace import make_workload
+from vllm_tiercache.tools.bench.serve.trace import make_workload
 from vllm_tiercache.tools.cli import UsageError, float_in
 from vllm_tiercache.tools.pin_cmd import pin
 

@@ -350,7 +350,7 @@ def memory_tier_rows(args: argparse.Namespace) -> list[list[str]]:
 
     from vllm_tiercache.shared.config import MemoryTierConfig
     from vllm_tiercache.shared.store.api import StoreKey
-    from vllm_tiercache.shared.store.memory import MemoryTier
+    from vllm_tiercache.shared.store.tiers.memory.tier import MemoryTier
 
     n, imgs = args.requests, args.images
     sizes = [s * 1024 for s in image_sizes(imgs, seed=5)]

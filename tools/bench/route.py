@@ -17,7 +17,7 @@ both can read.
 
 Printed: per document the indexer's matches per instance and tier, the pick, and each request's time to
 first token and reused tokens; then the medians and their ratios. Timings are printed, never asserted
-(CI's quick run checks only the counts: tests/tools/test_bench_route.py). The requests run one at a
+(CI's quick run checks only the counts: tests/tools/bench/test_route.py). The requests run one at a
 time with a pause between them (a vLLM CPU worker keeps polling for a second after its last step, and
 would otherwise slow the other server).
 """
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
+from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
 from vllm_tiercache.tools.bench.router_index import (
     INSTALL_HINT,
     TIERS,

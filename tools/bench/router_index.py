@@ -116,7 +116,7 @@ def wait_until_indexed(indexer: DynamoIndexer, base_url: str, model: str, worker
     must not count on the index before this. Raises `RouterIndexError` when the index never shows it."""
     import random
 
-    from vllm_tiercache.tools.bench.pd import TOKEN_RANGE
+    from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
 
     deadline = time.monotonic() + timeout_s
     rng = random.Random()

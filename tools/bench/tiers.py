@@ -83,7 +83,7 @@ def tier_list(text: str) -> list[str]:
 
 def redis_url(text: str) -> str:
     """argparse ``type=`` of --redis-url: a redis:// or rediss:// URL redis-py can parse."""
-    from vllm_tiercache.shared.store.redis_config import check_redis_url
+    from vllm_tiercache.shared.store.tiers.redis.config import check_redis_url
 
     if not text.startswith(REDIS_URL_SCHEMES):
         raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a URL starting with "

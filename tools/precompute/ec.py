@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_tiercache.eccache.options import ECConnectorOptions
 from vllm_tiercache.shared.config import ConfigError
-from vllm_tiercache.shared.keys import EncoderIdentity, encoder_key, weights_of
+from vllm_tiercache.shared.naming.keys import EncoderIdentity, encoder_key, weights_of
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.jobs import (

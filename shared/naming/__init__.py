@@ -1,0 +1,1 @@
+"""What names a record: vLLM-identical prefix hashing, cache keys, multimodal identifiers, weights identity."""

@@ -1,0 +1,76 @@
+"""The disk tier's byte budget: least recently used records are unlinked until the directory fits.
+
+Why a module of its own: eviction is the one place where records disappear without being asked to; it
+runs inside the caller's index write transaction (the cross-process lock under which files are renamed
+into place), so that every process sharing a directory keeps one budget and no reader's adoption of a
+file races its unlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import lmdb
+
+from vllm_tiercache.shared.store.control import Control, parse_control
+from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
+from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths
+
+
+def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, paths: RecordPaths,
+                        pin_budget: int = 0) -> int:
+    """Unlink least recently used records until the total fits ``capacity``; returns how many.
+
+    ``txn`` must be a write transaction of ``index`` (its entries go with the files). Records of the tags
+    pinned now (the index's control entries, read in this very transaction, so every process sharing the
+    directory agrees), up to ``pin_budget`` bytes, are skipped while unpinned records remain; a skipped
+    record is moved to the recent end of the LRU order, so that the next eviction does not walk past
+    the pinned corpus again (a pinned record is in use by definition).
+    """
+    total = index.total(txn)
+    if total <= capacity:
+        return 0
+    pinned = pinned_tags(index, txn) if pin_budget > 0 else frozenset()
+    victims: list[bytes] = []
+    skipped: list[tuple[bytes, int]] = []
+    protected = 0
+    for digest in index.oldest(txn):
+        if total <= capacity:
+            break
+        entry = index.get(txn, digest)
+        size = entry.size if entry is not None else 0
+        if pinned and protected + size <= pin_budget and not pinned.isdisjoint(index.get_tags(txn, digest)):
+            protected += size
+            skipped.append((digest, size))
+            continue
+        victims.append(digest)
+        total -= size
+    for digest, size in skipped:
+        if total > capacity:  # nothing unpinned was left: pinned records go too, oldest first
+            victims.append(digest)
+            total -= size
+        else:
+            index.touch(txn, digest, time.time_ns())
+    for digest in victims:
+        index.delete(txn, digest)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(paths.path(digest))
+    return len(victims)
+
+
+#: the last control entries read and the tags they pin (most evictions find them unchanged)
+_PINS_SEEN: tuple[tuple[tuple[str, bytes], ...], Control] | None = None
+
+
+def pinned_tags(index: DiskIndex, txn: lmdb.Transaction) -> frozenset[str]:
+    """The tags pinned now, from the index's control entries (parsed again only when they changed)."""
+    global _PINS_SEEN
+    entries = tuple(sorted(index.control_entries(txn).items()))
+    if not entries:
+        return frozenset()
+    seen = _PINS_SEEN
+    if seen is None or seen[0] != entries:
+        seen = _PINS_SEEN = (entries, parse_control(dict(entries)))
+    return seen[1].pinned_now()

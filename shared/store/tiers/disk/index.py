@@ -1,0 +1,226 @@
+"""The LMDB index of one disk-tier directory: per record its size, last access and key text, in LRU order.
+
+Why a module of its own: the index is the disk tier's cross-process state, with its own binary layout,
+its own per-process environment cache (LMDB forbids opening one environment twice in a process) and its
+own crash story (commits without fsync; a damaged index is moved aside and rebuilt from the record
+headers, `bookkeeping.rebuild_index`). The disk tier's other modules (`tier`, `writes`,
+`capacity`, `bookkeeping`, `admin`) do files and records and call only what is here, so
+the entry layout below is written and read in one place.
+
+Databases of the environment:
+
+- ``entries``: digest -> u64 size, u64 last access (ns) | key text (bytes, may be empty);
+- ``atime``: big-endian u64 last access (ns) + digest -> b"" (iterates oldest first: the LRU order);
+- ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes;
+- ``tags``: digest -> the record's tags (`vllm_tiercache.shared.store.tags.encode_tags`), only for records
+  that have tags. An older build never opens it: it keeps reading ``entries`` as before, and a record it
+  evicts leaves its tags entry behind, an orphan that readers skip (no ``entries`` entry) and
+  `DiskIndex.drop_orphan_tags` removes;
+- ``control``: the store's shared control entries (`vllm_tiercache.shared.store.control`: invalidations
+  by tag, pins), name -> value.
+
+Every method takes the caller's transaction: the tier's write transaction is also the cross-process lock
+under which record files are renamed into place and unlinked, so the two must share one transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import lmdb
+
+from vllm_tiercache.shared.store.api import key_text_bytes
+from vllm_tiercache.shared.store.tags import decode_tags, encode_tags
+
+log = logging.getLogger(__name__)
+_ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-8)
+_ATIME = struct.Struct(">Q")  # big endian, so LMDB's byte order is time order
+_TOTAL = b"total_bytes"
+_U64 = struct.Struct("<Q")
+
+_ENV_LOCK = threading.Lock()
+_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount]; LMDB forbids opening one env twice
+
+
+class IndexEntry(NamedTuple):
+    """One record as the index knows it (``text`` is ``""`` for entries rebuilt from record headers)."""
+
+    size: int
+    atime_ns: int
+    text: str
+
+
+def _open_env(index_dir: str) -> lmdb.Environment:
+    real = os.path.realpath(index_dir)
+    with _ENV_LOCK:
+        if real in _ENVS:
+            _ENVS[real][1] += 1
+            return _ENVS[real][0]
+        # No fsync per index commit: record files are fsynced themselves, LMDB stays consistent across
+        # process crashes without it, and an index damaged by an OS crash is rebuilt from the record
+        # headers (see DiskIndex.open). Two fsyncs per put would halve put throughput.
+        # The directory is made here, owner-only: LMDB would mkdir it with the file mode (0600, no
+        # search bit), which only root can then create files in.
+        os.makedirs(real, mode=0o700, exist_ok=True)
+        env = lmdb.open(real, map_size=4 << 30, max_dbs=8, subdir=True, sync=False, metasync=False,
+                        readahead=False, max_readers=1024, mode=0o600)
+        _ENVS[real] = [env, 1]
+        return env
+
+
+def _release_env(index_dir: str) -> None:
+    real = os.path.realpath(index_dir)
+    with _ENV_LOCK:
+        slot = _ENVS.get(real)
+        if slot is None:
+            return
+        slot[1] -= 1
+        if slot[1] <= 0:
+            del _ENVS[real]
+            slot[0].close()
+
+
+def _unpack(raw: Any) -> IndexEntry:
+    size, atime = _ENTRY.unpack_from(raw)
+    return IndexEntry(size, atime, bytes(raw[_ENTRY.size:]).decode(errors="replace"))
+
+
+class DiskIndex:
+    """The index of one directory; `open` it, use it inside `env` transactions, `close` it once."""
+
+    def __init__(self, index_dir: str) -> None:
+        self.dir = index_dir
+        self.env = _open_env(index_dir)
+        try:
+            # In a transaction of our own: `open_db` without one begins its write transaction holding the
+            # GIL (py-lmdb 3.0), and deadlocks against a thread of this process that holds the write lock
+            # of this shared environment and waits for the GIL (a writer's commit renames files inside its
+            # transaction). `begin(write=True)` waits for the lock with the GIL released.
+            with self.env.begin(write=True) as txn:
+                self.entries = self.env.open_db(b"entries", txn=txn)
+                self.by_atime = self.env.open_db(b"atime", txn=txn)
+                self.meta = self.env.open_db(b"meta", txn=txn)
+                self.tags = self.env.open_db(b"tags", txn=txn)
+                self.control = self.env.open_db(b"control", txn=txn)
+            with self.env.begin() as txn:
+                self.total(txn)
+        except lmdb.Error:
+            _release_env(index_dir)
+            raise
+
+    @classmethod
+    def open(cls, index_dir: str) -> tuple[DiskIndex, bool]:
+        """Open the index; if it is unreadable (an OS crash without fsync), move it aside, start afresh.
+
+        Returns (index, rebuilt): with ``rebuilt`` the caller must index its record files again.
+        """
+        try:
+            return cls(index_dir), False
+        except lmdb.Error as exc:
+            log.warning("tiercache disk tier: index %s is damaged (%s); rebuilding it from the record files",
+                        index_dir, exc)
+        damaged = f"{index_dir}.damaged-{os.getpid()}-{time.time_ns()}"
+        with contextlib.suppress(OSError):
+            os.replace(index_dir, damaged)
+            shutil.rmtree(damaged, ignore_errors=True)
+        return cls(index_dir), True
+
+    def close(self) -> None:
+        _release_env(self.dir)
+
+    # ----------------------------------------------------------------------------------------- reading
+    def total(self, txn: lmdb.Transaction) -> int:
+        """Bytes of every indexed record, as kept in ``meta`` (no scan)."""
+        raw = txn.get(_TOTAL, db=self.meta)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def count(self, txn: lmdb.Transaction) -> int:
+        return txn.stat(self.entries)["entries"]
+
+    def get(self, txn: lmdb.Transaction, digest: bytes) -> IndexEntry | None:
+        raw = txn.get(digest, db=self.entries)
+        return None if raw is None else _unpack(raw)
+
+    def scan(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, IndexEntry]]:
+        """Every entry, in digest order."""
+        for digest, raw in txn.cursor(db=self.entries):
+            yield bytes(digest), _unpack(raw)
+
+    def get_tags(self, txn: lmdb.Transaction, digest: bytes) -> tuple[str, ...]:
+        """The tags of an indexed record (() when it has none)."""
+        return decode_tags(txn.get(digest, db=self.tags))
+
+    def scan_tags(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, tuple[str, ...]]]:
+        """(digest, tags) of every record that has tags, orphans included (see the module docstring)."""
+        for digest, raw in txn.cursor(db=self.tags):
+            yield bytes(digest), decode_tags(raw)
+
+    def oldest(self, txn: lmdb.Transaction) -> Iterator[bytes]:
+        """Digests by last access, least recent first (the eviction order)."""
+        for akey in txn.cursor(db=self.by_atime).iternext(keys=True, values=False):
+            yield bytes(akey[_ATIME.size:])
+
+    # ----------------------------------------------------------------------------------------- writing
+    def put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now_ns: int,
+            tags: tuple[str, ...] | list[str] = ()) -> None:
+        """Index a record (replacing its old entry and tags), accessed at ``now_ns``; keeps the total in step."""
+        if tags:
+            txn.put(digest, encode_tags(tags), db=self.tags)
+        else:
+            txn.delete(digest, db=self.tags)
+        total = self.total(txn)
+        old = self.get(txn, digest)
+        if old is not None:
+            total -= old.size
+            txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
+        txn.put(digest, _ENTRY.pack(size, now_ns) + key_text_bytes(text), db=self.entries)
+        txn.put(_ATIME.pack(now_ns) + digest, b"", db=self.by_atime)
+        txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self.meta)
+
+    def touch(self, txn: lmdb.Transaction, digest: bytes, now_ns: int) -> bool:
+        """Move a record to ``now_ns`` in the LRU order (size and key text kept); False if not indexed."""
+        raw = txn.get(digest, db=self.entries)
+        if raw is None:
+            return False
+        size, atime = _ENTRY.unpack_from(raw)
+        txn.delete(_ATIME.pack(atime) + digest, db=self.by_atime)
+        txn.put(digest, _ENTRY.pack(size, now_ns) + bytes(raw[_ENTRY.size:]), db=self.entries)
+        txn.put(_ATIME.pack(now_ns) + digest, b"", db=self.by_atime)
+        return True
+
+    def delete(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        """Forget a record (no-op when it is not indexed); keeps the total in step."""
+        old = self.get(txn, digest)
+        if old is None:
+            return
+        txn.delete(digest, db=self.entries)
+        txn.delete(digest, db=self.tags)
+        txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
+        txn.put(_TOTAL, _U64.pack(max(0, self.total(txn) - old.size)), db=self.meta)
+
+    def drop_orphan_tags(self, txn: lmdb.Transaction) -> int:
+        """Remove tags entries whose record is no longer indexed (an older build evicted it); returns how many."""
+        orphans = [digest for digest, _ in self.scan_tags(txn) if txn.get(digest, db=self.entries) is None]
+        for digest in orphans:
+            txn.delete(digest, db=self.tags)
+        return len(orphans)
+
+    # ----------------------------------------------------------------------------------------- control
+    def control_entries(self, txn: lmdb.Transaction) -> dict[str, bytes]:
+        """Every control entry (name -> value)."""
+        return {bytes(k).decode(errors="replace"): bytes(v) for k, v in txn.cursor(db=self.control)}
+
+    def set_control(self, txn: lmdb.Transaction, name: str, value: bytes | None) -> None:
+        """Set a control entry (None: remove it)."""
+        if value is None:
+            txn.delete(name.encode(), db=self.control)
+        else:
+            txn.put(name.encode(), value, db=self.control)

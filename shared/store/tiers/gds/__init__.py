@@ -1,0 +1,1 @@
+"""GDS tier: the disk layout, read through NVIDIA GPUDirect Storage into GPU memory."""

@@ -1,0 +1,1 @@
+"""Memory tier: a byte-bounded cache of tensor objects inside this process."""

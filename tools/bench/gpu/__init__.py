@@ -1,0 +1,1 @@
+"""`tiercache bench gpu`: the CUDA paths against what the hardware gives."""
