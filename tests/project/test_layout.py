@@ -150,3 +150,182 @@ def test_product_modules_and_classes_stay_small() -> None:
                     too_long.append(f"{path.relative_to(REPO)}: class {node.name} has {size} lines "
                                     f"(at most {MAX_CLASS_LINES})")
     assert not too_long, "split these by job:\n" + "\n".join(too_long)
+
+
+# ------------------------------------------------------------------------------------------ rooms by name
+#: The most modules one product folder may hold (its `__init__` not counted): past it, a reader scans a
+#: list instead of finding a room by its name.
+MAX_FOLDER_MODULES = 15
+#: How many sibling modules may share a name prefix (the part before the first underscore) before that
+#: prefix must be a folder: `redis_tier`, `redis_calls`, `redis_admin` are a `redis/` folder in disguise.
+MAX_PREFIX_SIBLINGS = 2
+
+
+def _product_folders(root: Path) -> list[Path]:
+    """Every package folder of the product under ``root`` (the layers and the plugin package)."""
+    folders = [root / name for name in [*sorted(FOLDER_NAMES), PACKAGE] if (root / name).is_dir()]
+    return sorted({p.parent for folder in folders for p in folder.rglob("__init__.py")} | set(folders))
+
+
+def _modules(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")
+
+
+def crowded_folders(root: Path) -> list[str]:
+    """Product folders holding more than `MAX_FOLDER_MODULES` modules."""
+    return [f"{folder.relative_to(root)}/ has {len(_modules(folder))} modules (at most {MAX_FOLDER_MODULES}): "
+            f"group them into folders by what they serve"
+            for folder in _product_folders(root) if len(_modules(folder)) > MAX_FOLDER_MODULES]
+
+
+def prefix_families(root: Path) -> list[str]:
+    """Groups of more than `MAX_PREFIX_SIBLINGS` sibling modules sharing a name prefix with no folder of its own."""
+    found = []
+    for folder in _product_folders(root):
+        families: dict[str, list[str]] = {}
+        for stem in _modules(folder):
+            families.setdefault(stem.split("_", 1)[0], []).append(stem)
+        for prefix, stems in sorted(families.items()):
+            if len(stems) > MAX_PREFIX_SIBLINGS and not (folder / prefix / "__init__.py").is_file():
+                found.append(f"{folder.relative_to(root)}/: {', '.join(stems)} share the prefix {prefix!r}: "
+                             f"make it a folder, {folder.relative_to(root)}/{prefix}/")
+    return found
+
+
+def _module_names(root: Path) -> dict[str, Path]:
+    """Installed dotted name -> file, for every product module under ``root`` (packages by their `__init__`)."""
+    names = {}
+    for folder in [*sorted(FOLDER_NAMES), PACKAGE]:
+        for path in (root / folder).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            names[".".join(parts if folder == PACKAGE else [PACKAGE, *parts])] = path
+    return names
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the product modules it imports: every import statement, at the top, in a function or
+    under `TYPE_CHECKING` (a reader follows them all), ``from package import module`` as the module."""
+    names = _module_names(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                candidates = [m for m in submodules if m in names]
+                if len(candidates) < len(submodules):
+                    candidates.append(node.module)
+            else:
+                continue
+            for candidate in candidates:
+                while candidate and candidate not in names:
+                    candidate = candidate.rpartition(".")[0]
+                if candidate and candidate != name:
+                    targets.add(candidate)
+        graph[name] = targets
+    return graph
+
+
+def import_circles(root: Path) -> list[str]:
+    """Each set of product modules that import one another in a circle (Tarjan's strongly connected
+    components of `import_graph`), as one line naming the modules."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[str] = []
+
+    def visit(start: str) -> None:  # iterative: the graph may be deeper than the recursion limit allows
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(" <-> ".join(sorted(component)))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return circles
+
+
+def test_no_product_folder_is_crowded() -> None:
+    crowded = crowded_folders(REPO)
+    assert not crowded, "\n".join(crowded)
+
+
+def test_no_name_prefix_is_a_folder_in_disguise() -> None:
+    families = prefix_families(REPO)
+    assert not families, "\n".join(families)
+
+
+def test_the_product_has_no_import_circle() -> None:
+    circles = import_circles(REPO)
+    assert not circles, "modules that import each other (move what both need into a module of its own):\n" + \
+        "\n".join(circles)
+
+
+def _scratch_tree(root: Path, modules: dict[str, str]) -> Path:
+    """A product tree of empty layer packages plus ``modules`` (relative path -> source)."""
+    for folder in [*FOLDER_NAMES, PACKAGE]:
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / "__init__.py").write_text("")
+    for relative, source in modules.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(source)
+    return root
+
+
+def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
+    """Each rule fails on the change it exists to stop, and lets its near misses through."""
+    crowded = _scratch_tree(tmp_path / "a", {f"shared/m{i}.py": "" for i in range(MAX_FOLDER_MODULES + 1)})
+    assert [line.split(" ")[0] for line in crowded_folders(crowded)] == ["shared/"]
+    full = _scratch_tree(tmp_path / "b", {f"shared/m{i}.py": "" for i in range(MAX_FOLDER_MODULES)})
+    assert crowded_folders(full) == []
+
+    family = _scratch_tree(tmp_path / "c", {"shared/store/__init__.py": "", "shared/store/foo_a.py": "",
+                                            "shared/store/foo_b.py": "", "shared/store/foo.py": ""})
+    assert len(prefix_families(family)) == 1 and "'foo'" in prefix_families(family)[0]
+    pair = _scratch_tree(tmp_path / "d", {"shared/foo_a.py": "", "shared/foo_b.py": ""})
+    housed = _scratch_tree(tmp_path / "e", {"shared/foo_a.py": "", "shared/foo_b.py": "", "shared/foo_c.py": "",
+                                            "shared/foo/__init__.py": ""})
+    assert prefix_families(pair) == [] and prefix_families(housed) == []
+
+    circle = _scratch_tree(tmp_path / "f", {
+        "kvcache/a.py": "from vllm_tiercache.kvcache.b import B\n",
+        "kvcache/b.py": ("from typing import TYPE_CHECKING\n"
+                         "if TYPE_CHECKING:\n    from vllm_tiercache.kvcache import a\n"),
+        "kvcache/c.py": "def f():\n    from vllm_tiercache.kvcache.a import A\n",
+    })
+    assert import_circles(circle) == ["vllm_tiercache.kvcache.a <-> vllm_tiercache.kvcache.b"]
+    chain = _scratch_tree(tmp_path / "g", {"kvcache/a.py": "from vllm_tiercache.kvcache.b import B\n",
+                                           "kvcache/b.py": "import vllm_tiercache.shared\n"})
+    assert import_circles(chain) == []
