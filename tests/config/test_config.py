@@ -303,11 +303,13 @@ def test_a_bad_load_failure_policy_names_the_setting():
 def test_the_registry_lists_the_five_built_in_kinds():
     from vllm_tiercache.shared.config import TIER_KINDS, GdsTierConfig
     from vllm_tiercache.shared.store import DiskTier, GdsTier, MemoryTier, RedisTier, registry
+    from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
+    from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
     assert registry.tier_kinds() == TIER_KINDS == ("memory", "disk", "gds", "redis", "object")
     assert [registry.config_class(k) for k in TIER_KINDS] == [MemoryTierConfig, DiskTierConfig, GdsTierConfig,
-                                                              RedisTierConfig]
-    assert [registry.tier_class(k) for k in TIER_KINDS] == [MemoryTier, DiskTier, GdsTier, RedisTier]
+                                                              RedisTierConfig, ObjectTierConfig]
+    assert [registry.tier_class(k) for k in TIER_KINDS] == [MemoryTier, DiskTier, GdsTier, RedisTier, ObjectTier]
     assert all(registry.config_class(k)().kind == k for k in TIER_KINDS)
     with pytest.raises(KeyError, match="unknown tier kind 'nvme'; registered: memory, disk, gds, redis, object"):
         registry.tier_class("nvme")
@@ -320,13 +322,13 @@ def test_an_unknown_kind_lists_the_registered_kinds():
 
 
 def test_reading_a_config_imports_no_backend():
-    """The registry names tier classes by path: parsing memory, disk and gds tiers imports neither torch nor
-    lmdb, kvikio or redis-py (only a redis tier's URL check imports redis.connection)."""
+    """The registry names tier classes by path: parsing memory, disk, gds and object tiers imports neither torch
+    nor lmdb, kvikio, redis-py or boto3 (only a redis tier's URL check imports redis.connection)."""
     code = ("import sys\n"
             "from vllm_tiercache.shared.config import StoreConfig\n"
             "StoreConfig.from_dict({'tiers': [{'kind': 'memory'}, {'kind': 'disk', 'path': '/tmp/a'},"
-            " {'kind': 'gds', 'path': '/tmp/b'}]})\n"
-            "print(sorted(m for m in ('torch', 'lmdb', 'kvikio', 'redis') if m in sys.modules))\n")
+            " {'kind': 'gds', 'path': '/tmp/b'}, {'kind': 'object', 'bucket': 'abc'}]})\n"
+            "print(sorted(m for m in ('torch', 'lmdb', 'kvikio', 'redis', 'boto3', 'botocore') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
