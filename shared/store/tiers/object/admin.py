@@ -81,6 +81,7 @@ class ObjectAdmin:
             if meta is None:
                 continue
             used = max(obj["LastModified"].timestamp(), reads.get(self.names.digest_of(obj["Key"]) or "", 0.0))
+            # (idle time: the newest of the write and the reads; the janitor's order breaks ties finer)
             metadata = meta.get("Metadata") or {}
             yield obj["Key"], StoredRecord(text_of(metadata), int(obj["Size"]), max(0.0, now - used),
                                            tags_in(metadata))

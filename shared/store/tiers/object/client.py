@@ -103,10 +103,12 @@ def classify(exc: BaseException) -> str:
 
     - ``missing``: no such object (a miss, nothing wrong);
     - ``conflict``: a conditional request lost (another writer won: the janitor's lock, a control update);
-    - ``down``: the endpoint is not there or hangs (connection refused or reset, a timeout), answers 5xx
-      (except SlowDown), the bucket is gone, or the credentials are refused or missing: the whole tier goes
-      down and the prober retries every ``retry_after_s``;
-    - ``error``: the store refused one request (throttling, a 4xx about that request): that record only;
+    - ``down``: the endpoint is not there or hangs (connection refused or reset, a timeout), the bucket is
+      gone, or the credentials are refused or missing: the whole tier goes down and the prober retries
+      every ``retry_after_s``;
+    - ``error``: the store answered one request with an error (throttling, a 4xx about that request, a 5xx:
+      S3 says to retry those, and SeaweedFS answers a GET or conditional PUT that races an overwrite of the
+      same name with 500): that record only, a miss or a dropped write; the store answered, so it is up;
     - ``bug``: anything else (logged once with its traceback).
     """
     if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
@@ -119,7 +121,7 @@ def classify(exc: BaseException) -> str:
             return MISSING
         if code in _CONFLICT_CODES:
             return CONFLICT
-        if code in _TIER_CODES or status == 403 or (status >= 500 and code != "SlowDown"):
+        if code in _TIER_CODES or status == 403:
             return DOWN
         return ERROR
     if isinstance(exc, botocore.exceptions.BotoCoreError):

@@ -2,8 +2,9 @@
 
 Design (docs/operations.md, "The object tier's capacity", says it for operators):
 
-- Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read in the
-  last `LEDGER_WINDOW_S`, digest -> unix time, one small CBOR object rewritten by its owner only (no two
+- Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read or wrote in
+  the last `LEDGER_WINDOW_S` (the newest `MAX_LEDGER_ENTRIES`), digest -> unix time, one small CBOR object
+  rewritten by its owner only (no two
   writers ever write one object, so no lost update needs a lock).
 - One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT
   (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `LOCK_STALE_S`
@@ -13,8 +14,12 @@ Design (docs/operations.md, "The object tier's capacity", says it for operators)
   the total is ``sweep_share`` below ``capacity``. Records of pinned tags are skipped, up to ``pin_budget``
   of capacity, while unpinned records remain (as the disk tier does); their tags come from a HEAD of each
   candidate. Ledgers not rewritten within `LEDGER_WINDOW_S` (a writer gone) are deleted.
-- Each writer sweeps every ``sweep_every_s``, and sooner once it wrote ``sweep_share`` of capacity since its
-  last sweep, so usage passes capacity by at most about writers x ``sweep_share`` x capacity between sweeps.
+- Each writer sweeps every ``sweep_every_s``, and sooner once it wrote ``sweep_share`` of capacity since the
+  last sweep it knows of. The sweeper leaves its result in ``sys/usage`` (bytes, entries), which every
+  writer reads when the lock was another's: that tells it a sweep completed, and gives every process the
+  usage it reports. A writer that wrote `HARD_FACTOR` x ``sweep_share`` of capacity without learning of a
+  completed sweep drops further writes (counted) until one completes, so usage passes capacity by at most
+  about writers x `HARD_FACTOR` x ``sweep_share`` x capacity, even while the sweeper is slow.
 
 Why not a usage counter every writer updates (conditional PUT on one object): every put would be a
 read-modify-write round trip on one hot object, serialised across hosts. Why not the store's Redis: there
@@ -27,6 +32,7 @@ the record count; ``sweep_every_s`` trades that against how far usage may pass c
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
@@ -38,11 +44,12 @@ from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+import botocore.exceptions
 import cbor2
 
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, MISSING, log
+from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, classify, log
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
 from vllm_tiercache.shared.threads import background_thread
@@ -52,9 +59,19 @@ LEDGER_WINDOW_S = 7 * 86400.0
 #: The most entries one ledger holds (the most recent reads win): bounds its size (~40 bytes an entry).
 MAX_LEDGER_ENTRIES = 200_000
 #: A janitor lock this old (server time) belongs to a holder that died mid-sweep: it is taken over.
-LOCK_STALE_S = 300.0
+LOCK_STALE_S = 120.0
+#: Tries to give the lock back (a refused DELETE is tried again).
+UNLOCK_TRIES = 5
 #: Candidates whose tags are read (HEAD) at once while pins are in force.
 TAG_BATCH = 64
+#: A writer that wrote this many times ``sweep_share`` of capacity since the last sweep it knows of (its own
+#: or another writer's) drops further writes (counted) until a sweep completes: the bound holds even while
+#: the sweeping writer is slow or gone.
+HARD_FACTOR = 2.0
+#: How many ``timeout_s`` a writer past its share waits for a sweep before it drops the put.
+ADMIT_WAIT_TIMEOUTS = 4
+#: Pause before a writer whose sweep is due tries the lock again (another writer held it).
+RETRY_LOCK_S = 0.1
 
 
 @dataclass
@@ -89,8 +106,14 @@ class Janitor:
         self._lock = threading.Lock()
         self._reads: dict[str, float] = {}  # this writer's ledger: digest hex -> unix time of its last read
         self._dirty = False
-        self._written = 0  # bytes written since the last sweep
+        self._written = 0  # bytes written since the last sweep this writer knows of
+        #: (unix time, bytes) of this writer's writes counted in ``_written``: a sweep that listed the bucket
+        #: at time T accounts for those before T only
+        self._writes: collections.deque[tuple[float, int]] = collections.deque()
+        self._usage_etag: str | None = None  # ``sys/usage`` as last seen
         self._wake = threading.Event()
+        #: notified when a sweep completed (this writer's or, as `learn_usage` found, another's)
+        self._swept = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: the last sweep's figures (None before one ran): ``usage()`` reads these, never the network
@@ -106,10 +129,33 @@ class Janitor:
             self._dirty = True
         self.start()
 
-    def wrote(self, nbytes: int) -> None:
-        """Bytes were written: past ``sweep_share`` of capacity since the last sweep, sweep now."""
+    def admits(self) -> bool:
+        """Whether this writer may write now. Past `HARD_FACTOR` x ``sweep_share`` of capacity written since
+        the last sweep it knows of, the caller waits for a sweep to complete, up to `ADMIT_WAIT_TIMEOUTS` x
+        ``timeout_s`` (a sweep is a few requests, each within ``timeout_s``; the
+        store's background writer: backpressure on the write-behind queue, whose overflow is counted),
+        and the put is dropped (counted) if none did."""
+        hard = HARD_FACTOR * self.config.sweep_share * self.config.capacity
+        if self._written < hard:
+            return True
+        self.start()
+        self._wake.set()
+        with self._swept:
+            return self._swept.wait_for(lambda: self._written < hard or self._stop.is_set(),
+                                        timeout=ADMIT_WAIT_TIMEOUTS * self.config.timeout_s
+                                        ) and not self._stop.is_set()
+
+    def wrote(self, nbytes: int, hex_digests: Iterable[str]) -> None:
+        """Records were written now: they go into the ledger (an object's LastModified has whole seconds
+        only, too coarse to order a batch), and past ``sweep_share`` of capacity since the last sweep,
+        this writer sweeps now."""
+        now = time.time()
         with self._lock:
+            for h in hex_digests:
+                self._reads[h] = now
+            self._dirty = True
             self._written += nbytes
+            self._writes.append((now, nbytes))
             due = self._written >= self.config.sweep_share * self.config.capacity
         self.start()
         if due:
@@ -126,18 +172,24 @@ class Janitor:
         """Stop the thread (after flushing the ledger once more, when the endpoint is up)."""
         self._stop.set()
         self._wake.set()
+        with self._swept:
+            self._swept.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(self.config.timeout_s * 3)
 
+    def _due(self) -> bool:
+        return self._written >= self.config.sweep_share * self.config.capacity
+
     def _loop(self) -> None:
+        pause = self.config.sweep_every_s
         while not self._stop.is_set():
-            self._wake.wait(self.config.sweep_every_s)
+            self._wake.wait(pause)
             self._wake.clear()
+            pause = self.config.sweep_every_s
             try:
-                self.flush_ledger()
-                if not self._stop.is_set():
-                    self.sweep()
+                if not self._stop.is_set() and self.sweep() is None and self._due():
+                    pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
             except Exception as exc:  # a bug must not end the thread (the tier would grow without bound)
                 self.calls.health.other_error("janitor", exc)
         try:
@@ -188,42 +240,107 @@ class Janitor:
     # ---------------------------------------------------------------------------------------- sweep
     def sweep(self) -> SweepResult | None:
         """One sweep, when this writer gets the janitor lock; None when another writer holds it or the
-        endpoint failed (the next sweep tries again)."""
-        with self._lock:
-            self._written = 0
+        endpoint failed (the next sweep tries again). Either way, a sweep another writer completed since
+        the last one this writer knew of resets its count of bytes written (`admits`)."""
+        self.flush_ledger()
         lock = self._take_lock()
         if lock is None:
+            self.learn_usage()
             return None
         try:
+            listed_at = time.time()
             result = self._sweep_locked()
+            if result is not None:
+                body = cbor2.dumps({"entries": result.entries, "bytes": result.bytes_used, "writer": self.writer,
+                                    "listed_at": listed_at})
+                put = self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
+                self._usage_etag = None if isinstance(put, Failure) else put["ETag"]
         finally:
-            self.calls.one("janitor unlock", lambda: self.calls.delete(self.names.lock, IfMatch=lock))
+            self._unlock(lock)
         if result is not None:
+            self._accounted(listed_at)
             self.last = result
             if result.evicted:
                 self.counters.add(evictions=result.evicted)
         return result
 
+    def learn_usage(self) -> None:
+        """Read ``sys/usage``: a sweep completed since the last one seen resets the bytes written count."""
+        got = self._lock_call("usage", lambda: self.calls.client.get_object(Bucket=self.calls.bucket,
+                                                                           Key=self.names.usage))
+        if isinstance(got, Failure) or got["ETag"] == self._usage_etag:
+            return
+        try:
+            usage = cbor2.loads(got["Body"].read())
+            self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0)
+            listed_at = float(usage["listed_at"])
+        except Exception:  # damaged: the next sweep rewrites it
+            return
+        self._usage_etag = got["ETag"]
+        self._accounted(listed_at)
+
+    def _accounted(self, listed_at: float) -> None:
+        """A sweep listed the bucket at ``listed_at``: this writer's writes before then are accounted for
+        (another host's clock may differ by its skew: the bound is approximate by that much)."""
+        with self._lock:
+            while self._writes and self._writes[0][0] < listed_at:
+                self._written -= self._writes.popleft()[1]
+            self._written = max(0, self._written)
+            self._swept.notify_all()
+
+    def sweep_now(self, tries: int = 600) -> SweepResult | None:
+        """Sweep as soon as the lock is this writer's (tests, `tiercache bench`): another writer's sweep in
+        progress is waited out, `RETRY_LOCK_S` at a time, ``tries`` times at most."""
+        for _ in range(tries):
+            result = self.sweep()
+            if result is not None or self.calls.health.down:
+                return result
+            time.sleep(RETRY_LOCK_S)
+        return None
+
+    def _lock_call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """One request on the janitor lock. Only an endpoint that is not there (no answer at all) marks the
+        tier down; any refusal is an answer: the lock is not this writer's now, and the next sweep tries
+        again. (SeaweedFS answers a conditional PUT that races a DELETE of the same name with a 500.)"""
+        if self.calls.health.down:
+            return Failure(DOWN)
+        try:
+            return fn()
+        except botocore.exceptions.ClientError as exc:
+            return Failure(classify(exc) if classify(exc) in (CONFLICT, MISSING) else ERROR, exc)
+        except Exception as exc:
+            return Failure(self.calls.health.failed(what, exc), exc)
+
     def _take_lock(self) -> str | None:
         """The lock's ETag when this writer now holds it, else None (conditional PUTs: one writer wins)."""
         body = cbor2.dumps({"writer": self.writer, "at": time.time()})
-        got = self.calls.one("janitor lock", lambda: self.calls.put(self.names.lock, body, IfNoneMatch="*"))
+        lock = self.names.lock
+        got = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfNoneMatch="*"))
         if not isinstance(got, Failure):
             return str(got["ETag"])
         if got.kind != CONFLICT:
             return None
-        head = self.calls.one("janitor lock", lambda: self.calls.head(self.names.lock))
+        head = self._lock_call("janitor lock", lambda: self.calls.head(lock))
         if isinstance(head, Failure):
             return None
         age = (server_now(head) - head["LastModified"]).total_seconds()
         if age < LOCK_STALE_S:
             return None
-        taken = self.calls.one("janitor lock", lambda: self.calls.put(self.names.lock, body, IfMatch=head["ETag"]))
+        taken = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfMatch=head["ETag"]))
         if isinstance(taken, Failure):
             return None
         log.warning("tiercache object tier %s: janitor lock left %.0fs ago by a writer gone, taken over",
                     self.config.address, age)
         return str(taken["ETag"])
+
+    def _unlock(self, etag: str) -> None:
+        """Give the lock back: conditional on its ETag (a lock taken over is not ours to delete), tried
+        again on a refusal, so that a lost DELETE does not stop every writer's sweeps for `LOCK_STALE_S`."""
+        for _ in range(UNLOCK_TRIES):
+            done = self._lock_call("janitor unlock", lambda: self.calls.delete(self.names.lock, IfMatch=etag))
+            if not isinstance(done, Failure) or done.kind in (CONFLICT, MISSING, DOWN):
+                return
+            time.sleep(RETRY_LOCK_S)
 
     def _sweep_locked(self) -> SweepResult | None:
         """List, merge the ledgers, evict the least recently used records past capacity."""
@@ -242,7 +359,7 @@ class Janitor:
                 continue
             size = int(obj["Size"])
             total += size
-            records.append((max(obj["LastModified"].timestamp(), reads.get(hex_digest, 0.0)), obj["Key"], size))
+            records.append((last_use(obj["LastModified"].timestamp(), reads.get(hex_digest)), obj["Key"], size))
         capacity = self.config.capacity
         target = int(capacity * (1.0 - self.config.sweep_share))
         if total <= capacity:
@@ -287,6 +404,13 @@ class Janitor:
             victims.append((name, size))  # nothing unpinned was left: pinned records go too, oldest first
             total -= size
         return victims, total
+
+
+def last_use(modified: float, ledger: float | None) -> float:
+    """A record's last use: its ledger time when that is as new as the object (the ledger has the exact time;
+    LastModified whole seconds only), else the end of the object's LastModified second (written after any
+    ledger entry: counted as new as it may be, so that it is never evicted ahead of an older record)."""
+    return ledger if ledger is not None and ledger >= modified else modified + 1.0
 
 
 def server_now(response: dict[str, Any]) -> datetime:

@@ -35,6 +35,7 @@ from vllm_tiercache.shared.store.api import (
     StoredRecord,
     StoreKey,
 )
+from vllm_tiercache.shared.store.control import parse_control
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
@@ -66,7 +67,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
                                     attempt=lambda: describe_attempt(config), probe=lambda: self._probe(),
                                     thread_name=f"tiercache-probe-{name}")
         self._calls = ObjectCalls(config, self._health, thread_name=f"tiercache-s3-{name}")
-        self._janitor = Janitor(config, self._names, self._calls, self.counters, lambda: self._pins,
+        self._janitor = Janitor(config, self._names, self._calls, self.counters, self._pinned_now,
                                 thread_name=f"tiercache-janitor-{name}")
         self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
         # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
@@ -147,6 +148,10 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
         if not items:
             return
         calls = self._calls
+        janitor = self._janitor
+        if not janitor.admits():  # this writer is past its share until a sweep completes: a bounded tier
+            self.counters.add(dropped_writes=len(items))
+            return
 
         def put(item: tuple[StoreKey, torch.Tensor, dict[str, Any] | None]) -> int:
             key, tensor, meta = item
@@ -158,7 +163,8 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
         written = [n for n in res if not isinstance(n, Failure)]
         if written:
             self.counters.add(puts=len(written), bytes_written=sum(written))
-            self._janitor.wrote(sum(written))
+            janitor.wrote(sum(written), [item[0].hex for item, n in zip(items, res, strict=True)
+                                         if not isinstance(n, Failure)])
         if len(written) < len(items):
             self.counters.add(dropped_writes=len(items) - len(written))
 
@@ -186,14 +192,26 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
     def remove_control(self, name: str) -> bool:
         return self._admin.remove_control(name)
 
+    def _pinned_now(self) -> frozenset[str]:
+        """The tags pinned now, read from the control entries at the sweep (as the disk tier reads them in
+        its eviction's transaction: every writer agrees, even one whose poller has not run yet); the last
+        poll's when they cannot be read."""
+        try:
+            return parse_control(self._admin.read_control()).pinned_now() | self._pins
+        except ConnectionError:
+            return self._pins
+
     def set_pinned_tags(self, tags: frozenset[str]) -> None:
         """Records carrying one of ``tags`` are kept by the janitor's sweeps, up to ``pin_budget``."""
         self._pins = frozenset(tags)
 
     # ------------------------------------------------------------------------------------------- misc
     def usage(self) -> dict[str, Any]:
-        """``entries`` and ``bytes_used`` as this process's janitor last listed them (None before its first
-        sweep: no request ever lists the bucket), ``capacity`` from the config."""
+        """``entries`` and ``bytes_used`` as this process's janitor last listed them (None before any
+        sweep: no request ever lists the bucket), else as the last sweep of any writer left them in the
+        bucket; ``capacity`` from the config."""
+        if self._janitor.last is None and not self._health.down:
+            self._janitor.learn_usage()
         last = self._janitor.last
         return {"entries": last.entries if last else None, "bytes_used": last.bytes_used if last else None,
                 "capacity": self.capacity, "down": self._health.down, "address": self.address}
