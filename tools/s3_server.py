@@ -137,10 +137,7 @@ class SeaweedFSServer:
             if self.proc.poll() is not None:
                 raise SeaweedFSError(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                try:
-                    client.create_bucket(Bucket="tiercache-ready")
-                except client.exceptions.BucketAlreadyOwnedByYou:
-                    pass
+                self._create(client, "tiercache-ready")
                 client.put_object(Bucket="tiercache-ready", Key="ready", Body=b"ok")
                 if client.get_object(Bucket="tiercache-ready", Key="ready")["Body"].read() == b"ok":
                     return
@@ -156,12 +153,20 @@ class SeaweedFSServer:
         return path.read_text(errors="replace")[-n:] if path.exists() else ""
 
     def create_bucket(self, name: str) -> str:
-        client = self.client()
+        self._create(self.client(), name)
+        return name
+
+    @staticmethod
+    def _create(client: Any, name: str) -> None:
+        """Create a bucket; one that exists already is fine (SeaweedFS says BucketAlreadyExists after a
+        restart, BucketAlreadyOwnedByYou before)."""
+        import botocore.exceptions
+
         try:
             client.create_bucket(Bucket=name)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
-        return name
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
 
     def delete_bucket(self, name: str) -> None:
         """Delete a bucket and everything in it."""

@@ -27,6 +27,7 @@ import torch
 
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
+    ChecksAtPreflight,
     HonorsPins,
     KeepsControl,
     Record,
@@ -45,9 +46,10 @@ from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
+from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
 
 
-class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
+class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPreflight):
     """Whole-record objects in an S3 bucket, many requests in flight, down and back without a stall."""
 
     kind = "object"
@@ -72,6 +74,11 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins):
         self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
         # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
         self._calls.one("start", lambda: self._calls.client.head_bucket(Bucket=config.bucket))
+
+    @classmethod
+    def preflight(cls, config: ObjectTierConfig, path: str) -> None:
+        """`ChecksAtPreflight`: one HEAD of the bucket (`preflight.check_bucket`)."""
+        check_bucket(config, path)
 
     # ------------------------------------------------------------------------------------ availability
     @property
