@@ -167,3 +167,12 @@ def test_preflight_warns_on_an_endpoint_that_does_not_answer(s3_bucket, caplog):
     finally:
         s3_bucket.server.resume()
     assert "does not answer" in caplog.text
+
+
+def test_the_engines_preflight_asks_the_object_tier(s3_bucket):
+    from vllm_tiercache.preflight import check_tier_backends
+
+    store = StoreConfig.load({"tiers": [{"kind": "memory", "capacity": "1MiB"},
+                                        {**s3_bucket.tier_config(), "bucket": "not-there-at-all"}]})
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.bucket: bucket 'not-there-at-all' does not exist"):
+        check_tier_backends(store)
