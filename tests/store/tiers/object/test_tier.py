@@ -180,3 +180,18 @@ def test_names_are_the_digest_under_the_prefix():
     assert names.record(_k("a")) == f"pre/r/{_k('a').hex}"
     assert names.digest_of(names.record(_k("a"))) == _k("a").hex
     assert names.digest_of("pre/sys/control") is None and names.digest_of("pre/r/xyz") is None
+
+
+def test_router_events_announce_the_object_tier_by_the_media_rule(s3_bucket, tmp_path):
+    """docs/operations.md's media table: STORAGE when no shared tier keeps files, DISK beside a disk tier."""
+    from vllm_tiercache.kvcache.events.tracker import shared_medium
+    from vllm_tiercache.shared.store.tiered import TieredStore
+
+    alone = TieredStore(StoreConfig.load({"tiers": [{"kind": "memory"}, s3_bucket.tier_config()]}))
+    with_disk = TieredStore(StoreConfig.load({"tiers": [{"kind": "memory"}, {"kind": "disk", "path": str(tmp_path)},
+                                                        s3_bucket.tier_config()]}))
+    try:
+        assert shared_medium(alone) == "STORAGE" and shared_medium(with_disk) == "DISK"
+    finally:
+        alone.close()
+        with_disk.close()
