@@ -26,7 +26,9 @@ from vllm_tiercache.shared.store.api import StoreKey, key_text_bytes
 from vllm_tiercache.shared.store.tags import decode_tags, encode_tags
 
 #: S3 keeps at most 2 KiB of user metadata per object (AWS); past this the key text is left out (the admin
-#: commands then show the record without it, as they do a disk record whose index was rebuilt).
+#: commands then show the record without it, as they do a disk record whose index was rebuilt), and tags that
+#: alone take more (16 tags of 128 characters) are kept in the record's header only: `evict --tag`, `stats
+#: --by-tag` and the janitor's pins do not see them (a known limit; tags that short are the norm).
 MAX_METADATA = 1900
 KEY_FIELD, TAGS_FIELD = "tc-key", "tc-tags"
 
@@ -62,8 +64,9 @@ class ObjectNames:
 def record_metadata(key: StoreKey, tags: tuple[str, ...]) -> dict[str, str]:
     """The user metadata of a record: its tags and key text, percent-encoded (S3 metadata is ASCII)."""
     meta: dict[str, str] = {}
-    if tags:
-        meta[TAGS_FIELD] = quote(encode_tags(tags), safe="")
+    encoded = quote(encode_tags(tags), safe="") if tags else ""
+    if encoded and len(encoded) <= MAX_METADATA:  # longer: in the record's header only (admin listings miss it)
+        meta[TAGS_FIELD] = encoded
     text = quote(key_text_bytes(key.text), safe="")
     if len(text) + len(meta.get(TAGS_FIELD, "")) <= MAX_METADATA:
         meta[KEY_FIELD] = text
