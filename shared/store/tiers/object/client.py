@@ -69,15 +69,18 @@ def _no_extra_checksums() -> dict[str, str]:
     return {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
 
 
-def describe_attempt(config: ObjectTierConfig) -> str:
+def describe_attempt(config: ObjectTierConfig, client: Any) -> str:
     """What a request does, in words, for the 'unreachable' line: endpoint, addressing, CA, region and where
-    the credentials come from (the chain's method name, e.g. ``env`` or ``iam-role``), never a secret."""
+    the credentials come from (the chain's method name, e.g. ``env`` or ``iam-role``), never a secret.
+
+    The credentials are the ones ``client`` resolved when it was built: walking the chain again here could
+    ask the instance metadata service, which on a host outside AWS costs seconds on the thread that failed."""
     try:
-        creds = boto3.session.Session().get_credentials()
+        creds = client._request_signer._credentials  # botocore's own, resolved with the client
         source = f"credentials from {creds.method}" if creds is not None else "no credentials found in the AWS chain"
-    except Exception as exc:  # a broken profile file: say so without its contents
-        source = f"credentials unreadable ({type(exc).__name__})"
-    return (f"{config.endpoint or 'AWS S3'}, bucket {config.bucket}, region {config.region or 'from the AWS chain'}, "
+    except Exception:  # another botocore layout: say nothing of them rather than guess
+        source = "credentials from the AWS chain"
+    return (f"{config.endpoint or 'AWS S3'}, bucket {config.bucket}, region {client.meta.region_name}, "
             f"{'path-style' if config.path_style else 'virtual-hosted'} addressing, "
             f"{'CA bundle ' + config.ca_bundle if config.ca_bundle else 'system CAs'}, {source}, "
             f"timeout {config.timeout_s:g}s")

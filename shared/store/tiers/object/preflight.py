@@ -48,7 +48,7 @@ def check_bucket(config: ObjectTierConfig, path: str) -> None:
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                     "InvalidToken") or type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             raise ConfigError(f"{path}: the AWS credentials of this process are refused for bucket {config.bucket!r} "
-                              f"at {where} ({code or type(exc).__name__}; tried: {describe_attempt(config)}); "
+                              f"at {where} ({code or type(exc).__name__}; tried: {describe_attempt(config, client)}); "
                               f"set {_CREDENTIALS}") from None
         if kind == DOWN:
             log.warning("vllm-tiercache: %s: the object tier's endpoint %s does not answer (%s); the engine starts "

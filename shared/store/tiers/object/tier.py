@@ -66,8 +66,8 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPr
         self._pins: frozenset[str] = frozenset()
         # the prober calls ``self._probe`` as it is when it runs (tests wrap it to see which thread probes)
         self._health = ObjectHealth(self.address, config.retry_after_s, self.counters,
-                                    attempt=lambda: describe_attempt(config), probe=lambda: self._probe(),
-                                    thread_name=f"tiercache-probe-{name}")
+                                    attempt=lambda: describe_attempt(config, self._calls.client),
+                                    probe=lambda: self._probe(), thread_name=f"tiercache-probe-{name}")
         self._calls = ObjectCalls(config, self._health, thread_name=f"tiercache-s3-{name}")
         self._janitor = Janitor(config, self._names, self._calls, self.counters, self._pinned_now,
                                 thread_name=f"tiercache-janitor-{name}")
@@ -100,7 +100,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPr
 
     def tried(self) -> str:
         """What a request does, in words (endpoint, addressing, CA, region, credential source; no secret)."""
-        return describe_attempt(self.config)
+        return describe_attempt(self.config, self._calls.client)
 
     def _probe(self) -> bool:
         return self._calls.probe()
