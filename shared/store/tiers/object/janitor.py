@@ -181,6 +181,13 @@ class Janitor:
     def _due(self) -> bool:
         return self._written >= self.config.sweep_share * self.config.capacity
 
+    def _swept_lately(self) -> bool:
+        """Whether any writer completed a sweep within the last ``sweep_every_s`` (one GET of ``sys/usage``):
+        every process that reads or writes runs a janitor, and without this each would list the whole
+        prefix every ``sweep_every_s``, one after the other."""
+        age = self.learn_usage()
+        return age is not None and age < self.config.sweep_every_s
+
     def _loop(self) -> None:
         pause = self.config.sweep_every_s
         while not self._stop.is_set():
@@ -188,6 +195,9 @@ class Janitor:
             self._wake.clear()
             pause = self.config.sweep_every_s
             try:
+                if not self._due() and self._swept_lately():
+                    self.flush_ledger()  # another writer swept within sweep_every_s: no listing this round
+                    continue
                 if not self._stop.is_set() and self.sweep() is None and self._due():
                     pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
             except Exception as exc:  # a bug must not end the thread (the tier would grow without bound)
@@ -264,20 +274,26 @@ class Janitor:
                 self.counters.add(evictions=result.evicted)
         return result
 
-    def learn_usage(self) -> None:
-        """Read ``sys/usage``: a sweep completed since the last one seen resets the bytes written count."""
+    def learn_usage(self) -> float | None:
+        """Read ``sys/usage``: a sweep completed since the last one seen resets the bytes written count.
+        Returns how many seconds ago (the server's clock) the last sweep of any writer completed; None when
+        unknown."""
         got = self._lock_call("usage", lambda: self.calls.client.get_object(Bucket=self.calls.bucket,
                                                                            Key=self.names.usage))
-        if isinstance(got, Failure) or got["ETag"] == self._usage_etag:
-            return
+        if isinstance(got, Failure):
+            return None
+        age = (server_now(got) - got["LastModified"]).total_seconds()
+        if got["ETag"] == self._usage_etag:
+            return age
         try:
             usage = cbor2.loads(got["Body"].read())
             self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0)
             listed_at = float(usage["listed_at"])
         except Exception:  # damaged: the next sweep rewrites it
-            return
+            return None
         self._usage_etag = got["ETag"]
         self._accounted(listed_at)
+        return age
 
     def _accounted(self, listed_at: float) -> None:
         """A sweep listed the bucket at ``listed_at``: this writer's writes before then are accounted for
