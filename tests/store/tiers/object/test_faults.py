@@ -176,3 +176,17 @@ def test_the_engines_preflight_asks_the_object_tier(s3_bucket):
                                         {**s3_bucket.tier_config(), "bucket": "not-there-at-all"}]})
     with pytest.raises(ConfigError, match=r"^tiers\[1\]\.bucket: bucket 'not-there-at-all' does not exist"):
         check_tier_backends(store)
+
+
+def test_everything_restarted_seaweedfs_included_hits_again(s3_bucket):
+    tier = tier_of(s3_bucket)
+    tier.put_many([(_k(i), _t(1000, i), {"i": i}) for i in range(10)])
+    assert tier.counters.get("puts") == 10
+    tier.close()
+    s3_bucket.server.stop()
+    s3_bucket.server.start()  # the same data directory, as a restarted deployment
+    again = tier_of(s3_bucket)
+    got = again.get_many([_k(i) for i in range(10)])
+    assert all(rec is not None and torch.equal(rec.tensor, _t(1000, i)) and rec.meta == {"i": i}
+               for i, rec in enumerate(got))
+    again.close()
