@@ -123,12 +123,13 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPr
         return [None if isinstance(r, Failure) else int(r["ContentLength"]) for r in res]
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
-        """One GET per key, many in flight; each object checked whole (`records.decode`: the tensor is built
-        over the bytes received, no copy). Damaged objects are deleted, counted, and misses."""
+        """Ranged GETs of ``range_size``, many in flight (`ObjectCalls.get_in_ranges`: one GET for a record no
+        larger); each object checked whole (`records.decode`: the tensor is built over the bytes received, no
+        copy for a one-range record). Damaged objects are deleted, counted, and misses."""
         if not keys:
             return []
         calls = self._calls
-        res = calls.many("get", lambda key: calls.get(self._names.record(key)), keys)
+        res = calls.get_in_ranges("get", [self._names.record(key) for key in keys], self.config.range_size)
         out: list[Record | None] = [None] * len(keys)
         corrupt: list[StoreKey] = []
         for i, (key, body) in enumerate(zip(keys, res, strict=True)):

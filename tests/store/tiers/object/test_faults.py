@@ -43,15 +43,15 @@ def wait_until(what, predicate, limit_s: float = 60.0) -> None:
 
 
 class CountingGets:
-    """Wraps the tier's GET: how many requests reached the network."""
+    """Wraps the tier's GET (of a record's first range): how many requests reached the network."""
 
     def __init__(self, tier: ObjectTier) -> None:
-        self.n, self._real = 0, tier._calls.get
-        tier._calls.get = self
+        self.n, self._real = 0, tier._calls._first_range
+        tier._calls._first_range = self
 
-    def __call__(self, name: str) -> bytes:
+    def __call__(self, name: str, part: int) -> tuple[bytes, int]:
         self.n += 1
-        return self._real(name)
+        return self._real(name, part)
 
 
 def test_a_hung_server_marks_the_tier_down_and_the_prober_brings_it_back(s3_bucket, caplog):

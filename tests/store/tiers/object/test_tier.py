@@ -47,6 +47,22 @@ def test_put_get_contains_sizes(s3_bucket):
     tier.close()
 
 
+def test_large_records_are_read_in_ranges_and_checked_whole(s3_bucket):
+    tier = tier_of(s3_bucket, range_size="64KiB")
+    big, small = _t(100_000, 1), _t(100, 2)  # 400 KB: 7 ranges; one range
+    tier.put_many([(_k("big"), big, {"n": 1}), (_k("small"), small, None), (_k("bad"), big, None)])
+    got = tier.get_many([_k("big"), _k("small"), _k("missing")])
+    assert torch.equal(got[0].tensor, big) and got[0].meta == {"n": 1} and torch.equal(got[1].tensor, small)
+    assert got[2] is None
+    client, name = s3_bucket.server.client(), f"tiercache/r/{_k('bad').hex}"
+    body = bytearray(client.get_object(Bucket=s3_bucket.bucket, Key=name)["Body"].read())
+    body[200_000] ^= 0x10  # a flipped bit in the fourth range
+    client.put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
+    assert tier.get_many([_k("bad")]) == [None] and tier.counters.get("corrupt") == 1
+    assert tier.contains_many([_k("bad"), _k("big")]) == [False, True]
+    tier.close()
+
+
 def test_a_record_is_one_whole_object_named_by_its_digest(s3_bucket):
     tier = tier_of(s3_bucket, prefix="p1/")
     tier.put_many([(_k("a"), _t(1000), {"tags": ["doc:1"]})])
@@ -63,21 +79,21 @@ def test_many_requests_are_in_flight_at_once(s3_bucket):
     tier = tier_of(s3_bucket, concurrency=8)
     tier.put_many([(_k(i), _t(10, i), None) for i in range(32)])
     in_flight, most, lock = [0], [0], threading.Lock()
-    real_get = tier._calls.get
+    real_get = tier._calls._first_range
 
-    def counting_get(name):
+    def counting_get(name, part):
         with lock:
             in_flight[0] += 1
             most[0] = max(most[0], in_flight[0])
         try:
             barrier.wait(timeout=10)  # every pool thread must be inside a GET for any to finish
-            return real_get(name)
+            return real_get(name, part)
         finally:
             with lock:
                 in_flight[0] -= 1
 
     barrier = threading.Barrier(8)
-    tier._calls.get = counting_get
+    tier._calls._first_range = counting_get
     assert all(r is not None for r in tier.get_many([_k(i) for i in range(32)]))
     assert most[0] == 8
     tier.close()
