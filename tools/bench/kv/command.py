@@ -29,6 +29,7 @@ one run are the result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
 from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
+from vllm_tiercache.tools.cli import UsageError
 
 #: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
 TARGETS: list[tuple[str, str, float]] = [
@@ -123,6 +125,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
 
 
+def check_model_positions(args: argparse.Namespace) -> None:
+    """A model directory of the user's whose positions are fewer than the prompt needs: one line now, instead
+    of every case NOT MEASURED with vLLM's validation error (the generated models are sized to the prompt)."""
+    if getattr(args, "model", "llama") in ("llama", "gemma3", "gemma3-bench", None):
+        return
+    try:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {args.model}: no readable config.json ({exc}); allowed: a model directory, or "
+                         "llama / gemma3 / gemma3-bench for a generated one") from None
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
+    needed = args.prompt_len + 64
+    if isinstance(positions, int) and positions < needed:
+        raise UsageError(f"--prompt-len {args.prompt_len} needs a model with at least {needed} positions; "
+                         f"{args.model} has {positions}: give a shorter --prompt-len, or --model llama (generated, "
+                         "sized to the prompt)")
+
+
 def admission_arg(text: str) -> str:
     """argparse ``type=``: ``always`` or ``seen:N`` (N from 2 to 15)."""
     policy_arg(text)
@@ -153,6 +173,8 @@ class Bench:
         #: job label -> (vLLM's KV blocks, HMA on) of its engine
         self.engine_info: dict[str, tuple[int | None, bool | None]] = {}
         self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+        #: every engine's max_model_len: the prompt and the few tokens a case generates
+        self.max_model_len = max(self.prompt_len + 64, 1024)
 
     # ------------------------------------------------------------------------------------- helpers
     def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
@@ -195,7 +217,7 @@ class Bench:
         spec = {
             "label": label,
             "model": self.model,
-            "max_model_len": max(self.prompt_len + 64, 1024),
+            "max_model_len": self.max_model_len,
             "dtype": self.args.dtype,
             "enable_prefix_caching": prefix_caching,
             "kv_transfer_config": kv_transfer_config,
@@ -371,15 +393,19 @@ class Bench:
             f"model: {self.model_name}, {self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
         )
         choice = getattr(self.args, "model", "llama") or "llama"
+        # a generated model's positions cover the longest engine (no weight depends on them): 8K prompts work
+        positions = max(4096, self.max_model_len)
         if choice in ("gemma3", "gemma3-bench"):
             from vllm_tiercache.tools.tiny_models import gemma3
 
-            bench = choice == "gemma3-bench"
-            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}",
-                                                     gemma3.BENCH_SPEC if bench else None))
+            shape = gemma3.BENCH_SPEC if choice == "gemma3-bench" else gemma3.TinyGemma3Spec()
+            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}-{positions}",
+                                                     dataclasses.replace(shape, max_position_embeddings=positions)))
         elif choice == "llama":
-            spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
-            self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
+            spec = dataclasses.replace(TinyLlamaSpec() if self.args.quick else BENCH_SPEC,
+                                       max_position_embeddings=positions)
+            name = f"model-{'quick' if self.args.quick else 'bench'}-{positions}"
+            self.model = str(make_tiny_llama(self.work / name, spec))
         else:
             self.model = choice
         # Cold-with-connector right after the baseline, so the miss comparison sees the same machine load.
@@ -538,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `tiercache bench kv` (and of the engine processes it starts)."""
     if args.job:
         return run_job(args.job, args.job_out)
+    check_model_positions(args)  # before any engine: one line, not every case NOT MEASURED
     if shutil.which("redis-server") is None and "tiered-redis" in args.cases:
         print("note: redis-server not found; the Redis case will be reported as not measured", file=sys.stderr)
     keep = args.work_dir is not None
