@@ -24,13 +24,13 @@ import json
 import os
 import random
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine.test_kv_events_engine import _complete
 from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer, events_config
 from vllm_tiercache.tools.demo.server import Server, free_port
 
@@ -48,16 +48,6 @@ SETTLE_S = 20.0
 def _prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 250) for _ in range(length)]
-
-
-def _complete(server: Server, tokens: list[int]) -> int:
-    """One greedy completion; the prompt tokens vLLM did not compute (``cached_tokens``)."""
-    body = {"model": SERVED, "prompt": tokens, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
-    req = urllib.request.Request(server.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        usage = json.loads(resp.read())["usage"]
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def _store(redis_url: str, disk: Path) -> dict[str, Any]:
