@@ -23,7 +23,7 @@ import torch
 from vllm_tiercache.shared.store.api import DropsRecords, InProcessTier, Record, StoreKey, Tier
 from vllm_tiercache.shared.store.sealing.config import EncryptionConfig
 from vllm_tiercache.shared.store.sealing.ring import load_ring
-from vllm_tiercache.shared.store.sealing.sealer import SealRejected, Sealer
+from vllm_tiercache.shared.store.sealing.sealer import Sealer, SealRejected
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from tests.store.sealing.rings import new_key, shares_window, write_ring
 from vllm_tiercache.shared.store.api import Record, StoreKey
 from vllm_tiercache.shared.store.sealing.ring import KeyRing, load_ring, parse_ring
-from vllm_tiercache.shared.store.sealing.sealer import KEY_TAG_PREFIX, SEAL_KEY, SealRejected, Sealer
+from vllm_tiercache.shared.store.sealing.sealer import KEY_TAG_PREFIX, SEAL_KEY, Sealer, SealRejected
 from vllm_tiercache.shared.store.tier_config import ConfigError
 
 
