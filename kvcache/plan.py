@@ -31,6 +31,8 @@ class ChunkLoad:
     end: int
     block_ids: list[int]
     group: int = 0
+    #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store opens the records with its subkey
+    tenant: str | None = None
 
     @property
     def source_slice(self) -> slice:
@@ -53,6 +55,8 @@ class ChunkSave:
     #: the share of its prompt the request reused (`RequestState.reused_share`): a slower tier whose
     #: admission has ``reused_prompt_share`` may admit the records at once (None: not known)
     reused_share: float | None = None
+    #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store seals the records with its subkey
+    tenant: str | None = None
 
 
 @dataclass

@@ -90,7 +90,8 @@ def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geome
                 f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
             )
         loads.append(ChunkLoad(chunk_hash=state.names.name(end), chunk_start=record_start, first=first,
-                               end=last, block_ids=ids, group=group.index))
+                               end=last, block_ids=ids, group=group.index,
+                               tenant=getattr(state.request, "cache_salt", None)))
     return loads
 
 

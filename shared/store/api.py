@@ -65,6 +65,12 @@ class StoreKey:
     def hex(self) -> str:
         return self.digest.hex()
 
+    def for_tenant(self, tenant: str | None) -> StoreKey:
+        """This key for the request of tenant salt ``tenant`` (itself when None, or already so)."""
+        if tenant is None or tenant == self.tenant:
+            return self
+        return StoreKey(self.text, self.digest, tenant)
+
     @property
     def namespace(self) -> str:
         """First field of the canonical text (every `vllm_tiercache.shared.naming.keys` key starts with its
