@@ -182,6 +182,21 @@ def test_a_sealing_store_with_an_unreadable_ring_does_not_start(tmp_path: Path) 
         TieredStore(config)
 
 
+def test_preflight_refuses_an_unreadable_or_invalid_ring_in_one_line(tmp_path: Path) -> None:
+    from vllm_tiercache.preflight import check_encryption
+    from vllm_tiercache.shared.store.tier_config import ConfigError
+
+    check_encryption(StoreConfig.from_dict({}))  # no encryption: nothing to read
+    good = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
+    check_encryption(StoreConfig.from_dict({"encryption": {"ring": str(good)}}))
+    (tmp_path / "bad.json").write_text('{"current": "k1", "keys": {"k1": "c2hvcnQ="}}')
+    for ring, says in ((tmp_path / "absent.json", "cannot read the ring file"), (tmp_path / "bad.json", "not 32")):
+        with pytest.raises(ConfigError) as exc:
+            check_encryption(StoreConfig.from_dict({"encryption": {"ring": str(ring)}}))
+        assert str(exc.value).startswith("encryption.ring: ") and says in str(exc.value)
+        assert "\n" not in str(exc.value)
+
+
 def test_the_memory_tier_keeps_plaintext_and_promotions_are_sealed_again(tmp_path: Path, redis: str) -> None:
     ring = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
     key, tensor = StoreKey("sealed|kv|p", tenant="A"), torch.randn(64, 16)
