@@ -38,14 +38,12 @@ with one line on stderr (`vllm_tiercache.tools.cli.main`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.naming.keys import parse_key_text
 from vllm_tiercache.shared.naming.weights_identity import model_names
 from vllm_tiercache.shared.store.api import KeepsControl, StoredRecord, TierAdminUnsupported
@@ -54,7 +52,7 @@ from vllm_tiercache.shared.store.sealing.ring import KEY_ID_PATTERN
 from vllm_tiercache.shared.store.sealing.sealer import key_tag
 from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.tools.cli import UsageError
-from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.jobs import admin_config, load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -119,7 +117,7 @@ def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, 
             raise UsageError(f"--key-id: invalid key id {kid[:64]!r}; allowed: letters, digits, '.', '_', '-' "
                              "(at most 64), as in the ring")
     predicate = make_predicate(namespace, model, older_than_s, tags, key_ids)
-    config = dataclasses.replace(StoreConfig.load(store_config), encryption=None)
+    config = admin_config(store_config)
     result: dict[str, Any] = {"dry_run": dry_run, "tiers": []}
     with build_store(config) as store:
         at = time.time()

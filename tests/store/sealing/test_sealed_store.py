@@ -9,6 +9,7 @@ records readable, and `tiercache evict --key-id` reclaims a retired key's record
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
 from vllm_tiercache.tools.evict_cmd import evict
 from vllm_tiercache.tools.redis_server import RedisServer
+from vllm_tiercache.tools.stats_cmd import collect
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +165,15 @@ def test_rotation_retirement_and_evict_by_key_id(tmp_path: Path, redis: str) -> 
         assert store.contains_many([old, new]) == [False, True]
 
 
-def test_evict_by_key_id_needs_no_ring(tmp_path: Path, redis: str) -> None:
+def test_stats_and_evict_by_key_id_need_no_ring(tmp_path: Path, redis: str) -> None:
     ring = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
     raw = store_raw(tmp_path, redis, ring, memory=False)
     with TieredStore(StoreConfig.from_dict(raw)) as store:
         store.put(StoreKey("sealed|kv|a"), torch.randn(4))
         assert store.flush(30)
     ring.unlink()
+    shown = json.dumps(collect(raw, None, by_tag=True))  # stats by tag: records per key id, no ring needed
+    assert "sealed-key:k1" in shown
     assert evict(raw, key_ids=["k1"])["records"] == 2
 
 
