@@ -228,3 +228,40 @@ def test_reads_into_the_callers_memory_still_open_sealed_records(tmp_path: Path,
         destination = torch.zeros(128)
         got = store.get_many([key], into=[[memoryview(destination.numpy()).cast("B")]])[0]
         assert got is not None and not got.in_place and torch.equal(got.tensor, tensor)
+
+
+def test_a_plaintext_record_is_a_counted_miss_left_in_place_then_replaced_sealed(tmp_path: Path, redis: str) -> None:
+    """Encryption turned on over a store that has plaintext records: they are misses (counted, not
+    deleted: a plaintext store may still share the tier), and the next save replaces them sealed."""
+    ring = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
+    key, tensor = StoreKey("sealed|kv|old"), torch.randn(32, 32)
+    with TieredStore(store_config(tmp_path, redis, None, memory=False)) as store:
+        store.put(key, tensor)
+        assert store.flush(30)
+    with TieredStore(store_config(tmp_path, redis, ring, memory=False)) as store:
+        assert store.get(key) is None
+        assert store.stats()["tiers"]["disk"]["sealed_rejected"] == 1
+        assert store.contains_many([key]) == [True]  # left in place
+        store.put(key, tensor)
+        assert store.flush(30)
+        assert torch.equal(store.get(key).tensor, tensor)
+    assert not shares_window(raw_bytes(tensor), tree_bytes(tmp_path / "disk"))
+
+
+def test_a_batch_that_cannot_be_sealed_is_dropped_never_written_in_plaintext(tmp_path: Path, redis: str,
+                                                                             monkeypatch) -> None:
+    ring = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
+    tensor = torch.randn(64, 64)
+    with TieredStore(store_config(tmp_path, redis, ring)) as store:
+        def broken(*_args: Any) -> None:
+            raise RuntimeError("sealing failed")
+
+        monkeypatch.setattr(store._sealed.sealer, "seal", broken)
+        store.put(StoreKey("sealed|kv|x"), tensor)
+        assert store.flush(30)
+        stats = store.stats()["tiers"]
+        assert stats["disk"]["dropped_writes"] == 1 and stats["redis"]["dropped_writes"] == 1
+        assert store.get(StoreKey("sealed|kv|x")) is not None  # the memory tier still has it, in-process
+    with TieredStore(store_config(tmp_path, redis, ring, memory=False)) as store:
+        assert store.contains_many([StoreKey("sealed|kv|x")]) == [False]
+    assert not shares_window(raw_bytes(tensor), tree_bytes(tmp_path / "disk"))
