@@ -142,9 +142,11 @@ class Sealer:
         if not isinstance(head, dict):
             raise SealRejected("unsealed", damaged=False)
         kid = head.get("kid")
+        if not isinstance(kid, str):
+            raise SealRejected("malformed", damaged=True)
         if kid in self.ring.retired:
             raise SealRejected("retired_key", damaged=False)
-        if not isinstance(kid, str) or kid not in self.ring.keys:
+        if kid not in self.ring.keys:
             raise SealRejected("unknown_key", damaged=False)
         try:
             if head.get("v") != SEAL_VERSION:
@@ -168,5 +170,8 @@ class Sealer:
             self._cipher(kid, key.tenant).decrypt_into(nonce, records.tensor_bytes(ct), _aad(key, head, body), out)
         except InvalidTag:
             raise SealRejected("bad_tag", damaged=True) from None
-        tensor = torch.from_numpy(out).view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        try:
+            tensor = torch.from_numpy(out).view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        except (RuntimeError, TypeError, ValueError):  # a dtype torch cannot view raw bytes as (a quantized one)
+            raise SealRejected("malformed", damaged=True) from None
         return Record(tensor, _plain_meta(body))
