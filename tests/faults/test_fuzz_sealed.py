@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vllm_tiercache.shared.store.api import Record, StoreKey
 from vllm_tiercache.shared.store.sealing.ring import KeyRing
-from vllm_tiercache.shared.store.sealing.sealer import SEAL_KEY, SealRejected, Sealer
+from vllm_tiercache.shared.store.sealing.sealer import SEAL_KEY, Sealer, SealRejected
 
 FUZZ = settings(derandomize=True, max_examples=300, deadline=datetime.timedelta(seconds=5),
                 suppress_health_check=[HealthCheck.too_slow])
