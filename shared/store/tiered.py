@@ -257,8 +257,8 @@ class TieredStore:
                     res = tier.get_many_into(asked, [into[i] for i in missing])
                 else:
                     res = tier.get_many(asked)
-                if self._sealed:
-                    res = self._sealed.incoming(tier, asked, res)
+                if self._sealed:  # opened into the caller's memory where it gave some
+                    res = self._sealed.incoming(tier, asked, res, None if into is None else [into[i] for i in missing])
             except Exception as exc:
                 _tier_error(tier, "get_many", exc)
                 res = [None] * len(missing)
@@ -387,8 +387,9 @@ class TieredStore:
 
     @property
     def reads_into(self) -> bool:
-        """True when some tier lands payloads in the caller's memory (`ReadsInto`; `get_many`'s ``into``)."""
-        return any(isinstance(tier, ReadsInto) for tier in self.tiers)
+        """True when some tier lands payloads in the caller's memory (`ReadsInto`; `get_many`'s ``into``), or a
+        sealing store opens records there (every tier it seals)."""
+        return any(isinstance(tier, ReadsInto) or (self._sealed is not None and seals(tier)) for tier in self.tiers)
 
     def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
         """Hand ``allocator`` to the tiers that read whole records into memory they are given

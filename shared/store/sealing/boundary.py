@@ -65,21 +65,21 @@ class SealedTiers:
             out.append((tier, mine))
         return out
 
-    def incoming(self, tier: Tier, keys: Sequence[StoreKey], found: Sequence[Record | None]
-                 ) -> list[Record | None]:
+    def incoming(self, tier: Tier, keys: Sequence[StoreKey], found: Sequence[Record | None],
+                 into: Sequence[Sequence[memoryview] | None] | None = None) -> list[Record | None]:
         """``tier``'s answers for ``keys`` opened; a record that does not open is a miss (counted, and
-        deleted when damaged)."""
+        deleted when damaged). ``into``: per key, where the caller wants the plaintext (`Sealer.open`)."""
         if not seals(tier):
             return list(found)
         out: list[Record | None] = []
         damaged: list[StoreKey] = []
         rejected = 0
-        for key, record in zip(keys, found, strict=True):
+        for i, (key, record) in enumerate(zip(keys, found, strict=True)):
             if record is None:
                 out.append(None)
                 continue
             try:
-                out.append(self.sealer.open(key, record))
+                out.append(self.sealer.open(key, record, into[i] if into is not None else None))
             except SealRejected as exc:
                 rejected += 1
                 out.append(None)

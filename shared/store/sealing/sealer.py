@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import cbor2
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -101,24 +103,28 @@ class Sealer:
 
     def __init__(self, ring: KeyRing) -> None:
         self.ring = ring
-        self._ciphers: dict[tuple[str, str | None], AESGCM] = {}
+        self._ciphers: dict[tuple[str, str | None], tuple[bytes, AESGCM]] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Sealer({self.ring!r})"
 
-    def _cipher(self, kid: str, tenant: str | None) -> AESGCM:
+    def _subkey(self, kid: str, tenant: str | None) -> tuple[bytes, AESGCM]:
+        """The tenant's subkey of ring key ``kid`` and its cipher (derived once, then cached)."""
         cached = self._ciphers.get((kid, tenant))
         if cached is not None:
             return cached
         subkey = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                       info=tenant_info(tenant)).derive(self.ring.keys[kid])
-        cipher = AESGCM(subkey)
+        entry = (subkey, AESGCM(subkey))
         with self._lock:
             if len(self._ciphers) >= MAX_SUBKEYS:
                 self._ciphers.clear()
-            self._ciphers[(kid, tenant)] = cipher
-        return cipher
+            self._ciphers[(kid, tenant)] = entry
+        return entry
+
+    def _cipher(self, kid: str, tenant: str | None) -> AESGCM:
+        return self._subkey(kid, tenant)[1]
 
     def seal(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None
              ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -136,8 +142,13 @@ class Sealer:
         self._cipher(kid, key.tenant).encrypt_into(head["nonce"], plain, _aad(key, head, body), out)
         return torch.from_numpy(out), {**body, SEAL_KEY: head}
 
-    def open(self, key: StoreKey, record: Record) -> Record:
-        """The plaintext record of a sealed one read for ``key``; `SealRejected` when it does not open."""
+    def open(self, key: StoreKey, record: Record, into: Sequence[memoryview] | None = None) -> Record:
+        """The plaintext record of a sealed one read for ``key``; `SealRejected` when it does not open.
+
+        ``into``: where the caller wants the plaintext (`Store.get_many`'s ``into``: writable byte views, one
+        after the other); when they hold exactly the plaintext's bytes it is decrypted straight there (no
+        buffer, no copy after) and the record is ``in_place``. A record that does not open may have written
+        there: the caller takes the destination as garbage then, as for any miss."""
         head = record.meta.get(SEAL_KEY)
         if not isinstance(head, dict):
             raise SealRejected("unsealed", damaged=False)
@@ -165,6 +176,8 @@ class Sealer:
         if ct.dtype != torch.uint8 or ct.numel() != nbytes + TAG_BYTES:
             raise SealRejected("truncated", damaged=True)
         body = {k: v for k, v in record.meta.items() if k != SEAL_KEY}
+        if into is not None and nbytes and sum(piece.nbytes for piece in into) == nbytes:
+            return self._open_into(key, kid, head, body, ct, into, dtype, shape)
         out = np.empty(nbytes, dtype=np.uint8)
         try:
             self._cipher(kid, key.tenant).decrypt_into(nonce, records.tensor_bytes(ct), _aad(key, head, body), out)
@@ -175,3 +188,21 @@ class Sealer:
         except (RuntimeError, TypeError, ValueError):  # a dtype torch cannot view raw bytes as (a quantized one)
             raise SealRejected("malformed", damaged=True) from None
         return Record(tensor, _plain_meta(body))
+
+    def _open_into(self, key: StoreKey, kid: str, head: dict[str, Any], body: dict[str, Any], ct: torch.Tensor,
+                   into: Sequence[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> Record:
+        """`open` decrypting piece by piece into ``into`` (GCM's streaming form: the tag is checked last)."""
+        data = records.tensor_bytes(ct)
+        decryptor = Cipher(algorithms.AES(self._subkey(kid, key.tenant)[0]),
+                           modes.GCM(head["nonce"], bytes(data[-TAG_BYTES:]))).decryptor()
+        decryptor.authenticate_additional_data(_aad(key, head, body))
+        offset = 0
+        for piece in into:
+            decryptor.update_into(data[offset:offset + piece.nbytes], piece)
+            offset += piece.nbytes
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            raise SealRejected("bad_tag", damaged=True) from None
+        return Record(torch.empty(shape, dtype=dtype, device="meta"), _plain_meta(body), in_place=True,
+                      pieces=tuple(into))

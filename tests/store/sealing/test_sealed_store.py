@@ -219,15 +219,23 @@ def test_the_memory_tier_keeps_plaintext_and_promotions_are_sealed_again(tmp_pat
         assert torch.equal(store.get(key).tensor, tensor)
 
 
-def test_reads_into_the_callers_memory_still_open_sealed_records(tmp_path: Path, redis: str) -> None:
+def test_sealed_records_open_straight_into_the_callers_memory(tmp_path: Path, redis: str) -> None:
+    """`get_many(into=...)`: the plaintext is decrypted into the caller's pieces (the KV cache's blocks), from
+    disk and from Redis alike; another tenant's read is a miss whose destination the caller discards."""
     ring = write_ring(tmp_path / "ring.json", "k1", {"k1": new_key()})
-    key, tensor = StoreKey("sealed|kv|i"), torch.randn(128)
-    config = store_config(tmp_path, redis, ring, memory=False, redis=False)
-    with TieredStore(config) as store:
-        store.put(key, tensor)
-        destination = torch.zeros(128)
-        got = store.get_many([key], into=[[memoryview(destination.numpy()).cast("B")]])[0]
-        assert got is not None and not got.in_place and torch.equal(got.tensor, tensor)
+    key, tensor = StoreKey("sealed|kv|i", tenant="A"), torch.randn(128)
+    for only in ({"disk": True, "redis": False}, {"disk": False, "redis": True}):
+        with TieredStore(store_config(tmp_path, redis, ring, memory=False, **only)) as store:
+            assert store.reads_into
+            store.put(key, tensor)
+            destination = torch.zeros(128)
+            view = memoryview(destination.numpy()).cast("B")
+            pieces = [view[:100], view[100:104], view[104:]]  # three runs of blocks, as the KV loader gives
+            got = store.get_many([key], into=[pieces])[0]
+            assert got is not None and got.in_place and torch.equal(destination, tensor)
+            assert got.tensor.shape == tensor.shape and got.tensor.device.type == "meta"
+            store.put(key, tensor)  # the other tenant's read below deletes it (it does not open)
+            assert store.get_many([StoreKey(key.text, tenant="B")], into=[[view]]) == [None]
 
 
 def test_a_plaintext_record_is_a_counted_miss_left_in_place_then_replaced_sealed(tmp_path: Path, redis: str) -> None:

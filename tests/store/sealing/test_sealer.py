@@ -159,3 +159,17 @@ def test_neither_ring_nor_sealer_shows_a_key() -> None:
     shown = repr(Sealer(KeyRing("k1", {"k1": key})))
     assert "k1" in shown and key.hex() not in shown and base64.b64encode(key).decode() not in shown
     assert repr(StoreKey("kv|a", tenant="secret-salt")).count("secret-salt") == 0
+
+
+def test_open_into_the_callers_pieces_lands_the_plaintext_there() -> None:
+    sealer = Sealer(ring())
+    key, tensor = StoreKey("kv|a", tenant="A"), torch.randn(6, 16).to(torch.bfloat16)
+    ct, meta = sealer.seal(key, tensor, {"tags": ["doc:1"]})
+    destination = torch.zeros(6, 16, dtype=torch.bfloat16)
+    view = memoryview(destination.view(torch.uint8).numpy()).cast("B")
+    opened = sealer.open(key, Record(ct, meta), [view[:64], view[64:65], view[65:]])
+    assert opened.in_place and torch.equal(destination, tensor) and opened.meta == {"tags": ["doc:1"]}
+    other = sealer.open(key, Record(ct, meta), [view[:100]])  # pieces of another size: an ordinary record
+    assert not other.in_place and torch.equal(other.tensor, tensor)
+    with pytest.raises(SealRejected, match="bad_tag"):
+        sealer.open(StoreKey("kv|a", tenant="B"), Record(ct, meta), [view])
