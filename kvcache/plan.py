@@ -32,7 +32,8 @@ class ChunkLoad:
     block_ids: list[int]
     group: int = 0
     #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store opens the records with its subkey
-    tenant: str | None = None
+    #: (never in a repr: a load trace or a log line must not show it)
+    tenant: str | None = field(default=None, repr=False)
 
     @property
     def source_slice(self) -> slice:
@@ -56,7 +57,8 @@ class ChunkSave:
     #: admission has ``reused_prompt_share`` may admit the records at once (None: not known)
     reused_share: float | None = None
     #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store seals the records with its subkey
-    tenant: str | None = None
+    #: (never in a repr)
+    tenant: str | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -59,6 +59,7 @@ def test_require_cache_salt_keeps_an_unsalted_request_out_both_ways_and_counts_i
     (plan,) = side.build_connector_meta(step([("tenant", 128)], [], {"tenant": 172})).requests
     assert plan.loads and plan.saves
     assert {load.tenant for load in plan.loads} == {save.tenant for save in plan.saves} == {"tenant-a"}
+    assert "tenant-a" not in repr(plan)  # the salt travels, but no log line or load trace shows it
     assert side.take_counters() == {"unsalted_requests": 1}
     assert side.take_counters() == {}
     side.store.close()
