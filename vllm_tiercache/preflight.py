@@ -13,7 +13,8 @@ alone (the connectors still check the same rules when they start: `check_kv_conf
 What is checked, for the parts that name this plugin: the KV connector (also as a MultiConnector
 child), the EC connector, an encoder cache manager of ours (`--ec-manager-config`), and that every
 directory a tier would own can be created and written. Nothing is opened: no store, no Redis
-connection, no weight file read.
+connection, no weight file read; a sealing store's key ring is read (and refused in one line when it
+cannot be: `check_encryption`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named(where):
             store = check_kv_config(vllm_config, transfer, final_block_size=False).store
             check_tier_directories(store)
+            check_encryption(store)
         if transfer.is_kv_producer:  # the connector's own rule for saving (a consumer never writes)
             stores.append(store)
         checked.append(KV_CONNECTOR_NAME)
@@ -73,6 +75,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named("ec_transfer_config (--ec-transfer-config)"):
             store = check_ec_config(vllm_config)[1]
             check_tier_directories(store)
+            check_encryption(store)
         if ec.is_ec_producer:
             stores.append(store)
         checked.append(EC_CONNECTOR_NAME)
@@ -156,6 +159,16 @@ def check_tier_directories(store: Any) -> None:
         if reason is not None:
             raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier_config.kind} tier's directory "
                               f"({reason}); allowed: a local directory this user can create and write")
+
+
+def check_encryption(store: Any) -> None:
+    """A sealing store's key ring (``encryption.ring``) can be read and is a valid ring: else one
+    `ConfigError` line naming the setting and the fix, never a key (`load_ring`). Only the ring is read."""
+    encryption = getattr(store, "encryption", None)
+    if encryption is not None:
+        from vllm_tiercache.shared.store.sealing.ring import load_ring
+
+        load_ring(encryption.ring)
 
 
 def _unusable_directory(path: str) -> str | None:
