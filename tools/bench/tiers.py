@@ -26,7 +26,6 @@ URL; then the directory and the Redis server): a bad one is one line on stderr a
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import os
@@ -250,11 +249,11 @@ def bench_seal(size: int, repeat: int) -> dict[str, Any]:
 
 def bench_disk_sealed(size: int, repeat: int, directory: str) -> dict[str, Any]:
     """A sealing disk store against a plain one (the reference), both measured interleaved in this run."""
+    from vllm_tiercache.shared.store.sealing.ring import write_new_ring
+
     data = torch.randint(0, 255, (size,), dtype=torch.uint8)
     run = uuid.uuid4().hex[:8]
-    ring = os.path.join(directory, f"ring-{run}.json")
-    with open(os.open(ring, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        json.dump({"current": "bench", "keys": {"bench": base64.b64encode(os.urandom(32)).decode()}}, f)
+    ring = write_new_ring(os.path.join(directory, f"ring-{run}.json"), "bench")
     stores = []
     for name, extra in (("sealed", {"encryption": {"ring": ring}}), ("plain", {})):
         tier = {"kind": "disk", "path": os.path.join(directory, f"{name}-{run}"), "capacity": size * (repeat + 4) * 2}

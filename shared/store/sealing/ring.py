@@ -110,3 +110,11 @@ def load_ring(source: str) -> KeyRing:
     except UnicodeDecodeError:
         raise _refuse(source, "not UTF-8 text") from None
     return parse_ring(text, source)
+
+
+def write_new_ring(path: str, key_id: str = "k1") -> str:
+    """Write a fresh ring of one random key to ``path`` (created owner-only; an existing file is refused) and
+    return the path: a first set-up, a benchmark's or a test's ring."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"current": key_id, "keys": {key_id: base64.b64encode(os.urandom(KEY_BYTES)).decode()}}, f)
+    return path

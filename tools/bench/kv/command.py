@@ -42,6 +42,7 @@ from typing import Any
 
 from vllm_tiercache.kvcache.load.trace import LOAD_TRACE_ENV
 from vllm_tiercache.kvcache.options import LOAD_MODES
+from vllm_tiercache.shared.store.sealing.ring import write_new_ring
 from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
@@ -120,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission", type=admission_arg, default="always",
                         help="the disk tier's admission in case 8 (the miss that stores): always (default) or "
                              "seen:N (N 2..15: a miss's chunks stay in memory until used again)")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="seal the disk and Redis records of every tiered case (a fresh key ring in the work dir): "
+                             "run with and without it to see what encryption at rest costs a hit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -173,6 +177,8 @@ class Bench:
         #: job label -> (vLLM's KV blocks, HMA on) of its engine
         self.engine_info: dict[str, tuple[int | None, bool | None]] = {}
         self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+        self.ring = (write_new_ring(str(work / f"ring-{uuid.uuid4().hex[:8]}.json"), "bench")
+                     if getattr(args, "encrypt", False) else None)
         #: every engine's max_model_len: the prompt and the few tokens a case generates
         self.max_model_len = max(self.prompt_len + 64, 1024)
 
@@ -189,12 +195,10 @@ class Bench:
         print(message, file=sys.stderr, flush=True)
 
     def tiered(self, role: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "kv_connector": "TieredKVConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"namespace": self.namespace, "tiers": tiers,
-                                          "load_mode": self.args.load_mode},
-        }
+        extra: dict[str, Any] = {"namespace": self.namespace, "tiers": tiers, "load_mode": self.args.load_mode}
+        if self.ring is not None:
+            extra["encryption"] = {"ring": self.ring}
+        return {"kv_connector": "TieredKVConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
     def disk_tier(self, name: str) -> dict[str, Any]:
         return {"kind": "disk", "path": str(self.work / name), "capacity": "4GiB"}
@@ -534,6 +538,7 @@ class Bench:
             "dtype": self.args.dtype,
             "admission": self.args.admission,
             "prompt_len": self.prompt_len,
+            "sealed": self.ring is not None,
             "prompts": self.num_prompts,
             "hit_repeats": self.hit_repeats,
             "model": self.model_name,
