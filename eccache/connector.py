@@ -153,6 +153,11 @@ def check_ec_config(vllm_config: VllmConfig) -> tuple[ECConnectorOptions, StoreC
     return options, config, identifiers
 
 
+def _never(_identifier: str) -> bool:
+    """Keeps every encoder output out of the store (`require_cache_salt`: an output names no tenant)."""
+    return False
+
+
 class TieredECConnector(ECConnectorBase):
     """Encoder outputs keyed by (namespace, encoder identity, full mm_hash) in the shared tiered store."""
 
@@ -186,8 +191,12 @@ class TieredECConnector(ECConnectorBase):
             self._sched: ECSchedulerSide | None = ECSchedulerSide(
                 self._store, self._key, load_enabled=self.is_consumer,
                 same_process=lambda: worker_in_process(store), counters=COUNTERS,
-                cacheable=self._identifiers.cacheable,
+                cacheable=_never if self._config.require_cache_salt else self._identifiers.cacheable,
             )
+            if self._config.require_cache_salt:
+                logger.warning("TieredECConnector: require_cache_salt is set: encoder outputs are neither loaded "
+                               "nor saved (they are keyed by their media, which names no tenant; see "
+                               "docs/operations.md, the trust boundary)")
             self._worker: ECWorkerSide | None = None
         else:
             self._sched = None

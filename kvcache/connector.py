@@ -195,6 +195,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 publish_events=events_enabled(vllm_config),
                 handoff_wait_s=self._options.handoff_wait_ms / 1000.0,
                 engine_id=str(transfer.engine_id or ""),
+                require_cache_salt=config.require_cache_salt,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -41,6 +41,8 @@ _COUNTERS = (
     "saved_bytes",
     "dropped_saves",
     "generation_resets",
+    # requests kept out of the store for want of a cache_salt (require_cache_salt)
+    "unsalted_requests",
     # prefill/decode hand-offs (vllm_tiercache.kvcache.handoff.promise): the scheduler's promises ...
     "handoffs_offered",
     "handoffs_received",

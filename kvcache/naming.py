@@ -199,7 +199,8 @@ class KVNaming:
         """
         names = self.prompt_names(request)
         ends = self.stored_chunk_ends(len(names.block_hashes))
-        keys = [key for end in ends for key in names.record_keys(names.name(end))]
+        tenant = getattr(request, "cache_salt", None)  # a sealing store's tenant (the records' subkey)
+        keys = [key.for_tenant(tenant) for end in ends for key in names.record_keys(names.name(end))]
         return keys, (ends[-1] * self.geometry.block_size if ends else 0)
 
     def check_engine_hashing(self, request: Any) -> None:

@@ -2,7 +2,7 @@
 
 Why: vLLM calls ``take_events`` inside every engine step, on the thread that schedules. What the KV cache
 events need from the shared tiers (has the disk or Redis got every record of a chunk yet, is an
-announced chunk still there, writing the event journal) is file-system and network work: done inline it
+announced chunk still there) is file-system and network work: done inline it
 was most of what events cost per step, and a slow or hung Redis would stretch every step it ran in.
 So the event tracker hands that work to one background thread and applies the answer on a later step
 (the next one, when the thread is done by then).

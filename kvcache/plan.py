@@ -31,6 +31,9 @@ class ChunkLoad:
     end: int
     block_ids: list[int]
     group: int = 0
+    #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store opens the records with its subkey
+    #: (never in a repr: a load trace or a log line must not show it)
+    tenant: str | None = field(default=None, repr=False)
 
     @property
     def source_slice(self) -> slice:
@@ -53,6 +56,9 @@ class ChunkSave:
     #: the share of its prompt the request reused (`RequestState.reused_share`): a slower tier whose
     #: admission has ``reused_prompt_share`` may admit the records at once (None: not known)
     reused_share: float | None = None
+    #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store seals the records with its subkey
+    #: (never in a repr)
+    tenant: str | None = field(default=None, repr=False)
 
 
 @dataclass

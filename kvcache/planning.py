@@ -67,6 +67,30 @@ class RequestState:
         self.handoff_load = False
 
 
+class UnsaltedRequests:
+    """``require_cache_salt``: where tenants share a store, a request without vLLM's ``cache_salt`` is kept
+    out of it both ways (no lookup, no save) and counted (``unsalted_requests``); docs/operations.md, the
+    trust boundary (the salt is set by the gateway from an authenticated tenant)."""
+
+    def __init__(self, required: bool) -> None:
+        self.required = required
+        self.unreported = 0
+
+    def refuses(self, request: Request) -> bool:
+        """Whether ``request`` must stay out of the store (asked once per request)."""
+        if self.required and not getattr(request, "cache_salt", None):
+            self.unreported += 1
+            return True
+        return False
+
+    def take(self) -> dict[str, int]:
+        """The refusals since the last call, as the scheduler side's counters."""
+        if not self.unreported:
+            return {}
+        counts, self.unreported = {"unsalted_requests": self.unreported}, 0
+        return counts
+
+
 def prompt_full_blocks(request: Request, block_size: int) -> int:
     """The prompt's full blocks that vLLM has hashed: the blocks chunks are cut from."""
     return min(request.num_prompt_tokens // block_size, len(request.block_hashes))
@@ -90,7 +114,8 @@ def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geome
                 f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
             )
         loads.append(ChunkLoad(chunk_hash=state.names.name(end), chunk_start=record_start, first=first,
-                               end=last, block_ids=ids, group=group.index))
+                               end=last, block_ids=ids, group=group.index,
+                               tenant=getattr(state.request, "cache_salt", None)))
     return loads
 
 

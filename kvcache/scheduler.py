@@ -45,7 +45,14 @@ from vllm_tiercache.kvcache.handoff.promise import (
 )
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.kvcache.planning import RequestState, chunk_saves, chunks_to_save, group_loads, prompt_full_blocks
+from vllm_tiercache.kvcache.planning import (
+    RequestState,
+    UnsaltedRequests,
+    chunk_saves,
+    chunks_to_save,
+    group_loads,
+    prompt_full_blocks,
+)
 from vllm_tiercache.shared.generations import Generation
 from vllm_tiercache.shared.request_tags import request_tags
 from vllm_tiercache.shared.residency import ResidentSet
@@ -77,6 +84,7 @@ class KVSchedulerSide:
         publish_events: bool = False,
         handoff_wait_s: float = 1.0,
         engine_id: str = "",
+        require_cache_salt: bool = False,
     ) -> None:
         """`naming`: how prompts are cut into chunks, how chunks are named, and whether a partial last
         chunk is saved: the rule `tiercache precompute docs` follows too. `request_cacheable`: asked once
@@ -86,7 +94,7 @@ class KVSchedulerSide:
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
         be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`).
         `publish_events`: vLLM publishes KV cache events; the tiers' holdings are then announced
-        (`vllm_tiercache.kvcache.events.tracker`; nothing of it runs otherwise)."""
+        (`vllm_tiercache.kvcache.events.tracker`; nothing runs otherwise). `require_cache_salt`: `UnsaltedRequests`."""
         self.store = store
         self.naming = naming
         self.can_load = can_load
@@ -94,6 +102,7 @@ class KVSchedulerSide:
         self.save_decode = save_decode
         self.request_cacheable = request_cacheable
         self.volatile_decode_tail = volatile_decode_tail
+        self.unsalted = UnsaltedRequests(require_cache_salt)
         shared_tiers = [t for t in store.tiers if t.shared_across_processes]
         #: the kinds of the tiers a consumer can read what this engine stores (named in hand-off promises)
         self.shared_tier_kinds = [t.name for t in shared_tiers]
@@ -215,6 +224,7 @@ class KVSchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             cacheable = self.request_cacheable is None or bool(self.request_cacheable(request))
+            cacheable = cacheable and not self.unsalted.refuses(request)
             adapter = None
             lora = getattr(request, "lora_request", None)
             if cacheable and lora is not None:
@@ -363,6 +373,7 @@ class KVSchedulerSide:
                     urgent, tags = wants_remote_decode(request), request_tags(request)
                     for save in saves:  # a hand-off: written first
                         save.urgent, save.tags, save.reused_share = urgent, tags, state.reused_share
+                        save.tenant = getattr(request, "cache_salt", None)  # a sealing store seals for it
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)
                     if self.events is not None:
@@ -420,6 +431,7 @@ class KVSchedulerSide:
         counts: dict[str, int] = self.handoffs.take()
         if self._unreported_resets:
             counts["generation_resets"], self._unreported_resets = self._unreported_resets, 0
+        counts.update(self.unsalted.take())
         return counts
 
     # -------------------------------------------------------------------------------- worker reports

@@ -60,6 +60,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, WrapValidator
 from vllm_tiercache.shared.eviction import POLICIES
 from vllm_tiercache.shared.store import registry
 from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH
+from vllm_tiercache.shared.store.sealing.config import EncryptionConfig
 from vllm_tiercache.shared.store.tier_config import (
     Allowed,
     Bool,
@@ -215,6 +216,18 @@ class StoreConfig:
         "then be stored and served under them; without it, items named by a uuid are never cached. Required "
         "in vLLM's counter-naming mode (mm_processor_cache_gb=0 with prefix caching off): see "
         "docs/architecture.md, modes the connectors refuse.")), NOT_STORE_SHAPING] = False
+    encryption: Annotated[EncryptionConfig | None, Field(description=(
+        "Seal every record a tier outside the process keeps (disk, gds, redis) with AES-256-GCM under a "
+        "per-tenant subkey of a key ring (docs/operations.md, encryption at rest); the memory tier stays "
+        "plaintext. null: records are stored in plaintext. A record that does not open (unknown or retired "
+        "key, bad tag, another tenant's) is a miss, counted in sealed_rejected.")),
+        Allowed('null, or a mapping {"ring": "/path/to/ring.json" or "env:NAME"}'), SHAPES_STORE] = None
+    require_cache_salt: Annotated[Bool, Field(description=(
+        "Where tenants share a store: a request without vLLM's cache_salt neither loads nor saves KV records "
+        "(counted), and encoder outputs are neither loaded nor saved at all (an encoder output is keyed by its "
+        "media, which carries no tenant). The salt must be set by a gateway from an authenticated tenant "
+        "(docs/operations.md, the trust boundary), never taken from the client's body.")),
+        NOT_STORE_SHAPING] = False
     tiers: Annotated[tuple[TierConfig, ...], WrapValidator(_parse_tiers), Field(
         json_schema_extra={"minItems": 1, "default": [{"kind": "memory"}, {"kind": "disk"}]}, description=(
             "The tiers, fastest first; each item's kind picks its keys (see the tier tables). Default: a "
@@ -263,6 +276,8 @@ class StoreConfig:
             if t.get("admission") == _WRITE_THROUGH:  # the default is left out: configs written before a tier
                 del t["admission"]                    # had admission keep their form, and their cache key
         d["extra"] = dict(self.extra)
+        if d["encryption"] is None:  # left out: configs without it keep their form, and their cache key
+            del d["encryption"]
         return d
 
     def cache_key(self) -> str:
@@ -272,7 +287,8 @@ class StoreConfig:
         uuid trust, ``extra``...) only shape what a reader does with the store (see `StoreIdentity`).
         """
         d = self.to_dict()
-        return json.dumps({name: d[name] for name in STORE_SHAPING_FIELDS}, sort_keys=True, default=str)
+        return json.dumps({name: d[name] for name in STORE_SHAPING_FIELDS if name in d}, sort_keys=True,
+                          default=str)
 
 
 def store_shaping_fields(cls: type) -> tuple[str, ...]:

@@ -40,9 +40,11 @@ def docs_markdown() -> str:
     from vllm_tiercache.eccache.options import ManagerOptions
     from vllm_tiercache.shared.config_schema import docs_section
     from vllm_tiercache.shared.store.admission_config import AdmissionConfig
+    from vllm_tiercache.shared.store.sealing.config import EncryptionConfig
 
     return docs_section(whole_schema(), sections(),
                         more=[("`admission` of a slower tier (disk, gds, redis)", AdmissionConfig),
+                              ("`encryption` of the store (encryption at rest)", EncryptionConfig),
                               ("`manager_config` of the encoder cache managers", ManagerOptions)])
 
 

@@ -21,6 +21,10 @@ into the shared control entries (`vllm_tiercache.shared.store.control`); every s
 polls them every ``control_poll_s`` and its memory tier drops the tag's records written before the
 command (all of them: the other filters do not reach memory tiers).
 
+``--key-id ID`` (repeatable) removes the records sealed under key id ID (their ``sealed-key:ID`` tag, which
+the sealing store adds: `vllm_tiercache.shared.store.sealing.sealer`): after a key is retired from the ring its
+records are misses, and this reclaims their space. It reads no payload and needs no key ring.
+
 ``--older-than`` compares with the last access (disk: index access time, refreshed at most once a
 minute on reads; redis: OBJECT IDLETIME of the record head). Records without a key text (disk index
 rebuilt from headers, Redis records written before texts were stored) match only filters that do not
@@ -40,14 +44,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.naming.keys import parse_key_text
 from vllm_tiercache.shared.naming.weights_identity import model_names
 from vllm_tiercache.shared.store.api import KeepsControl, StoredRecord, TierAdminUnsupported
 from vllm_tiercache.shared.store.control import invalidation_changes
+from vllm_tiercache.shared.store.sealing.ring import KEY_ID_PATTERN
+from vllm_tiercache.shared.store.sealing.sealer import key_tag
 from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.tools.cli import UsageError
-from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.jobs import admin_config, load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -64,8 +69,8 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_S[match.group(2)]
 
 
-def make_predicate(namespace: str | None, model: str | None,
-                   older_than_s: float | None, tags: Sequence[str] = ()) -> Callable[[StoredRecord], bool]:
+def make_predicate(namespace: str | None, model: str | None, older_than_s: float | None,
+                   tags: Sequence[str] = (), key_ids: Sequence[str] = ()) -> Callable[[StoredRecord], bool]:
     """``predicate(record)``: True for a record every given filter matches.
 
     ``model`` matches every name keys may carry for it (`model_names`): keys name a model by its canonical
@@ -73,9 +78,12 @@ def make_predicate(namespace: str | None, model: str | None,
     """
     models = model_names(model) if model is not None else set()
     wanted = frozenset(tags)
+    sealed_under = frozenset(key_tag(kid) for kid in key_ids)
 
     def predicate(record: StoredRecord) -> bool:
         if wanted and wanted.isdisjoint(record.tags):
+            return False
+        if sealed_under and sealed_under.isdisjoint(record.tags):
             return False
         fields = parse_key_text(record.text)
         if namespace is not None and (fields is None or fields.namespace != namespace):
@@ -88,20 +96,28 @@ def make_predicate(namespace: str | None, model: str | None,
 
 
 def evict(store_config: dict[str, Any] | None, *, namespace: str | None = None, model: str | None = None,
-          older_than_s: float | None = None, dry_run: bool = False, tags: Sequence[str] = ()) -> dict[str, Any]:
+          older_than_s: float | None = None, dry_run: bool = False, tags: Sequence[str] = (),
+          key_ids: Sequence[str] = ()) -> dict[str, Any]:
     """Remove matching records from every shared tier; returns per-tier counts and bytes. With ``tags``, a
-    real run also tells the serving processes' memory tiers (`invalidate_tags`).
+    real run also tells the serving processes' memory tiers (`invalidate_tags`). ``key_ids``: only records
+    sealed under one of these key ids (their ``sealed-key:<id>`` tag), e.g. a retired key's.
+
+    The command never reads a payload, so it needs no key ring: a config's ``encryption`` is left out.
 
     No filter at all is a `UsageError` (a `ValueError`): this command never empties a whole store.
     """
     from vllm_tiercache.shared.store import build_store
 
-    if namespace is None and model is None and older_than_s is None and not tags:
-        raise UsageError("give at least one of --namespace, --model, --older-than, --tag "
+    if namespace is None and model is None and older_than_s is None and not tags and not key_ids:
+        raise UsageError("give at least one of --namespace, --model, --older-than, --tag, --key-id "
                          "(to drop a whole store, delete its directory or Redis database)")
     tags = validate_tags(tags)
-    predicate = make_predicate(namespace, model, older_than_s, tags)
-    config = StoreConfig.load(store_config)
+    for kid in key_ids:
+        if not KEY_ID_PATTERN.match(kid):
+            raise UsageError(f"--key-id: invalid key id {kid[:64]!r}; allowed: letters, digits, '.', '_', '-' "
+                             "(at most 64), as in the ring")
+    predicate = make_predicate(namespace, model, older_than_s, tags, key_ids)
+    config = admin_config(store_config)
     result: dict[str, Any] = {"dry_run": dry_run, "tiers": []}
     with build_store(config) as store:
         at = time.time()
@@ -142,7 +158,8 @@ def _evict_tier(tier: Any, predicate: Callable[[StoredRecord], bool], dry_run: b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Remove records by namespace, model, age or tag from the disk/gds and Redis tiers."
+    parser.description = ("Remove records by namespace, model, age, tag or sealing key id from the disk/gds and "
+                          "Redis tiers.")
     parser.add_argument("--config", required=True, metavar="STORE", help="store config: YAML/JSON file or inline JSON")
     parser.add_argument("--namespace", default=None, type=_non_empty, help="only records of this namespace")
     parser.add_argument("--model", default=None, type=_non_empty,
@@ -151,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only records not used for D (e.g. 30m, 12h, 7d)")
     add_tag_argument(parser, "only records carrying TAG (repeatable: any of them), e.g. doc:1234; running "
                              "instances' memory tiers drop them within control_poll_s")
+    parser.add_argument("--key-id", dest="key_ids", action="append", default=[], metavar="ID",
+                        help="only records sealed under key id ID (repeatable: any of them), e.g. a retired "
+                             "key's; needs no key ring")
     parser.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -165,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     """Remove (or count) the matching records; 1 when a tier failed. A usage or config error raises
     (`UsageError`, `ConfigError`, `DiskTierError`): `cli.main` prints it in one line and exits 2."""
     result = evict(load_store_arg(args.config), namespace=args.namespace, model=args.model,
-                   older_than_s=args.older_than, dry_run=args.dry_run, tags=args.tags)
+                   older_than_s=args.older_than, dry_run=args.dry_run, tags=args.tags, key_ids=args.key_ids)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -10,6 +10,7 @@ write. The summary therefore counts what is really stored, not what was submitte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -80,6 +81,12 @@ class PrecomputeSummary:
 
 
 # ------------------------------------------------------------------------------------------ store config
+def admin_config(store_config: Mapping[str, Any] | None) -> StoreConfig:
+    """The store config of an admin command (`stats`, `evict`, `pin`, `unpin`): these read no payload, so a
+    sealing store's ``encryption`` is left out and the command needs no key ring where it runs."""
+    return dataclasses.replace(StoreConfig.load(store_config), encryption=None)
+
+
 def load_store_arg(value: str) -> dict[str, Any]:
     """`--config` value: a YAML/JSON file path, or inline JSON starting with ``{``."""
     text = value.strip()

@@ -34,14 +34,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store.api import ExpiresRecords, KeepsControl, TierAdminUnsupported
 from vllm_tiercache.shared.store.control import Control, parse_control, pin_changes
 from vllm_tiercache.shared.store.series import tier_names
 from vllm_tiercache.shared.store.tags import validate_tags
 from vllm_tiercache.shared.store.tier_config import format_bytes
 from vllm_tiercache.tools.cli import UsageError, one_line
-from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.jobs import admin_config, load_store_arg
 from vllm_tiercache.tools.tag_args import add_tag_argument
 
 #: The longest a pin may last (a year): beyond it, pin without --ttl.
@@ -64,7 +63,7 @@ def pin(store_config: dict[str, Any] | None, tags: Sequence[str], ttl_s: float |
     tags = validate_tags(tags)
     if not tags:
         raise UsageError("give at least one --tag to pin")
-    config = StoreConfig.load(store_config)
+    config = admin_config(store_config)
     names = tier_names(config.tiers)
     for i, tc in enumerate(config.tiers):
         if tc.pin_budget <= 0:
@@ -106,7 +105,7 @@ def unpin(store_config: dict[str, Any] | None, tags: Sequence[str]) -> dict[str,
     if not tags:
         raise UsageError("give at least one --tag to unpin")
     result: dict[str, Any] = {"tags": tags, "tiers": []}
-    with build_store(StoreConfig.load(store_config)) as store:
+    with build_store(admin_config(store_config)) as store:
         known: dict[str, float | None] = {}
         all_read = True
         for tier in store.tiers:

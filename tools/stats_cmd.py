@@ -31,11 +31,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.naming.keys import parse_key_text
 from vllm_tiercache.shared.store.api import TierAdminUnsupported
 from vllm_tiercache.tools.cli import UsageError
-from vllm_tiercache.tools.jobs import load_store_arg
+from vllm_tiercache.tools.jobs import admin_config, load_store_arg
 
 #: Tier counters shown per stats file (all are in the JSON output).
 _SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes",
@@ -101,7 +100,7 @@ def read_stats_files(directory: str) -> list[dict[str, Any]]:
 def collect(store_config: dict[str, Any] | None, stats_dir: str | None, by_tag: bool = False) -> dict[str, Any]:
     from vllm_tiercache.shared.store import build_store
 
-    config = StoreConfig.load(store_config)
+    config = admin_config(store_config)
     with build_store(config) as store:
         tiers = [tier_contents(tier, by_tag) for tier in store.tiers]
     result: dict[str, Any] = {"namespace": config.namespace, "tiers": tiers}

@@ -14,7 +14,8 @@ What is checked, for the parts that name this plugin: the KV connector (also as 
 child), the EC connector, an encoder cache manager of ours (`--ec-manager-config`), and that every
 directory a tier would own can be created and written, and that a tier declaring `ChecksAtPreflight`
 finds its backend takes its settings (the object tier: one HEAD of its bucket, with its credentials).
-Nothing else is opened: no store, no Redis connection, no weight file read.
+Nothing else is opened: no store, no Redis connection, no weight file read; a sealing store's key ring
+is read (and refused in one line when it cannot be: `check_encryption`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named(where):
             store = check_kv_config(vllm_config, transfer, final_block_size=False).store
             check_tier_directories(store)
+            check_encryption(store)
             check_tier_backends(store)
         if transfer.is_kv_producer:  # the connector's own rule for saving (a consumer never writes)
             stores.append(store)
@@ -75,6 +77,7 @@ def check_engine_config(vllm_config: Any) -> None:
         with _named("ec_transfer_config (--ec-transfer-config)"):
             store = check_ec_config(vllm_config)[1]
             check_tier_directories(store)
+            check_encryption(store)
             check_tier_backends(store)
         if ec.is_ec_producer:
             stores.append(store)
@@ -172,6 +175,16 @@ def check_tier_backends(store: Any) -> None:
         cls = tier_class(tier_config.kind)
         if issubclass(cls, ChecksAtPreflight):
             cls.preflight(tier_config, f"tiers[{i}]")
+
+
+def check_encryption(store: Any) -> None:
+    """A sealing store's key ring (``encryption.ring``) can be read and is a valid ring: else one
+    `ConfigError` line naming the setting and the fix, never a key (`load_ring`). Only the ring is read."""
+    encryption = getattr(store, "encryption", None)
+    if encryption is not None:
+        from vllm_tiercache.shared.store.sealing.ring import load_ring
+
+        load_ring(encryption.ring)
 
 
 def _unusable_directory(path: str) -> str | None:

@@ -1,22 +1,39 @@
 """What a restarted engine (or another engine on the same disk or Redis) announces before any request asks.
 
 A stored record holds KV, not the tokens it was computed from, and a router needs the tokens (it keys
-blocks by them). So the scheduler side keeps a journal of the chunks it announced on the shared tiers, in
-the store itself: a ring of ``SLOTS`` records per model identity, each the event payloads of up to
-``PER_SEGMENT`` chunks (CBOR, no pickle). At start the ring is read once (``SLOTS`` records, one
-``get_many``); every chunk in it whose KV records the shared tiers still hold is announced. That bounds
-the start-up announcement at ``SLOTS * PER_SEGMENT`` chunks (4,096: 1M tokens at the default chunk size),
-the most recently journaled ones; older holdings are announced when a lookup finds them.
+blocks by them). So the scheduler side keeps a journal of the chunks it saves, in the store itself: a ring
+of ``SLOTS`` records per model identity, each the event payloads of up to ``PER_SEGMENT`` chunks (CBOR, no
+pickle). At start the ring is read once (``SLOTS`` records, one ``get_many``) and every chunk in it whose
+KV records the shared tiers still hold is announced (`vllm_tiercache.kvcache.events.discovery`). That
+bounds the start-up announcement at ``SLOTS * PER_SEGMENT`` chunks (4,096: 1M tokens at the default chunk
+size), the most recently journaled ones; older holdings are announced when a lookup finds them.
+
+When a chunk is journaled: as its save is planned, not once the shared tiers confirm it. Confirmation
+needs engine steps after the save (the tracker asks a few chunks per step), and an engine that goes idle
+after its last answer takes none: its last chunks were never journaled, and a restart did not announce
+them. Journaled at the save, an entry may name a chunk whose records never land (a write-behind drop, an
+admission rule that keeps the records in memory, Redis down): it costs a slot of the ring and one lookup
+at the next start, never an announcement, since only what the shared tiers hold is announced.
+
+When the journal is written: on its own thread, at most every ``interval_s`` (0.5 s) while something new
+was journaled, whether or not the engine steps; a full segment at once. A clean stop writes the rest
+(`close`, one write, within vLLM's ``--shutdown-timeout``). So a SIGKILL loses at most the chunks whose
+saves were planned in the last ``interval_s`` before it (and what the store's write-behind had not
+written yet), and the records of those chunks were still on their way too.
 
 The journal keys are KV keys of the model (``...|Lall|Gevents``), so ``tiercache evict`` by model or
 namespace removes them with the KV records; a journal entry whose KV records are gone is never announced.
-Engines sharing a tier overwrite each other's slots: an entry lost so is a chunk not announced at start
-(under-reporting, never a promise the tiers cannot keep).
+The ring is one per model identity, shared by every engine on the same shared tier: an engine continues
+after the newest segment it read at start, and engines running side by side overwrite each other's
+slots. A new engine announces the union of what the ring holds (whichever engine wrote each slot) that
+the shared tiers still hold; an entry overwritten so is a chunk not announced at start (under-reporting,
+never a promise the tiers cannot keep).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +45,15 @@ from vllm_tiercache.kvcache.events.ledger import ChunkPayload
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.shared.naming.keys import kv_chunk_key
 from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 SLOTS = 16
 PER_SEGMENT = 256
+#: Seconds between two writes of the open segment while chunks are being journaled: the most a SIGKILL loses.
+WRITE_INTERVAL_S = 0.5
 #: (sequence number, entries): one record of the ring
 Segment = tuple[int, list[tuple[bytes, ChunkPayload]]]
 
@@ -67,19 +87,34 @@ def decode_segment(data: bytes) -> tuple[int, list[tuple[bytes, ChunkPayload]]] 
 
 
 class EventJournal:
-    """The ring of journal records of one model identity in one store (see the module docstring)."""
+    """The ring of journal records of one model identity in one store (see the module docstring).
 
-    def __init__(self, store: Store, naming: KVNaming, clock: Callable[[], float], interval_s: float = 2.0) -> None:
+    ``background``: a thread of its own writes what is due every ``interval_s`` (the connector's journal);
+    without it, the caller writes (`flush_due`, `close`): tests drive it with their own clock. Either way
+    nothing is written before the ring was read (`continue_at`), so a start never overwrites the segments
+    it is about to announce.
+    """
+
+    def __init__(self, store: Store, naming: KVNaming, clock: Callable[[], float],
+                 interval_s: float = WRITE_INTERVAL_S, *, background: bool = False) -> None:
         self.store = store
         self.naming = naming
         self.clock = clock
         self.interval_s = interval_s
-        self._seq = 0
+        self._lock = threading.Lock()
+        #: the sequence number of the first segment not yet handed out (full ones first, then the open one)
+        self._base = 0
         self._entries: list[tuple[bytes, ChunkPayload]] = []
         self._dirty = False
         self._next_write = 0.0
-        #: full segments not yet written (`due` hands them out)
-        self._full: list[Segment] = []
+        #: full segments not yet handed out (`due` numbers them from `_base`)
+        self._full: list[list[tuple[bytes, ChunkPayload]]] = []
+        self._read = not background  # a caller-driven journal writes when told; a background one after the read
+        self._background = background
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def key(self, slot: int) -> StoreKey:
         return kv_chunk_key(self.naming.namespace, self.naming.identities[0], b"tiercache-events-%02d" % slot,
@@ -93,7 +128,7 @@ class EventJournal:
 
     def read_ring(self) -> tuple[list[tuple[bytes, ChunkPayload]], int]:
         """Every entry of the ring, oldest segment first, and the sequence number after the newest segment.
-        Touches no state of the journal: the event tracker runs it off the step (`continue_at` then)."""
+        Touches no state of the journal (`continue_at` then)."""
         segments = []
         for record in self.store.get_many([self.key(slot) for slot in range(SLOTS)]):
             if record is not None and not record.in_place:
@@ -104,35 +139,49 @@ class EventJournal:
         return [entry for _, entries in segments for entry in entries], (segments[-1][0] + 1 if segments else 0)
 
     def continue_at(self, seq: int) -> None:
-        """Later writes go to the segments after ``seq - 1`` (the newest one read)."""
-        self._seq = max(self._seq, seq)
+        """Later writes go to the segments after ``seq - 1`` (the newest one read); the writes may start."""
+        with self._lock:
+            self._base = max(self._base, seq)
+            self._read = True
+        self._wake.set()
 
     def add(self, name: bytes, payload: ChunkPayload) -> None:
-        """A chunk the shared tiers hold now; written with its segment when the segment is full, or within
+        """A chunk whose save was planned; written with its segment when the segment is full, or within
         ``interval_s`` (`due`)."""
-        self._entries.append((name, payload))
-        self._dirty = True
-        if len(self._entries) >= PER_SEGMENT:
-            self._full.append((self._seq, self._entries))
-            self._seq += 1
-            self._entries = []
-            self._dirty = False
+        with self._lock:
+            self._entries.append((name, payload))
+            self._dirty = True
+            if len(self._entries) >= PER_SEGMENT:
+                self._full.append(self._entries)
+                self._entries = []
+                self._dirty = False
+            start = self._background and self._thread is None and not self._closed
+            if start:
+                self._thread = background_thread(self._write_loop, "tiercache-kv-journal")
+        if start:
+            self._thread.start()  # type: ignore[union-attr]
+        self._wake.set()
 
     @property
     def is_due(self) -> bool:
         """Whether `due` would hand out a segment now (without ``force``)."""
-        return bool(self._full) or (self._dirty and self.clock() >= self._next_write)
+        return self._read and (bool(self._full) or (self._dirty and self.clock() >= self._next_write))
 
     def due(self, *, force: bool = False) -> list[Segment]:
         """The segments to write now: every full one, and the open one when it changed and ``interval_s``
         has passed since the last write (or ``force``). Copies: `write` may run on another thread while
-        entries are added."""
-        segments, self._full = self._full, []
-        if self._dirty and (force or self.clock() >= self._next_write):
-            segments.append((self._seq, list(self._entries)))
-            self._dirty = False
-            self._next_write = self.clock() + self.interval_s
-        return segments
+        entries are added. Nothing before the ring was read."""
+        with self._lock:
+            if not self._read:
+                return []
+            segments = [(self._base + i, entries) for i, entries in enumerate(self._full)]
+            self._base += len(self._full)
+            self._full = []
+            if self._dirty and (force or self.clock() >= self._next_write):
+                segments.append((self._base, list(self._entries)))
+                self._dirty = False
+                self._next_write = self.clock() + self.interval_s
+            return segments
 
     def write(self, segments: list[Segment]) -> None:
         """Encode and store ``segments`` (from `due`); safe off the step: it reads nothing of the journal."""
@@ -145,7 +194,39 @@ class EventJournal:
         """Write what `due` says, here and now."""
         self.write(self.due())
 
+    def _write_loop(self) -> None:
+        """The background writer: what is due, whenever something was journaled, at most every ``interval_s``."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.flush_due()
+            except Exception as exc:  # a tier bug: the entries stay and go with the next write
+                log.warning("tiercache: writing the KV events journal failed: %s", exc)
+            wait = self._next_write - self.clock()
+            if self._dirty and wait > 0:  # the open segment changed within the interval: written after it
+                if self._stop.wait(wait):
+                    return
+                self._wake.set()
+
+    def abandon(self) -> None:
+        """Stop the background writer, writing nothing more (a connector reset: later names are of another
+        weights generation, and what is journaled so far stays as last written)."""
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+
     def close(self) -> None:
         """Write what was journaled since the last write, whatever the interval (the engine is stopping:
-        without it, the chunks confirmed in its last ``interval_s`` would not be announced after a restart)."""
+        without it, the chunks journaled in its last ``interval_s`` would not be announced after a restart).
+        One write, on the caller's thread; the background writer stops."""
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            self._read = True  # a stop before the ring was read: its own entries still count
         self.write(self.due(force=True))

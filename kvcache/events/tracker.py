@@ -14,10 +14,12 @@ process learns anyway:
   drops (`tiercache evict`, a disk LRU of another engine, a corrupt record deleted by a reader) are found
   by a sweep: every ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again (by
   one record each).
-- at start, the chunks the journal (`vllm_tiercache.kvcache.events.journal`) lists and the shared tiers
-  still hold are announced, ``discover_per_step`` per step (at most the journal's 4,096 chunks);
-- the questions to the shared tiers (confirmation, sweep, start-up discovery) and the journal's writes
-  run off the step (`vllm_tiercache.kvcache.off_step`): each step posts one batch when the last one is
+- every chunk whose save is planned is journaled (`vllm_tiercache.kvcache.events.journal`, written on its
+  own thread), and at start the chunks the journal lists and the shared tiers still hold are announced
+  with the first step (`vllm_tiercache.kvcache.events.discovery`: checked on a thread started with the
+  scheduler; at most the journal's 4,096 chunks);
+- the questions to the shared tiers (confirmation, sweep, chunks asked again after an outage) run off the
+  step (`vllm_tiercache.kvcache.off_step`): each step posts one batch when the last one is
   answered, and applies the answer on the step after it came. A chunk is so announced a step or two
   after its records land, and a slow or hung shared tier delays its own events, never the step;
 - a shared tier that does not answer (Redis down or hung past its timeout, some cluster shards down) is
@@ -39,7 +41,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_tiercache.kvcache.events.journal import EventJournal
+from vllm_tiercache.kvcache.events.discovery import FIRST_STEP_WAIT_S, Discovered, StartupDiscovery
+from vllm_tiercache.kvcache.events.journal import PER_SEGMENT, SLOTS, EventJournal
 from vllm_tiercache.kvcache.events.ledger import MEDIUM_DISK, MEDIUM_MEMORY, MEDIUM_REMOTE, KVEventLedger
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
 from vllm_tiercache.kvcache.off_step import OffStepJob
@@ -92,9 +95,11 @@ class TierEventTracker:
         self._sweep_at = 0
         self._kv_cache_manager: Any = None
         self._prefix_epoch: object | None = None
-        self.journal = EventJournal(store, naming, clock) if self.shared_medium is not None else None
-        #: journal entries read at start, not yet checked against the shared tiers (None: not read yet)
-        self._discovered: list[tuple[bytes, Any]] | None = None if self.journal is not None else []
+        self.journal = EventJournal(store, naming, clock, background=True) if self.shared_medium is not None else None
+        #: chunks journaled by this engine (the newest ring's worth): a chunk saved again is not journaled twice
+        self._journaled: OrderedDict[bytes, None] = OrderedDict()
+        #: chunks to ask the shared tiers about again (back from an outage), taken from the end, a batch a step
+        self._discovered: list[tuple[bytes, Any]] = []
         #: the shared tiers' questions of a step, answered off the step (tests swap in an inline one)
         self.off_step = OffStepJob("tiercache-kv-events")
         #: bumped by `reset`: an answer to a question asked before it is about names of the old generation
@@ -104,6 +109,10 @@ class TierEventTracker:
                         if tier.shared_across_processes and isinstance(tier, ReportsHealth)]
         #: chunks withdrawn while a shared tier did not answer: name -> payload, asked again once it does
         self._unreachable: OrderedDict[bytes, Any] = OrderedDict()
+        #: the journal's start-up check, started now (the engine is still starting), applied by a step
+        self._startup = (StartupDiscovery(self.journal, self._in_shared, self.shared_answering)
+                         if self.journal is not None else None)
+        self._first_take = True
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -116,6 +125,17 @@ class TierEventTracker:
         if self.shared_medium is not None:
             self._unconfirmed[name] = self.clock() + self.confirm_timeout_s
             self._unconfirmed.move_to_end(name)
+        self._journal(name)
+
+    def _journal(self, name: bytes) -> None:
+        """Journal a chunk as its save is planned (the journal's docstring says why not once confirmed)."""
+        journal, payload = self.journal, self.ledger.payload(name)
+        if journal is None or payload is None or name in self._journaled:
+            return
+        journal.add(name, payload)
+        self._journaled[name] = None
+        if len(self._journaled) > SLOTS * PER_SEGMENT:
+            self._journaled.popitem(last=False)
 
     def looked_up(self, request: Request, names: RequestNames, ends: Sequence[int], stored: Sequence[bool],
                   resident: Sequence[bool], asked: Sequence[bool]) -> None:
@@ -150,8 +170,11 @@ class TierEventTracker:
         self._unconfirmed.clear()
         self._unreachable.clear()
         self._generation += 1
-        self._discovered = []  # nothing to discover (a reset before the journal was read: never read it)
+        self._discovered = []
+        self._startup = None  # what the journal lists is of the old generation: never announced
         # later names carry the new generation's salt, which no restarted engine computes: not journaled
+        if self.journal is not None:
+            self.journal.abandon()
         self.journal = None
 
     def close(self) -> None:
@@ -160,6 +183,7 @@ class TierEventTracker:
         self.off_step.close(10.0)
         if self.journal is not None:
             self.journal.close()
+        self._startup = None
 
     # ----------------------------------------------------------------------------------- once per step
     def take(self) -> list[KVCacheEvent]:
@@ -170,6 +194,8 @@ class TierEventTracker:
             if epoch is not self._prefix_epoch:
                 self._prefix_epoch = epoch
                 self.ledger.reannounce()
+        if self._startup is not None:
+            self._apply_startup()
         if self.shared_medium is not None:
             self.off_step.apply_done()
             if self.off_step.settled and self._questions_due():
@@ -179,27 +205,13 @@ class TierEventTracker:
     def _questions_due(self) -> bool:
         """Whether `_post_questions` would ask anything: a few attribute reads, so that a step with nothing to
         ask (most decode steps) costs no lists, no lock and no clock beyond the sweep's."""
-        journal = self.journal
-        return bool(self._discovered is None or self._discovered or self._unconfirmed
-                    or (self._unreachable and self.shared_answering()) or (journal is not None and journal.is_due)
+        return bool(self._discovered or self._unconfirmed or (self._unreachable and self.shared_answering())
                     or self.clock() >= self._next_sweep)
 
     def _post_questions(self) -> None:
-        """One batch of what is due: the journal read first (alone), then discovery, confirmation, the sweep
-        and the journal's writes together; the answer is applied by a later `take`."""
+        """One batch of what is due: chunks asked again, confirmation and the sweep together; the answer is
+        applied by a later `take`."""
         generation = self._generation
-        if self._discovered is None:
-            assert self.journal is not None
-            journal = self.journal
-
-            def read_applied(ring: tuple[list[tuple[bytes, Any]], int]) -> None:
-                entries, next_seq = ring
-                journal.continue_at(next_seq)
-                self._discovered = entries[::-1] if generation == self._generation else []  # popped newest first
-
-            self.off_step.submit(journal.read_ring, read_applied)
-            if self._discovered is None:  # answered on a later step (at once when inline)
-                return
         if self._unreachable and self.shared_answering():  # back: asked next, as the journal's entries are
             # taken from the end, 16 at a time: parents last, so a batch never comes before its parents' batch
             back = sorted(self._unreachable.items(), key=lambda item: -item[1].start_block)
@@ -213,16 +225,12 @@ class TierEventTracker:
         if self.clock() >= self._next_sweep:
             self._next_sweep = self.clock() + self.sweep_interval_s
             sweep = self._sweep_batch()
-        journal = self.journal  # a reset sets it to None meanwhile: what was due is still written
-        segments = journal.due() if journal is not None else []
-        if not (n_discover or confirm or sweep or segments):
+        if not (n_discover or confirm or sweep):
             return
         discover_names = [name for name, _ in discover]
 
         def ask() -> tuple[list[bool], list[bool], list[bool], bool]:
             answering = self.shared_answering()
-            if journal is not None and segments:
-                journal.write(segments)
             found = self._in_shared(discover_names), self._confirmed(confirm), self._first_records_held(sweep)
             # a "no" counts as gone only from tiers that answered throughout
             return *found, answering and self.shared_answering()
@@ -278,12 +286,7 @@ class TierEventTracker:
                 self._unconfirmed[name] = give_up_at  # asked again after the others
             elif not answering:
                 self._keep_unreachable(name)  # its records may have landed before the tier stopped answering
-        held = self._after_their_parents(found_now)
-        self.ledger.stored_many(held, self.shared_medium)  # type: ignore[arg-type]
-        for name in held:
-            payload = self.ledger.payload(name)
-            if payload is not None and self.journal is not None:
-                self.journal.add(name, payload)
+        self.ledger.stored_many(self._after_their_parents(found_now), self.shared_medium)  # type: ignore[arg-type]
 
     def _after_their_parents(self, found: dict[bytes, float]) -> list[bytes]:
         """Of the chunks just found on the shared tiers, those announced now: a chunk whose parent chunk still
@@ -299,6 +302,22 @@ class TierEventTracker:
             else:
                 held.append(name)
         return held
+
+    def _apply_startup(self) -> None:
+        """The journal's start-up check, once done: what the shared tiers hold announced in this step, parents
+        first; what they did not find while one of them was not answering, asked again once it answers. The
+        first step waits for a check still running at most `FIRST_STEP_WAIT_S`."""
+        assert self._startup is not None
+        answer: Discovered | None = self._startup.result(FIRST_STEP_WAIT_S if self._first_take else 0.0)
+        self._first_take = False
+        if answer is None:
+            return
+        self._startup = None
+        if not answer.answering:
+            for (name, payload), ok in zip(answer.entries, answer.held, strict=True):
+                if not ok:
+                    self._keep_unreachable(name, payload)
+        self._apply_discovered(answer.entries, answer.held)
 
     def _apply_discovered(self, batch: list[tuple[bytes, Any]], found: list[bool]) -> None:
         """Journal entries of an earlier run (or another engine) that the shared tiers hold: announced."""

@@ -266,7 +266,8 @@ class KVLoader:
                                  for _, layer, group in layers for i in loads_of_group.get(group, ())])
         for layer_name, layer, group in layers:
             todo = [i for i in loads_of_group.get(group, ()) if i not in job.failed]
-            keys = [self.key(job.loads[i].chunk_hash, layer) for i in todo]
+            # a sealing store opens each record with its request's tenant subkey (`ChunkLoad.tenant`)
+            keys = [self.key(job.loads[i].chunk_hash, layer).for_tenant(job.loads[i].tenant) for i in todo]
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             fetch_started = time.perf_counter()

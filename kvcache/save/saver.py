@@ -100,9 +100,9 @@ class KVSaver:
         last_layer = layer == self._num_layers - 1
         gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
         for save, blocks in zip(saves, gathered, strict=True):
-            self.gathered.append(GatheredRecord(self.key(save.chunk_hash, layer), blocks, save.chunk_hash,
-                                                last_layer, save.first, save.urgent, save.tags,
-                                                save.reused_share))
+            key = self.key(save.chunk_hash, layer).for_tenant(save.tenant)  # sealed for the request's tenant
+            self.gathered.append(GatheredRecord(key, blocks, save.chunk_hash, last_layer, save.first, save.urgent,
+                                                save.tags, save.reused_share))
 
     def hand_off(self) -> None:
         """Hand this step's gathered records to the saver thread (the copies are ours: no waiting)."""

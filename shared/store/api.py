@@ -50,6 +50,10 @@ class StoreKey:
 
     text: str
     digest: bytes = field(repr=False, compare=False, default=b"")
+    #: The tenant salt (vLLM's ``cache_salt``) of the request the record serves, None without one: what a
+    #: sealing store derives the record's subkey from (`vllm_tiercache.shared.store.sealing`). Not part of the
+    #: key's identity (the salt already entered the text's hash) and never stored, logged or shown.
+    tenant: str | None = field(repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -60,6 +64,12 @@ class StoreKey:
     @property
     def hex(self) -> str:
         return self.digest.hex()
+
+    def for_tenant(self, tenant: str | None) -> StoreKey:
+        """This key for the request of tenant salt ``tenant`` (itself when None, or already so)."""
+        if tenant is None or tenant == self.tenant:
+            return self
+        return StoreKey(self.text, self.digest, tenant)
 
     @property
     def namespace(self) -> str:
@@ -373,6 +383,15 @@ class ExpiresRecords(ABC):
         """Remove (``hold``) or give back the TTL of every record carrying one of ``tags``; returns how many."""
 
 
+class DropsRecords(ABC):
+    """Deletes records the store found unusable above the tier (a sealed record that can never open under
+    this ring: `vllm_tiercache.shared.store.sealing`), as the tier deletes the corrupt records it finds."""
+
+    @abstractmethod
+    def drop_many(self, keys: Sequence[StoreKey]) -> None:
+        """Delete these keys' records (absent ones are no error); never raises for a backend problem."""
+
+
 class ChecksAtPreflight(ABC):
     """Can tell before an engine starts whether its backend takes these settings (object: the bucket exists,
     the credentials are accepted), so that a wrong setting is one line at start naming it
@@ -389,4 +408,4 @@ class ChecksAtPreflight(ABC):
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
     RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator,
-    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, ChecksAtPreflight)
+    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, DropsRecords, ChecksAtPreflight)

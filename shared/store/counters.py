@@ -31,7 +31,7 @@ COUNTER_NAMES = (
     "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
     "dropped_writes",
     "refused", "errors", "read_seconds", "write_seconds", "lookups_past_budget", "lookups_skipped",
-    "writes_admitted", "writes_refused",
+    "writes_admitted", "writes_refused", "sealed_rejected",
 )
 
 #: Counter -> help text of `vllm:tiercache_store_<name>_total{tier}` (`COUNTER_NAMES` plus the memory tier's
@@ -55,6 +55,8 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "lookups_skipped": "Scheduler lookups that skipped this network tier: its previous call was still outstanding.",
     "writes_admitted": "Records the store's admission handed to this slower tier (puts, and write-downs of records "
                        "kept in memory until they were used again).",
+    "sealed_rejected": "Sealed records that did not open (unknown or retired key id, bad tag, truncated or edited, "
+                       "another tenant's, or plaintext in a sealing store); read as misses, the damaged ones deleted.",
     "writes_refused": "Records a put kept out of this slower tier by its admission (policy seen): in memory only "
                       "until used again.",
 }

@@ -68,6 +68,7 @@ from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
 from vllm_tiercache.shared.store.registry import make_tier
+from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
 from vllm_tiercache.shared.store.write_behind import WriteBehindBuffer
 from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
@@ -145,7 +146,10 @@ class TieredStore:
         self.tiers: list[Tier] = list(tiers)
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
-        self._writer = BackgroundWriter(config.write_queue_size)
+        #: a sealing store's seal and open steps (`encryption`); None: every tier keeps plaintext
+        self._sealed = sealed_tiers(config.encryption)
+        self._writer = BackgroundWriter(config.write_queue_size,
+                                        prepare=self._sealed.prepare if self._sealed else None)
         self._write_behind = WriteBehindBuffer()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -247,11 +251,14 @@ class TieredStore:
                 if not missing:
                     break
             start = time.perf_counter()
+            asked = [keys[i] for i in missing]
             try:
-                if into is not None and isinstance(tier, ReadsInto):
-                    res = tier.get_many_into([keys[i] for i in missing], [into[i] for i in missing])
+                if into is not None and isinstance(tier, ReadsInto) and not (self._sealed and seals(tier)):
+                    res = tier.get_many_into(asked, [into[i] for i in missing])
                 else:
-                    res = tier.get_many([keys[i] for i in missing])
+                    res = tier.get_many(asked)
+                if self._sealed:  # opened into the caller's memory where it gave some
+                    res = self._sealed.incoming(tier, asked, res, None if into is None else [into[i] for i in missing])
             except Exception as exc:
                 _tier_error(tier, "get_many", exc)
                 res = [None] * len(missing)
@@ -345,7 +352,7 @@ class TieredStore:
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
         try:
-            tier.put_many(items)
+            tier.put_many(self._sealed.outgoing(tier, items) if self._sealed else items)
         except Exception as exc:
             _tier_error(tier, "put_many", exc)
             tier.counters.add(dropped_writes=len(items))
@@ -380,8 +387,9 @@ class TieredStore:
 
     @property
     def reads_into(self) -> bool:
-        """True when some tier lands payloads in the caller's memory (`ReadsInto`; `get_many`'s ``into``)."""
-        return any(isinstance(tier, ReadsInto) for tier in self.tiers)
+        """True when some tier lands payloads in the caller's memory (`ReadsInto`; `get_many`'s ``into``), or a
+        sealing store opens records there (every tier it seals)."""
+        return any(isinstance(tier, ReadsInto) or (self._sealed is not None and seals(tier)) for tier in self.tiers)
 
     def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
         """Hand ``allocator`` to the tiers that read whole records into memory they are given

@@ -28,6 +28,8 @@ Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
 #: Called with a job's items once every tier of the job has been written (or has failed).
 DoneCallback = Callable[[Sequence[Item]], None]
 Job = tuple[Sequence[Tier], Sequence[Item], DoneCallback | None]
+#: What a batch's (tier, items) groups become before they are written (`BackgroundWriter`'s ``prepare``).
+Prepare = Callable[[list[tuple[Tier, list[Item]]]], list[tuple[Tier, list[Item]]]]
 #: At most this many queued jobs are merged into one batched `put_many` per tier.
 MAX_BATCH = 32
 #: Put on the queue to wake the writer for an urgent job (which waits in its own deque).
@@ -37,7 +39,9 @@ _WAKE = ("wake", (), None)
 class BackgroundWriter:
     """Queue of (tiers, items) jobs; `submit` never blocks; `flush` waits for everything submitted."""
 
-    def __init__(self, maxsize: int, name: str = "tiercache-writer") -> None:
+    def __init__(self, maxsize: int, name: str = "tiercache-writer", prepare: Prepare | None = None) -> None:
+        #: turns each batch's (tier, items) groups into what the tiers store (a sealing store seals them)
+        self._prepare = prepare
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize)
         self._urgent: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -119,13 +123,21 @@ class BackgroundWriter:
             if stop:
                 return
 
-    @staticmethod
-    def _run(jobs: list[Job]) -> None:
+    def _run(self, jobs: list[Job]) -> None:
         by_tier: dict[int, tuple[Tier, list[Item]]] = {}
         for tiers, items, _ in jobs:
             for tier in tiers:
                 by_tier.setdefault(id(tier), (tier, []))[1].extend(items)
-        for tier, items in by_tier.values():
+        groups = list(by_tier.values())
+        if self._prepare is not None:
+            try:
+                groups = self._prepare(groups)
+            except Exception as exc:  # nothing is written unsealed: the batch is dropped, counted
+                for tier, items in groups:
+                    tier.counters.add(errors=1, dropped_writes=len(items))
+                log.exception("tiercache writer: preparing a batch failed: %s", exc)
+                groups = []
+        for tier, items in groups:
             start = time.perf_counter()
             try:
                 tier.put_many(items)

@@ -191,7 +191,7 @@ def test_every_store_field_says_whether_it_shapes_the_store():
         marks = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, StoreIdentity)]
         assert len(marks) == 1, f"StoreConfig.{f.name} needs exactly one of SHAPES_STORE, NOT_STORE_SHAPING"
     assert STORE_SHAPING_FIELDS == store_shaping_fields(StoreConfig) == ("write_queue_size", "lookup_budget_ms",
-                                                                          "control_poll_s", "tiers")
+                                                                          "control_poll_s", "encryption", "tiers")
 
     @dataclasses.dataclass(frozen=True)
     class Unmarked:
@@ -217,6 +217,8 @@ _CHANGED = {
     "control_poll_s": {"control_poll_s": 0.5},
     "model_version": {"model_version": "v2"},
     "trust_multi_modal_uuids": {"trust_multi_modal_uuids": True},
+    "encryption": {"encryption": {"ring": "env:TIERCACHE_RING"}},
+    "require_cache_salt": {"require_cache_salt": True},
     "tiers": {"tiers": [{"kind": "memory", "capacity": "1GiB"}]},
     "extra": {"extra": {"x_note": 1}},
 }

@@ -45,6 +45,8 @@ CASES: list[tuple[str, dict, list[str]]] = [
     ("a misspelled connector option", _kv({"chunk_sise": 256}), [_KV, "chunk_sise", "did you mean 'chunk_size'"]),
     ("a disk path under a file", _kv({"tiers": [{"kind": "disk", "path": "{model}/config.json/cache"}]}),
      [_KV, "tiers[0].path", "config.json' is not a directory", "a local directory this user can create and write"]),
+    ("a key ring that cannot be read", _kv({"encryption": {"ring": "{model}/absent-ring.json"}}),
+     [_KV, "encryption.ring", "cannot read the ring file", "absent-ring.json", "env:NAME"]),
     ("two failure policies that disagree",
      _kv({"load_failure_policy": "fail"}, kv_load_failure_policy="recompute"),
      [_KV, "kv_load_failure_policy conflict", "'fail'", "'recompute'"]),

@@ -108,6 +108,15 @@ def test_numeric_options_are_bounded(args: list[str]) -> None:
     assert_one_line_error(tiercache_here(*args), "invalid value", "allowed:")
 
 
+def test_bench_kv_refuses_a_prompt_longer_than_the_models_positions(tmp_path: Path) -> None:
+    """A model directory with 2,048 positions and 8K prompts: one line before any engine starts (the generated
+    models are sized to the prompt instead)."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    assert_one_line_error(tiercache_here("bench", "kv", "--model", str(tmp_path), "--prompt-len", "8192"),
+                          "--prompt-len 8192", "2048", "--model llama")
+    assert_one_line_error(tiercache_here("bench", "kv", "--model", str(tmp_path / "none")), "config.json")
+
+
 def test_bench_pins_and_admission_refuse_a_work_dir_they_cannot_use_and_pins_a_trace_without_one_offs(
         tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"

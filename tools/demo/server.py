@@ -144,8 +144,10 @@ class Server:
             return ""
         return f"--- last lines of {self.log_path} ---\n{text[-n_chars:]}"
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGINT the server process, wait, then SIGKILL whatever is left of its group. Safe to call twice.
+    def stop(self, grace_s: float = 20.0, sig: str = "SIGINT") -> int | None:
+        """``sig`` (SIGINT, or SIGTERM as Kubernetes and systemd send) to the server process, wait, then SIGKILL
+        whatever is left of its group. Safe to call twice. The server's exit status (None: it did not exit
+        within ``grace_s``, or was stopped before).
 
         The server alone, as Kubernetes or systemd signal a service: vLLM then stops its engine process
         itself (one SIGTERM, `--shutdown-timeout` to finish), and the engine's teardown runs the connectors'
@@ -153,16 +155,29 @@ class Server:
         Ctrl-C does, makes vLLM 0.32's front end SIGTERM an engine already tearing down with the default
         handler back in place, which kills it before the connectors flush."""
         if self.proc is None:
-            return
+            return None
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         if self.proc.poll() is None:
-            _signal_process(self.proc.pid, signal.SIGINT)
+            _signal_process(self.proc.pid, signal.Signals[sig])
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
+        status = self.proc.poll()
         # The leader may be gone while its engine and worker children still run: always sweep the group.
         _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+        return status
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: a crash (an OOM kill, a lost node), no shutdown of anything."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -105,11 +105,16 @@ def doc_image(doc: Path) -> Path | None:
     return None
 
 
-def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: str | None = None) -> dict[str, Any]:
-    """The vLLM prompt dict for a document (with its image when the model takes images)."""
+def doc_request(doc: Path, template: str | None, *, multimodal: bool, question: str | None = None,
+                salt: str | None = None) -> dict[str, Any]:
+    """The vLLM prompt dict for a document (with its image when the model takes images); ``salt``: the
+    tenant's ``cache_salt``, which enters vLLM's block hashes (the records' keys) and seals the records
+    for that tenant in a sealing store, so only that tenant's requests (same salt) hit them."""
     from vllm_tiercache.tools.precompute.ec import load_image
 
     prompt: dict[str, Any] = {"prompt": rag_prompt(doc.read_text(), question, template)}
+    if salt is not None:
+        prompt["cache_salt"] = salt
     image = doc_image(doc) if multimodal else None
     if image is not None:
         prompt["multi_modal_data"] = {"image": load_image(image)}
@@ -191,6 +196,7 @@ def precompute_docs(
     batch_size: int = DEFAULT_BATCH,
     tags: Sequence[str] = (),
     pin: bool = False,
+    salt: str | None = None,
 ) -> PrecomputeSummary:
     """Store the KV prefix chunks of every document whose chunks are not all stored yet.
 
@@ -239,8 +245,8 @@ def precompute_docs(
             try:
                 if not multimodal and doc_image(doc) is not None:
                     ignored_images += 1
-                request = process_offline(processor, doc_request(doc, template, multimodal=multimodal))
-                probe = process_offline(processor, doc_request(doc, template, multimodal=multimodal,
+                request = process_offline(processor, doc_request(doc, template, multimodal=multimodal, salt=salt))
+                probe = process_offline(processor, doc_request(doc, template, multimodal=multimodal, salt=salt,
                                                                 question="?"))
             except Exception as exc:  # unreadable text/image, or rejected by vLLM (too long...)
                 summary.failed.append((doc.name, str(exc)))
@@ -284,7 +290,7 @@ def precompute_docs(
             return todo
 
         seen = produce(
-            store, todo, lambda doc: doc_request(doc, template, multimodal=multimodal),
+            store, todo, lambda doc: doc_request(doc, template, multimodal=multimodal, salt=salt),
             model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
             desc="prefilling docs", unit="doc", rekey=engine_keys,
             transfer_params=lambda doc: {TAGS_PARAM: item_tags("doc", doc, tags)},
@@ -312,6 +318,19 @@ def precompute_docs(
 
 
 # ------------------------------------------------------------------------------------------------- CLI
+def salt_arg(text: str) -> str:
+    """``--salt``: the value itself, or ``env:NAME``'s value; a missing variable or an empty salt is refused."""
+    if text.startswith("env:"):
+        value = os.environ.get(text[4:])
+        if value is None:
+            raise argparse.ArgumentTypeError(f"environment variable {text[4:]!r} is not set; allowed: a salt, or "
+                                             "env:NAME naming a set variable")
+        text = value
+    if not text:
+        raise argparse.ArgumentTypeError("an empty salt; allowed: the tenant's non-empty cache_salt")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Store the KV prefix chunks of a document corpus (vLLM kv_producer, max_tokens=1). "
                           "Documents whose chunks are all stored are skipped, so a rerun resumes.")
@@ -322,6 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", default=None, metavar="FILE",
                         help=f"template file with a {DOCUMENT_PLACEHOLDER} placeholder (serving must use it too)")
     add_job_tag_arguments(parser)
+    parser.add_argument("--salt", default=None, type=salt_arg, metavar="SALT",
+                        help="the tenant's cache_salt (or env:NAME to read it from an environment variable, kept "
+                             "out of the process list): the corpus is stored for that tenant only; serving "
+                             "requests hit it only with the same salt, set by the gateway")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--docs: no .txt file in {args.docs!r}")
         summary = precompute_docs(args.model, docs, store_config, template=template,
                                   progress=not args.no_progress, engine_kwargs=engine_kwargs_from_args(args),
-                                  batch_size=args.batch_size, tags=args.tags, pin=args.pin)
+                                  batch_size=args.batch_size, tags=args.tags, pin=args.pin,
+                                  salt=args.salt)
     except (ConfigError, JobError, ValueError) as exc:
         return fail(str(exc))
     return report(summary, args.json)

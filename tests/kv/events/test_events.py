@@ -243,9 +243,9 @@ def test_the_shared_tiers_are_asked_off_the_step(tiny_llama: Path, tmp_path: Pat
     tracker = connector._scheduler.events  # type: ignore[union-attr]
     assert tracker is not None and not tracker.off_step.inline
     out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(4), BLOCK))
-    engine.finish(out)  # the save is planned (the first step also reads the journal, off the step)
+    engine.finish(out)  # the save is planned
     _play_saves(connector, meta)
-    assert tracker.off_step.wait(10.0)  # the journal read
+    assert tracker.off_step.wait(10.0)
     release, asked = threading.Event(), threading.Event()
     real_contains = connector._store.contains_many
 
@@ -256,7 +256,7 @@ def test_the_shared_tiers_are_asked_off_the_step(tiny_llama: Path, tmp_path: Pat
 
     connector._store.contains_many = held_contains  # type: ignore[method-assign]
     try:
-        engine.report(TieredKVWorkerMetadata())  # the journal's answer applied; the confirmation posted
+        engine.report(TieredKVWorkerMetadata())  # the confirmation posted
         assert asked.wait(10.0)
         for _ in range(3):  # steps go on while the question is out (were one waited for, this would hang)
             engine.report(TieredKVWorkerMetadata())

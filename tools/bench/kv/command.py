@@ -29,6 +29,7 @@ one run are the result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -41,10 +42,12 @@ from typing import Any
 
 from vllm_tiercache.kvcache.load.trace import LOAD_TRACE_ENV
 from vllm_tiercache.kvcache.options import LOAD_MODES
+from vllm_tiercache.shared.store.sealing.ring import write_new_ring
 from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
 from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
+from vllm_tiercache.tools.cli import UsageError
 
 #: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
 TARGETS: list[tuple[str, str, float]] = [
@@ -118,9 +121,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission", type=admission_arg, default="always",
                         help="the disk tier's admission in case 8 (the miss that stores): always (default) or "
                              "seen:N (N 2..15: a miss's chunks stay in memory until used again)")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="seal the disk and Redis records of every tiered case (a fresh key ring in the work dir): "
+                             "run with and without it to see what encryption at rest costs a hit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
+
+
+def check_model_positions(args: argparse.Namespace) -> None:
+    """A model directory of the user's whose positions are fewer than the prompt needs: one line now, instead
+    of every case NOT MEASURED with vLLM's validation error (the generated models are sized to the prompt)."""
+    if getattr(args, "model", "llama") in ("llama", "gemma3", "gemma3-bench", None):
+        return
+    try:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {args.model}: no readable config.json ({exc}); allowed: a model directory, or "
+                         "llama / gemma3 / gemma3-bench for a generated one") from None
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
+    needed = args.prompt_len + 64
+    if isinstance(positions, int) and positions < needed:
+        raise UsageError(f"--prompt-len {args.prompt_len} needs a model with at least {needed} positions; "
+                         f"{args.model} has {positions}: give a shorter --prompt-len, or --model llama (generated, "
+                         "sized to the prompt)")
 
 
 def admission_arg(text: str) -> str:
@@ -153,6 +177,10 @@ class Bench:
         #: job label -> (vLLM's KV blocks, HMA on) of its engine
         self.engine_info: dict[str, tuple[int | None, bool | None]] = {}
         self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+        self.ring = (write_new_ring(str(work / f"ring-{uuid.uuid4().hex[:8]}.json"), "bench")
+                     if getattr(args, "encrypt", False) else None)
+        #: every engine's max_model_len: the prompt and the few tokens a case generates
+        self.max_model_len = max(self.prompt_len + 64, 1024)
 
     # ------------------------------------------------------------------------------------- helpers
     def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
@@ -167,12 +195,10 @@ class Bench:
         print(message, file=sys.stderr, flush=True)
 
     def tiered(self, role: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "kv_connector": "TieredKVConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"namespace": self.namespace, "tiers": tiers,
-                                          "load_mode": self.args.load_mode},
-        }
+        extra: dict[str, Any] = {"namespace": self.namespace, "tiers": tiers, "load_mode": self.args.load_mode}
+        if self.ring is not None:
+            extra["encryption"] = {"ring": self.ring}
+        return {"kv_connector": "TieredKVConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
     def disk_tier(self, name: str) -> dict[str, Any]:
         return {"kind": "disk", "path": str(self.work / name), "capacity": "4GiB"}
@@ -195,7 +221,7 @@ class Bench:
         spec = {
             "label": label,
             "model": self.model,
-            "max_model_len": max(self.prompt_len + 64, 1024),
+            "max_model_len": self.max_model_len,
             "dtype": self.args.dtype,
             "enable_prefix_caching": prefix_caching,
             "kv_transfer_config": kv_transfer_config,
@@ -371,15 +397,19 @@ class Bench:
             f"model: {self.model_name}, {self.num_prompts} prompts x {self.prompt_len} tokens, work dir {self.work}"
         )
         choice = getattr(self.args, "model", "llama") or "llama"
+        # a generated model's positions cover the longest engine (no weight depends on them): 8K prompts work
+        positions = max(4096, self.max_model_len)
         if choice in ("gemma3", "gemma3-bench"):
             from vllm_tiercache.tools.tiny_models import gemma3
 
-            bench = choice == "gemma3-bench"
-            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}",
-                                                     gemma3.BENCH_SPEC if bench else None))
+            shape = gemma3.BENCH_SPEC if choice == "gemma3-bench" else gemma3.TinyGemma3Spec()
+            self.model = str(gemma3.make_tiny_gemma3(self.work / f"model-{choice}-{positions}",
+                                                     dataclasses.replace(shape, max_position_embeddings=positions)))
         elif choice == "llama":
-            spec = TinyLlamaSpec() if self.args.quick else BENCH_SPEC
-            self.model = str(make_tiny_llama(self.work / ("model-quick" if self.args.quick else "model-bench"), spec))
+            spec = dataclasses.replace(TinyLlamaSpec() if self.args.quick else BENCH_SPEC,
+                                       max_position_embeddings=positions)
+            name = f"model-{'quick' if self.args.quick else 'bench'}-{positions}"
+            self.model = str(make_tiny_llama(self.work / name, spec))
         else:
             self.model = choice
         # Cold-with-connector right after the baseline, so the miss comparison sees the same machine load.
@@ -508,6 +538,7 @@ class Bench:
             "dtype": self.args.dtype,
             "admission": self.args.admission,
             "prompt_len": self.prompt_len,
+            "sealed": self.ring is not None,
             "prompts": self.num_prompts,
             "hit_repeats": self.hit_repeats,
             "model": self.model_name,
@@ -538,6 +569,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `tiercache bench kv` (and of the engine processes it starts)."""
     if args.job:
         return run_job(args.job, args.job_out)
+    check_model_positions(args)  # before any engine: one line, not every case NOT MEASURED
     if shutil.which("redis-server") is None and "tiered-redis" in args.cases:
         print("note: redis-server not found; the Redis case will be reported as not measured", file=sys.stderr)
     keep = args.work_dir is not None

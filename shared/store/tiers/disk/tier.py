@@ -31,6 +31,7 @@ import torch
 
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
+    DropsRecords,
     FileTier,
     KeepsControl,
     Prefetches,
@@ -62,7 +63,7 @@ class DiskTierError(OSError):
     """
 
 
-class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsControl):
+class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsControl, DropsRecords):
     """A byte-bounded LRU directory of record files, shared safely by several processes."""
 
     kind = "disk"
@@ -194,6 +195,17 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsCont
         if hits or gone:
             self._bookkeeping.after_read(hits, gone)
         return out
+
+    def drop_many(self, keys: Sequence[StoreKey]) -> None:
+        """Delete these keys' files and index entries (`DropsRecords`: records the store cannot open)."""
+        gone: list[tuple[bytes, int | None]] = []
+        for key in keys:
+            try:
+                gone.append((key.digest, os.stat(self._paths.path_text(key.digest)).st_ino))
+            except OSError:
+                gone.append((key.digest, None))
+        if gone:
+            self._bookkeeping.after_read([], gone)
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:

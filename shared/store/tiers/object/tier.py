@@ -28,6 +28,7 @@ import torch
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     ChecksAtPreflight,
+    DropsRecords,
     HonorsPins,
     KeepsControl,
     Record,
@@ -49,7 +50,7 @@ from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_m
 from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
 
 
-class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPreflight):
+class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight):
     """Whole-record objects in an S3 bucket, many requests in flight, down and back without a stall."""
 
     kind = "object"
@@ -149,6 +150,12 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ChecksAtPr
         if hits:
             self._janitor.read(hits)
         return out
+
+    def drop_many(self, keys: Sequence[StoreKey]) -> None:
+        """Delete these keys' objects (`DropsRecords`: records the store cannot open), many in flight; an
+        absent one is no error, a failure is counted and left for the next reader."""
+        calls = self._calls
+        calls.many("drop", lambda key: calls.delete(self._names.record(key)), keys)
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:

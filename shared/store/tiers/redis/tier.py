@@ -41,6 +41,7 @@ import torch
 
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
+    DropsRecords,
     ExpiresRecords,
     HonorsPins,
     KeepsControl,
@@ -79,7 +80,7 @@ DELETE_RUN = 256
 MAX_DELETE_PARTS = 1 << 20
 
 
-class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresRecords):
+class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresRecords, DropsRecords):
     """Pipelined, part-splitting Redis tier that degrades to misses when the server is down."""
 
     kind = "redis"
@@ -218,6 +219,11 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
             except (records.RecordError, ValueError) as exc:
                 corrupt.append(keys[i])
                 self._calls.failures.other_error(f"decode ({exc})", exc)
+
+    def drop_many(self, keys: Sequence[StoreKey]) -> None:
+        """Delete every piece of these keys' records (`DropsRecords`: records the store cannot open)."""
+        if keys:
+            self._delete_pieces(keys)
 
     def _delete_pieces(self, corrupt: Sequence[StoreKey]) -> None:
         """Drop every piece of corrupt records: head and key text first (readers then miss), then parts.

@@ -211,3 +211,11 @@ def test_router_events_announce_the_object_tier_by_the_media_rule(s3_bucket, tmp
     finally:
         alone.close()
         with_disk.close()
+
+
+def test_drop_many_deletes_what_the_store_cannot_open(s3_bucket):
+    tier = tier_of(s3_bucket)
+    tier.put_many([(_k(i), _t(10, i), None) for i in range(3)])
+    tier.drop_many([_k(0), _k(2), _k("never")])
+    assert tier.contains_many([_k(0), _k(1), _k(2)]) == [False, True, False]
+    tier.close()
