@@ -219,3 +219,23 @@ def test_drop_many_deletes_what_the_store_cannot_open(s3_bucket):
     tier.drop_many([_k(0), _k(2), _k("never")])
     assert tier.contains_many([_k(0), _k(1), _k(2)]) == [False, True, False]
     tier.close()
+
+
+def test_a_sealing_store_seals_what_it_puts_in_the_bucket(s3_bucket, tmp_path):
+    """Issue 50's encryption at rest holds for the object tier too (the store seals, not the tier): the
+    bucket's bytes hold no window of the payload, and only the same tenant's salt opens the record."""
+    from vllm_tiercache.shared.store.sealing.ring import write_new_ring
+    from vllm_tiercache.shared.store.tiered import TieredStore
+
+    ring = write_new_ring(str(tmp_path / "ring.json"))
+    store = TieredStore(StoreConfig.load({"encryption": {"ring": ring}, "tiers": [s3_bucket.tier_config()]}))
+    payload = torch.arange(4096, dtype=torch.float32)
+    key = _k("sealed").for_tenant("tenant-a")
+    store.put_many([(key, payload, None)])
+    assert store.flush(30)
+    body = s3_bucket.server.client().get_object(Bucket=s3_bucket.bucket, Key=f"tiercache/r/{key.hex}")["Body"].read()
+    assert payload.numpy().tobytes()[1000:1064] not in body
+    got = store.get_many([key])[0]
+    assert got is not None and torch.equal(got.tensor, payload)
+    assert store.get_many([_k("sealed").for_tenant("tenant-b")]) == [None]
+    store.close()
