@@ -25,6 +25,7 @@ demo_server.subprocess = zygote_subprocess()  # type: ignore[assignment]
 
 pytest_plugins = [
     "tests.fixtures.redis",
+    "tests.fixtures.s3",
     "tests.fixtures.models",
     "tests.fixtures.mm_models",
 ]

@@ -12,9 +12,10 @@ alone (the connectors still check the same rules when they start: `check_kv_conf
 
 What is checked, for the parts that name this plugin: the KV connector (also as a MultiConnector
 child), the EC connector, an encoder cache manager of ours (`--ec-manager-config`), and that every
-directory a tier would own can be created and written. Nothing is opened: no store, no Redis
-connection, no weight file read; a sealing store's key ring is read (and refused in one line when it
-cannot be: `check_encryption`).
+directory a tier would own can be created and written, and that a tier declaring `ChecksAtPreflight`
+finds its backend takes its settings (the object tier: one HEAD of its bucket, with its credentials).
+Nothing else is opened: no store, no Redis connection, no weight file read; a sealing store's key ring
+is read (and refused in one line when it cannot be: `check_encryption`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def check_engine_config(vllm_config: Any) -> None:
             store = check_kv_config(vllm_config, transfer, final_block_size=False).store
             check_tier_directories(store)
             check_encryption(store)
+            check_tier_backends(store)
         if transfer.is_kv_producer:  # the connector's own rule for saving (a consumer never writes)
             stores.append(store)
         checked.append(KV_CONNECTOR_NAME)
@@ -76,6 +78,7 @@ def check_engine_config(vllm_config: Any) -> None:
             store = check_ec_config(vllm_config)[1]
             check_tier_directories(store)
             check_encryption(store)
+            check_tier_backends(store)
         if ec.is_ec_producer:
             stores.append(store)
         checked.append(EC_CONNECTOR_NAME)
@@ -159,6 +162,19 @@ def check_tier_directories(store: Any) -> None:
         if reason is not None:
             raise ConfigError(f"tiers[{i}].path: cannot use {path!r} as the {tier_config.kind} tier's directory "
                               f"({reason}); allowed: a local directory this user can create and write")
+
+
+def check_tier_backends(store: Any) -> None:
+    """Ask each tier that declares `ChecksAtPreflight` (object: one HEAD of its bucket) whether its backend
+    takes its settings: a missing bucket or refused credentials is a `ConfigError` naming the setting; an
+    endpoint that does not answer is a warning (the tier starts down, requests are served without it)."""
+    from vllm_tiercache.shared.store.api import ChecksAtPreflight
+    from vllm_tiercache.shared.store.registry import tier_class
+
+    for i, tier_config in enumerate(store.tiers):
+        cls = tier_class(tier_config.kind)
+        if issubclass(cls, ChecksAtPreflight):
+            cls.preflight(tier_config, f"tiers[{i}]")
 
 
 def check_encryption(store: Any) -> None:

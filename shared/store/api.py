@@ -392,7 +392,20 @@ class DropsRecords(ABC):
         """Delete these keys' records (absent ones are no error); never raises for a backend problem."""
 
 
+class ChecksAtPreflight(ABC):
+    """Can tell before an engine starts whether its backend takes these settings (object: the bucket exists,
+    the credentials are accepted), so that a wrong setting is one line at start naming it
+    (`vllm_tiercache.preflight`), not a tier that stays down; a backend that does not answer at all is a
+    warning there (the tier starts down and requests are served without it)."""
+
+    @classmethod
+    @abstractmethod
+    def preflight(cls, config: Any, path: str) -> None:
+        """Raise `ConfigError` naming ``path`` (``tiers[i]``) and the setting when the backend refuses ``config``;
+        log a warning and return when it cannot be reached."""
+
+
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
     RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator,
-    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, DropsRecords)
+    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, DropsRecords, ChecksAtPreflight)

@@ -38,6 +38,7 @@ _TIERS: dict[str, tuple[str, str]] = {
     "disk": (".tiers.disk.config.DiskTierConfig", ".tiers.disk.tier.DiskTier"),
     "gds": (".tiers.gds.config.GdsTierConfig", ".tiers.gds.tier.GdsTier"),
     "redis": (".tiers.redis.config.RedisTierConfig", ".tiers.redis.tier.RedisTier"),
+    "object": (".tiers.object.config.ObjectTierConfig", ".tiers.object.tier.ObjectTier"),
 }
 
 

@@ -88,7 +88,7 @@ def test_sizes(text, value):
 
 
 @pytest.mark.parametrize(("raw", "field", "allowed"), [
-    ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis"),
+    ({"tiers": [{"kind": "ssd"}]}, "tiers[0].kind", "allowed: memory, disk, gds, redis, object"),
     ({"tiers": [{"kind": "memory"}, {"kind": "disk", "capacity": "lots"}]}, "tiers[1].capacity", "8GiB"),
     # every policy registered for the memory tier (lru, wtinylfu, ...), every registered one (lru, lfu, wtinylfu, ...)
     ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy",
@@ -302,33 +302,35 @@ def test_a_bad_load_failure_policy_names_the_setting():
 # ------------------------------------------------------------------------------------ the tier registry
 
 
-def test_the_registry_lists_the_four_built_in_kinds():
+def test_the_registry_lists_the_five_built_in_kinds():
     from vllm_tiercache.shared.config import TIER_KINDS, GdsTierConfig
     from vllm_tiercache.shared.store import DiskTier, GdsTier, MemoryTier, RedisTier, registry
+    from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
+    from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
-    assert registry.tier_kinds() == TIER_KINDS == ("memory", "disk", "gds", "redis")
+    assert registry.tier_kinds() == TIER_KINDS == ("memory", "disk", "gds", "redis", "object")
     assert [registry.config_class(k) for k in TIER_KINDS] == [MemoryTierConfig, DiskTierConfig, GdsTierConfig,
-                                                              RedisTierConfig]
-    assert [registry.tier_class(k) for k in TIER_KINDS] == [MemoryTier, DiskTier, GdsTier, RedisTier]
+                                                              RedisTierConfig, ObjectTierConfig]
+    assert [registry.tier_class(k) for k in TIER_KINDS] == [MemoryTier, DiskTier, GdsTier, RedisTier, ObjectTier]
     assert all(registry.config_class(k)().kind == k for k in TIER_KINDS)
-    with pytest.raises(KeyError, match="unknown tier kind 'nvme'; registered: memory, disk, gds, redis"):
+    with pytest.raises(KeyError, match="unknown tier kind 'nvme'; registered: memory, disk, gds, redis, object"):
         registry.tier_class("nvme")
 
 
 def test_an_unknown_kind_lists_the_registered_kinds():
     with pytest.raises(ConfigError) as exc:
         StoreConfig.from_dict({"tiers": [{"kind": "memory"}, {"kind": "nvme"}]})
-    assert str(exc.value) == "tiers[1].kind: invalid value 'nvme'; allowed: memory, disk, gds, redis"
+    assert str(exc.value) == "tiers[1].kind: invalid value 'nvme'; allowed: memory, disk, gds, redis, object"
 
 
 def test_reading_a_config_imports_no_backend():
-    """The registry names tier classes by path: parsing memory, disk and gds tiers imports neither torch nor
-    lmdb, kvikio or redis-py (only a redis tier's URL check imports redis.connection)."""
+    """The registry names tier classes by path: parsing memory, disk, gds and object tiers imports neither torch
+    nor lmdb, kvikio, redis-py or boto3 (only a redis tier's URL check imports redis.connection)."""
     code = ("import sys\n"
             "from vllm_tiercache.shared.config import StoreConfig\n"
             "StoreConfig.from_dict({'tiers': [{'kind': 'memory'}, {'kind': 'disk', 'path': '/tmp/a'},"
-            " {'kind': 'gds', 'path': '/tmp/b'}]})\n"
-            "print(sorted(m for m in ('torch', 'lmdb', 'kvikio', 'redis') if m in sys.modules))\n")
+            " {'kind': 'gds', 'path': '/tmp/b'}, {'kind': 'object', 'bucket': 'abc'}]})\n"
+            "print(sorted(m for m in ('torch', 'lmdb', 'kvikio', 'redis', 'boto3', 'botocore') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
@@ -350,7 +352,7 @@ def test_each_config_class_parses_its_own_fields(tmp_path):
         DiskTierConfig.from_raw({"kind": "disk", "policy": "wtinylfu"}, "tiers[4]")
 
 
-#: the whole of a fifth tier kind: one module (config class + tier class) ...
+#: the whole of a sixth tier kind: one module (config class + tier class) ...
 SCRATCH_TIER = '''
 from dataclasses import dataclass
 
@@ -400,7 +402,7 @@ class ScratchTier:
 '''
 
 
-def test_a_fifth_tier_kind_is_one_module_and_one_registry_line(tmp_path, monkeypatch):
+def test_a_sixth_tier_kind_is_one_module_and_one_registry_line(tmp_path, monkeypatch):
     import torch
 
     from vllm_tiercache.shared.store import StoreKey, TieredStore, registry
@@ -435,7 +437,7 @@ def test_a_fifth_tier_kind_is_one_module_and_one_registry_line(tmp_path, monkeyp
         registry.unregister_tier("scratch")
         sys.modules.pop("tiercache_scratch_tier", None)
     assert "scratch" not in registry.tier_kinds()
-    with pytest.raises(ConfigError, match=r"allowed: memory, disk, gds, redis$"):
+    with pytest.raises(ConfigError, match=r"allowed: memory, disk, gds, redis, object$"):
         StoreConfig.from_dict({"tiers": [{"kind": "scratch"}]})
 
 

@@ -271,7 +271,31 @@ def half_line(_opts: dict[str, Any]) -> None:
     time.sleep(600)
 
 
-MODES = {"writer": writer, "half_line": half_line, "reader": reader, "evictor": evictor, "fill": fill}
+def object_writer(opts: dict[str, Any]) -> None:
+    """A precompute-like producer on a store whose one tier is the object tier ``opts["tier"]`` (credentials
+    from this process's environment): writes ``count`` records from ``start`` (tagged ``tag``) in batches,
+    flushing after each, then one last sweep of its janitor; reports puts, drops and evictions."""
+    from vllm_tiercache.shared.store import build_store
+
+    store = build_store({"namespace": NAMESPACE, "tiers": [opts["tier"]], "write_queue_size": 1024,
+                         "control_poll_s": 0.2})
+    tier = store.tiers[0]
+    start, count, batch = int(opts.get("start", 0)), int(opts["count"]), int(opts.get("batch", 4))
+    meta_tags = {"tags": [opts["tag"]]} if opts.get("tag") else {}
+    _say("ready")
+    for i in range(start, start + count, batch):
+        ids = range(i, min(i + batch, start + count))
+        store.put_many([(fault_key(j), expected_tensor(j), {**expected_meta(j), **meta_tags}) for j in ids],
+                       owned=True, always_admit=True)
+        store.flush()
+    stats = store.stats()["tiers"][tier.name]
+    store.close()
+    _emit({"puts": stats["puts"], "dropped": stats["dropped_writes"], "evictions": stats["evictions"],
+           "errors": stats["errors"]})
+
+
+MODES = {"writer": writer, "object_writer": object_writer, "half_line": half_line, "reader": reader,
+         "evictor": evictor, "fill": fill}
 
 
 def zygote(_opts: dict[str, Any]) -> None:

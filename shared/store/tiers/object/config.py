@@ -1,0 +1,143 @@
+"""The object tier's config: `ObjectTierConfig`, parsed from one ``{"kind": "object", ...}`` item.
+
+Why beside `tier.py` and not in it: that module imports boto3 and torch, and reading a config must not.
+
+What is not here, on purpose: credentials. The tier takes them from the standard AWS chain (environment
+variables, ``AWS_PROFILE`` and the shared files, a container or instance role), as every AWS tool does, so a
+secret never sits in a store config that is logged, hashed into a cache key or shown by ``tiercache config``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, Strict
+
+from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH, AdmissionConfig, check_admission
+from vllm_tiercache.shared.store.tier_config import (
+    Allowed,
+    Bool,
+    Capacity,
+    OptionalText,
+    PinBudget,
+    Text,
+    check_keys,
+    fail,
+    schema_extra,
+    seconds,
+    section_keys,
+    size,
+    validate,
+)
+
+DEFAULT_OBJECT_CAPACITY = 1 << 40
+#: S3's bucket-name rule (3 to 63 lower-case letters, digits, dots and hyphens, a letter or digit at each end).
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_ALLOWED = ("an S3 bucket name: 3 to 63 lower-case letters, digits, dots and hyphens, starting and ending "
+                   "with a letter or digit")
+_ENDPOINT_ALLOWED = "an http:// or https:// URL without user, password or query, e.g. https://s3.us-east-1.amazonaws.com"
+_PREFIX_ALLOWED = "a key prefix of printable characters without a leading '/', ending in '/', e.g. tiercache/"
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, 300.0
+MAX_RETRY_AFTER_S = 3600.0
+MIN_CONCURRENCY, MAX_CONCURRENCY = 1, 256
+#: S3's largest object: a ``range_size`` this large reads every record in one plain GET.
+MAX_RANGE = 5 << 30
+
+
+def _check_bucket(bucket: str) -> str:
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise fail(_BUCKET_ALLOWED)
+    return bucket
+
+
+def _check_endpoint(url: str | None) -> str | None:
+    if url is None:
+        return None
+    if not re.match(r"^https?://[^/@?#\s]+(/[^?#@\s]*)?$", url):
+        raise fail(_ENDPOINT_ALLOWED, shown=re.sub(r"//[^@/]*@", "//***@", url))
+    return url.rstrip("/")
+
+
+def _check_prefix(prefix: str) -> str:
+    if prefix.startswith("/") or not prefix.endswith("/") or any(not ch.isprintable() for ch in prefix):
+        raise fail(_PREFIX_ALLOWED)
+    return prefix
+
+
+@dataclass(frozen=True)
+class ObjectTierConfig:
+    """An S3 bucket (AWS S3, MinIO, Ceph RGW, SeaweedFS, ...) shared by every process and host that reaches
+    it (`kind: object`). Credentials come from the standard AWS chain (environment, profile, instance role),
+    never from this config."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra=schema_extra(required=("bucket",)))
+    #: a shared tier keeps LRU (its order comes from every writer's usage ledger: `janitor`)
+    POLICIES: ClassVar[tuple[str, ...]] = ("lru",)
+
+    bucket: Annotated[str, Strict(), AfterValidator(_check_bucket), Allowed(_BUCKET_ALLOWED), Field(
+        description="The bucket; it must exist (preflight says so when it does not).")] = ""
+    endpoint: Annotated[OptionalText, AfterValidator(_check_endpoint), Allowed(_ENDPOINT_ALLOWED), Field(
+        description="The S3 endpoint URL (MinIO, Ceph RGW, SeaweedFS, a VPC endpoint); null: AWS S3 of the "
+                    "region, or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL as boto3 reads them.")] = None
+    prefix: Annotated[Text, AfterValidator(_check_prefix), Allowed(_PREFIX_ALLOWED), Field(
+        description="Prefix of every object the tier writes; tiers (or deployments) sharing a bucket use "
+                    "different prefixes, and capacity counts only this prefix.")] = "tiercache/"
+    region: Annotated[OptionalText, Field(
+        description="The region; null: the AWS chain's ($AWS_REGION, the profile), else us-east-1.")] = None
+    path_style: Annotated[Bool, Field(
+        description="Path-style addressing (endpoint/bucket/key), which MinIO, Ceph RGW and SeaweedFS behind a "
+                    "plain host name need; false: virtual-hosted (bucket.endpoint/key), AWS's default.")] = False
+    ca_bundle: Annotated[OptionalText, Field(
+        description="A PEM file of the CA certificates an https endpoint is checked against (a private CA); "
+                    "null: the system's and certifi's.")] = None
+    capacity: Annotated[Capacity, Field(
+        description="Bytes the tier may hold under its prefix, across every writer on every host: the "
+                    "janitor (one writer at a time, elected by a conditional PUT) deletes the least recently "
+                    "used records past it. Default 1TiB.")] = DEFAULT_OBJECT_CAPACITY
+    sweep_every_s: Annotated[seconds(minimum=0.05, maximum=86400.0), Field(
+        description="Seconds between two capacity sweeps of a writer's janitor; a writer that wrote "
+                    "sweep_share of capacity since its last sweep sweeps sooner.")] = 30.0
+    sweep_share: Annotated[float, Strict(), Field(gt=0.0, le=0.5, allow_inf_nan=False, description=(
+        "The share of capacity a writer writes before its janitor sweeps again (bounds how far usage can "
+        "pass capacity between two sweeps: writers x sweep_share x capacity at most while sweeps keep up).")),
+        Allowed("a share of capacity above 0 and at most 0.5, e.g. 0.02")] = 0.02
+    range_size: Annotated[size(64 << 10, MAX_RANGE, "a size from 64KiB to 5GiB"), Field(
+        description="A record larger than this is read in ranged GETs of this size, all in flight together; "
+                    "smaller ones in one GET. Default 5GiB (S3's largest object): every record in one GET, "
+                    "which measured faster against a local SeaweedFS on 2 cores (16 MiB records: 628 MiB/s "
+                    "whole, 322 MiB/s in 2 MiB ranges); try 8MiB where one connection is slower than the "
+                    "link (cross-region, a single-stream-limited endpoint). Writes are always one PUT of the "
+                    "whole record (the commit).")] = MAX_RANGE
+    concurrency: Annotated[int, Strict(), Field(ge=MIN_CONCURRENCY, le=MAX_CONCURRENCY, description=(
+        "Requests in flight at once per process (one thread each, one pooled connection each).")),
+        Allowed(f"an int from {MIN_CONCURRENCY} to {MAX_CONCURRENCY}")] = 16
+    timeout_s: Annotated[seconds(minimum=MIN_TIMEOUT_S, maximum=MAX_TIMEOUT_S), Field(
+        description="Seconds one request may wait to connect, and for each read of its answer; a request "
+                    "past it marks the tier down (misses, skipped writes) until the prober finds the "
+                    "endpoint back. A scheduler's lookup waits at most lookup_budget_ms.")] = 5.0
+    retry_after_s: Annotated[seconds(positive=False, maximum=MAX_RETRY_AFTER_S), Field(
+        description="Seconds between two probes (HEAD of the bucket) of a down endpoint by a background "
+                    "thread; requests never probe.")] = 5.0
+    policy: Annotated[Literal["lru"], Field(
+        description="Eviction policy: lru only (approximate: each record's last use is its newest of its "
+                    "write and the reads every writer's usage ledger reports).")] = "lru"
+    pin_budget: PinBudget = 0.0
+    admission: Annotated[AdmissionConfig, Field(description=(
+        "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
+        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
+    kind: Annotated[Literal["object"], Field(description="The tier kind.")] = "object"
+
+    @property
+    def address(self) -> str:
+        """Where the tier lives, for log lines: endpoint (or "s3") and bucket/prefix, never a credential."""
+        return f"{self.endpoint or 's3'}/{self.bucket}/{self.prefix}"
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any], path: str) -> ObjectTierConfig:
+        """Validate one ``tiers[i]`` item: ``bucket`` is required."""
+        check_keys(raw, path, cls.kind, section_keys(cls))
+        check_admission(raw, path)
+        return validate(cls, {"bucket": None, **raw}, path)

@@ -1,0 +1,126 @@
+"""Whether the object tier's endpoint is up, how each failure is counted and logged, and the prober.
+
+As for Redis (`vllm_tiercache.shared.store.tiers.redis.health`): an endpoint that refuses connections, hangs
+past ``timeout_s``, answers 5xx, lost its bucket or refuses the credentials marks the tier down with one
+warning; while down every call returns at once without touching the network (reads miss, writes are
+dropped and counted), and one daemon thread probes (HEAD of the bucket) every ``retry_after_s`` until it
+answers, then marks the tier up with one line and ends. No request ever pays for a probe.
+
+Why its own module: a small state machine with its thread and its log lines, touching no network itself
+(the probe is handed in), so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.tiers.object.client import BUG, DOWN, ERROR, classify, error_code, log
+from vllm_tiercache.shared.threads import background_thread
+
+#: The shortest pause between two probes (``retry_after_s`` may be 0).
+MIN_PROBE_INTERVAL_S = 0.01
+
+
+class ObjectHealth:
+    """Up or down, the prober while down, and the once-per-kind failure log of one object tier."""
+
+    def __init__(self, address: str, retry_after_s: float, counters: TierCounters, *, attempt: Callable[[], str],
+                 probe: Callable[[], bool], thread_name: str) -> None:
+        self.address = address
+        self.retry_after_s = retry_after_s
+        self.counters = counters
+        self._attempt = attempt
+        self._probe = probe
+        self._thread_name = thread_name
+        self.lock = threading.Lock()
+        self._down = False
+        self.closed = False
+        self._prober: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: what has been logged already: one line per kind of failure, not per call or record
+        self._warned: set[str] = set()
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    # -------------------------------------------------------------------------------------- failures
+    def failed(self, what: str, exc: BaseException) -> str:
+        """Count and log one failed call as `classify` says; returns the class. Missing objects and lost
+        conditions are answers, not failures: neither counted nor logged."""
+        kind = classify(exc)
+        if kind == DOWN:
+            self.mark_down(what, exc)
+        elif kind == BUG:
+            self.counters.add(errors=1)
+            seen = f"bug: {what}: {type(exc).__name__}"
+            if seen not in self._warned and not self.closed:
+                self._warned.add(seen)
+                log.error("tiercache object tier %s: %s failed (%s: %s); served as a miss, logged once",
+                          self.address, what, type(exc).__name__, exc, exc_info=exc)
+        elif kind == ERROR:
+            self.other_error(what, exc)
+        return kind
+
+    def other_error(self, what: str, exc: BaseException | str) -> None:
+        """A failure that leaves the tier up (a refused request, a damaged record): one WARNING per kind."""
+        self.counters.add(errors=1)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("tiercache object tier %s: %s failed: %s", self.address, what, exc)
+
+    # ------------------------------------------------------------------------------------ transitions
+    def mark_down(self, what: str, exc: BaseException) -> None:
+        """The endpoint is away (or the bucket, or the credentials): count it, start the prober, warn once."""
+        self.counters.add(errors=1)
+        with self.lock:
+            was_down, self._down = self._down, True
+            self._start_prober()
+        if not was_down and not self.closed:
+            code = error_code(exc)
+            log.warning("tiercache object tier: %s unreachable during %s (%s%s: %s); tried: %s; serving misses and "
+                        "skipping writes, retrying every %.1fs", self.address, what, type(exc).__name__,
+                        f" {code}" if code else "", exc, self._attempt(), self.retry_after_s)
+
+    def mark_up(self) -> None:
+        """A call succeeded: the tier is up (one line when it was down)."""
+        if self._down:
+            with self.lock:
+                was_down, self._down = self._down, False
+            if was_down:
+                log.warning("tiercache object tier: %s reachable again", self.address)
+
+    def close(self) -> None:
+        """No prober runs after this (a running one ends at its next wake-up, which this brings forward)."""
+        with self.lock:
+            self.closed = True
+        self._stop.set()
+
+    # ------------------------------------------------------------------------------------------ prober
+    def _start_prober(self) -> None:
+        """Start the prober unless it runs; call with ``lock`` held."""
+        if self._prober is None and not self.closed:
+            self._prober = background_thread(self._probe_loop, self._thread_name)
+            self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while True:
+            self._stop.wait(max(self.retry_after_s, MIN_PROBE_INTERVAL_S))
+            with self.lock:
+                if self.closed or not self._down:
+                    self._prober = None
+                    return
+            ok = self._probe()
+            with self.lock:
+                if self.closed:
+                    self._prober = None
+                    return
+                if not ok:
+                    continue
+                self._prober = None
+                was_down, self._down = self._down, False
+            if was_down:
+                log.warning("tiercache object tier: %s reachable again", self.address)
+            return

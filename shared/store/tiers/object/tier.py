@@ -1,0 +1,237 @@
+"""Object tier: records as whole objects in an S3 bucket (AWS S3, MinIO, Ceph RGW, SeaweedFS), shared by
+every process and host that reaches it, bounded by ``capacity`` across all of them.
+
+A record is one object (`names` has the layout) holding the record format every tier stores
+(`vllm_tiercache.shared.store.records`: header with the key digest, version, checksums and tags, then the
+payload), so a PUT of the whole record is its commit: a writer killed mid-PUT leaves nothing, and
+concurrent writers of one key write equal bytes. A torn, corrupt or foreign object is a miss, counted
+(``corrupt``) and deleted; another build's format is a miss left in place (``other_format``). Nothing
+unchecked reaches the model.
+
+Reads and writes put many requests in flight at once (`calls`: a bounded pool of threads over one boto3
+client, `client` says why that client): a batch of N records costs about N / ``concurrency`` round trips.
+
+No request fails because the store is slow or gone: each request has its own timeout, the first that
+runs into it (or finds the endpoint, the bucket or the credentials gone) marks the tier down, and the
+prober (`health`) brings it back. An endpoint unreachable when the tier is built is one warning; the tier
+starts down and requests are served without it. The bound on ``capacity`` and the approximate LRU order
+are the `janitor`'s; the admin side and the control entries are `admin`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vllm_tiercache.shared.store import records
+from vllm_tiercache.shared.store.api import (
+    ChecksAtPreflight,
+    DropsRecords,
+    HonorsPins,
+    KeepsControl,
+    Record,
+    RemoteTier,
+    ReportsHealth,
+    StoredRecord,
+    StoreKey,
+)
+from vllm_tiercache.shared.store.control import parse_control
+from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.tags import tags_of
+from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
+from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
+from vllm_tiercache.shared.store.tiers.object.client import describe_attempt
+from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
+from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
+from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
+from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
+from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
+
+
+class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight):
+    """Whole-record objects in an S3 bucket, many requests in flight, down and back without a stall."""
+
+    kind = "object"
+    shared_across_processes = True
+    # `RemoteTier`: a call may hang up to ``timeout_s``, so the store bounds the schedulers' lookups.
+
+    def __init__(self, config: ObjectTierConfig, name: str = "object") -> None:
+        self.config = config
+        self.name = name
+        self.address = config.address
+        self.capacity = config.capacity
+        self.counters = TierCounters()
+        self._names = ObjectNames(config.prefix)
+        self._pins: frozenset[str] = frozenset()
+        # the prober calls ``self._probe`` as it is when it runs (tests wrap it to see which thread probes)
+        self._health = ObjectHealth(self.address, config.retry_after_s, self.counters,
+                                    attempt=lambda: describe_attempt(config, self._calls.client),
+                                    probe=lambda: self._probe(), thread_name=f"tiercache-probe-{name}")
+        self._calls = ObjectCalls(config, self._health, thread_name=f"tiercache-s3-{name}")
+        self._janitor = Janitor(config, self._names, self._calls, self.counters, self._pinned_now,
+                                thread_name=f"tiercache-janitor-{name}")
+        self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
+        # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
+        self._calls.one("start", lambda: self._calls.client.head_bucket(Bucket=config.bucket))
+
+    @classmethod
+    def preflight(cls, config: ObjectTierConfig, path: str) -> None:
+        """`ChecksAtPreflight`: one HEAD of the bucket (`preflight.check_bucket`)."""
+        check_bucket(config, path)
+
+    # ------------------------------------------------------------------------------------ availability
+    @property
+    def down(self) -> bool:
+        return self._health.down
+
+    @property
+    def up_share(self) -> float:
+        return 0.0 if self._health.down else 1.0
+
+    @property
+    def shards_down(self) -> list[str]:
+        return []
+
+    @property
+    def probes(self) -> int:
+        """Probes sent so far (tests check that none ran on a caller's thread)."""
+        return self._calls.probes
+
+    def tried(self) -> str:
+        """What a request does, in words (endpoint, addressing, CA, region, credential source; no secret)."""
+        return describe_attempt(self.config, self._calls.client)
+
+    def _probe(self) -> bool:
+        return self._calls.probe()
+
+    @property
+    def janitor(self) -> Janitor:
+        """The capacity sweeps and usage ledger (tests and `tiercache bench` sweep on demand)."""
+        return self._janitor
+
+    # ------------------------------------------------------------------------------------------ reads
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """One HEAD per key, many in flight (a down tier answers all misses at once)."""
+        calls = self._calls
+        res = calls.many("contains", lambda key: calls.head(self._names.record(key)), keys)
+        return [not isinstance(r, Failure) for r in res]
+
+    def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        calls = self._calls
+        res = calls.many("sizes", lambda key: calls.head(self._names.record(key)), keys)
+        return [None if isinstance(r, Failure) else int(r["ContentLength"]) for r in res]
+
+    def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
+        """Ranged GETs of ``range_size``, many in flight (`ObjectCalls.get_in_ranges`: one GET for a record no
+        larger); each object checked whole (`records.decode`: the tensor is built over the bytes received, no
+        copy for a one-range record). Damaged objects are deleted, counted, and misses."""
+        if not keys:
+            return []
+        calls = self._calls
+        res = calls.get_in_ranges("get", [self._names.record(key) for key in keys], self.config.range_size)
+        out: list[Record | None] = [None] * len(keys)
+        corrupt: list[StoreKey] = []
+        for i, (key, body) in enumerate(zip(keys, res, strict=True)):
+            if isinstance(body, Failure):
+                continue
+            try:
+                out[i] = records.decode(body, key)
+            except records.OtherFormatError:  # another build's record: a miss, left for that build
+                self.counters.add(other_format=1)
+            except records.RecordError as exc:
+                corrupt.append(key)
+                self._health.other_error(f"decode ({exc})", exc)
+        if corrupt:
+            self.counters.add(corrupt=len(corrupt))
+            calls.many("delete corrupt", lambda key: calls.delete(self._names.record(key)), corrupt)
+        hits = [key.hex for key, rec in zip(keys, out, strict=True) if rec is not None]
+        if hits:
+            self._janitor.read(hits)
+        return out
+
+    def drop_many(self, keys: Sequence[StoreKey]) -> None:
+        """Delete these keys' objects (`DropsRecords`: records the store cannot open), many in flight; an
+        absent one is no error, a failure is counted and left for the next reader."""
+        calls = self._calls
+        calls.many("drop", lambda key: calls.delete(self._names.record(key)), keys)
+
+    # ----------------------------------------------------------------------------------------- writes
+    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted)."""
+        if not items:
+            return
+        calls = self._calls
+        janitor = self._janitor
+        if not janitor.admits():  # this writer is past its share until a sweep completes: a bounded tier
+            self.counters.add(dropped_writes=len(items))
+            return
+
+        def put(item: tuple[StoreKey, torch.Tensor, dict[str, Any] | None]) -> int:
+            key, tensor, meta = item
+            enc = records.encode(key, tensor, meta)
+            calls.put(self._names.record(key), enc.tobytes(), record_metadata(key, tags_of(meta)))
+            return enc.nbytes
+
+        res = calls.many("put", put, items)
+        written = [n for n in res if not isinstance(n, Failure)]
+        if written:
+            self.counters.add(puts=len(written), bytes_written=sum(written))
+            janitor.wrote(sum(written), [item[0].hex for item, n in zip(items, res, strict=True)
+                                         if not isinstance(n, Failure)])
+        if len(written) < len(items):
+            self.counters.add(dropped_writes=len(items) - len(written))
+
+    # ------------------------------------------------------------------------------ admin (stats/evict)
+    def _ledger_reads(self) -> dict[str, float]:
+        """Every writer's reads (for idle times), as the janitor merges them."""
+        return self._janitor.merged_reads()
+
+    def iter_stored(self) -> Iterator[StoredRecord]:
+        """Every record under the prefix (the `Tier` admin contract); ConnectionError when unreachable."""
+        for _, rec in self._admin.scan():
+            yield rec
+
+    def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
+                      dry_run: bool = False) -> tuple[int, int]:
+        """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes)."""
+        return self._admin.delete_stored(predicate, dry_run=dry_run)
+
+    def read_control(self) -> dict[str, bytes]:
+        return self._admin.read_control()
+
+    def write_control(self, changes: Mapping[str, bytes | None]) -> None:
+        self._admin.write_control(changes)
+
+    def remove_control(self, name: str) -> bool:
+        return self._admin.remove_control(name)
+
+    def _pinned_now(self) -> frozenset[str]:
+        """The tags pinned now, read from the control entries at the sweep (as the disk tier reads them in
+        its eviction's transaction: every writer agrees, even one whose poller has not run yet); the last
+        poll's when they cannot be read."""
+        try:
+            return parse_control(self._admin.read_control()).pinned_now() | self._pins
+        except ConnectionError:
+            return self._pins
+
+    def set_pinned_tags(self, tags: frozenset[str]) -> None:
+        """Records carrying one of ``tags`` are kept by the janitor's sweeps, up to ``pin_budget``."""
+        self._pins = frozenset(tags)
+
+    # ------------------------------------------------------------------------------------------- misc
+    def usage(self) -> dict[str, Any]:
+        """``entries`` and ``bytes_used`` as this process's janitor last listed them (None before any
+        sweep: no request ever lists the bucket), else as the last sweep of any writer left them in the
+        bucket; ``capacity`` from the config."""
+        if self._janitor.last is None and not self._health.down:
+            self._janitor.learn_usage()
+        last = self._janitor.last
+        return {"entries": last.entries if last else None, "bytes_used": last.bytes_used if last else None,
+                "capacity": self.capacity, "down": self._health.down, "address": self.address}
+
+    def close(self) -> None:
+        self._janitor.close()
+        self._calls.close()
+

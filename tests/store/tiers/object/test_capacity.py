@@ -1,0 +1,151 @@
+"""The object tier's bound on capacity across writers, with no server of ours: usage ledgers, the janitor
+lock taken by conditional PUT, LRU by last use, pins; four writer processes against one small capacity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.store_workers import expected_tensor, fault_key
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import StoreKey
+from vllm_tiercache.shared.store.control import pin_changes
+from vllm_tiercache.shared.store.tiers.object import janitor as janitor_module
+from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
+
+pytestmark = pytest.mark.s3
+REPO = Path(__file__).resolve().parents[4]
+KIB = 1024
+
+
+def _k(i: int) -> StoreKey:
+    return StoreKey(f"ns|cap|{i}")
+
+
+def _rec(i: int) -> torch.Tensor:
+    return torch.full((16 * KIB // 4,), float(i))  # 16 KiB of payload
+
+
+def tier_of(s3_bucket, **fields) -> ObjectTier:
+    return ObjectTier(StoreConfig.load({"tiers": [s3_bucket.tier_config(**fields)]}).tiers[0])
+
+
+def listed_bytes(s3_bucket, prefix: str = "tiercache/r/") -> int:
+    client = s3_bucket.server.client()
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket.bucket, Prefix=prefix)
+    return sum(obj["Size"] for page in pages for obj in page.get("Contents", ()))
+
+
+def test_a_sweep_evicts_by_last_use_read_from_the_ledgers(s3_bucket, monkeypatch):
+    monkeypatch.setattr(janitor_module, "HARD_FACTOR", 100.0)  # no write dropped for the bound: the order is the point
+    # a sweep leaves 0.8 of capacity: the 8 most recently used of 14 records
+    writer = tier_of(s3_bucket, capacity=10 * 17 * KIB, sweep_every_s=3600.0, sweep_share=0.2)
+    reader = tier_of(s3_bucket, capacity=10 * 17 * KIB, sweep_every_s=3600.0, sweep_share=0.2)
+    for i in range(8):  # one at a time: a batch's records share one write time
+        writer.put_many([(_k(i), _rec(i), None)])
+    assert all(r is not None for r in reader.get_many([_k(0), _k(1)]))  # another process reads the oldest
+    assert reader.janitor.flush_ledger()
+    for i in range(8, 14):
+        writer.put_many([(_k(i), _rec(i), None)])
+    result = writer.janitor.sweep_now()  # its thread may have swept already: this one waits its turn
+    assert result is not None and result.bytes_used <= writer.capacity
+    alive = writer.contains_many([_k(i) for i in range(14)])
+    evicted = alive.count(False)
+    assert evicted >= 4 and alive[0] and alive[1]  # read lately: kept
+    assert alive[2:] == [False] * evicted + [True] * (12 - evicted)  # the least recently used went first
+    assert listed_bytes(s3_bucket) == result.bytes_used <= writer.capacity
+    assert writer.counters.get("evictions") == evicted
+    assert reader.janitor.sweep_now().bytes_used == result.bytes_used
+    writer.close()
+    reader.close()
+
+
+def test_one_writer_at_a_time_holds_the_janitor_lock(s3_bucket, monkeypatch):
+    a, b = tier_of(s3_bucket, sweep_every_s=3600.0), tier_of(s3_bucket, sweep_every_s=3600.0)
+    held = a.janitor._take_lock()
+    assert held is not None
+    assert b.janitor._take_lock() is None and b.janitor.sweep() is None  # held by a
+    monkeypatch.setattr(janitor_module, "LOCK_STALE_S", 0.0)  # a's holder "died": b takes the lock over
+    taken = b.janitor._take_lock()
+    assert taken is not None and taken != held
+    assert a.janitor._take_lock() is None or True  # a may take over b's in turn (also stale at 0 s)
+    a.close()
+    b.close()
+
+
+def test_racing_writers_get_the_lock_exactly_once(s3_bucket):
+    tiers = [tier_of(s3_bucket, sweep_every_s=3600.0) for _ in range(6)]
+    got: list[str | None] = []
+    barrier = threading.Barrier(len(tiers))
+
+    def race(tier: ObjectTier) -> None:
+        barrier.wait()
+        got.append(tier.janitor._take_lock())
+
+    threads = [threading.Thread(target=race, args=(t,)) for t in tiers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(g is not None for g in got) == 1
+    for tier in tiers:
+        tier.close()
+
+
+def test_pinned_records_survive_sweeps_within_the_pin_budget(s3_bucket):
+    tier = tier_of(s3_bucket, capacity=10 * 17 * KIB, pin_budget=0.5, sweep_every_s=3600.0, sweep_share=0.5)
+    tier.put_many([(_k(i), _rec(i), {"tags": ["corpus:v1"]}) for i in range(3)])
+    tier.write_control(pin_changes(["corpus:v1"], None, True))
+    for start in range(3, 40, 4):
+        tier.put_many([(_k(i), _rec(i), None) for i in range(start, start + 4)])
+        tier.janitor.sweep_now()
+    assert tier.contains_many([_k(i) for i in range(3)]) == [True] * 3
+    assert listed_bytes(s3_bucket) <= tier.capacity
+    tier.close()
+
+
+def test_four_writer_processes_stay_bounded_and_a_pinned_corpus_keeps_every_hit(s3_bucket):
+    capacity, share, writers, batch = 1 << 20, 0.02, 4, 4
+    fields = {"capacity": capacity, "sweep_share": share, "sweep_every_s": 0.5, "pin_budget": 0.3}
+    corpus = list(range(100_000, 100_008))
+    expected_meta_of = {i: {"i": i, "tags": ["corpus:v1"]} for i in corpus}  # about 130 KiB, within the pin budget
+    tier = tier_of(s3_bucket, **fields)
+    tier.put_many([(fault_key(i), expected_tensor(i), expected_meta_of[i]) for i in corpus])
+    tier.write_control(pin_changes(["corpus:v1"], None, True))
+    # each writer writes 2.6 MiB or so: ten times capacity in all
+    per_writer = 160
+    tier_item = s3_bucket.tier_config(**fields)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.support.store_workers", "object_writer",
+         json.dumps({"tier": tier_item, "start": w * per_writer, "count": per_writer, "batch": batch})],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(writers)]
+    peak = 0
+    while any(p.poll() is None for p in procs):
+        peak = max(peak, listed_bytes(s3_bucket))
+    results = []
+    for p in procs:
+        out, err = p.communicate()
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    tier.janitor.sweep_now()
+    final = listed_bytes(s3_bucket)
+    written = sum(r["puts"] for r in results)
+    biggest = 34 * KIB  # a record's largest size, with its header, rounded up
+    # each writer: its share twice over, plus the batch it had admitted when it reached it
+    bound = capacity * (1 + writers * janitor_module.HARD_FACTOR * share) + writers * batch * biggest
+    print(f"\ncapacity {capacity}, written {written} records, dropped {sum(r['dropped'] for r in results)}, "
+          f"evicted {sum(r['evictions'] for r in results)}, peak usage {peak} ({peak / capacity:.2f}x), "
+          f"final {final}")
+    assert written * 16 * KIB > 5 * capacity  # the writers really wrote several capacities' worth
+    assert peak <= bound and final <= capacity
+    got = tier.get_many([fault_key(i) for i in corpus])
+    assert all(rec is not None and torch.equal(rec.tensor, expected_tensor(i)) and rec.meta == expected_meta_of[i]
+               for i, rec in zip(corpus, got, strict=True))  # every byte
+    assert not [r for r in results if r["errors"] > 2]  # SeaweedFS answers a few racing requests with 500
+    tier.close()

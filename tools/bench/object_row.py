@@ -1,0 +1,124 @@
+"""The object tier's row of `tiercache bench tiers`: a batch of records through the store against the same
+client's raw requests of the same bytes at the same concurrency, and against boto3 one request at a time.
+
+Why a batch: the object tier is worth using only with many requests in flight (a KV hit is many records,
+one per layer and chunk), so one record at a time would measure a round trip, not the tier. The reference is
+what the tier's client choice promises: plain boto3 ``get_object`` / ``put_object`` of the same bytes, from
+as many threads as the tier's ``concurrency``, on one client with as many pooled connections (the tier's
+own tuning, `vllm_tiercache.shared.store.tiers.object.client`); the baseline is boto3 one request after the
+other, as a naive caller would use it. Targets (issue 49): get and put at least 0.8 of the raw requests,
+get at least 1.5x one-at-a-time.
+
+Without ``--s3-endpoint`` a private SeaweedFS is started (`vllm_tiercache.tools.s3_server`); with it, the
+bucket must exist and the credentials come from the AWS chain, as for the tier. Everything written is
+deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import StoreKey, TieredStore
+
+#: The bytes one batch moves at most (fewer records of large sizes): keeps a default run short.
+BATCH_BYTES = 64 << 20
+MAX_BATCH = 32
+#: Requests in flight, for the tier and the raw reference alike (the tier's default).
+CONCURRENCY = 16
+OBJECT_TARGET = 0.8
+SERIAL_TARGET = 1.5
+
+
+@contextlib.contextmanager
+def s3_target(endpoint: str | None, bucket: str | None) -> Iterator[dict[str, Any]]:
+    """The object tier item to measure: the given endpoint and bucket, or a private SeaweedFS (its
+    credentials put in this process's environment for the AWS chain while it runs)."""
+    if endpoint:
+        yield {"kind": "object", "endpoint": endpoint, "bucket": bucket, "path_style": True}
+        return
+    import os
+
+    from vllm_tiercache.tools.s3_server import SeaweedFSServer
+
+    with SeaweedFSServer() as server:
+        saved = {k: os.environ.get(k) for k in server.credentials_env()}
+        os.environ.update(server.credentials_env())
+        try:
+            yield {"kind": "object", "endpoint": server.endpoint, "bucket": server.create_bucket("tiercache-bench"),
+                   "path_style": True}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def bench_object(size: int, repeat: int, item: dict[str, Any],
+                 measure: Callable[[Sequence[Callable[[int], Any]], int], list[float]]) -> dict[str, Any]:
+    """Median seconds (via ``measure``) of one batch: the store's get_many / put_many (owned, then flushed)
+    against raw boto3 GETs / PUTs from `CONCURRENCY` threads, and boto3 GETs one at a time."""
+    batch = max(1, min(MAX_BATCH, BATCH_BYTES // size))
+    data = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    raw = data.numpy().tobytes()
+    config = {**item, "concurrency": CONCURRENCY, "capacity": max(1 << 30, 4 * batch * size * (repeat + 2)),
+              "prefix": f"bench-{uuid.uuid4().hex[:8]}/", "timeout_s": 60.0}
+    store = TieredStore(StoreConfig.from_dict({"tiers": [config]}))
+    from vllm_tiercache.shared.store.tiers.object.client import make_client
+
+    # a client tuned as the tier's own: the reference differs only in what the tier adds
+    client = make_client(StoreConfig.from_dict({"tiers": [config]}).tiers[0])
+    bucket, prefix = config["bucket"], config["prefix"]
+    pool = ThreadPoolExecutor(CONCURRENCY)
+
+    def keys(i: int) -> list[StoreKey]:
+        return [StoreKey(f"bench|object|{prefix}|{i}|{j}") for j in range(batch)]
+
+    def names(i: int) -> list[str]:
+        return [f"{prefix}ref/{i}/{j}" for j in range(batch)]
+
+    def put(i: int) -> None:
+        store.put_many([(key, data, None) for key in keys(i)], owned=True)
+        store.flush()
+
+    def ref_put(i: int) -> None:
+        list(pool.map(lambda name: client.put_object(Bucket=bucket, Key=name, Body=raw), names(i)))
+
+    def get(i: int) -> None:
+        got = store.get_many(keys(i))
+        if any(rec is None for rec in got):
+            raise RuntimeError(f"the object tier at {config['endpoint']} missed records it was given")
+
+    def ref_get(i: int) -> None:
+        list(pool.map(lambda name: client.get_object(Bucket=bucket, Key=name)["Body"].read(), names(i)))
+
+    def serial_get(i: int) -> None:
+        for name in names(i):
+            client.get_object(Bucket=bucket, Key=name)["Body"].read()
+
+    try:
+        put_s, ref_put_s = measure([put, ref_put], repeat)
+        get_s, ref_get_s, serial_s = measure([get, ref_get, serial_get], repeat)
+    finally:
+        store.close()  # first: its janitor's last ledger write lands before the clean-up below
+        try:  # the records, the references and the tier's own objects (ledger, usage) under the run's prefix
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                list(pool.map(lambda o: client.delete_object(Bucket=bucket, Key=o["Key"]), page.get("Contents", ())))
+        finally:
+            pool.shutdown()
+    total = size * batch
+    gib = float(1 << 30)
+    return {"tier": "object", "size": size, "batch": batch,
+            "put_gib_s": round(total / put_s / gib, 3), "put_ref_gib_s": round(total / ref_put_s / gib, 3),
+            "put_ratio": round(ref_put_s / put_s, 3), "copy_put_gib_s": None, "copy_put_ratio": None,
+            "get_gib_s": round(total / get_s / gib, 3), "get_ref_gib_s": round(total / ref_get_s / gib, 3),
+            "get_ratio": round(ref_get_s / get_s, 3),
+            "get_serial_gib_s": round(total / serial_s / gib, 3), "get_vs_serial": round(serial_s / get_s, 3),
+            "target": OBJECT_TARGET}
