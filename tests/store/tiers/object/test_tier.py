@@ -222,20 +222,32 @@ def test_drop_many_deletes_what_the_store_cannot_open(s3_bucket):
 
 
 def test_a_sealing_store_seals_what_it_puts_in_the_bucket(s3_bucket, tmp_path):
-    """Issue 50's encryption at rest holds for the object tier too (the store seals, not the tier): the
-    bucket's bytes hold no window of the payload, and only the same tenant's salt opens the record."""
+    """Issue 50's encryption at rest holds for the object tier too (the store seals, not the tier): no 64-byte
+    window of any payload is in the bucket's objects (the same check finds them in a plain store's bucket),
+    and only the same tenant's salt opens the record."""
+    from tests.store.sealing.rings import shares_window
     from vllm_tiercache.shared.store.sealing.ring import write_new_ring
     from vllm_tiercache.shared.store.tiered import TieredStore
 
+    def bucket_bytes(prefix: str) -> bytes:
+        client = s3_bucket.server.client()
+        listed = client.list_objects_v2(Bucket=s3_bucket.bucket, Prefix=prefix).get("Contents", [])
+        return b"".join(client.get_object(Bucket=s3_bucket.bucket, Key=o["Key"])["Body"].read() for o in listed)
+
     ring = write_new_ring(str(tmp_path / "ring.json"))
-    store = TieredStore(StoreConfig.load({"encryption": {"ring": ring}, "tiers": [s3_bucket.tier_config()]}))
-    payload = torch.arange(4096, dtype=torch.float32)
-    key = _k("sealed").for_tenant("tenant-a")
-    store.put_many([(key, payload, None)])
-    assert store.flush(30)
-    body = s3_bucket.server.client().get_object(Bucket=s3_bucket.bucket, Key=f"tiercache/r/{key.hex}")["Body"].read()
-    assert payload.numpy().tobytes()[1000:1064] not in body
-    got = store.get_many([key])[0]
-    assert got is not None and torch.equal(got.tensor, payload)
-    assert store.get_many([_k("sealed").for_tenant("tenant-b")]) == [None]
-    store.close()
+    generator = torch.Generator().manual_seed(7)
+    payloads = [torch.randn(4096, generator=generator) for _ in range(3)]
+    for prefix, extra in (("plain/", {}), ("sealed/", {"encryption": {"ring": ring}})):
+        config = {**extra, "tiers": [s3_bucket.tier_config(prefix=prefix)]}
+        store = TieredStore(StoreConfig.load(config))
+        keys = [_k(f"{prefix}{i}").for_tenant("tenant-a") for i in range(len(payloads))]
+        store.put_many(list(zip(keys, payloads, [None] * len(payloads), strict=True)))
+        assert store.flush(30)
+        if prefix == "sealed/":
+            got = store.get_many(keys[:1])[0]
+            assert got is not None and torch.equal(got.tensor, payloads[0])
+            assert store.get_many([_k(f"{prefix}0").for_tenant("tenant-b")]) == [None]
+        store.close()
+    plain, sealed = bucket_bytes("plain/"), bucket_bytes("sealed/")
+    assert all(shares_window(p.numpy().tobytes(), plain) for p in payloads)  # the check can fail
+    assert not any(shares_window(p.numpy().tobytes(), sealed) for p in payloads)
