@@ -89,3 +89,23 @@ def test_the_background_journal_writes_nothing_before_the_ring_is_read() -> None
     assert store.put_seen.wait(10.0)
     assert store.puts == [21 % 16]
     journal.close()
+
+
+def test_a_restart_over_the_object_tier_alone_announces_it_as_storage(tiny_llama: Path, tmp_path: Path,
+                                                                       s3_bucket: Any) -> None:
+    """The journal and the start-up check go through the store's contract, so an S3 bucket as the only shared
+    tier works as disk and Redis do: its chunks are announced as ``STORAGE`` (every shared tier remote)."""
+    from vllm_tiercache.kvcache.events.ledger import MEDIUM_REMOTE
+
+    bucket = s3_bucket.tier_config()
+    first = Published(_config(tiny_llama, tmp_path / "unused", shared_tier=bucket))
+    out, meta = schedule_new(first.scheduler, hashed_request("a", _prompt(1), BLOCK))
+    names = _play_saves(first.connector, meta)
+    first.finish(out, TieredKVWorkerMetadata(added=set(names)))
+    first.connector.shutdown()
+    first.connector._store.close()
+    second = Published(_config(tiny_llama, tmp_path / "unused", shared_tier=bucket))
+    second.report(TieredKVWorkerMetadata())
+    stored = second.events(BlockStored, MEDIUM_REMOTE)
+    assert sum(len(event.block_hashes) for event in stored) == 12
+    second.connector._scheduler.events.close()  # type: ignore[union-attr]
