@@ -12,33 +12,21 @@ Why its own module: a small state machine with its thread and its log lines, tou
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.object.client import BUG, DOWN, ERROR, classify, error_code, log
-from vllm_tiercache.shared.threads import background_thread
-
-#: The shortest pause between two probes (``retry_after_s`` may be 0).
-MIN_PROBE_INTERVAL_S = 0.01
+from vllm_tiercache.shared.store.tiers.prober import ProbedHealth
 
 
-class ObjectHealth:
+class ObjectHealth(ProbedHealth):
     """Up or down, the prober while down, and the once-per-kind failure log of one object tier."""
 
     def __init__(self, address: str, retry_after_s: float, counters: TierCounters, *, attempt: Callable[[], str],
                  probe: Callable[[], bool], thread_name: str) -> None:
-        self.address = address
-        self.retry_after_s = retry_after_s
+        super().__init__(address, retry_after_s, probe=probe, thread_name=thread_name)
         self.counters = counters
         self._attempt = attempt
-        self._probe = probe
-        self._thread_name = thread_name
-        self.lock = threading.Lock()
-        self._down = False
-        self.closed = False
-        self._prober: threading.Thread | None = None
-        self._stop = threading.Event()
         #: what has been logged already: one line per kind of failure, not per call or record
         self._warned: set[str] = set()
 
@@ -92,35 +80,5 @@ class ObjectHealth:
             if was_down:
                 log.warning("tiercache object tier: %s reachable again", self.address)
 
-    def close(self) -> None:
-        """No prober runs after this (a running one ends at its next wake-up, which this brings forward)."""
-        with self.lock:
-            self.closed = True
-        self._stop.set()
-
-    # ------------------------------------------------------------------------------------------ prober
-    def _start_prober(self) -> None:
-        """Start the prober unless it runs; call with ``lock`` held."""
-        if self._prober is None and not self.closed:
-            self._prober = background_thread(self._probe_loop, self._thread_name)
-            self._prober.start()
-
-    def _probe_loop(self) -> None:
-        while True:
-            self._stop.wait(max(self.retry_after_s, MIN_PROBE_INTERVAL_S))
-            with self.lock:
-                if self.closed or not self._down:
-                    self._prober = None
-                    return
-            ok = self._probe()
-            with self.lock:
-                if self.closed:
-                    self._prober = None
-                    return
-                if not ok:
-                    continue
-                self._prober = None
-                was_down, self._down = self._down, False
-            if was_down:
-                log.warning("tiercache object tier: %s reachable again", self.address)
-            return
+    def _reachable_again(self) -> None:
+        log.warning("tiercache object tier: %s reachable again", self.address)

@@ -20,16 +20,13 @@ thread and its log lines; it touches no network itself (the probe is handed in),
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
 from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.tiers.prober import MIN_PROBE_INTERVAL_S, ProbedHealth
 from vllm_tiercache.shared.store.tiers.redis.errors import log
-from vllm_tiercache.shared.threads import background_thread
 
-#: The shortest pause between two probes of a down tier (``retry_after_s`` may be 0).
-MIN_PROBE_INTERVAL_S = 0.01
 #: While a cluster shard is down (or a reply said the slot map is stale), the prober re-reads the slot map
 #: this often at most (``retry_after_s`` when shorter): a replica's promotion is served within about this.
 SLOT_MAP_REFRESH_S = 1.0
@@ -45,7 +42,7 @@ class ShardOutage:
         self.slot, self.since, self.pinged = slot, now, now
 
 
-class TierHealth:
+class TierHealth(ProbedHealth):
     """The tier's health: up, some cluster shards down, or down; and the prober that runs while it is not up.
 
     ``lock`` guards the state below and the prober's start and end; the tier swaps its client under it
@@ -54,25 +51,15 @@ class TierHealth:
 
     def __init__(self, address: str, retry_after_s: float, counters: TierCounters, *, cluster: bool,
                  attempt: str, probe: Callable[[], bool], thread_name: str) -> None:
-        self.address = address
-        self.retry_after_s = retry_after_s
+        super().__init__(address, retry_after_s, probe=probe, thread_name=thread_name)
         self.counters = counters
         self.cluster = cluster
         #: What a connection attempt does, in words, for the 'unreachable' line.
         self.attempt = attempt
-        #: One health check, on the prober's thread: True when the tier (every shard) answered.
-        self._probe = probe
-        self._thread_name = thread_name
-        self.lock = threading.Lock()
-        self._down = False
-        self.closed = False
         #: Cluster shards marked down: primary "host:port" -> `ShardOutage` (a standalone server has none).
         self.outages: dict[str, ShardOutage] = {}
         #: A reply said the cluster's slot map is stale: the prober re-reads it.
         self.refresh_asked = False
-        #: The prober (a daemon thread while the tier is not up), and its wake-up.
-        self._prober: threading.Thread | None = None
-        self._stop = threading.Event()
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -196,42 +183,13 @@ class TierHealth:
                 log.warning("tiercache redis tier: %s: shard %s failed over to %s (its replica, promoted); "
                             "its keys are served again", self.address, name, owner)
 
-    def close(self) -> None:
-        """No prober runs after this (one running ends at its next wake-up, which this brings forward)."""
-        with self.lock:
-            self.closed = True
-        self._stop.set()
-
     # ------------------------------------------------------------------------------------------ prober
-    def _start_prober(self) -> None:
-        """Start the prober unless it runs; call with ``lock`` held."""
-        if self._prober is None and not self.closed:
-            self._prober = background_thread(self._probe_loop, self._thread_name)
-            self._prober.start()
+    def _after_probe(self, ok: bool) -> bool | None:
+        if not ok:
+            return None
+        if self.cluster:  # the probe marked up what answered; a shard down meanwhile: go on
+            return None if self.needs_probe() else False
+        return super()._after_probe(ok)
 
-    def _probe_loop(self) -> None:
-        """The prober: while the tier (or a cluster shard) is down, one probe every ``retry_after_s``
-        (every `SLOT_MAP_REFRESH_S` at most while a shard is down); marks it up and ends."""
-        while True:
-            self._stop.wait(self.probe_interval())
-            with self.lock:
-                if self.closed or not self.needs_probe():  # closed, or a late call's success marked it up
-                    self._prober = None
-                    return
-            ok = self._probe()
-            with self.lock:
-                if self.closed:
-                    self._prober = None
-                    return
-                if not ok:
-                    continue
-                if self.cluster:  # the probe marked up what answered; a shard down meanwhile: go on
-                    if self.needs_probe():
-                        continue
-                    self._prober = None
-                    return
-                self._prober = None  # with the tier up, under one lock: a failure right after starts a new one
-                was_down, self._down = self._down, False
-            if was_down:
-                log.warning("tiercache redis tier: %s reachable again", self.address)
-            return
+    def _reachable_again(self) -> None:
+        log.warning("tiercache redis tier: %s reachable again", self.address)
