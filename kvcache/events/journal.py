@@ -162,11 +162,6 @@ class EventJournal:
             self._thread.start()  # type: ignore[union-attr]
         self._wake.set()
 
-    @property
-    def is_due(self) -> bool:
-        """Whether `due` would hand out a segment now (without ``force``)."""
-        return self._read and (bool(self._full) or (self._dirty and self.clock() >= self._next_write))
-
     def due(self, *, force: bool = False) -> list[Segment]:
         """The segments to write now: every full one, and the open one when it changed and ``interval_s``
         has passed since the last write (or ``force``). Copies: `write` may run on another thread while

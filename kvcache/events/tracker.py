@@ -212,8 +212,8 @@ class TierEventTracker:
         """One batch of what is due: chunks asked again, confirmation and the sweep together; the answer is
         applied by a later `take`."""
         generation = self._generation
-        if self._unreachable and self.shared_answering():  # back: asked next, as the journal's entries are
-            # taken from the end, 16 at a time: parents last, so a batch never comes before its parents' batch
+        if self._unreachable and self.shared_answering():  # back: asked next, taken from the end a batch a
+            # step: parents last, so a batch never comes before its parents' batch
             back = sorted(self._unreachable.items(), key=lambda item: -item[1].start_block)
             self._discovered.extend(back)
             self._unreachable.clear()
