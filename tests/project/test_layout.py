@@ -205,27 +205,24 @@ def _module_names(root: Path) -> dict[str, Path]:
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the product modules it imports: every import statement, at the top, in a function or
-    under `TYPE_CHECKING` (a reader follows them all), ``from package import module`` as the module."""
+    """Module -> the product modules it imports (`_imports`: every import statement, at the top, in a function
+    or under `TYPE_CHECKING`, since a reader follows them all); ``from package import module`` counts as the
+    module, not the package."""
     names = _module_names(root)
     graph: dict[str, set[str]] = {}
     for name, path in names.items():
+        by_line: dict[int, set[str]] = {}
+        for line, imported in _imports(path):
+            by_line.setdefault(line, set()).add(imported)
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                candidates = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
-                candidates = [m for m in submodules if m in names]
-                if len(candidates) < len(submodules):
-                    candidates.append(node.module)
-            else:
-                continue
-            for candidate in candidates:
-                while candidate and candidate not in names:
-                    candidate = candidate.rpartition(".")[0]
-                if candidate and candidate != name:
-                    targets.add(candidate)
+        for imported_here in by_line.values():
+            for imported in imported_here:
+                if any(other.startswith(imported + ".") and other in names for other in imported_here):
+                    continue  # the package of a `from package import module`
+                while imported and imported not in names:
+                    imported = imported.rpartition(".")[0]
+                if imported and imported != name:
+                    targets.add(imported)
         graph[name] = targets
     return graph
 
