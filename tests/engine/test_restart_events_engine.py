@@ -20,8 +20,6 @@ index shows came from the journal, announced with that request's first step.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -30,13 +28,12 @@ from typing import Any
 
 import pytest
 
-from tests.engine.test_kv_events_engine import _complete
-from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer, events_config
+from tests.engine.test_kv_events_engine import _complete, _server
+from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer
 from vllm_tiercache.tools.demo.server import Server, free_port
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVED, BLOCK, CHUNK = "tiny", 32, 64  # 5 to 7 chunks a prompt: more than the 16 chunks a step once discovered
 #: prompt lengths, none a multiple of the block size (a router matches whole blocks, the connector loads
 #: whole blocks short of the prompt's last token: the two agree only then)
@@ -51,7 +48,7 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _store(redis_url: str, disk: Path) -> dict[str, Any]:
-    return {"namespace": "restart", "tiers": [
+    return {"namespace": "restart", "chunk_size": CHUNK, "tiers": [
         {"kind": "memory", "capacity": "1MiB"},  # a chunk is 128 KiB (2 layers, float32): the last few only
         {"kind": "disk", "path": str(disk), "capacity": "2MiB"},  # under the prompts' KV: Redis keeps the rest
         {"kind": "redis", "url": redis_url},
@@ -62,17 +59,8 @@ def _store(redis_url: str, disk: Path) -> dict[str, Any]:
 def _serving(model: Path, work: Path, name: str, store: dict[str, Any]) -> Iterator[tuple[Server, DynamoIndexer]]:
     """A server publishing KV events, and Dynamo's indexer subscribed to it from the server's start (a zmq
     subscriber misses what was published before it joined)."""
-    template = work / "template.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     zmq_port = free_port()
-    kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
-          "kv_role": "kv_both", "kv_connector_extra_config": {**store, "chunk_size": CHUNK}}
-    server = Server(model, work / f"{name}.log", served_name=SERVED, chat_template=template, max_model_len=512,
-                    kv_transfer=kv, extra_args=["--enable-prefix-caching", "--num-gpu-blocks-override", "17",
-                                                "--kv-events-config", json.dumps(events_config(zmq_port))])
-    i = server.args.index("--limit-mm-per-prompt")  # a text model
-    del server.args[i:i + 2]
-    server.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), server.env.get("PYTHONPATH")) if p)
+    server = _server(model, work, name, store, zmq_port)
     with server:
         indexer = DynamoIndexer({1: zmq_port}, block_size=BLOCK, model_name=SERVED,
                                 log_path=work / f"indexer-{name}.log")

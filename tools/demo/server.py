@@ -156,7 +156,6 @@ class Server:
         handler back in place, which kills it before the connectors flush."""
         if self.proc is None:
             return None
-        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         if self.proc.poll() is None:
             _signal_process(self.proc.pid, signal.Signals[sig])
             try:
@@ -164,20 +163,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         status = self.proc.poll()
-        # The leader may be gone while its engine and worker children still run: always sweep the group.
-        _signal_group(pgid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.proc = None
+        self.kill()  # the leader may be gone while its engine and worker children still run: sweep the group
         return status
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: a crash (an OOM kill, a lost node), no shutdown of anything."""
         if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
