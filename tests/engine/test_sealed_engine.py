@@ -12,7 +12,6 @@ tenant B's salt and no salt get no hit. Five engine starts, run two and three at
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,19 +79,6 @@ def _payloads(disk: Path) -> list[bytes]:
     return out
 
 
-def _dump(server: RedisServer) -> bytes:
-    with server.client() as client:
-        client.bgsave()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            info = client.info("persistence")
-            if not info["rdb_bgsave_in_progress"] and info["rdb_changes_since_last_save"] == 0:
-                break
-            time.sleep(0.1)
-        assert info["rdb_last_bgsave_status"] == "ok" and info["rdb_changes_since_last_save"] == 0, info
-    return (server.dir / "dump.rdb").read_bytes()
-
-
 def _record_count(disk: Path) -> int:
     tier = DiskTier(DiskTierConfig(path=str(disk)))
     try:
@@ -120,12 +106,12 @@ def world(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, saving_red
                             "kv_transfer_config": _kv("kv_producer", plain_disk, url, None)}, work / "plain"),
     )
     plaintext = _payloads(plain_disk)
-    plain_dump = _dump(saving_redis)
+    plain_dump = saving_redis.saved_dump(timeout_s=60)
     with saving_redis.client() as client:
         client.flushall()
     run_engine({"model": model, "one_at_a_time": True, "rounds": [[*written, _item(UNSALTED, None)]],
                 "kv_transfer_config": _kv("kv_producer", sealed_disk, url, ring)}, work / "sealed")
-    sealed_dump = _dump(saving_redis)
+    sealed_dump = saving_redis.saved_dump(timeout_s=60)
     stores = {"plain": (plain_disk, None), "sealed": (sealed_disk, ring)}
     consumers = _parallel(*[
         (lambda d=d, r=r, name=name: run_engine(

@@ -109,3 +109,4 @@ def test_a_restart_over_the_object_tier_alone_announces_it_as_storage(tiny_llama
     stored = second.events(BlockStored, MEDIUM_REMOTE)
     assert sum(len(event.block_hashes) for event in stored) == 12
     second.connector._scheduler.events.close()  # type: ignore[union-attr]
+

@@ -10,7 +10,6 @@ records readable, and `tiercache evict --key-id` reclaims a retired key's record
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,20 +31,6 @@ def saving_redis() -> Iterator[RedisServer]:
     """A redis-server of its own with RDB persistence on (and uncompressed, so plaintext would show)."""
     with RedisServer(extra_args=["--save", "3600 1", "--dbfilename", "dump.rdb", "--rdbcompression", "no"]) as s:
         yield s
-
-
-def dump_bytes(server: RedisServer) -> bytes:
-    """BGSAVE, wait until the dump holds every change, and read the dump file."""
-    with server.client() as client:
-        client.bgsave()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            info = client.info("persistence")
-            if not info["rdb_bgsave_in_progress"] and info["rdb_changes_since_last_save"] == 0:
-                break
-            time.sleep(0.05)
-        assert info["rdb_last_bgsave_status"] == "ok" and info["rdb_changes_since_last_save"] == 0, info
-    return (server.dir / "dump.rdb").read_bytes()
 
 
 def tree_bytes(root: Path) -> bytes:
@@ -101,7 +86,8 @@ def test_no_window_of_a_stored_tensor_reaches_the_redis_dump_or_the_disk_files(
     with TieredStore(store_config(sealed_dir, redis, ring)) as store:
         store.put_many([(k, t, {"tags": ["doc:1"]}) for k, t in zip(keys, sealed, strict=True)])
         assert store.flush(30)
-    dump, plain_files, sealed_files = dump_bytes(saving_redis), tree_bytes(plain_dir), tree_bytes(sealed_dir)
+    dump = saving_redis.saved_dump(timeout_s=30)
+    plain_files, sealed_files = tree_bytes(plain_dir), tree_bytes(sealed_dir)
     for tensor in plain:  # the check finds what a run without encryption leaves
         assert shares_window(raw_bytes(tensor), dump) and shares_window(raw_bytes(tensor), plain_files)
     for tensor in sealed:
