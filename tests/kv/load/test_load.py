@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import base64
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.quiet import until_quiet
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.tools.demo.corpus import QUESTIONS, Document, make_corpus
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE, build_prompt
@@ -99,15 +99,8 @@ def wait_for_disk_writes(disk: Path, quiet_s: float = 1.0, limit_s: float = 60.0
         files = [p for p in disk.rglob("*") if p.is_file()]
         return len(files), sum(p.stat().st_size for p in files if p.exists())
 
-    deadline = time.monotonic() + limit_s
-    last = snapshot()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        now = snapshot()
-        if now == last:
-            return
-        last = now
-    raise AssertionError(f"the disk tier at {disk} was still being written {limit_s:.0f} s after the round")
+    if not until_quiet(snapshot, quiet_s, limit_s):
+        raise AssertionError(f"the disk tier at {disk} was still being written {limit_s:.0f} s after the round")
 
 
 def _data_url(doc: Document) -> str:

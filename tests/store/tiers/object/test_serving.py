@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
+from tests.support.quiet import until_quiet
 from tests.support.watching_proxy import WatchingProxy
 from tests.support.zygote_client import run_job
 from tests.tools.test_precompute import _expected_hits
@@ -269,13 +270,7 @@ def _written_behind(s3: SeaweedFSServer, quiet_s: float = 2.0, most_s: float = 3
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="tiercache/r/")
         return sum(page.get("KeyCount", 0) for page in pages)
 
-    deadline, last = time.monotonic() + most_s, count()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        now = count()
-        if now == last:
-            return
-        last = now
+    until_quiet(count, quiet_s, most_s)  # past most_s the test's own assertions say what is missing
 
 
 def _object_bytes(s3: SeaweedFSServer, name: str) -> bytes | None:
