@@ -18,10 +18,11 @@ coarse for a budget of a few thousand tokens of a small model). Prefix caching i
 tiercache is measured on top of vLLM's own cache, not instead of it.
 
 Cases on the text model: ``vllm`` (alone); ``memory`` (a memory tier holding the whole working set);
-``memory-disk``, ``memory-redis`` and ``memory-disk-redis`` (a memory tier only as large as vLLM's KV
-cache, the rest on disk, on a private redis-server, or both), so the lower tiers serve most of what vLLM
-evicted. Cases on a multimodal model (`multimodal`): ``mm-vllm`` (alone) and ``mm-kv-ec`` (the KV
-and the encoder connector on one store); each family of cases has its own trace, KV budget and baseline.
+``memory-disk``, ``memory-redis``, ``memory-disk-redis``, ``memory-object`` and ``memory-disk-object`` (a
+memory tier only as large as vLLM's KV cache, the rest on disk, on a private redis-server, on a private
+SeaweedFS's S3 bucket, or two of them: `tiers`), so the lower tiers serve most of what vLLM evicted.
+Cases on a multimodal model (`multimodal`): ``mm-vllm`` (alone) and ``mm-kv-ec`` (the KV and the encoder
+connector on one store); each family of cases has its own trace, KV budget and baseline.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from vllm_tiercache.tools.bench.router_index import (
 )
 from vllm_tiercache.tools.bench.serve import events as serve_events
 from vllm_tiercache.tools.bench.serve import multimodal as serve_multimodal
+from vllm_tiercache.tools.bench.serve import tiers as serve_tiers
 from vllm_tiercache.tools.bench.serve.load import GroupRSS, RequestResult, run_level
 from vllm_tiercache.tools.bench.serve.report import (
     BASELINE,
@@ -71,14 +73,12 @@ from vllm_tiercache.tools.bench.serve.trace import (
     working_set_tokens,
 )
 from vllm_tiercache.tools.demo.server import free_port
-from vllm_tiercache.tools.redis_server import optional_redis_url
 
 BLOCK_SIZE = 32  # the demo server's --block-size
 SERVED_NAME = "tiercache-bench-serve"
-TEXT_CASES = ("vllm", "memory", "memory-disk", "memory-redis", "memory-disk-redis")
+TEXT_CASES = ("vllm", *serve_tiers.TIERED_CASES)
 ALL_CASES = TEXT_CASES + serve_multimodal.MM_CASES
 QUICK_CASES = ("vllm", "memory", "memory-disk", *serve_multimodal.MM_CASES)
-REDIS_CASES = ("memory-redis", "memory-disk-redis")
 #: The cases of each model family, and the family's baseline (vLLM alone on its model and trace).
 FAMILIES = {"text": (TEXT_CASES, BASELINE), "multimodal": (serve_multimodal.MM_CASES, serve_multimodal.MM_BASELINE)}
 #: What a tiercache case must reach against vLLM alone at the highest concurrency (`_targets`; results in
@@ -193,6 +193,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchServeError(f"--{key.replace('_', '-')} must be at least 1")
     if args.chunk_size % BLOCK_SIZE:
         raise BenchServeError(f"--chunk-size must be a multiple of the block size {BLOCK_SIZE}")
+    if missing := serve_tiers.weed_missing(s["cases"]):
+        raise BenchServeError(missing)
     s["events"] = bool(getattr(args, "events", False))
     if s["events"]:
         if not any(c in TEXT_CASES and c != BASELINE for c in s["cases"]):
@@ -222,23 +224,6 @@ def _make_model(choice: str, work: Path) -> Path:
 
 
 # -------------------------------------------------------------------------------------------- cases
-def _kv_transfer(case: str, namespace: str, chunk_size: int, memory_full: int, memory_small: int, work: Path,
-                 redis_url: str | None) -> dict[str, Any] | None:
-    if case == BASELINE:
-        return None
-    disk = {"kind": "disk", "path": str(work / "tiers" / case), "capacity": "16GiB"}
-    tiers: list[dict[str, Any]] = {
-        "memory": [{"kind": "memory", "capacity": memory_full}],
-        "memory-disk": [{"kind": "memory", "capacity": memory_small}, disk],
-        "memory-redis": [{"kind": "memory", "capacity": memory_small}, {"kind": "redis", "url": redis_url}],
-        "memory-disk-redis": [{"kind": "memory", "capacity": memory_small}, disk,
-                              {"kind": "redis", "url": redis_url}],
-    }[case]
-    return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"namespace": f"{namespace}-{case}", "chunk_size": chunk_size,
-                                          "tiers": tiers}}
-
-
 class _Progress:
     """Lines with the time since the start; a per-level callback printing every quarter of the requests."""
 
@@ -342,8 +327,10 @@ def _transfer_configs(case: str, family: _Family, ctx: dict[str, Any]
     """(--kv-transfer-config, --ec-transfer-config) of a case; None where it runs without that connector."""
     if family.name == "multimodal":
         return serve_multimodal.transfer_configs(case, ctx["namespace"], ctx["chunk_size"], family.memory_full)
-    return (_kv_transfer(case, ctx["namespace"], ctx["chunk_size"], family.memory_full, family.memory_small,
-                         ctx["work"], ctx["redis_url"]), None)
+    if case == BASELINE:
+        return None, None
+    return (serve_tiers.kv_transfer(case, ctx["namespace"], ctx["chunk_size"], family.memory_full,
+                                    family.memory_small, ctx["work"], ctx["stores"]), None)
 
 
 def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progress
@@ -501,7 +488,7 @@ def _run(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         ran: list[str] = []
         errors: dict[str, str] = {}
-        ctx["redis_url"] = stack.enter_context(optional_redis_url(any(c in REDIS_CASES for c in settings["cases"])))
+        ctx["stores"] = stack.enter_context(serve_tiers.private_stores(settings["cases"]))
         for case in settings["cases"]:
             family = families[_family_of(case)]
             try:
