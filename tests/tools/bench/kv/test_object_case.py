@@ -37,6 +37,16 @@ def test_the_object_case_is_a_hit_case_with_its_medium_and_targets(tmp_path: Pat
         assert [tier.kind for tier in config.tiers] == ["object"]
         assert config.tiers[0].prefix == f"{bench.namespace}/" and config.tiers[0].concurrency == 16
         assert "secret" not in repr(extra).lower() and "AWS" not in repr(extra)  # credentials: the AWS chain
+        assert "lookup_budget_ms" not in extra  # the store's own unless asked
+
+
+def test_the_lookup_budget_goes_to_every_tiered_case_and_is_checked_at_parse_time(tmp_path: Path) -> None:
+    bench = Bench(_args("--cases", "tiered-object", "--lookup-budget-ms", "2000"), tmp_path)
+    extra = bench.tiered("kv_consumer", [{"kind": "memory", "capacity": "1GiB"}])["kv_connector_extra_config"]
+    assert StoreConfig.from_dict(extra).lookup_budget_ms == 2000.0
+    for bad in ("0", "60001", "x"):
+        with pytest.raises(SystemExit):
+            _args("--lookup-budget-ms", bad)
 
 
 def test_a_missing_weed_is_one_line_before_any_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
