@@ -47,6 +47,7 @@ from vllm_tiercache.tools.bench.admission import policy_arg
 from vllm_tiercache.tools.bench.kv import object_case
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
+from vllm_tiercache.tools.bench.object_row import lookup_budget_arg
 from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
 from vllm_tiercache.tools.cli import UsageError
 
@@ -161,17 +162,6 @@ def admission_arg(text: str) -> str:
     if "," in text:
         raise argparse.ArgumentTypeError(f"{text!r}: one admission, always or seen:N")
     return text
-
-
-def lookup_budget_arg(text: str) -> float:
-    """argparse ``type=``: milliseconds within the store's bounds (refused now, not inside every engine)."""
-    from vllm_tiercache.shared.config import MAX_LOOKUP_BUDGET_MS, MIN_LOOKUP_BUDGET_MS
-
-    value = float(text)  # not a number: argparse's "invalid lookup_budget_arg value"
-    if not MIN_LOOKUP_BUDGET_MS <= value <= MAX_LOOKUP_BUDGET_MS:
-        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from {MIN_LOOKUP_BUDGET_MS:g} to "
-                                         f"{MAX_LOOKUP_BUDGET_MS:g}")
-    return value
 
 
 class Bench:

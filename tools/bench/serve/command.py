@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.tools.bench.object_row import lookup_budget_arg
 from vllm_tiercache.tools.bench.router_index import (
     INSTALL_HINT,
     DynamoIndexer,
@@ -159,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="'serve' (generated 8-layer Llama, default), 'tiny' (2 layers, quick's) or a model dir")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
+    parser.add_argument("--lookup-budget-ms", type=lookup_budget_arg, default=None,
+                        help="the store's lookup_budget_ms in the text tiercache cases (default: the store's, 100 "
+                             "ms): how long the scheduler's lookup of a request waits on Redis or the object tier")
     parser.add_argument("--work-dir", type=Path, help="models, tiers, logs (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", type=Path, dest="json_path", help="write the full results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT percentiles and throughput vs users")
@@ -195,6 +199,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchServeError(f"--chunk-size must be a multiple of the block size {BLOCK_SIZE}")
     if missing := serve_tiers.weed_missing(s["cases"]):
         raise BenchServeError(missing)
+    s["lookup_budget_ms"] = getattr(args, "lookup_budget_ms", None)
     s["events"] = bool(getattr(args, "events", False))
     if s["events"]:
         if not any(c in TEXT_CASES and c != BASELINE for c in s["cases"]):
@@ -330,7 +335,8 @@ def _transfer_configs(case: str, family: _Family, ctx: dict[str, Any]
     if case == BASELINE:
         return None, None
     return (serve_tiers.kv_transfer(case, ctx["namespace"], ctx["chunk_size"], family.memory_full,
-                                    family.memory_small, ctx["work"], ctx["stores"]), None)
+                                    family.memory_small, ctx["work"], ctx["stores"],
+                                    lookup_budget_ms=ctx["settings"]["lookup_budget_ms"]), None)
 
 
 def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progress
@@ -467,7 +473,8 @@ def _run(args: argparse.Namespace) -> int:
         progress.line(f"trace per level: {settings['sessions']} sessions x {settings['turns']} turns over "
                       f"{settings['docs']} docs (Zipf {args.zipf_alpha}), {settings['max_tokens']} tokens per "
                       f"answer; users {settings['users']}; cases {settings['cases']}; "
-                      f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server")
+                      f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server"
+                      + (f"; lookup_budget_ms {budget:g}" if (budget := settings["lookup_budget_ms"]) else ""))
         for family in families.values():
             geometry = kv_geometry(family.model)
             doc_tokens = settings["mm_doc_tokens" if family.name == "multimodal" else "doc_tokens"]

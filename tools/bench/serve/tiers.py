@@ -73,11 +73,13 @@ def tiers_of(case: str, *, memory_full: int, memory_small: int, disk_path: Path,
 
 
 def kv_transfer(case: str, namespace: str, chunk_size: int, memory_full: int, memory_small: int, work: Path,
-                stores: dict[str, Any]) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of a text case with a connector (`TIERED_CASES`)."""
+                stores: dict[str, Any], *, lookup_budget_ms: float | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a text case with a connector (`TIERED_CASES`); ``lookup_budget_ms``:
+    the store's, where the bench was given one (``--lookup-budget-ms``)."""
     tiers = tiers_of(case, memory_full=memory_full, memory_small=memory_small, disk_path=work / "tiers" / case,
                      redis_url=stores.get("redis_url"), object_item=stores.get("object"),
                      prefix=f"{namespace}/{case}/")
-    return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"namespace": f"{namespace}-{case}", "chunk_size": chunk_size,
-                                          "tiers": tiers}}
+    extra: dict[str, Any] = {"namespace": f"{namespace}-{case}", "chunk_size": chunk_size, "tiers": tiers}
+    if lookup_budget_ms is not None:
+        extra["lookup_budget_ms"] = lookup_budget_ms
+    return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}

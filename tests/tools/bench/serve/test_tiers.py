@@ -42,6 +42,18 @@ def test_each_case_builds_the_tiers_it_is_named_after(case: str, kinds: list[str
         assert store.tiers[-1].prefix == f"bench-serve-x/{case}/"  # each case its own records and capacity
     if "disk" in kinds:
         assert store.tiers[1].path == str(tmp_path / "tiers" / case)
+    assert "lookup_budget_ms" not in extra  # the store's own unless the bench was given one
+
+
+def test_the_lookup_budget_reaches_the_store_and_is_checked_at_parse_time(tmp_path: Path) -> None:
+    assert _settings(_args("--cases", "vllm,memory-object"))["lookup_budget_ms"] is None
+    assert _settings(_args("--cases", "vllm,memory-object", "--lookup-budget-ms", "1000"))["lookup_budget_ms"] == 1000
+    stores = {"redis_url": None, "object": {"kind": "object", "bucket": "tiercache-bench"}}
+    extra = tiers.kv_transfer("memory-object", "n", 64, 1 << 26, 1 << 24, tmp_path, stores,
+                              lookup_budget_ms=1000.0)["kv_connector_extra_config"]
+    assert StoreConfig.from_dict(extra).lookup_budget_ms == 1000.0
+    with pytest.raises(SystemExit):
+        _args("--lookup-budget-ms", "0.5")
 
 
 def test_a_missing_weed_is_one_line_before_any_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
