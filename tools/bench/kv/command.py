@@ -9,9 +9,9 @@ show what the connectors shipped with vLLM achieve on the same machine.
 
 Why subprocesses: every engine configuration runs in its own fresh Python process
 (``python -m vllm_tiercache.tools.bench.kv.command --job SPEC.json``; both sides of it live in
-`vllm_tiercache.tools.bench.kv.engine`), as it would after a restart or on another machine. The disk
-and Redis cases need it to mean anything: a producer process writes, it exits, and a new consumer
-process, whose memory holds nothing, measures the hit.
+`vllm_tiercache.tools.bench.kv.engine`), as it would after a restart or on another machine. The disk,
+Redis and object (S3, `object_case`) cases need it to mean anything: a producer process writes, it exits,
+and a new consumer process, whose memory holds nothing, measures the hit.
 
 How TTFT is measured: one request at a time, ``max_tokens=1``, wall time of ``LLM.generate`` (the
 prefill plus the one sampled token). Each process first sends warm-up prompts unrelated to the measured
