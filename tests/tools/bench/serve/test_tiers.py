@@ -4,6 +4,7 @@ they are named after, get a private SeaweedFS bucket, and a missing ``weed`` is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -69,7 +70,11 @@ def test_a_missing_weed_is_one_line_before_any_server(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.s3
-def test_the_object_cases_get_a_private_bucket_and_its_credentials_only_while_the_bench_runs() -> None:
+def test_the_object_cases_get_a_private_bucket_and_its_credentials_only_while_the_bench_runs(
+        s3_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the session's SeaweedFS stands in for the private one the bench would start (its start and stop are
+    # the fixture's, tested there): this checks the bucket, the environment and its restoring
+    monkeypatch.setattr("vllm_tiercache.tools.s3_server.SeaweedFSServer", lambda: contextlib.nullcontext(s3_server))
     before = os.environ.get("AWS_SECRET_ACCESS_KEY")
     with tiers.private_stores(["vllm", "memory-object"]) as stores:
         item = stores["object"]
