@@ -154,9 +154,9 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "the command cannot run as asked": reported in one line, exit status 2.
 
     Config errors, precompute job errors, a tier that cannot be built (its path, its index), a private
-    redis-server that cannot start and a pin that cannot be checked against a tier. Classes are looked up
-    only in modules already imported: an exception of a module that was never imported cannot have been
-    raised, and `--help` stays free of heavy imports.
+    redis-server or SeaweedFS that cannot start (or is not installed) and a pin that cannot be checked
+    against a tier. Classes are looked up only in modules already imported: an exception of a module that
+    was never imported cannot have been raised, and `--help` stays free of heavy imports.
     """
     from vllm_tiercache.shared.store.tier_config import ConfigError
 
@@ -164,6 +164,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     for module, name in (("vllm_tiercache.tools.jobs", "JobError"),
                          ("vllm_tiercache.shared.store.tiers.disk.tier", "DiskTierError"),
                          ("vllm_tiercache.tools.redis_server", "RedisServerError"),
+                         ("vllm_tiercache.tools.s3_server", "SeaweedFSError"),
                          ("vllm_tiercache.tools.pin_cmd", "PinError")):
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type) and issubclass(cls, BaseException):

@@ -9,9 +9,9 @@ show what the connectors shipped with vLLM achieve on the same machine.
 
 Why subprocesses: every engine configuration runs in its own fresh Python process
 (``python -m vllm_tiercache.tools.bench.kv.command --job SPEC.json``; both sides of it live in
-`vllm_tiercache.tools.bench.kv.engine`), as it would after a restart or on another machine. The disk
-and Redis cases need it to mean anything: a producer process writes, it exits, and a new consumer
-process, whose memory holds nothing, measures the hit.
+`vllm_tiercache.tools.bench.kv.engine`), as it would after a restart or on another machine. The disk,
+Redis and object (S3, `object_case`) cases need it to mean anything: a producer process writes, it exits,
+and a new consumer process, whose memory holds nothing, measures the hit.
 
 How TTFT is measured: one request at a time, ``max_tokens=1``, wall time of ``LLM.generate`` (the
 prefill plus the one sampled token). Each process first sends warm-up prompts unrelated to the measured
@@ -44,8 +44,10 @@ from vllm_tiercache.kvcache.load.trace import LOAD_TRACE_ENV
 from vllm_tiercache.kvcache.options import LOAD_MODES
 from vllm_tiercache.shared.store.sealing.ring import write_new_ring
 from vllm_tiercache.tools.bench.admission import policy_arg
+from vllm_tiercache.tools.bench.kv import object_case
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process, run_job
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
+from vllm_tiercache.tools.bench.object_row import lookup_budget_arg
 from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
 from vllm_tiercache.tools.cli import UsageError
 
@@ -55,6 +57,7 @@ TARGETS: list[tuple[str, str, float]] = [
     ("tiered-disk", "resident", 2.0),
     ("tiered-memory", "example", 0.5),
     ("tiered-cold", "cold", 1.05),
+    (object_case.CASE, "cold", object_case.COLD_TARGET),  # and object_case.raw_get_target
 ]
 
 #: Case name -> label printed in the table, in table order.
@@ -65,6 +68,7 @@ CASE_LABELS: dict[str, str] = {
     "tiered-disk": "4 Tiered hit, disk tier (fresh process)",
     "tiered-disk-cold": "4b Tiered hit, disk, page cache dropped",
     "tiered-redis": "5 Tiered hit, Redis tier (fresh process)",
+    object_case.CASE: object_case.LABEL,
     "example": "6 ExampleConnector hit (fresh process)",
     "simple-cpu": "7 SimpleCPUOffloadConnector hit",
     "tiered-cold": "8 cold, Tiered memory+disk (miss)",
@@ -72,9 +76,10 @@ CASE_LABELS: dict[str, str] = {
 
 #: The raw medium (`vllm_tiercache.tools.bench.kv.medium`) each tier's hit is compared with.
 MEDIUM_OF = {"tiered-memory": "memory", "tiered-disk": "page_cache", "tiered-disk-cold": "o_direct",
-             "tiered-redis": "redis"}
+             "tiered-redis": "redis", object_case.CASE: "s3_get"}
 
-HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-disk-cold", "tiered-redis", "example", "simple-cpu"}
+HIT_CASES = {"resident", "tiered-memory", "tiered-disk", "tiered-disk-cold", "tiered-redis", object_case.CASE,
+             "example", "simple-cpu"}
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -124,6 +129,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encrypt", action="store_true",
                         help="seal the disk and Redis records of every tiered case (a fresh key ring in the work dir): "
                              "run with and without it to see what encryption at rest costs a hit")
+    parser.add_argument("--lookup-budget-ms", type=lookup_budget_arg, default=None,
+                        help="the store's lookup_budget_ms in every tiered case (default: the store's, 100 ms): how "
+                             "long a scheduler's lookup waits on Redis or the object tier, which HEADs every record of "
+                             "the prompt's chunks (96 at 2K on the bench model); past it, a miss")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -177,6 +186,7 @@ class Bench:
         #: job label -> (vLLM's KV blocks, HMA on) of its engine
         self.engine_info: dict[str, tuple[int | None, bool | None]] = {}
         self.min_hit_tokens = (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+        self.object_get: tuple[float | None, int | None, int | None] = (None, None, None)
         self.ring = (write_new_ring(str(work / f"ring-{uuid.uuid4().hex[:8]}.json"), "bench")
                      if getattr(args, "encrypt", False) else None)
         #: every engine's max_model_len: the prompt and the few tokens a case generates
@@ -198,6 +208,8 @@ class Bench:
         extra: dict[str, Any] = {"namespace": self.namespace, "tiers": tiers, "load_mode": self.args.load_mode}
         if self.ring is not None:
             extra["encryption"] = {"ring": self.ring}
+        if getattr(self.args, "lookup_budget_ms", None) is not None:
+            extra["lookup_budget_ms"] = float(self.args.lookup_budget_ms)
         return {"kv_connector": "TieredKVConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
     def disk_tier(self, name: str) -> dict[str, Any]:
@@ -344,6 +356,8 @@ class Bench:
         directory = self.work / "disk-cold-read"
 
         def drop() -> None:
+            from vllm_tiercache.tools.bench.kv.medium import drop_page_cache
+
             dropped = drop_page_cache(directory)
             self.progress(f"    dropped the page cache of {dropped} files under {directory}")
 
@@ -419,6 +433,7 @@ class Bench:
         self.guarded(["tiered-disk"], self.case_tiered_disk)
         self.guarded(["tiered-disk-cold"], self.case_tiered_disk_cold)
         self.guarded(["tiered-redis"], self.case_tiered_redis)
+        self.guarded([object_case.CASE], lambda: object_case.run_case(self))
         self.guarded(["example"], self.case_example)
         self.guarded(["simple-cpu"], self.case_simple_cpu)
         self.measure_media()
@@ -427,17 +442,10 @@ class Bench:
     # --------------------------------------------------------------------------------- raw media
     def hit_bytes(self) -> int | None:
         """KV bytes a whole hit loads (every layer, the cached tokens), from the model's config.json."""
-        try:
-            config = json.loads((Path(self.model) / "config.json").read_text())
-            config = config.get("text_config", config)
-            heads = int(config["num_attention_heads"])
-            kv_heads = int(config.get("num_key_value_heads") or heads)
-            head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-            layers = int(config["num_hidden_layers"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        itemsize = {"float32": 4}.get(self.args.dtype, 2)
-        return layers * 2 * kv_heads * head_dim * itemsize * self.min_hit_tokens
+        from vllm_tiercache.tools.bench.kv.medium import kv_bytes_per_layer_token
+
+        geometry = kv_bytes_per_layer_token(self.model, self.args.dtype)
+        return None if geometry is None else geometry[0] * geometry[1] * self.min_hit_tokens
 
     def measure_media(self) -> None:
         """The raw media's times for the bytes a hit loads (`vllm_tiercache.tools.bench.kv.medium`)."""
@@ -456,6 +464,8 @@ class Bench:
                 self.media = raw_medium_times(nbytes, self.work / "media", server.url)
         else:
             self.media = raw_medium_times(nbytes, self.work / "media")
+        # measured by the object case on its own SeaweedFS: (seconds, objects, bytes)
+        self.media["s3_get"], self.media["s3_objects"], self.media["s3_bytes"] = self.object_get
         self.media_bytes = nbytes
 
     @property
@@ -532,11 +542,14 @@ class Bench:
                     "ok": ratio is not None and ratio <= limit,
                 }
             )
+        if (raw_get := object_case.raw_get_target(self.rows, resident)) is not None:
+            targets.append(raw_get)
         return {
             "media": media,
             "hit_bytes": getattr(self, "media_bytes", None),
             "dtype": self.args.dtype,
             "admission": self.args.admission,
+            "lookup_budget_ms": getattr(self.args, "lookup_budget_ms", None),
             "prompt_len": self.prompt_len,
             "sealed": self.ring is not None,
             "prompts": self.num_prompts,
@@ -548,28 +561,12 @@ class Bench:
         }
 
 
-def drop_page_cache(directory: Path) -> int:
-    """Ask the kernel to drop every file under ``directory`` from the page cache (``POSIX_FADV_DONTNEED``:
-    no root needed; clean pages go, so the files are synced first). Returns how many files were advised."""
-    count = 0
-    for path in directory.rglob("*"):
-        if not path.is_file():
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            count += 1
-        finally:
-            os.close(fd)
-    return count
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of `tiercache bench kv` (and of the engine processes it starts)."""
     if args.job:
         return run_job(args.job, args.job_out)
     check_model_positions(args)  # before any engine: one line, not every case NOT MEASURED
+    object_case.require_weed(args.cases)
     if shutil.which("redis-server") is None and "tiered-redis" in args.cases:
         print("note: redis-server not found; the Redis case will be reported as not measured", file=sys.stderr)
     keep = args.work_dir is not None

@@ -2,12 +2,15 @@
 
 Why: a hit's time over vLLM's resident hit is the price of moving the prefix's KV into the engine's
 blocks. Printed next to the raw medium's time for the same bytes (a memory copy, a read from the page
-cache, an ``O_DIRECT`` read, redis-py GETs), it says how much of that price is the medium and how much
-is ours (per-record work, copies, waits): ``share`` = raw time / (hit - resident). 1.0 would be a hit
-that costs exactly its bytes' trip through the medium.
+cache, an ``O_DIRECT`` read, redis-py GETs, boto3 GETs of an S3 bucket), it says how much of that price is
+the medium and how much is ours (per-record work, copies, waits): ``share`` = raw time / (hit - resident).
+1.0 would be a hit that costs exactly its bytes' trip through the medium.
 
-Every measurement moves the bytes in 1 MiB pieces into buffers allocated beforehand, and reports the median
-of several rounds, on the calling thread with torch limited to one thread (as a vLLM CPU worker runs).
+Every measurement but the S3 one moves the bytes in 1 MiB pieces into buffers allocated beforehand, and
+reports the median of several rounds, on the calling thread with torch limited to one thread (as a vLLM CPU
+worker runs). The S3 one (`object_get_s`) GETs objects of the sizes the object tier stores, with as many in
+flight as the tier puts (a round trip per object is the medium's cost there, so 1 MiB pieces would not be
+the same work).
 
 Memory and page-cache reads are measured twice. *From DRAM* (``memory``, ``page_cache``, the yardstick of
 the shares): each round moves bytes that were last touched more than `COLD_SPAN` ago, as a hit's are (its
@@ -21,12 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -171,6 +177,55 @@ def redis_get_s(nbytes: int, url: str) -> float | None:
         client.close()
 
 
+def object_get_s(sizes: Sequence[int], item: dict[str, Any], concurrency: int) -> float | None:
+    """boto3 ``get_object`` of one object of each of ``sizes`` bytes, ``concurrency`` in flight (one thread
+    each, on one client tuned as the object tier's own: `make_client`), bodies read whole: what the tier's
+    fetch of a hit's records costs without the tier. ``item`` is the tier's config item (its endpoint, bucket
+    and prefix; credentials from the AWS chain). The objects go under ``<prefix>raw-get/`` and are deleted
+    afterwards. None when the bucket cannot be reached (the row then has no share)."""
+    import botocore.exceptions
+
+    from vllm_tiercache.shared.config import StoreConfig
+    from vllm_tiercache.shared.store.tiers.object.client import make_client
+
+    config = StoreConfig.from_dict({"tiers": [{**item, "concurrency": concurrency}]}).tiers[0]
+    client = make_client(config)
+    bucket, prefix = item["bucket"], f"{item.get('prefix', 'tiercache/')}raw-get/"
+    names = [f"{prefix}{i}" for i in range(len(sizes))]
+    block = os.urandom(max(sizes, default=0))
+    pool = ThreadPoolExecutor(concurrency)
+    try:
+        list(pool.map(lambda n_s: client.put_object(Bucket=bucket, Key=n_s[0], Body=block[: n_s[1]]),
+                      zip(names, sizes, strict=True)))
+
+        def get() -> None:
+            list(pool.map(lambda name: client.get_object(Bucket=bucket, Key=name)["Body"].read(), names))
+
+        return _median_time(get)
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+        return None
+    finally:
+        with contextlib.suppress(botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+            list(pool.map(lambda name: client.delete_object(Bucket=bucket, Key=name), names))
+        pool.shutdown()
+
+
+def kv_bytes_per_layer_token(model: str, dtype: str) -> tuple[int, int] | None:
+    """(layers, KV bytes per layer and token) of a model directory's config.json (a multimodal model's
+    ``text_config``), or None when it does not say."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        layers = int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    itemsize = {"float32": 4}.get(dtype, 2)
+    return layers, 2 * kv_heads * head_dim * itemsize
+
+
 def raw_medium_times(nbytes: int, work: Path, redis_url: str | None = None) -> dict[str, float | None]:
     """Seconds each medium takes to move ``nbytes``: ``memory``, ``page_cache`` (from DRAM), ``memory_hot``,
     ``page_cache_hot`` (cache-hot), ``o_direct``, ``redis``."""
@@ -183,3 +238,20 @@ def raw_medium_times(nbytes: int, work: Path, redis_url: str | None = None) -> d
         "o_direct": direct_read_s(nbytes, work),
         "redis": redis_get_s(nbytes, redis_url) if redis_url else None,
     }
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Ask the kernel to drop every file under ``directory`` from the page cache (``POSIX_FADV_DONTNEED``:
+    no root needed; clean pages go, so the files are synced first). Returns how many files were advised."""
+    count = 0
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    return count

@@ -84,7 +84,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['hit_repeats']}x), model {report['model']}; "
         f"hits need num_cached_tokens >= {report['min_hit_tokens']}; case 8's disk admission: "
         f"{report.get('admission', 'always')}" + ("; disk and Redis records sealed (--encrypt)" if report.get("sealed")
-                                                   else ""),
+                                                   else "")
+        + (f"; lookup_budget_ms {report['lookup_budget_ms']:g}" if report.get("lookup_budget_ms") is not None else ""),
         f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'own res (s)':>11} {'x own res':>9} "
         f"{'x cold':>7} {'cached tokens':>14}  note",
     ]
@@ -126,6 +127,10 @@ def format_table(report: dict[str, Any]) -> str:
                      f"memory copy {ms(media.get('memory'))}{hot('memory')}, page-cache read "
                      f"{ms(media.get('page_cache'))}{hot('page_cache')}, O_DIRECT read {ms(media.get('o_direct'))}, "
                      f"redis-py GET {ms(media.get('redis'))}")
+        if media.get("s3_get") is not None:  # the object case's own objects: one per layer and chunk
+            lines.append(f"raw S3 GETs of the object case's records ({media['s3_objects']} objects, "
+                         f"{media['s3_bytes'] / 2**20:.1f} MiB, boto3 with the tier's concurrency in flight): "
+                         f"{ms(media['s3_get'])}")
         for row in report["rows"]:
             if row.get("share_of_raw") is not None:
                 where = " in the same engine" if row.get("own_resident_s") else ""
@@ -150,5 +155,6 @@ def format_table(report: dict[str, Any]) -> str:
     for t in report["targets"]:
         verdict = "n/a" if t["ratio"] is None else ("ok" if t["ok"] else "BELOW")
         ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
-        lines.append(f"  {t['case']:14} / {t['reference']:9} = {ratio:>6}  (target <= {t['target']})  {verdict}")
+        formula = t.get("formula") or f"{t['case']:14} / {t['reference']:9}"
+        lines.append(f"  {formula} = {ratio:>6}  (target <= {t['target']})  {verdict}")
     return "\n".join(lines)

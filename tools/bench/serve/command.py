@@ -18,10 +18,11 @@ coarse for a budget of a few thousand tokens of a small model). Prefix caching i
 tiercache is measured on top of vLLM's own cache, not instead of it.
 
 Cases on the text model: ``vllm`` (alone); ``memory`` (a memory tier holding the whole working set);
-``memory-disk``, ``memory-redis`` and ``memory-disk-redis`` (a memory tier only as large as vLLM's KV
-cache, the rest on disk, on a private redis-server, or both), so the lower tiers serve most of what vLLM
-evicted. Cases on a multimodal model (`multimodal`): ``mm-vllm`` (alone) and ``mm-kv-ec`` (the KV
-and the encoder connector on one store); each family of cases has its own trace, KV budget and baseline.
+``memory-disk``, ``memory-redis``, ``memory-disk-redis``, ``memory-object`` and ``memory-disk-object`` (a
+memory tier only as large as vLLM's KV cache, the rest on disk, on a private redis-server, on a private
+SeaweedFS's S3 bucket, or two of them: `tiers`), so the lower tiers serve most of what vLLM evicted.
+Cases on a multimodal model (`multimodal`): ``mm-vllm`` (alone) and ``mm-kv-ec`` (the KV and the encoder
+connector on one store); each family of cases has its own trace, KV budget and baseline.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.tools.bench.object_row import lookup_budget_arg
 from vllm_tiercache.tools.bench.router_index import (
     INSTALL_HINT,
     DynamoIndexer,
@@ -52,6 +54,7 @@ from vllm_tiercache.tools.bench.router_index import (
 )
 from vllm_tiercache.tools.bench.serve import events as serve_events
 from vllm_tiercache.tools.bench.serve import multimodal as serve_multimodal
+from vllm_tiercache.tools.bench.serve import tiers as serve_tiers
 from vllm_tiercache.tools.bench.serve.load import GroupRSS, RequestResult, run_level
 from vllm_tiercache.tools.bench.serve.report import (
     BASELINE,
@@ -71,14 +74,12 @@ from vllm_tiercache.tools.bench.serve.trace import (
     working_set_tokens,
 )
 from vllm_tiercache.tools.demo.server import free_port
-from vllm_tiercache.tools.redis_server import optional_redis_url
 
 BLOCK_SIZE = 32  # the demo server's --block-size
 SERVED_NAME = "tiercache-bench-serve"
-TEXT_CASES = ("vllm", "memory", "memory-disk", "memory-redis", "memory-disk-redis")
+TEXT_CASES = ("vllm", *serve_tiers.TIERED_CASES)
 ALL_CASES = TEXT_CASES + serve_multimodal.MM_CASES
 QUICK_CASES = ("vllm", "memory", "memory-disk", *serve_multimodal.MM_CASES)
-REDIS_CASES = ("memory-redis", "memory-disk-redis")
 #: The cases of each model family, and the family's baseline (vLLM alone on its model and trace).
 FAMILIES = {"text": (TEXT_CASES, BASELINE), "multimodal": (serve_multimodal.MM_CASES, serve_multimodal.MM_BASELINE)}
 #: What a tiercache case must reach against vLLM alone at the highest concurrency (`_targets`; results in
@@ -159,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="'serve' (generated 8-layer Llama, default), 'tiny' (2 layers, quick's) or a model dir")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
+    parser.add_argument("--lookup-budget-ms", type=lookup_budget_arg, default=None,
+                        help="the store's lookup_budget_ms in the text tiercache cases (default: the store's, 100 "
+                             "ms): how long the scheduler's lookup of a request waits on Redis or the object tier")
     parser.add_argument("--work-dir", type=Path, help="models, tiers, logs (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", type=Path, dest="json_path", help="write the full results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT percentiles and throughput vs users")
@@ -193,6 +197,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchServeError(f"--{key.replace('_', '-')} must be at least 1")
     if args.chunk_size % BLOCK_SIZE:
         raise BenchServeError(f"--chunk-size must be a multiple of the block size {BLOCK_SIZE}")
+    if missing := serve_tiers.weed_missing(s["cases"]):
+        raise BenchServeError(missing)
+    s["lookup_budget_ms"] = getattr(args, "lookup_budget_ms", None)
     s["events"] = bool(getattr(args, "events", False))
     if s["events"]:
         if not any(c in TEXT_CASES and c != BASELINE for c in s["cases"]):
@@ -222,23 +229,6 @@ def _make_model(choice: str, work: Path) -> Path:
 
 
 # -------------------------------------------------------------------------------------------- cases
-def _kv_transfer(case: str, namespace: str, chunk_size: int, memory_full: int, memory_small: int, work: Path,
-                 redis_url: str | None) -> dict[str, Any] | None:
-    if case == BASELINE:
-        return None
-    disk = {"kind": "disk", "path": str(work / "tiers" / case), "capacity": "16GiB"}
-    tiers: list[dict[str, Any]] = {
-        "memory": [{"kind": "memory", "capacity": memory_full}],
-        "memory-disk": [{"kind": "memory", "capacity": memory_small}, disk],
-        "memory-redis": [{"kind": "memory", "capacity": memory_small}, {"kind": "redis", "url": redis_url}],
-        "memory-disk-redis": [{"kind": "memory", "capacity": memory_small}, disk,
-                              {"kind": "redis", "url": redis_url}],
-    }[case]
-    return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"namespace": f"{namespace}-{case}", "chunk_size": chunk_size,
-                                          "tiers": tiers}}
-
-
 class _Progress:
     """Lines with the time since the start; a per-level callback printing every quarter of the requests."""
 
@@ -342,8 +332,11 @@ def _transfer_configs(case: str, family: _Family, ctx: dict[str, Any]
     """(--kv-transfer-config, --ec-transfer-config) of a case; None where it runs without that connector."""
     if family.name == "multimodal":
         return serve_multimodal.transfer_configs(case, ctx["namespace"], ctx["chunk_size"], family.memory_full)
-    return (_kv_transfer(case, ctx["namespace"], ctx["chunk_size"], family.memory_full, family.memory_small,
-                         ctx["work"], ctx["redis_url"]), None)
+    if case == BASELINE:
+        return None, None
+    return (serve_tiers.kv_transfer(case, ctx["namespace"], ctx["chunk_size"], family.memory_full,
+                                    family.memory_small, ctx["work"], ctx["stores"],
+                                    lookup_budget_ms=ctx["settings"]["lookup_budget_ms"]), None)
 
 
 def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progress
@@ -480,7 +473,8 @@ def _run(args: argparse.Namespace) -> int:
         progress.line(f"trace per level: {settings['sessions']} sessions x {settings['turns']} turns over "
                       f"{settings['docs']} docs (Zipf {args.zipf_alpha}), {settings['max_tokens']} tokens per "
                       f"answer; users {settings['users']}; cases {settings['cases']}; "
-                      f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server")
+                      f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server"
+                      + (f"; lookup_budget_ms {budget:g}" if (budget := settings["lookup_budget_ms"]) else ""))
         for family in families.values():
             geometry = kv_geometry(family.model)
             doc_tokens = settings["mm_doc_tokens" if family.name == "multimodal" else "doc_tokens"]
@@ -501,7 +495,7 @@ def _run(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         ran: list[str] = []
         errors: dict[str, str] = {}
-        ctx["redis_url"] = stack.enter_context(optional_redis_url(any(c in REDIS_CASES for c in settings["cases"])))
+        ctx["stores"] = stack.enter_context(serve_tiers.private_stores(settings["cases"]))
         for case in settings["cases"]:
             family = families[_family_of(case)]
             try:

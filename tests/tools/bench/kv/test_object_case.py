@@ -1,0 +1,96 @@
+"""`tiercache bench kv`'s object-tier case (``tiered-object``) without engines: the case is known, the tier
+it builds is an object tier the store accepts, a missing ``weed`` is one line before anything runs, the raw
+GET reference really GETs (the session's SeaweedFS) and the table carries its targets."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.tools.bench.kv import object_case
+from vllm_tiercache.tools.bench.kv.command import CASE_LABELS, HIT_CASES, MEDIUM_OF, TARGETS, Bench, add_arguments
+from vllm_tiercache.tools.bench.kv.medium import object_get_s
+from vllm_tiercache.tools.bench.kv.report import format_table
+from vllm_tiercache.tools.cli import main
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_object_case_is_a_hit_case_with_its_medium_and_targets(tmp_path: Path) -> None:
+    assert "tiered-object" in CASE_LABELS and "tiered-object" in HIT_CASES
+    assert MEDIUM_OF["tiered-object"] == "s3_get"
+    assert ("tiered-object", "cold", 0.2) in TARGETS
+    bench = Bench(_args("--cases", "cold,resident,tiered-object"), tmp_path)
+    assert bench.cases == ["cold", "resident", "tiered-object"]
+    target = {"kind": "object", "endpoint": "http://127.0.0.1:9", "bucket": "tiercache-bench", "path_style": True}
+    item = object_case.tier_item(target, bench.namespace)
+    for role in ("kv_both", "kv_consumer"):  # the producer's and the consumer's: the object tier alone
+        extra = bench.tiered(role, [item])["kv_connector_extra_config"]
+        config = StoreConfig.from_dict({"tiers": extra["tiers"]})
+        assert [tier.kind for tier in config.tiers] == ["object"]
+        assert config.tiers[0].prefix == f"{bench.namespace}/" and config.tiers[0].concurrency == 16
+        assert "secret" not in repr(extra).lower() and "AWS" not in repr(extra)  # credentials: the AWS chain
+        assert "lookup_budget_ms" not in extra  # the store's own unless asked
+
+
+def test_the_lookup_budget_goes_to_every_tiered_case_and_is_checked_at_parse_time(tmp_path: Path) -> None:
+    bench = Bench(_args("--cases", "tiered-object", "--lookup-budget-ms", "2000"), tmp_path)
+    extra = bench.tiered("kv_consumer", [{"kind": "memory", "capacity": "1GiB"}])["kv_connector_extra_config"]
+    assert StoreConfig.from_dict(extra).lookup_budget_ms == 2000.0
+    for bad in ("0", "60001", "x"):
+        with pytest.raises(SystemExit):
+            _args("--lookup-budget-ms", bad)
+
+
+def test_a_missing_weed_is_one_line_before_any_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TIERCACHE_WEED", str(tmp_path / "no-weed"))
+    work = tmp_path / "work"
+    assert main(["bench", "kv", "--cases", "cold,tiered-object", "--work-dir", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: error: --cases tiered-object needs SeaweedFS: TIERCACHE_WEED=")
+    assert "make setup" in err
+    assert not work.exists()  # refused before the work dir, the model or any engine
+    object_case.require_weed("cold,resident")  # no object case: weed is not needed
+
+
+def test_record_sizes_are_the_records_a_hit_reads() -> None:
+    # BENCH_SPEC in bf16: 12 layers, 4 KV heads of 64: 1 KiB per layer and token; chunks of 256 tokens
+    sizes = object_case.record_sizes(12, 1024, 2048, 2016, 256)
+    assert len(sizes) == 96 and set(sizes) == {256 << 10}  # 8 whole chunks per layer (the last one partly used)
+    assert len(object_case.record_sizes(12, 1024, 8192, 8160, 256)) == 384
+    assert object_case.record_sizes(1, 1, 600, 576, 256) == [256, 256, 88]  # the prompt's partial last chunk
+
+
+@pytest.mark.s3
+def test_the_raw_get_reference_gets_every_object_and_leaves_nothing(s3_bucket) -> None:
+    item = s3_bucket.tier_config(prefix="bench-raw/")
+    seconds = object_get_s([64 << 10] * 8 + [1000], item, 4)
+    assert seconds is not None and 0 < seconds < 10
+    client = s3_bucket.server.client()
+    assert client.list_objects_v2(Bucket=s3_bucket.bucket, Prefix="bench-raw/").get("KeyCount", 0) == 0
+
+
+def test_the_table_says_the_raw_get_and_its_target() -> None:
+    row = {"case": "tiered-object", "label": object_case.LABEL, "status": "ok", "error": None,
+           "ttft_median_s": 0.05, "ttft_min_s": 0.04, "ttft_s": [0.05], "num_cached_tokens": [2016],
+           "ratio_to_resident": None, "ratio_to_cold": None, "own_resident_s": 0.02,
+           "ratio_to_own_resident": 2.5, "raw_medium_s": 0.025, "share_of_raw": 0.833}
+    target = object_case.raw_get_target({"tiered-object": row}, resident=0.03)
+    assert target is not None and target["ratio"] == 1.2 and target["ok"]  # (0.05 - 0.02) / 0.025, own resident
+    slow = object_case.raw_get_target({"tiered-object": {**row, "raw_medium_s": 0.01}}, resident=0.03)
+    assert slow is not None and slow["ratio"] == 3.0 and not slow["ok"]
+    assert object_case.raw_get_target({}, resident=0.03) is None
+    report = {"media": {"memory": 0.003, "s3_get": 0.025, "s3_objects": 96, "s3_bytes": 24 << 20},
+              "hit_bytes": 24 << 20, "prompt_len": 2048, "prompts": 1, "hit_repeats": 1, "model": "m",
+              "min_hit_tokens": 2016, "rows": [row], "targets": [target]}
+    table = format_table(report)
+    assert "raw S3 GETs of the object case's records (96 objects, 24.0 MiB" in table and "25.00 ms" in table
+    assert "(tiered-object - resident (same engine)) / raw S3 GET =  1.200  (target <= 1.5)  ok" in table
