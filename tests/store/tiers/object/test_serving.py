@@ -225,8 +225,7 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             # SIGKILL as the fifth record PUT of B's write-behind reaches the store; restarted on its data
             proxy.arm(RECORD_PUT, s3.kill, skip=4)
             seen["written"] = b.ask_all([docs[n] for n in WRITTEN])
-            time.sleep(2.0)  # the write-behind reaches the PUT that kills the store
-            seen["kill_fired"] = proxy.fired.is_set()
+            seen["kill_fired"] = proxy.fired.wait(60)  # the write-behind reaches the PUT that kills the store
             s3.start()
             time.sleep(1.5)  # the prober (retry_after_s 0.5) finds it back
             seen["written_elsewhere"] = a.ask_all([docs[n] for n in WRITTEN])
