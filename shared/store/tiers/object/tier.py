@@ -159,29 +159,37 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
-        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted)."""
+        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted). Records
+        are encoded first, so that the janitor admits each by its real size: as many of the leading records
+        as fit in this writer's grant go out together, then the next ones (a full grant waits for a sweep,
+        `Janitor.admit`); those it does not admit are dropped writes."""
         if not items:
             return
         calls = self._calls
         janitor = self._janitor
-        if not janitor.admits():  # this writer is past its share until a sweep completes: a bounded tier
-            self.counters.add(dropped_writes=len(items))
-            return
+        encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
+        pos = 0
+        while pos < len(encoded):
+            n = janitor.admit([enc.nbytes for _, enc, _ in encoded[pos:]])
+            if not n:  # no room in this writer's grant and no sweep came: the tier stays bounded
+                self.counters.add(dropped_writes=len(encoded) - pos)
+                return
+            batch = encoded[pos:pos + n]
+            pos += n
 
-        def put(item: tuple[StoreKey, torch.Tensor, dict[str, Any] | None]) -> int:
-            key, tensor, meta = item
-            enc = records.encode(key, tensor, meta)
-            calls.put(self._names.record(key), enc.tobytes(), record_metadata(key, tags_of(meta)))
-            return enc.nbytes
+            def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
+                key, enc, tags = item
+                calls.put(self._names.record(key), enc.tobytes(), record_metadata(key, tags))
+                return enc.nbytes
 
-        res = calls.many("put", put, items)
-        written = [n for n in res if not isinstance(n, Failure)]
-        if written:
-            self.counters.add(puts=len(written), bytes_written=sum(written))
-            janitor.wrote(sum(written), [item[0].hex for item, n in zip(items, res, strict=True)
-                                         if not isinstance(n, Failure)])
-        if len(written) < len(items):
-            self.counters.add(dropped_writes=len(items) - len(written))
+            res = calls.many("put", put, batch)
+            ok = [(item[0].hex, n) for item, n in zip(batch, res, strict=True) if not isinstance(n, Failure)]
+            written = sum(nbytes for _, nbytes in ok)
+            janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [h for h, _ in ok])
+            if ok:
+                self.counters.add(puts=len(ok), bytes_written=written)
+            if len(ok) < len(batch):
+                self.counters.add(dropped_writes=len(batch) - len(ok))
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def _ledger_reads(self) -> dict[str, float]:
