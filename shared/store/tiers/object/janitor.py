@@ -92,6 +92,8 @@ GRANT_RECORDS = 2
 ADMIT_WAIT_TIMEOUTS = 4
 #: Pause before a writer whose sweep is due tries the lock again (another writer held it).
 RETRY_LOCK_S = 0.1
+#: Tries for the lock before `tiercache evict` deletes without it (`Janitor.bracket_eviction`): 10 s.
+ADMIN_LOCK_TRIES = 100
 #: A ledger rewritten within this many ``sweep_every_s`` (and at least `MIN_ACTIVE_S`) names an active
 #: writer (`active_seconds`); its owner admits only while it rewrote it within half of that.
 ACTIVE_SWEEPS = 4
@@ -126,6 +128,8 @@ class SweepResult:
     grants: dict[str, int] = field(default_factory=dict)
     #: when the records were listed (the sweeper's clock): writes before it are counted in ``bytes_used``
     listed_at: float = 0.0
+    #: changes whenever an eviction deleted records (`existence`: cached lookups hold while it stays)
+    generation: str = ""
 
 
 def new_writer_id() -> str:
@@ -407,7 +411,7 @@ class Janitor:
             if result is not None:
                 body = cbor2.dumps({"entries": result.entries, "bytes": result.bytes_used, "writer": self.writer,
                                     "listed_at": result.listed_at, "low_water": result.low_water,
-                                    "grants": result.grants})
+                                    "grants": result.grants, "generation": result.generation})
                 put = self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
                 self._usage_etag = None if isinstance(put, Failure) else put["ETag"]
         finally:
@@ -436,10 +440,13 @@ class Janitor:
             return age
         try:
             usage = cbor2.loads(got["Body"].read())
+            if usage.get("evicting"):  # a sweep deletes now: its result comes after
+                return None
             listed_at = float(usage["listed_at"])
             grants = {str(w): int(g) for w, g in (usage.get("grants") or {}).items()}
             self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0,
-                                    int(usage.get("low_water") or 0), grants, listed_at)
+                                    int(usage.get("low_water") or 0), grants, listed_at,
+                                    str(usage.get("generation") or ""))
         except Exception:  # damaged: the next sweep rewrites it
             return None
         self._usage_etag = got["ETag"]
@@ -515,16 +522,54 @@ class Janitor:
                 return
             time.sleep(RETRY_LOCK_S)
 
-    def _previous_grants(self) -> dict[str, int]:
-        """The grants of the last sweep (``sys/usage``): a writer may still write within its old grant until it
-        learns of the new one, so the low-water mark leaves room for the larger of the two."""
+    def _previous_usage(self) -> dict[str, Any]:
+        """``sys/usage`` as the last sweep left it ({} when absent or damaged: this sweep rewrites it)."""
         got = self._usage_object()
         if isinstance(got, Failure):
             return {}
         try:
-            return {str(w): int(g) for w, g in (cbor2.loads(got["Body"].read()).get("grants") or {}).items()}
-        except Exception:  # damaged: rewritten by this sweep
+            usage = cbor2.loads(got["Body"].read())
+            return {k: v for k, v in usage.items() if k != "evicting"} if isinstance(usage, dict) else {}
+        except Exception:
             return {}
+
+    def eviction_generation(self) -> str | None:
+        """The eviction generation in ``sys/usage`` (one GET; `existence`): "" before any sweep wrote one;
+        None while an eviction is in progress, or when it cannot be read (nothing cached is trusted then)."""
+        got = self._usage_object()
+        if isinstance(got, Failure):
+            return "" if got.kind == MISSING else None
+        try:
+            usage = cbor2.loads(got["Body"].read())
+            return None if usage.get("evicting") else str(usage.get("generation") or "")
+        except Exception:  # damaged: the next sweep rewrites it
+            return None
+
+    def _mark_evicting(self, previous: dict[str, Any]) -> None:
+        """Before deleting records: ``sys/usage`` says an eviction is in progress (the last sweep's figures
+        kept), so that no lookup answers from its existence cache until the new generation is written."""
+        body = cbor2.dumps({**previous, "evicting": self.writer})
+        self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
+
+    def bracket_eviction(self, delete: Callable[[], Any]) -> Any:
+        """Run ``delete`` (records deleted outside a sweep: `tiercache evict`) between an ``evicting`` mark and
+        a new generation in ``sys/usage``, holding the janitor lock when it comes within `ADMIN_LOCK_TRIES`
+        tries (else without it: the marks still empty every existence cache)."""
+        lock = None
+        for _ in range(ADMIN_LOCK_TRIES):
+            lock = self._take_lock()
+            if lock is not None or self.calls.health.down:
+                break
+            time.sleep(RETRY_LOCK_S)
+        previous = self._previous_usage()
+        try:
+            self._mark_evicting(previous)
+            return delete()
+        finally:
+            body = cbor2.dumps({**previous, "generation": uuid.uuid4().hex})
+            self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
+            if lock is not None:
+                self._unlock(lock)
 
     def _sweep_locked(self) -> SweepResult | None:
         """Read the ledgers (last uses, active writers), then list the records, grant each active writer its
@@ -533,7 +578,11 @@ class Janitor:
         now = datetime.now(tz=timezone.utc)
         ledgers = self.calls.one("ledgers", lambda: self._read_ledgers(now))
         reads, active, largest = ({}, {self.writer}, self._largest) if isinstance(ledgers, Failure) else ledgers
-        previous = self._previous_grants()
+        previous_usage = self._previous_usage()
+        try:
+            previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            previous = {}
         listed_at = time.time()
         listed = self.calls.one("sweep", lambda: list(self.calls.list_names(self.names.records)))
         if isinstance(listed, Failure):
@@ -553,17 +602,22 @@ class Janitor:
         reserve = sum(max(previous.get(w, 0), share) for w in active)
         low_water = max(0, capacity - reserve)
         evicted: list[tuple[str, int]] = []
+        victims: list[tuple[str, int]] = []
         if total > low_water:
             records.sort()
             victims, _ = self._choose(records, total, low_water)
+            if victims:
+                self._mark_evicting(previous_usage)
             done = self.calls.many("evict", lambda name: self.calls.delete(name), [name for name, _ in victims])
             evicted = [(name, size) for (name, size), r in zip(victims, done, strict=True)
                        if not isinstance(r, Failure) or r.kind == MISSING]
             total -= sum(size for _, size in evicted)
         if total > low_water and active:  # deletes failed: what is left above usage is shared out instead
             share = min(share, max(0, capacity - total) // len(active))
+        # a new generation once anything may have been deleted (a failed DELETE may have deleted all the same)
+        generation = uuid.uuid4().hex if victims else str(previous_usage.get("generation") or "")
         return SweepResult(len(records) - len(evicted), total, len(evicted), sum(s for _, s in evicted),
-                           low_water, dict.fromkeys(sorted(active), share), listed_at)
+                           low_water, dict.fromkeys(sorted(active), share), listed_at, generation)
 
     def _choose(self, records: list[tuple[float, str, int]], total: int, target: int
                 ) -> tuple[list[tuple[str, int]], int]:

@@ -42,8 +42,9 @@ from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import describe_attempt
+from vllm_tiercache.shared.store.tiers.object.client import MISSING, describe_attempt
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
+from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
@@ -73,6 +74,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self._janitor = Janitor(config, self._names, self._calls, self.counters, self._pinned_now,
                                 thread_name=f"tiercache-janitor-{name}")
         self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
+        self._existence = ExistenceCache()
         # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
         self._calls.one("start", lambda: self._calls.client.head_bucket(Bucket=config.bucket))
 
@@ -112,11 +114,30 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         return self._janitor
 
     # ------------------------------------------------------------------------------------------ reads
+    @property
+    def existence(self) -> ExistenceCache:
+        """Records seen lately, answered without a HEAD while no eviction ran (`existence`)."""
+        return self._existence
+
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """One HEAD per key, many in flight (a down tier answers all misses at once)."""
-        calls = self._calls
-        res = calls.many("contains", lambda key: calls.head(self._names.record(key)), keys)
-        return [not isinstance(r, Failure) for r in res]
+        """Keys in the existence cache (`existence`: valid while ``sys/usage``'s eviction generation stays,
+        one GET) are there; the others get one HEAD each, many in flight (a down tier answers all misses at
+        once). Only HEADs that found a record fill the cache: it can under-promise, never over-promise."""
+        calls, cache = self._calls, self._existence
+        if self._health.down:
+            return [False] * len(keys)
+        hexes = [key.hex for key in keys]
+        known = cache.known(hexes)
+        if (any(known) or cache.generation is None) and not cache.validate(self._janitor.eviction_generation()):
+            known = [False] * len(keys)
+        generation = cache.generation  # read before the HEADs below
+        ask = [i for i, hit in enumerate(known) if not hit]
+        res = calls.many("contains", lambda i: calls.head(self._names.record(keys[i])), ask)
+        found = list(known)
+        for i, r in zip(ask, res, strict=True):
+            found[i] = not isinstance(r, Failure)
+        cache.add((hexes[i] for i, r in zip(ask, res, strict=True) if not isinstance(r, Failure)), generation)
+        return found
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         calls = self._calls
@@ -130,11 +151,14 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         if not keys:
             return []
         calls = self._calls
+        generation = self._existence.generation  # read before the GETs below
         res = calls.get_in_ranges("get", [self._names.record(key) for key in keys], self.config.range_size)
         out: list[Record | None] = [None] * len(keys)
         corrupt: list[StoreKey] = []
         for i, (key, body) in enumerate(zip(keys, res, strict=True)):
             if isinstance(body, Failure):
+                if body.kind == MISSING:  # gone (a cached promise may have said otherwise): not cached again
+                    self._existence.forget([key.hex])
                 continue
             try:
                 out[i] = records.decode(body, key)
@@ -144,17 +168,20 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
                 corrupt.append(key)
                 self._health.other_error(f"decode ({exc})", exc)
         if corrupt:
+            self._existence.forget(key.hex for key in corrupt)
             self.counters.add(corrupt=len(corrupt))
             calls.many("delete corrupt", lambda key: calls.delete(self._names.record(key)), corrupt)
         hits = [key.hex for key, rec in zip(keys, out, strict=True) if rec is not None]
         if hits:
             self._janitor.read(hits)
+            self._existence.add(hits, generation)
         return out
 
     def drop_many(self, keys: Sequence[StoreKey]) -> None:
         """Delete these keys' objects (`DropsRecords`: records the store cannot open), many in flight; an
         absent one is no error, a failure is counted and left for the next reader."""
         calls = self._calls
+        self._existence.forget(key.hex for key in keys)
         calls.many("drop", lambda key: calls.delete(self._names.record(key)), keys)
 
     # ----------------------------------------------------------------------------------------- writes
@@ -168,6 +195,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls = self._calls
         janitor = self._janitor
         encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
+        generation = self._existence.generation  # read before the PUTs below
         pos = 0
         while pos < len(encoded):
             n = janitor.admit([enc.nbytes for _, enc, _ in encoded[pos:]])
@@ -186,6 +214,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             ok = [(item[0].hex, n) for item, n in zip(batch, res, strict=True) if not isinstance(n, Failure)]
             written = sum(nbytes for _, nbytes in ok)
             janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [h for h, _ in ok])
+            self._existence.add((h for h, _ in ok), generation)
             if ok:
                 self.counters.add(puts=len(ok), bytes_written=written)
             if len(ok) < len(batch):
@@ -203,8 +232,12 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
-        """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes)."""
-        return self._admin.delete_stored(predicate, dry_run=dry_run)
+        """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes). The deletes
+        are bracketed in ``sys/usage`` (`Janitor.bracket_eviction`), as a sweep's are: every process's
+        existence cache drops what it held."""
+        if dry_run:
+            return self._admin.delete_stored(predicate, dry_run=True)
+        return self._janitor.bracket_eviction(lambda: self._admin.delete_stored(predicate))
 
     def read_control(self) -> dict[str, bytes]:
         return self._admin.read_control()
