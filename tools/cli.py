@@ -48,6 +48,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                   "a raw redis-py read"),
     ("bench", "capacity"): ("bench.capacity", "object tier: peak usage against capacity while writer processes write "
                                               "many times it"),
+    ("bench", "lookups"): ("bench.lookups", "object tier: a scheduler's lookup of N keys (HEADs, existence cache) "
+                                            "against lookup_budget_ms"),
     ("bench", "route"): ("bench.route", "two instances on one Redis behind Dynamo's indexer: does the tiers' events "
                                         "routing pick the faster instance"),
     ("pd-proxy",): ("pd_proxy", "the prefill/decode proxy: prefill (kv_producer), then decode (kv_consumer) "

@@ -14,7 +14,7 @@ this says how requests are put in flight and what a failed one means for the tie
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import botocore.exceptions
@@ -44,6 +44,12 @@ class Failure:
 
 #: A request never sent because the tier is down.
 NOT_SENT = Failure(DOWN)
+
+
+def _waited(futures: Sequence[Future[Any]]) -> Sequence[Future[Any]]:
+    """``futures`` once each is done or cancelled (a closing tier cancels what has not started)."""
+    wait(futures)
+    return futures
 
 
 class ObjectCalls:
@@ -80,8 +86,11 @@ class ObjectCalls:
             return [self.one(what, lambda: fn(items[0]))]
         if self.health.down:
             return [NOT_SENT] * len(items)
-        futures = [self._pool.submit(self.one, what, lambda item=item: fn(item)) for item in items]
-        return [future.result() for future in futures]
+        try:
+            futures = [self._pool.submit(self.one, what, lambda item=item: fn(item)) for item in items]
+        except RuntimeError:  # the pool was shut down: the tier is closing
+            return [NOT_SENT] * len(items)
+        return [NOT_SENT if future.cancelled() else future.result() for future in _waited(futures)]
 
     def map_raw(self, fn: Callable[[I], T], items: Sequence[I]) -> list[T]:
         """``fn(item)`` for every item on the pool, raising the first exception (admin commands, which must

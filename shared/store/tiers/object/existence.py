@@ -19,13 +19,18 @@ as damaged (a fresh HEAD would answer "there" for them too, and their load fails
 other tools or a bucket lifecycle rule (the cache then promises what a load misses: that load counts a
 load error, `vllm:tiercache_kv_load_errors_total`, vLLM recomputes the blocks, and the key leaves the cache).
 Misses are never cached: a record another instance writes later must be found.
+
+A process that never saw a corpus (a new server of a precomputed corpus) would HEAD every key of its first
+lookups, past the budget; so the first lookup also starts one background listing of the prefix (`warm`:
+1,000 records per request, up to `MAX_ENTRIES`), whose records enter the cache under the generation read
+before it, as a HEAD's do. An eviction during the listing (the generation moved) ends it.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 #: Keys the cache holds at most (the least recently confirmed go first): about 100 bytes each.
 MAX_ENTRIES = 1 << 18
@@ -80,3 +85,25 @@ class ExistenceCache:
 
     def __len__(self) -> int:
         return len(self._known)
+
+
+def warm(cache: ExistenceCache, generation: Callable[[], str | None], listing: Callable[[], Iterator[str]],
+         page: int = 1000) -> int:
+    """Fill ``cache`` from one listing of the records (``listing``: their digests, as S3 lists them), under
+    the generation read before it (``generation``: `Janitor.eviction_generation`); stops when the cache is
+    full or the generation moved (`add` then keeps nothing more). Returns how many digests it added."""
+    gen = generation()
+    cache.validate(gen)
+    if gen is None:
+        return 0
+    added, batch = 0, []
+    for h in listing():
+        batch.append(h)
+        if len(batch) >= page:
+            cache.add(batch, gen)
+            added += len(batch)
+            batch = []
+            if cache.generation != gen or added >= cache.max_entries:
+                return added
+    cache.add(batch, gen)
+    return added + len(batch)

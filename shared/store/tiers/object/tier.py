@@ -20,6 +20,7 @@ are the `janitor`'s; the admin side and the control entries are `admin`'s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,11 +45,12 @@ from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
 from vllm_tiercache.shared.store.tiers.object.client import MISSING, describe_attempt
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
-from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache
+from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache, warm
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
 from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
+from vllm_tiercache.shared.threads import background_thread
 
 
 class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight):
@@ -75,6 +77,8 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
                                 thread_name=f"tiercache-janitor-{name}")
         self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
         self._existence = ExistenceCache()
+        self._warming: threading.Thread | None = None
+        self._warm_on = True
         # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
         self._calls.one("start", lambda: self._calls.client.head_bucket(Bucket=config.bucket))
 
@@ -126,6 +130,8 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls, cache = self._calls, self._existence
         if self._health.down:
             return [False] * len(keys)
+        if self._warming is None and self._warm_on:
+            self._start_warming()
         hexes = [key.hex for key in keys]
         known = cache.known(hexes)
         if (any(known) or cache.generation is None) and not cache.validate(self._janitor.eviction_generation()):
@@ -138,6 +144,37 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             found[i] = not isinstance(r, Failure)
         cache.add((hexes[i] for i, r in zip(ask, res, strict=True) if not isinstance(r, Failure)), generation)
         return found
+
+    def _start_warming(self) -> None:
+        """One background listing of the records into the existence cache (`existence.warm`), on the first
+        lookup: a new server of a precomputed corpus then answers its lookups from the cache."""
+        def listing() -> Iterator[str]:
+            for obj in self._calls.list_names(self._names.records):
+                h = self._names.digest_of(obj["Key"])
+                if h is not None:
+                    yield h
+
+        def run() -> None:
+            try:
+                warm(self._existence, self._janitor.eviction_generation, listing)
+            except Exception as exc:  # the endpoint went away meanwhile: lookups HEAD as before
+                self._health.other_error("existence listing", exc)
+
+        self._warming = background_thread(run, f"tiercache-warm-{self.name}", beside_forward=True)
+        self._warming.start()
+
+    def set_warming(self, on: bool) -> None:
+        """Whether the first lookup lists the prefix into the existence cache (on by default; `tiercache bench
+        lookups` turns it off to measure lookups by HEAD alone)."""
+        self._warm_on = on
+
+    def warmed(self, timeout: float | None = None) -> bool:
+        """Wait for the existence cache's listing (started by the first lookup) to end; True when it has
+        (tests, `tiercache bench lookups`)."""
+        if self._warming is None:
+            return False
+        self._warming.join(timeout)
+        return not self._warming.is_alive()
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         calls = self._calls
