@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import botocore.exceptions
 import numpy as np
 
-from vllm_tiercache.shared.store.tiers.object.client import DOWN, ERROR, error_code, make_client
+from vllm_tiercache.shared.store.tiers.object.client import DOWN, error_code, make_client
 from vllm_tiercache.shared.store.tiers.object.config import MAX_RANGE, ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.threads import widen_affinity
@@ -44,6 +44,45 @@ class Failure:
 
 #: A request never sent because the tier is down.
 NOT_SENT = Failure(DOWN)
+
+
+def body_into(got: dict[str, Any], out: memoryview | None = None) -> Any:
+    """A GET's body, read whole: straight from the socket into one uninitialised buffer of its
+    Content-Length (``readinto`` of the standard library's response under urllib3), then the connection goes
+    back to the pool. Why: botocore's ``read()`` goes through urllib3's read, which reads into new bytes and
+    copies them again into the result (a 16 MiB body: 15 ms against 11 ms this way, on 2 cores); the record
+    decoder builds its tensor over this buffer with no further copy. ``out``: read into it instead (a range of
+    a larger record's buffer; its size must be the body's). Anything else (a chunked or encoded
+    answer, another HTTP stack) is read by ``read()``. A body shorter than its length is a torn answer:
+    `IncompleteReadError` (the store answered: the tier stays up), and its connection is closed."""
+    body = got["Body"]
+    stream = getattr(body, "_raw_stream", None)
+    fp = getattr(stream, "_fp", None)
+    length = got.get("ContentLength")
+    if (length is None or got.get("ContentEncoding") or not hasattr(fp, "readinto")
+            or getattr(fp, "chunked", True) or not hasattr(stream, "release_conn")):
+        data = body.read()
+        if out is None:
+            return data
+        if len(data) != out.nbytes:
+            raise botocore.exceptions.IncompleteReadError(actual_bytes=len(data), expected_bytes=out.nbytes)
+        out[:] = data
+        return out
+    if out is not None and out.nbytes != length:
+        body.close()
+        raise botocore.exceptions.IncompleteReadError(actual_bytes=length, expected_bytes=out.nbytes)
+    view = out if out is not None else memoryview(np.empty(int(length), dtype=np.uint8))
+    pos = 0
+    while pos < length:
+        n = fp.readinto(view[pos:])
+        if not n:
+            break
+        pos += n
+    if pos != length:
+        body.close()
+        raise botocore.exceptions.IncompleteReadError(actual_bytes=pos, expected_bytes=length)
+    stream.release_conn()
+    return view
 
 
 def _waited(futures: Sequence[Future[Any]]) -> Sequence[Future[Any]]:
@@ -104,6 +143,10 @@ class ObjectCalls:
     def get(self, name: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
 
+    def get_record(self, name: str) -> Any:
+        """An object whole, read straight into one buffer (`body_into`)."""
+        return body_into(self.client.get_object(Bucket=self.bucket, Key=name))
+
     def get_in_ranges(self, what: str, names: Sequence[str], part: int) -> list[Any]:
         """Each object whole (bytes, or a `Failure`), read in ranged GETs of ``part`` bytes: first every
         object's first range, all in flight; then the other ranges of the objects larger than that, all in
@@ -111,35 +154,28 @@ class ObjectCalls:
         otherwise be a few requests in flight, each as slow as one connection. Two flat rounds on the pool,
         never a request waiting on another inside it (which could take every thread)."""
         firsts = self.many(what, lambda name: self._first_range(name, part), names)
-        jobs = [(i, start, min(start + part, got[1]) - 1) for i, got in enumerate(firsts)
-                if not isinstance(got, Failure) for start in range(len(got[0]), got[1], part)]
-        rest = self.many(what, lambda job: self._range(names[job[0]], job[1], job[2]), jobs)
-        pieces: dict[int, list[Any]] = {}
+        # each larger object's buffer: its first range copied in, the other ranges read straight into it
+        whole = {i: memoryview(np.empty(got[1], dtype=np.uint8)) for i, got in enumerate(firsts)
+                 if not isinstance(got, Failure) and got[1] > len(got[0])}
+        for i, view in whole.items():
+            first = firsts[i][0]
+            view[:len(first)] = first
+        jobs = [(i, start, min(start + part, firsts[i][1]) - 1) for i in whole
+                for start in range(len(firsts[i][0]), firsts[i][1], part)]
+        rest = self.many(what, lambda job: self._range(names[job[0]], job[1], job[2],
+                                                       whole[job[0]][job[1]:job[2] + 1]), jobs)
+        failed: dict[int, Failure] = {}
         for job, got in zip(jobs, rest, strict=True):
-            pieces.setdefault(job[0], []).append(got)
-        out: list[Any] = []
-        for i, got in enumerate(firsts):
-            if isinstance(got, Failure) or i not in pieces:
-                out.append(got if isinstance(got, Failure) else got[0])
-                continue
-            more = pieces[i]
-            failed = next((p for p in more if isinstance(p, Failure)), None)
-            if failed is not None or len(got[0]) + sum(len(p) for p in more) != got[1]:
-                out.append(failed or Failure(ERROR))  # a range lost, or the object changed under the reads
-                continue
-            buf = np.empty(got[1], dtype=np.uint8)
-            pos = 0
-            for piece in (got[0], *more):
-                buf[pos:pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-                pos += len(piece)
-            out.append(memoryview(buf))
-        return out
+            if isinstance(got, Failure):  # a range lost, or the object changed under the reads
+                failed.setdefault(job[0], got)
+        return [got if isinstance(got, Failure) else failed[i] if i in failed else whole[i] if i in whole
+                else got[0] for i, got in enumerate(firsts)]
 
     def _first_range(self, name: str, part: int) -> tuple[bytes, int]:
         """The first ``part`` bytes of an object and its whole size (an empty object: no bytes, size 0); the
         whole object by a plain GET when ``part`` is S3's largest object size."""
         if part >= MAX_RANGE:
-            body = self.get(name)
+            body = self.get_record(name)
             return body, len(body)
         try:
             got = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{part - 1}")
@@ -147,12 +183,14 @@ class ObjectCalls:
             if error_code(exc) == "InvalidRange":  # an empty object: no range of it exists
                 return b"", 0
             raise
-        body = got["Body"].read()
+        body = body_into(got)
         content_range = got.get("ContentRange") or ""
         return body, int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(body)
 
-    def _range(self, name: str, first: int, last: int) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={first}-{last}")["Body"].read()
+    def _range(self, name: str, first: int, last: int, out: memoryview) -> Any:
+        """Bytes ``first`` to ``last`` of an object, read into ``out`` (a short answer: the object changed)."""
+        got = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={first}-{last}")
+        return body_into(got, out)
 
     def put(self, name: str, body: bytes, metadata: dict[str, str] | None = None, **conditions: str) -> dict[str, Any]:
         return self.client.put_object(Bucket=self.bucket, Key=name, Body=body, Metadata=metadata or {}, **conditions)

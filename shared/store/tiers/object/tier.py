@@ -130,11 +130,14 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls, cache = self._calls, self._existence
         if self._health.down:
             return [False] * len(keys)
-        if self._warming is None and self._warm_on:
-            self._start_warming()
         hexes = [key.hex for key in keys]
         known = cache.known(hexes)
-        if (any(known) or cache.generation is None) and not cache.validate(self._janitor.eviction_generation()):
+        # validated when it answers something, or holds no generation (then none of these HEADs could enter it)
+        # and no listing is under way (the first lookup costs its HEADs only: the listing validates meanwhile)
+        first = self._warming is None and self._warm_on  # the listing starts once this lookup is answered
+        warming = first or (self._warming is not None and self._warming.is_alive())
+        if (any(known) or (cache.generation is None and not warming)) and \
+                not cache.validate(self._janitor.eviction_generation()):
             known = [False] * len(keys)
         generation = cache.generation  # read before the HEADs below
         ask = [i for i, hit in enumerate(known) if not hit]
@@ -143,6 +146,8 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         for i, r in zip(ask, res, strict=True):
             found[i] = not isinstance(r, Failure)
         cache.add((hexes[i] for i, r in zip(ask, res, strict=True) if not isinstance(r, Failure)), generation)
+        if first:
+            self._start_warming()
         return found
 
     def _start_warming(self) -> None:

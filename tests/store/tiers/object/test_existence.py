@@ -65,6 +65,7 @@ def test_a_sweep_that_evicts_empties_the_caches_and_one_in_progress_turns_them_o
     keys = [_k(i) for i in range(6)]
     writer.put_many([(key, torch.zeros(4 * KIB // 4), None) for key in keys])  # 6 records of about 5 KiB
     assert reader.contains_many(keys) == [True] * 6
+    assert reader.warmed(30.0)  # the listing this first lookup started: the records are cached
     generation = reader.existence.generation
     heads = counting_heads(reader)
     assert reader.contains_many(keys) == [True] * 6 and not heads
