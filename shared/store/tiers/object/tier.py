@@ -249,7 +249,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
             def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
                 key, enc, tags = item
-                calls.put(self._names.record(key), enc.tobytes(), record_metadata(key, tags))
+                calls.put(self._names.record(key), joined(enc), record_metadata(key, tags))
                 return enc.nbytes
 
             res = calls.many("put", put, batch)
@@ -318,3 +318,11 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self._janitor.close()
         self._calls.close()
 
+
+def joined(enc: records.Encoded) -> bytearray:
+    """A record's two pieces as one body (what a PUT sends), in one copy of the payload (`Encoded.tobytes`
+    makes two: the payload's bytes, then the concatenation)."""
+    body = bytearray(enc.nbytes)
+    body[:len(enc.prefix)] = enc.prefix
+    body[len(enc.prefix):] = enc.payload
+    return body
