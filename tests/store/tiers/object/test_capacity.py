@@ -146,3 +146,20 @@ def test_four_writer_processes_stay_bounded_and_a_pinned_corpus_keeps_every_hit(
                for i, rec in zip(corpus, got, strict=True))  # every byte
     assert not [r for r in results if r["errors"] > 2]  # SeaweedFS answers a few racing requests with 500
     tier.close()
+
+
+def test_a_writer_writes_within_the_grant_a_sweep_gave_it_and_drops_a_record_no_grant_holds(s3_bucket, caplog):
+    capacity = 100 * KIB
+    tier = tier_of(s3_bucket, capacity=capacity, sweep_share=0.2, sweep_every_s=3600.0)
+    assert tier.janitor.grant is None  # new: it writes nothing before a sweep that saw its ledger
+    tier.put_many([(_k(0), _rec(0), None)])
+    assert tier.contains_many([_k(0)]) == [True]
+    size = tier.sizes_many([_k(0)])[0]
+    grant = max(int(0.2 * capacity), 2 * size)  # its share, and two of the largest records at least
+    assert tier.janitor.grant == grant and tier.janitor.last.low_water == capacity - grant
+    big = torch.zeros(60 * KIB // 4)  # larger than any grant of one writer: half of capacity at most
+    tier.put_many([(_k(1), big, None)])
+    assert tier.contains_many([_k(1)]) == [False] and tier.counters.get("dropped_writes") == 1
+    assert "larger than this writer's grant" in caplog.text
+    assert tier.janitor.grant == capacity // 2  # the sweep read of the large record in its ledger
+    tier.close()
