@@ -141,7 +141,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             known = [False] * len(keys)
         generation = cache.generation  # read before the HEADs below
         ask = [i for i, hit in enumerate(known) if not hit]
-        res = calls.many("contains", lambda i: calls.head(self._names.record(keys[i])), ask)
+        res = calls.many("contains", lambda i: calls.exists(self._names.record(keys[i])), ask)
         found = list(known)
         for i, r in zip(ask, res, strict=True):
             found[i] = not isinstance(r, Failure)

@@ -26,13 +26,13 @@ def tier_of(s3_bucket, **fields) -> ObjectTier:
 def counting_heads(tier: ObjectTier) -> list[str]:
     """The names of the HEADs ``tier`` sends from now on (its real requests, counted on the way)."""
     sent: list[str] = []
-    real = tier._calls.head
+    real = tier._calls.exists
 
     def head(name: str):
         sent.append(name)
         return real(name)
 
-    tier._calls.head = head
+    tier._calls.exists = head
     return sent
 
 
@@ -101,6 +101,7 @@ def test_a_record_deleted_behind_the_evictions_back_is_a_miss_at_load_then_never
     tier = tier_of(s3_bucket, sweep_every_s=3600.0)
     tier.put_many([(_k(1), torch.ones(64), None)])
     assert tier.contains_many([_k(1)]) == [True]
+    assert tier.warmed(30.0) and len(tier.existence) == 1  # the listing this first lookup started cached it
     s3_bucket.server.client().delete_object(Bucket=s3_bucket.bucket, Key=tier._names.record(_k(1)))
     assert tier.contains_many([_k(1)]) == [True]  # the documented over-promise
     assert tier.get_many([_k(1)]) == [None]
