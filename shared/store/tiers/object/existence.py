@@ -4,17 +4,21 @@ no eviction can have removed them, so that a scheduler's lookup stays within ``l
 Why a cache and not only HEADs in parallel: a lookup asks for every layer and rank of every chunk of a prompt
 (32 chunks x 32 layers is 1,024 keys for an 8K prompt of an 8B model), and each HEAD costs botocore about a
 millisecond of CPU and the store a round trip. Measured against a local SeaweedFS on 2 cores with 16 in
-flight: 32 keys took 54-115 ms and 1,024 keys 3 s, so past a few dozen keys the store's bounded lookup
-answered every key a miss within the default 100 ms budget (docs/operations.md, the object tier's lookups).
+flight (`tiercache bench lookups`): 32 keys took 36-72 ms, 256 keys 0.25-1.2 s and 1,024 keys 0.8-1.6 s, so
+past a few dozen keys the store's bounded lookup answered every key a miss within the default 100 ms
+budget; from the cache, 1,024 keys took 2.6-7 ms (docs/operations.md, lookups within lookup_budget_ms).
 
 Why it can only under-promise: records leave the bucket through evictions (the janitor's sweeps, `tiercache
 evict`), and every eviction is bracketed in ``sys/usage``: before deleting, the evictor writes it with an
 ``evicting`` mark; after, with a new ``generation``. A lookup that finds cached keys first reads
-``sys/usage`` (one GET, `Janitor.eviction_generation`): an ``evicting`` mark, an unreadable object or a
-generation other than the one the cache was filled under empties the cache, and those keys are HEADed as
-before. A key enters the cache only under the generation read *before* the request that saw it (a HEAD, a
-GET or a PUT that succeeded): if the generation is still that one at a later lookup, no eviction began in
-between, so the record is there as surely as a fresh HEAD would say. What is not bracketed: records deleted
+``sys/usage`` (one GET, `Janitor.eviction_generation`): while it is marked ``evicting`` (or unreadable) no
+cached key is answered (they are HEADed as before); at a new generation, the cache drops the digests that
+``sys/evicted`` lists for the one eviction from its generation to the new one (written before the new
+generation), or everything when that is not the one eviction (several came between, or `tiercache evict`,
+which does not list them). A key enters the cache only under the generation read *before* the request
+that saw it (a HEAD, a GET or a PUT that succeeded): if the generation is still that one at a later lookup,
+no eviction began in between, and if one eviction came between, it deleted only what it listed; either way
+the record is there as surely as a fresh HEAD would say. What is not bracketed: records deleted
 as damaged (a fresh HEAD would answer "there" for them too, and their load fails the same way) and deletes by
 other tools or a bucket lifecycle rule (the cache then promises what a load misses: that load counts a
 load error, `vllm:tiercache_kv_load_errors_total`, vLLM recomputes the blocks, and the key leaves the cache).
@@ -51,14 +55,30 @@ class ExistenceCache:
         """The generation last validated (None: unknown, or an eviction in progress)."""
         return self._generation
 
-    def validate(self, generation: str | None) -> bool:
-        """Take the generation just read from ``sys/usage`` (None: an eviction in progress, or unreadable):
-        True when the entries still hold; otherwise they are dropped (and new ones start under it)."""
+    def validate(self, generation: str | None,
+                 evicted: Callable[[], tuple[str, str, list[str] | None] | None] | None = None) -> bool:
+        """Take the generation just read from ``sys/usage``: True when the entries hold now. None (an eviction
+        in progress, or unreadable): False, nothing answered now, entries kept (the next generation says
+        what went). A new generation: when ``evicted()`` (``sys/evicted``) names the one eviction from this
+        cache's generation to it, its digests are dropped and the rest holds; else everything is dropped."""
+        if generation is None:
+            return False
         with self._lock:
-            if generation is not None and generation == self._generation:
+            current = self._generation
+            if generation == current:
+                return True
+        change = evicted() if evicted is not None and current is not None else None
+        with self._lock:
+            if self._generation != current:  # another thread validated meanwhile: start over, empty
+                self._known.clear()
+                self._generation = generation
+                return False
+            self._generation = generation
+            if change is not None and change[0] == current and change[1] == generation and change[2] is not None:
+                for h in change[2]:
+                    self._known.pop(h, None)
                 return True
             self._known.clear()
-            self._generation = generation
             return False
 
     def known(self, hex_digests: Sequence[str]) -> list[bool]:

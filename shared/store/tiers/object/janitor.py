@@ -545,6 +545,29 @@ class Janitor:
         except Exception:  # damaged: the next sweep rewrites it
             return None
 
+    def evicted_between(self) -> tuple[str, str, list[str] | None] | None:
+        """``sys/evicted``: (generation before, generation after, the digests that eviction deleted; None
+        when not known), or None when unreadable (`existence`: a cache at the first generation drops only
+        those digests)."""
+        got = self._lock_call("evicted", lambda: self.calls.get(self.names.evicted))
+        if isinstance(got, Failure):
+            return None
+        try:
+            change = cbor2.loads(got)
+            digests = change.get("digests")
+            return (str(change["from"]), str(change["to"]),
+                    None if digests is None else [bytes(d).hex() for d in digests])
+        except Exception:  # damaged: every cache drops everything
+            return None
+
+    def _record_evicted(self, before: str, after: str, names: list[str] | None) -> None:
+        """Before the new generation is written to ``sys/usage``: which digests went from ``before`` to
+        ``after`` (None: not known, e.g. `tiercache evict`; caches then drop everything)."""
+        digests = None if names is None else [
+            bytes.fromhex(h) for h in (self.names.digest_of(n) for n in names) if h is not None]
+        body = cbor2.dumps({"from": before, "to": after, "digests": digests})
+        self.calls.one("evicted", lambda: self.calls.put(self.names.evicted, body))
+
     def _mark_evicting(self, previous: dict[str, Any]) -> None:
         """Before deleting records: ``sys/usage`` says an eviction is in progress (the last sweep's figures
         kept), so that no lookup answers from its existence cache until the new generation is written."""
@@ -566,7 +589,9 @@ class Janitor:
             self._mark_evicting(previous)
             return delete()
         finally:
-            body = cbor2.dumps({**previous, "generation": uuid.uuid4().hex})
+            generation = uuid.uuid4().hex
+            self._record_evicted(str(previous.get("generation") or ""), generation, None)
+            body = cbor2.dumps({**previous, "generation": generation})
             self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
             if lock is not None:
                 self._unlock(lock)
@@ -599,7 +624,10 @@ class Janitor:
             records.append((last_use(obj["LastModified"].timestamp(), reads.get(hex_digest)), obj["Key"], size))
         capacity = self.config.capacity
         share = grant_size(capacity, self.config.sweep_share, len(active), largest)
-        reserve = sum(max(previous.get(w, 0), share) for w in active)
+        # a writer may still write within its previous grant: room for the larger of the two, within MAX_RESERVE
+        # of capacity (grants shrinking by more, e.g. many writers arriving at once, pass it for one sweep)
+        reserve = min(sum(max(previous.get(w, 0), share) for w in active),
+                      max(share * len(active), int(MAX_RESERVE * capacity)))
         low_water = max(0, capacity - reserve)
         evicted: list[tuple[str, int]] = []
         victims: list[tuple[str, int]] = []
@@ -615,7 +643,10 @@ class Janitor:
         if total > low_water and active:  # deletes failed: what is left above usage is shared out instead
             share = min(share, max(0, capacity - total) // len(active))
         # a new generation once anything may have been deleted (a failed DELETE may have deleted all the same)
-        generation = uuid.uuid4().hex if victims else str(previous_usage.get("generation") or "")
+        generation = str(previous_usage.get("generation") or "")
+        if victims:
+            generation, before = uuid.uuid4().hex, generation
+            self._record_evicted(before, generation, [name for name, _ in victims])
         return SweepResult(len(records) - len(evicted), total, len(evicted), sum(s for _, s in evicted),
                            low_water, dict.fromkeys(sorted(active), share), listed_at, generation)
 

@@ -136,9 +136,9 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         # and no listing is under way (the first lookup costs its HEADs only: the listing validates meanwhile)
         first = self._warming is None and self._warm_on  # the listing starts once this lookup is answered
         warming = first or (self._warming is not None and self._warming.is_alive())
-        if (any(known) or (cache.generation is None and not warming)) and \
-                not cache.validate(self._janitor.eviction_generation()):
-            known = [False] * len(keys)
+        if any(known) or (cache.generation is None and not warming):
+            valid = cache.validate(self._janitor.eviction_generation(), self._janitor.evicted_between)
+            known = cache.known(hexes) if valid else [False] * len(keys)
         generation = cache.generation  # read before the HEADs below
         ask = [i for i, hit in enumerate(known) if not hit]
         res = calls.many("contains", lambda i: calls.exists(self._names.record(keys[i])), ask)
