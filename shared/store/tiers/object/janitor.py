@@ -8,7 +8,7 @@ Design (docs/operations.md, "Capacity across every writer", says it for operator
   so no lost update needs a lock). A ledger rewritten within ``active_s`` (`active_seconds`) whose owner
   wants to write names an **active writer**.
 - One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT
-  (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `LOCK_STALE_S`
+  (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `evictions.LOCK_STALE_S`
   by the server's own clock (a holder killed mid-sweep) is taken over by a PUT ``If-Match`` its ETag (again
   exactly one wins). The holder reads every ledger (the active writers, and a last use per record: the
   newest of its write and the reads), then lists the records (at ``listed_at``), and gives each active
@@ -59,29 +59,29 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from email.utils import parsedate_to_datetime
 from typing import Any
 
-import botocore.exceptions
 import cbor2
 
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, classify, log
+from vllm_tiercache.shared.store.tiers.object.client import MISSING, log
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
-from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
+from vllm_tiercache.shared.store.tiers.object.evictions import (
+    RETRY_LOCK_S,
+    EvictionMarks,
+    JanitorLock,
+    choose_victims,
+    last_use,
+    server_now,
+)
+from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
 from vllm_tiercache.shared.threads import background_thread
 
 #: Reads a ledger keeps (older ones are dropped; a record read longer ago ages by its write time).
 LEDGER_WINDOW_S = 7 * 86400.0
 #: The most entries one ledger holds (the most recent reads win): bounds its size (~40 bytes an entry).
 MAX_LEDGER_ENTRIES = 200_000
-#: A janitor lock this old (server time) belongs to a holder that died mid-sweep: it is taken over.
-LOCK_STALE_S = 120.0
-#: Tries to give the lock back (a refused DELETE is tried again).
-UNLOCK_TRIES = 5
-#: Candidates whose tags are read (HEAD) at once while pins are in force.
-TAG_BATCH = 64
 #: All grants together take at most this share of capacity: with many writers each grant is smaller (and
 #: each writer sweeps sooner), so that the low-water mark never falls below half of capacity.
 MAX_RESERVE = 0.5
@@ -90,10 +90,6 @@ MAX_RESERVE = 0.5
 GRANT_RECORDS = 2
 #: How many ``timeout_s`` a writer with no room left in its grant waits for a sweep before it drops the put.
 ADMIT_WAIT_TIMEOUTS = 4
-#: Pause before a writer whose sweep is due tries the lock again (another writer held it).
-RETRY_LOCK_S = 0.1
-#: Tries for the lock before `tiercache evict` deletes without it (`Janitor.bracket_eviction`): 10 s.
-ADMIN_LOCK_TRIES = 100
 #: A ledger rewritten within this many ``sweep_every_s`` (and at least `MIN_ACTIVE_S`) names an active
 #: writer (`active_seconds`); its owner admits only while it rewrote it within half of that.
 ACTIVE_SWEEPS = 4
@@ -151,6 +147,8 @@ class Janitor:
         self._pins = pins
         self._thread_name = thread_name
         self.writer = new_writer_id()
+        self.lock = JanitorLock(calls, names, self.writer, config.address)
+        self.marks = EvictionMarks(calls, names, self.writer)
         self.active_s = active_seconds(config)
         self._lock = threading.Lock()
         self._reads: dict[str, float] = {}  # this writer's ledger: digest hex -> unix time of its last read
@@ -320,8 +318,12 @@ class Janitor:
                 if not self._due() and self._swept_lately():
                     self.flush_ledger()  # another writer swept within sweep_every_s: no listing this round
                     continue
-                if not self._stop.is_set() and self.sweep() is None and self._due():
-                    pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
+                if not self._stop.is_set():
+                    if self.sweep() is None:
+                        if self._due():
+                            pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
+                    else:
+                        self._wake.clear()  # wakes that asked for the sweep just done
             except Exception as exc:  # a bug must not end the thread (the tier would grow without bound)
                 self.calls.health.other_error("janitor", exc)
         try:
@@ -361,40 +363,7 @@ class Janitor:
     def merged_reads(self, now: datetime | None = None) -> dict[str, float]:
         """Every writer's reads merged (digest hex -> newest read); deletes ledgers of writers gone.
         Raises what the listing raises (the admin side reports it)."""
-        return self._read_ledgers(now)[0]
-
-    def _read_ledgers(self, now: datetime | None = None) -> tuple[dict[str, float], set[str], int]:
-        """Every writer's reads merged (digest hex -> newest read), the active writers (a ledger rewritten
-        within ``active_s`` whose owner asked to write within it; one that cannot be read counts as active:
-        a grant too many costs room, a grant too few the bound) and the largest record they asked to write;
-        deletes ledgers of writers gone."""
-        now = now or datetime.now(tz=timezone.utc)
-        merged: dict[str, float] = {}
-        active: set[str] = set()
-        largest = 0
-        for obj in self.calls.list_names(self.names.ledgers):
-            age = (now - obj["LastModified"]).total_seconds()
-            if age > LEDGER_WINDOW_S:
-                self.calls.one("ledger clean-up", lambda name=obj["Key"]: self.calls.delete(name))
-                continue
-            writer = obj["Key"][len(self.names.ledgers):]
-            raw = self.calls.one("ledger", lambda name=obj["Key"]: self.calls.get(name))
-            try:
-                ledger = cbor2.loads(raw) if not isinstance(raw, Failure) else None
-                writing_at = ledger.get("writing_at") if ledger is not None else now.timestamp()
-                if age <= self.active_s and writing_at is not None and \
-                        float(writing_at) >= now.timestamp() - self.active_s:
-                    active.add(writer)
-                    largest = max(largest, int(ledger.get("largest") or 0) if ledger is not None else 0)
-                for digest, t in (ledger["reads"] if ledger is not None else {}).items():
-                    h = digest.hex()
-                    if t > merged.get(h, 0.0):
-                        merged[h] = float(t)
-            except Exception:  # a damaged or foreign ledger: its reads are not known, records age by writes
-                if age <= self.active_s:
-                    active.add(writer)
-                continue
-        return merged, active, largest
+        return read_ledgers(self.calls, self.names, self.active_s, now)[0]
 
     # ---------------------------------------------------------------------------------------- sweep
     def sweep(self) -> SweepResult | None:
@@ -423,16 +392,11 @@ class Janitor:
                 self.counters.add(evictions=result.evicted)
         return result
 
-    def _usage_object(self) -> dict[str, Any] | Failure:
-        """``sys/usage`` (the GET's answer, a `Failure` when absent or unreadable)."""
-        return self._lock_call("usage", lambda: self.calls.client.get_object(Bucket=self.calls.bucket,
-                                                                            Key=self.names.usage))
-
     def learn_usage(self) -> float | None:
         """Read ``sys/usage``: a sweep completed since the last one seen gives this writer its new grant and
         resets its count of bytes written. Returns how many seconds ago (the server's clock) the last sweep
         of any writer completed; None when unknown."""
-        got = self._usage_object()
+        got = self.marks.usage_object()
         if isinstance(got, Failure):
             return None
         age = (server_now(got) - got["LastModified"]).total_seconds()
@@ -478,132 +442,32 @@ class Janitor:
             time.sleep(RETRY_LOCK_S)
         return None
 
-    def _lock_call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """One request on the janitor lock. Only an endpoint that is not there (no answer at all) marks the
-        tier down; any refusal is an answer: the lock is not this writer's now, and the next sweep tries
-        again. (SeaweedFS answers a conditional PUT that races a DELETE of the same name with a 500.)"""
-        if self.calls.health.down:
-            return Failure(DOWN)
-        try:
-            return fn()
-        except botocore.exceptions.ClientError as exc:
-            return Failure(classify(exc) if classify(exc) in (CONFLICT, MISSING) else ERROR, exc)
-        except Exception as exc:
-            return Failure(self.calls.health.failed(what, exc), exc)
-
     def _take_lock(self) -> str | None:
-        """The lock's ETag when this writer now holds it, else None (conditional PUTs: one writer wins)."""
-        body = cbor2.dumps({"writer": self.writer, "at": time.time()})
-        lock = self.names.lock
-        got = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfNoneMatch="*"))
-        if not isinstance(got, Failure):
-            return str(got["ETag"])
-        if got.kind != CONFLICT:
-            return None
-        head = self._lock_call("janitor lock", lambda: self.calls.head(lock))
-        if isinstance(head, Failure):
-            return None
-        age = (server_now(head) - head["LastModified"]).total_seconds()
-        if age < LOCK_STALE_S:
-            return None
-        taken = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfMatch=head["ETag"]))
-        if isinstance(taken, Failure):
-            return None
-        log.warning("tiercache object tier %s: janitor lock left %.0fs ago by a writer gone, taken over",
-                    self.config.address, age)
-        return str(taken["ETag"])
+        return self.lock.take()
 
     def _unlock(self, etag: str) -> None:
-        """Give the lock back: conditional on its ETag (a lock taken over is not ours to delete), tried
-        again on a refusal, so that a lost DELETE does not stop every writer's sweeps for `LOCK_STALE_S`."""
-        for _ in range(UNLOCK_TRIES):
-            done = self._lock_call("janitor unlock", lambda: self.calls.delete(self.names.lock, IfMatch=etag))
-            if not isinstance(done, Failure) or done.kind in (CONFLICT, MISSING, DOWN):
-                return
-            time.sleep(RETRY_LOCK_S)
-
-    def _previous_usage(self) -> dict[str, Any]:
-        """``sys/usage`` as the last sweep left it ({} when absent or damaged: this sweep rewrites it)."""
-        got = self._usage_object()
-        if isinstance(got, Failure):
-            return {}
-        try:
-            usage = cbor2.loads(got["Body"].read())
-            return {k: v for k, v in usage.items() if k != "evicting"} if isinstance(usage, dict) else {}
-        except Exception:
-            return {}
+        self.lock.give_back(etag)
 
     def eviction_generation(self) -> str | None:
-        """The eviction generation in ``sys/usage`` (one GET; `existence`): "" before any sweep wrote one;
-        None while an eviction is in progress, or when it cannot be read (nothing cached is trusted then)."""
-        got = self._usage_object()
-        if isinstance(got, Failure):
-            return "" if got.kind == MISSING else None
-        try:
-            usage = cbor2.loads(got["Body"].read())
-            return None if usage.get("evicting") else str(usage.get("generation") or "")
-        except Exception:  # damaged: the next sweep rewrites it
-            return None
+        """`EvictionMarks.generation` (the existence cache's check)."""
+        return self.marks.generation()
 
     def evicted_between(self) -> tuple[str, str, list[str] | None] | None:
-        """``sys/evicted``: (generation before, generation after, the digests that eviction deleted; None
-        when not known), or None when unreadable (`existence`: a cache at the first generation drops only
-        those digests)."""
-        got = self._lock_call("evicted", lambda: self.calls.get(self.names.evicted))
-        if isinstance(got, Failure):
-            return None
-        try:
-            change = cbor2.loads(got)
-            digests = change.get("digests")
-            return (str(change["from"]), str(change["to"]),
-                    None if digests is None else [bytes(d).hex() for d in digests])
-        except Exception:  # damaged: every cache drops everything
-            return None
-
-    def _record_evicted(self, before: str, after: str, names: list[str] | None) -> None:
-        """Before the new generation is written to ``sys/usage``: which digests went from ``before`` to
-        ``after`` (None: not known, e.g. `tiercache evict`; caches then drop everything)."""
-        digests = None if names is None else [
-            bytes.fromhex(h) for h in (self.names.digest_of(n) for n in names) if h is not None]
-        body = cbor2.dumps({"from": before, "to": after, "digests": digests})
-        self.calls.one("evicted", lambda: self.calls.put(self.names.evicted, body))
-
-    def _mark_evicting(self, previous: dict[str, Any]) -> None:
-        """Before deleting records: ``sys/usage`` says an eviction is in progress (the last sweep's figures
-        kept), so that no lookup answers from its existence cache until the new generation is written."""
-        body = cbor2.dumps({**previous, "evicting": self.writer})
-        self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
+        """`EvictionMarks.evicted_between` (what the last eviction deleted)."""
+        return self.marks.evicted_between()
 
     def bracket_eviction(self, delete: Callable[[], Any]) -> Any:
-        """Run ``delete`` (records deleted outside a sweep: `tiercache evict`) between an ``evicting`` mark and
-        a new generation in ``sys/usage``, holding the janitor lock when it comes within `ADMIN_LOCK_TRIES`
-        tries (else without it: the marks still empty every existence cache)."""
-        lock = None
-        for _ in range(ADMIN_LOCK_TRIES):
-            lock = self._take_lock()
-            if lock is not None or self.calls.health.down:
-                break
-            time.sleep(RETRY_LOCK_S)
-        previous = self._previous_usage()
-        try:
-            self._mark_evicting(previous)
-            return delete()
-        finally:
-            generation = uuid.uuid4().hex
-            self._record_evicted(str(previous.get("generation") or ""), generation, None)
-            body = cbor2.dumps({**previous, "generation": generation})
-            self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
-            if lock is not None:
-                self._unlock(lock)
+        """`EvictionMarks.bracket`: ``delete`` between the marks, holding the lock when it comes."""
+        return self.marks.bracket(self.lock, delete)
 
     def _sweep_locked(self) -> SweepResult | None:
         """Read the ledgers (last uses, active writers), then list the records, grant each active writer its
         share and evict the least recently used records down to the low-water mark. The ledgers are read
         first: a writer whose ledger this sweep finds stale stopped admitting before it lists."""
         now = datetime.now(tz=timezone.utc)
-        ledgers = self.calls.one("ledgers", lambda: self._read_ledgers(now))
+        ledgers = self.calls.one("ledgers", lambda: read_ledgers(self.calls, self.names, self.active_s, now))
         reads, active, largest = ({}, {self.writer}, self._largest) if isinstance(ledgers, Failure) else ledgers
-        previous_usage = self._previous_usage()
+        previous_usage = self.marks.previous_usage()
         try:
             previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
         except (TypeError, ValueError, AttributeError):
@@ -633,9 +497,11 @@ class Janitor:
         victims: list[tuple[str, int]] = []
         if total > low_water:
             records.sort()
-            victims, _ = self._choose(records, total, low_water)
+            pins = self._pins()
+            budget = self.config.pin_budget * capacity if pins else 0
+            victims, _ = choose_victims(self.calls, records, total, low_water, pins, budget)
             if victims:
-                self._mark_evicting(previous_usage)
+                self.marks.mark_evicting(previous_usage)
             done = self.calls.many("evict", lambda name: self.calls.delete(name), [name for name, _ in victims])
             evicted = [(name, size) for (name, size), r in zip(victims, done, strict=True)
                        if not isinstance(r, Failure) or r.kind == MISSING]
@@ -646,56 +512,42 @@ class Janitor:
         generation = str(previous_usage.get("generation") or "")
         if victims:
             generation, before = uuid.uuid4().hex, generation
-            self._record_evicted(before, generation, [name for name, _ in victims])
+            self.marks.record_evicted(before, generation, [name for name, _ in victims])
         return SweepResult(len(records) - len(evicted), total, len(evicted), sum(s for _, s in evicted),
                            low_water, dict.fromkeys(sorted(active), share), listed_at, generation)
 
-    def _choose(self, records: list[tuple[float, str, int]], total: int, target: int
-                ) -> tuple[list[tuple[str, int]], int]:
-        """The records to delete, oldest use first, until ``total`` is at most ``target``: records of pinned
-        tags are kept, up to ``pin_budget`` of capacity, while unpinned ones remain (the disk tier's rule)."""
-        pins = self._pins()
-        budget = self.config.pin_budget * self.config.capacity if pins else 0
-        victims: list[tuple[str, int]] = []
-        skipped: list[tuple[str, int]] = []
-        protected = 0
-        pos = 0
-        while pos < len(records) and total > target:
-            batch = records[pos:pos + TAG_BATCH]
-            pos += len(batch)
-            tags = (self.calls.many("sweep tags", lambda name: self.calls.head(name), [n for _, n, _ in batch])
-                    if budget else [None] * len(batch))
-            for (_, name, size), head in zip(batch, tags, strict=True):
-                if total <= target:
-                    break
-                pinned = bool(budget) and isinstance(head, dict) and not pins.isdisjoint(
-                    tags_in(head.get("Metadata") or {}))
-                if pinned and protected + size <= budget:
-                    protected += size
-                    skipped.append((name, size))
-                    continue
-                victims.append((name, size))
-                total -= size
-        for name, size in skipped:
-            if total <= target:
-                break
-            victims.append((name, size))  # nothing unpinned was left: pinned records go too, oldest first
-            total -= size
-        return victims, total
 
-
-def last_use(modified: float, ledger: float | None) -> float:
-    """A record's last use: its ledger time when that is as new as the object (the ledger has the exact time;
-    LastModified whole seconds only), else the end of the object's LastModified second (written after any
-    ledger entry: counted as new as it may be, so that it is never evicted ahead of an older record)."""
-    return ledger if ledger is not None and ledger >= modified else modified + 1.0
-
-
-def server_now(response: dict[str, Any]) -> datetime:
-    """The server's clock from a response's Date header (lock ages are measured in one clock); ours when
-    it sent none."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return parsedate_to_datetime(date)
-    except (TypeError, ValueError):
-        return datetime.now().astimezone()
+def read_ledgers(calls: ObjectCalls, names: ObjectNames, active_s: float, now: datetime | None = None
+                 ) -> tuple[dict[str, float], set[str], int]:
+    """Every writer's reads merged (digest hex -> newest read), the active writers (a ledger rewritten
+    within ``active_s``, `active_seconds`, whose owner asked to write within it; one that cannot be read
+    counts as active: a grant too many costs room, a grant too few the bound) and the largest record they
+    asked to write;
+    deletes ledgers of writers gone."""
+    now = now or datetime.now(tz=timezone.utc)
+    merged: dict[str, float] = {}
+    active: set[str] = set()
+    largest = 0
+    for obj in calls.list_names(names.ledgers):
+        age = (now - obj["LastModified"]).total_seconds()
+        if age > LEDGER_WINDOW_S:
+            calls.one("ledger clean-up", lambda name=obj["Key"]: calls.delete(name))
+            continue
+        writer = obj["Key"][len(names.ledgers):]
+        raw = calls.one("ledger", lambda name=obj["Key"]: calls.get(name))
+        try:
+            ledger = cbor2.loads(raw) if not isinstance(raw, Failure) else None
+            writing_at = ledger.get("writing_at") if ledger is not None else now.timestamp()
+            if age <= active_s and writing_at is not None and \
+                    float(writing_at) >= now.timestamp() - active_s:
+                active.add(writer)
+                largest = max(largest, int(ledger.get("largest") or 0) if ledger is not None else 0)
+            for digest, t in (ledger["reads"] if ledger is not None else {}).items():
+                h = digest.hex()
+                if t > merged.get(h, 0.0):
+                    merged[h] = float(t)
+        except Exception:  # a damaged or foreign ledger: its reads are not known, records age by writes
+            if age <= active_s:
+                active.add(writer)
+            continue
+    return merged, active, largest

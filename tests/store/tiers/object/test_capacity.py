@@ -16,7 +16,7 @@ from tests.support.store_workers import expected_tensor, fault_key
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.control import pin_changes
-from vllm_tiercache.shared.store.tiers.object import janitor as janitor_module
+from vllm_tiercache.shared.store.tiers.object import evictions
 from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
 pytestmark = pytest.mark.s3
@@ -70,7 +70,7 @@ def test_one_writer_at_a_time_holds_the_janitor_lock(s3_bucket, monkeypatch):
     held = a.janitor._take_lock()
     assert held is not None
     assert b.janitor._take_lock() is None and b.janitor.sweep() is None  # held by a
-    monkeypatch.setattr(janitor_module, "LOCK_STALE_S", 0.0)  # a's holder "died": b takes the lock over
+    monkeypatch.setattr(evictions, "LOCK_STALE_S", 0.0)  # a's holder "died": b takes the lock over
     taken = b.janitor._take_lock()
     assert taken is not None and taken != held
     assert a.janitor._take_lock() is None or True  # a may take over b's in turn (also stale at 0 s)

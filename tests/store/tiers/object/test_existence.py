@@ -69,7 +69,7 @@ def test_a_sweep_that_evicts_empties_the_caches_and_one_in_progress_turns_them_o
     generation = reader.existence.generation
     heads = counting_heads(reader)
     assert reader.contains_many(keys) == [True] * 6 and not heads
-    writer.janitor._mark_evicting(writer.janitor._previous_usage())  # a sweep deletes now: no cached answer
+    writer.janitor.marks.mark_evicting(writer.janitor.marks.previous_usage())  # a sweep deletes now: no cached answer
     assert reader.contains_many(keys) == [True] * 6 and len(heads) == 6
     for i in range(6, 30):  # past capacity: the writer's sweeps evict the least recently used
         writer.put_many([(_k(i), torch.zeros(4 * KIB // 4), None)])
