@@ -4,7 +4,7 @@ no eviction can have removed them, so that a scheduler's lookup stays within ``l
 Why a cache and not only HEADs in parallel: a lookup asks for every layer and rank of every chunk of a prompt
 (32 chunks x 32 layers is 1,024 keys for an 8K prompt of an 8B model), and each HEAD costs botocore about a
 millisecond of CPU and the store a round trip. Measured against a local SeaweedFS on 2 cores with 16 in
-flight (`tiercache bench lookups`): 32 keys took 36-72 ms, 256 keys 0.25-1.2 s and 1,024 keys 0.8-1.6 s, so
+flight (`tiercache bench lookups`): 32 keys took 36-72 ms, 256 keys 0.23-1.2 s and 1,024 keys 0.8-1.6 s, so
 past a few dozen keys the store's bounded lookup answered every key a miss within the default 100 ms
 budget; from the cache, 1,024 keys took 2.6-7 ms (docs/operations.md, lookups within lookup_budget_ms).
 
