@@ -46,6 +46,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                       "tier: the corpus's hits with and without the pin"),
     ("bench", "pd"): ("bench.pd.command", "prefill/decode hand-off: decode TTFT vs a plain prefill, a resident hit and "
                                   "a raw redis-py read"),
+    ("bench", "capacity"): ("bench.capacity", "object tier: peak usage against capacity while writer processes write "
+                                              "many times it"),
+    ("bench", "lookups"): ("bench.lookups", "object tier: a scheduler's lookup of N keys (HEADs, existence cache) "
+                                            "against lookup_budget_ms"),
     ("bench", "route"): ("bench.route", "two instances on one Redis behind Dynamo's indexer: does the tiers' events "
                                         "routing pick the faster instance"),
     ("pd-proxy",): ("pd_proxy", "the prefill/decode proxy: prefill (kv_producer), then decode (kv_consumer) "

@@ -130,6 +130,16 @@ def test_bench_pins_and_admission_refuse_a_work_dir_they_cannot_use_and_pins_a_t
                           "invalid value '0.95'")
 
 
+def test_bench_capacity_and_lookups_refuse_bad_sizes_and_counts_before_starting_anything() -> None:
+    assert_one_line_error(tiercache_here("bench", "capacity", "--record-sizes", "2MiB-1MiB"), "--record-sizes",
+                          "MIN at most MAX")
+    assert_one_line_error(tiercache_here("bench", "capacity", "--capacities", "1MiB", "--record-sizes",
+                                         "256KiB-2MiB"), "--record-sizes", "larger than the capacity")
+    assert_one_line_error(tiercache_here("bench", "capacity", "--s3-endpoint", "http://127.0.0.1:1"),
+                          "--s3-endpoint", "--s3-bucket")
+    assert_one_line_error(tiercache_here("bench", "lookups", "--keys", "0,32"), "--keys", "from 1 to 100000")
+
+
 @pytest.mark.parametrize(("job", "corpus", "extra", "pieces"), [
     ("docs", "a.txt", ["--pin"], ["--pin pins the tags given with --tag; add one, e.g. --tag corpus:v3"]),
     ("images", "a.png", ["--pin"], ["--pin pins the tags given with --tag"]),

@@ -82,8 +82,10 @@ def bench_object(size: int, repeat: int, item: dict[str, Any],
     batch = max(1, min(MAX_BATCH, BATCH_BYTES // size))
     data = torch.randint(0, 255, (size,), dtype=torch.uint8)
     raw = data.numpy().tobytes()
+    # sweep_share 0.5: a sweep (a listing) at most every half capacity written, far apart from one batch, so the
+    # row measures requests, not the janitor (`tiercache bench capacity` measures that)
     config = {**item, "concurrency": CONCURRENCY, "capacity": max(1 << 30, 4 * batch * size * (repeat + 2)),
-              "prefix": f"bench-{uuid.uuid4().hex[:8]}/", "timeout_s": 60.0}
+              "prefix": f"bench-{uuid.uuid4().hex[:8]}/", "timeout_s": 60.0, "sweep_share": 0.5}
     store = TieredStore(StoreConfig.from_dict({"tiers": [config]}))
     from vllm_tiercache.shared.store.tiers.object.client import make_client
 

@@ -14,14 +14,15 @@ this says how requests are put in flight and what a failed one means for the tie
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import botocore.exceptions
 import numpy as np
 
-from vllm_tiercache.shared.store.tiers.object.client import DOWN, ERROR, error_code, make_client
+from vllm_tiercache.shared.store.tiers.object.client import DOWN, error_code, make_client
 from vllm_tiercache.shared.store.tiers.object.config import MAX_RANGE, ObjectTierConfig
+from vllm_tiercache.shared.store.tiers.object.direct import DirectRequests, read_into
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.threads import widen_affinity
 
@@ -46,6 +47,19 @@ class Failure:
 NOT_SENT = Failure(DOWN)
 
 
+def body_into(got: dict[str, Any], out: memoryview | None = None) -> Any:
+    """A boto3 GET's body, read whole into one buffer (or ``out``): `direct.read_into`."""
+    body = got["Body"]
+    return read_into(getattr(body, "_raw_stream", body), got.get("ContentLength"), out,
+                     encoded=bool(got.get("ContentEncoding")))
+
+
+def _waited(futures: Sequence[Future[Any]]) -> Sequence[Future[Any]]:
+    """``futures`` once each is done or cancelled (a closing tier cancels what has not started)."""
+    wait(futures)
+    return futures
+
+
 class ObjectCalls:
     """The tier's boto3 client and its pool of request threads (see the module docstring)."""
 
@@ -54,6 +68,8 @@ class ObjectCalls:
         self.bucket = config.bucket
         self.health = health
         self.client: Any = make_client(config)
+        #: a record's GET and a lookup's HEAD without botocore's per-call work (`direct`), when it can
+        self.direct = DirectRequests(self.client, self.bucket)
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix=thread_name,
                                         initializer=widen_affinity)
         #: Probes sent so far (tests check that none ran on a caller's thread).
@@ -80,8 +96,11 @@ class ObjectCalls:
             return [self.one(what, lambda: fn(items[0]))]
         if self.health.down:
             return [NOT_SENT] * len(items)
-        futures = [self._pool.submit(self.one, what, lambda item=item: fn(item)) for item in items]
-        return [future.result() for future in futures]
+        try:
+            futures = [self._pool.submit(self.one, what, lambda item=item: fn(item)) for item in items]
+        except RuntimeError:  # the pool was shut down: the tier is closing
+            return [NOT_SENT] * len(items)
+        return [NOT_SENT if future.cancelled() else future.result() for future in _waited(futures)]
 
     def map_raw(self, fn: Callable[[I], T], items: Sequence[I]) -> list[T]:
         """``fn(item)`` for every item on the pool, raising the first exception (admin commands, which must
@@ -95,6 +114,19 @@ class ObjectCalls:
     def get(self, name: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
 
+    def get_record(self, name: str) -> Any:
+        """An object whole, read straight into one buffer (`direct`)."""
+        if self.direct.available:
+            return self.direct.get(name)[0]
+        return body_into(self.client.get_object(Bucket=self.bucket, Key=name))
+
+    def exists(self, name: str) -> bool:
+        """HEAD of an object (`direct`); a missing one raises (a ``missing`` `Failure` in `many`)."""
+        if self.direct.available:
+            return self.direct.exists(name)
+        self.head(name)
+        return True
+
     def get_in_ranges(self, what: str, names: Sequence[str], part: int) -> list[Any]:
         """Each object whole (bytes, or a `Failure`), read in ranged GETs of ``part`` bytes: first every
         object's first range, all in flight; then the other ranges of the objects larger than that, all in
@@ -102,48 +134,47 @@ class ObjectCalls:
         otherwise be a few requests in flight, each as slow as one connection. Two flat rounds on the pool,
         never a request waiting on another inside it (which could take every thread)."""
         firsts = self.many(what, lambda name: self._first_range(name, part), names)
-        jobs = [(i, start, min(start + part, got[1]) - 1) for i, got in enumerate(firsts)
-                if not isinstance(got, Failure) for start in range(len(got[0]), got[1], part)]
-        rest = self.many(what, lambda job: self._range(names[job[0]], job[1], job[2]), jobs)
-        pieces: dict[int, list[Any]] = {}
+        # each larger object's buffer: its first range copied in, the other ranges read straight into it
+        whole = {i: memoryview(np.empty(got[1], dtype=np.uint8)) for i, got in enumerate(firsts)
+                 if not isinstance(got, Failure) and got[1] > len(got[0])}
+        for i, view in whole.items():
+            first = firsts[i][0]
+            view[:len(first)] = first
+        jobs = [(i, start, min(start + part, firsts[i][1]) - 1) for i in whole
+                for start in range(len(firsts[i][0]), firsts[i][1], part)]
+        rest = self.many(what, lambda job: self._range(names[job[0]], job[1], job[2],
+                                                       whole[job[0]][job[1]:job[2] + 1]), jobs)
+        failed: dict[int, Failure] = {}
         for job, got in zip(jobs, rest, strict=True):
-            pieces.setdefault(job[0], []).append(got)
-        out: list[Any] = []
-        for i, got in enumerate(firsts):
-            if isinstance(got, Failure) or i not in pieces:
-                out.append(got if isinstance(got, Failure) else got[0])
-                continue
-            more = pieces[i]
-            failed = next((p for p in more if isinstance(p, Failure)), None)
-            if failed is not None or len(got[0]) + sum(len(p) for p in more) != got[1]:
-                out.append(failed or Failure(ERROR))  # a range lost, or the object changed under the reads
-                continue
-            buf = np.empty(got[1], dtype=np.uint8)
-            pos = 0
-            for piece in (got[0], *more):
-                buf[pos:pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-                pos += len(piece)
-            out.append(memoryview(buf))
-        return out
+            if isinstance(got, Failure):  # a range lost, or the object changed under the reads
+                failed.setdefault(job[0], got)
+        return [got if isinstance(got, Failure) else failed[i] if i in failed else whole[i] if i in whole
+                else got[0] for i, got in enumerate(firsts)]
 
     def _first_range(self, name: str, part: int) -> tuple[bytes, int]:
         """The first ``part`` bytes of an object and its whole size (an empty object: no bytes, size 0); the
         whole object by a plain GET when ``part`` is S3's largest object size."""
         if part >= MAX_RANGE:
-            body = self.get(name)
+            body = self.get_record(name)
             return body, len(body)
         try:
-            got = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{part - 1}")
+            if self.direct.available:
+                body, content_range = self.direct.get(name, 0, part - 1)
+            else:
+                got = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{part - 1}")
+                body, content_range = body_into(got), got.get("ContentRange") or ""
         except botocore.exceptions.ClientError as exc:
             if error_code(exc) == "InvalidRange":  # an empty object: no range of it exists
                 return b"", 0
             raise
-        body = got["Body"].read()
-        content_range = got.get("ContentRange") or ""
         return body, int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(body)
 
-    def _range(self, name: str, first: int, last: int) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={first}-{last}")["Body"].read()
+    def _range(self, name: str, first: int, last: int, out: memoryview) -> Any:
+        """Bytes ``first`` to ``last`` of an object, read into ``out`` (a short answer: the object changed)."""
+        if self.direct.available:
+            return self.direct.get(name, first, last, out)[0]
+        got = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={first}-{last}")
+        return body_into(got, out)
 
     def put(self, name: str, body: bytes, metadata: dict[str, str] | None = None, **conditions: str) -> dict[str, Any]:
         return self.client.put_object(Bucket=self.bucket, Key=name, Body=body, Metadata=metadata or {}, **conditions)

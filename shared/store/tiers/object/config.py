@@ -96,13 +96,18 @@ class ObjectTierConfig:
     capacity: Annotated[Capacity, Field(
         description="Bytes the tier may hold under its prefix, across every writer on every host: the "
                     "janitor (one writer at a time, elected by a conditional PUT) deletes the least recently "
-                    "used records past it. Default 1TiB.")] = DEFAULT_OBJECT_CAPACITY
+                    "used records down to capacity less what the active writers may write before the next "
+                    "sweep, and each writer writes only within that grant, so usage stays at most capacity. "
+                    "Default 1TiB.")] = DEFAULT_OBJECT_CAPACITY
     sweep_every_s: Annotated[seconds(minimum=0.05, maximum=86400.0), Field(
-        description="Seconds between two capacity sweeps of a writer's janitor; a writer that wrote "
-                    "sweep_share of capacity since its last sweep sweeps sooner.")] = 30.0
+        description="Seconds between two capacity sweeps of a writer's janitor (none when another writer swept "
+                    "within it); a writer that wrote half its grant (sweep_share) sweeps sooner. A writer whose "
+                    "usage ledger is older than max(60, 4 x this) seconds gets no grant.")] = 30.0
     sweep_share: Annotated[float, Strict(), Field(gt=0.0, le=0.5, allow_inf_nan=False, description=(
-        "The share of capacity a writer writes before its janitor sweeps again (bounds how far usage can "
-        "pass capacity between two sweeps: writers x sweep_share x capacity at most while sweeps keep up).")),
+        "Each active writer's grant, as a share of capacity: what it may write between two sweeps (at least "
+        "two of the largest records; all grants together at most half of capacity). A sweep evicts down to "
+        "capacity less the grants, so usage runs between that and capacity: larger means fewer sweeps "
+        "(listings), smaller keeps usage nearer capacity.")),
         Allowed("a share of capacity above 0 and at most 0.5, e.g. 0.02")] = 0.02
     range_size: Annotated[size(64 << 10, MAX_RANGE, "a size from 64KiB to 5GiB"), Field(
         description="A record larger than this is read in ranged GETs of this size, all in flight together; "

@@ -1,33 +1,51 @@
 """The object tier's bound on ``capacity`` across every writer on every host, with no server of ours.
 
-Design (docs/operations.md, "The object tier's capacity", says it for operators):
+Design (docs/operations.md, "Capacity across every writer", says it for operators):
 
 - Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read or wrote in
-  the last `LEDGER_WINDOW_S` (the newest `MAX_LEDGER_ENTRIES`), digest -> unix time, one small CBOR object
-  rewritten by its owner only (no two
-  writers ever write one object, so no lost update needs a lock).
+  the last `LEDGER_WINDOW_S` (the newest `MAX_LEDGER_ENTRIES`), digest -> unix time, and since when it
+  wants to write. One small CBOR object rewritten by its owner only (no two writers ever write one object,
+  so no lost update needs a lock). A ledger rewritten within ``active_s`` (`active_seconds`) whose owner
+  wants to write names an **active writer**.
 - One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT
-  (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `LOCK_STALE_S`
+  (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `evictions.LOCK_STALE_S`
   by the server's own clock (a holder killed mid-sweep) is taken over by a PUT ``If-Match`` its ETag (again
-  exactly one wins). The holder lists the prefix (sizes and write times), merges every ledger into a last
-  use per record (the newest of its write and the reads), and deletes the least recently used records until
-  the total is ``sweep_share`` below ``capacity``. Records of pinned tags are skipped, up to ``pin_budget``
-  of capacity, while unpinned records remain (as the disk tier does); their tags come from a HEAD of each
-  candidate. Ledgers not rewritten within `LEDGER_WINDOW_S` (a writer gone) are deleted.
-- Each writer sweeps every ``sweep_every_s``, and sooner once it wrote ``sweep_share`` of capacity since the
-  last sweep it knows of. The sweeper leaves its result in ``sys/usage`` (bytes, entries), which every
-  writer reads when the lock was another's: that tells it a sweep completed, and gives every process the
-  usage it reports. A writer that wrote `HARD_FACTOR` x ``sweep_share`` of capacity without learning of a
-  completed sweep drops further writes (counted) until one completes, so usage passes capacity by at most
-  about writers x `HARD_FACTOR` x ``sweep_share`` x capacity, even while the sweeper is slow.
+  exactly one wins). The holder reads every ledger (the active writers, and a last use per record: the
+  newest of its write and the reads), then lists the records (at ``listed_at``), and gives each active
+  writer a **grant**: bytes it may write after ``listed_at``, ``sweep_share`` of capacity (at least two of
+  the largest records listed; at most `MAX_RESERVE` of capacity for all grants together). It deletes the
+  least recently used records until usage is at most ``capacity`` minus the grants (the **low-water mark**),
+  counting for each writer the larger of its new and its previous grant (a writer may not have learned the
+  new one yet). Records of pinned tags are skipped, up to ``pin_budget`` of capacity, while unpinned
+  records remain (as the disk tier does); their tags come from a HEAD of each candidate. The result, with
+  the grants and ``listed_at``, goes to ``sys/usage``, which every writer reads. Ledgers not rewritten
+  within `LEDGER_WINDOW_S` (a writer gone) are deleted.
+- A writer **admits** a record only within its grant: the bytes it wrote after the ``listed_at`` of the last
+  sweep it knows of (its writes before then were listed), plus those admitted and not yet written, plus
+  the record, at most its grant. Past half of it, its janitor sweeps (or learns of another's sweep, which
+  resets the count); with no room left, the put waits for a sweep, up to `ADMIT_WAIT_TIMEOUTS` x
+  ``timeout_s``, and is dropped (counted) if none came. A writer with no grant (new, or idle until its
+  ledger grew stale) writes nothing until a sweep that saw its ledger grants it one.
 
-Why not a usage counter every writer updates (conditional PUT on one object): every put would be a
-read-modify-write round trip on one hot object, serialised across hosts. Why not the store's Redis: there
-may be none, and the bucket must stay consistent alone. Why not a bucket lifecycle rule alone: it expires
-by age, not by use or bytes; where records are written once and read for a fixed time (a corpus refreshed
-daily), a lifecycle rule on ``{prefix}r/`` is cheaper than sweeping and can replace it (capacity then only
-reports). The price of this design: a sweep lists every record (1,000 per request), so its cost grows with
-the record count; ``sweep_every_s`` trades that against how far usage may pass capacity.
+Why that bounds usage: after a sweep, usage is at most the low-water mark plus what every active writer
+wrote after ``listed_at``, and each wrote at most the larger of its two last grants, which the low-water
+mark left room for: so usage stays at most ``capacity``, at every instant, while sweeps are as slow as they
+are. What it leaves approximate: clocks (a writer compares its own write times with the sweeper's
+``listed_at``: a skew of s seconds between hosts lets s seconds of writes through unaccounted; NTP keeps it
+at milliseconds), deletes that fail (the next sweep retries them), a writer whose grant shrank (more writers
+arrived) before it learned of the new one, and a put still in flight when its writer's ledger grew stale
+(``active_s``/2 after its last rewrite, far longer than a put). `tiercache bench capacity` measures the peak.
+
+What it costs: usage runs between the low-water mark and ``capacity`` (with 4 writers and the default
+``sweep_share`` 0.02, from 92% to 100%); a sweep every half grant a writer writes; and a new writer's first
+put waits for one sweep. Why not a usage counter every writer updates (conditional PUT on one object): every
+put would be a read-modify-write round trip on one hot object, serialised across hosts. Why not the store's
+Redis: there may be none, and the bucket must stay consistent alone. Why not a bucket lifecycle rule alone:
+it expires by age, not by use or bytes; where records are written once and read for a fixed time (a corpus
+refreshed daily), a lifecycle rule on ``{prefix}r/`` is cheaper than sweeping and can replace it (capacity
+then only reports). The price of this design: a sweep lists every record (1,000 per request, about 10,000
+requests for 10 million records), so its cost grows with the record count; ``sweep_share`` (bytes written
+between sweeps) and ``sweep_every_s`` trade that against how far below capacity the low-water mark sits.
 """
 
 from __future__ import annotations
@@ -38,50 +56,76 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from email.utils import parsedate_to_datetime
 from typing import Any
 
-import botocore.exceptions
 import cbor2
 
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, classify, log
+from vllm_tiercache.shared.store.tiers.object.client import MISSING, log
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
-from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
+from vllm_tiercache.shared.store.tiers.object.evictions import (
+    RETRY_LOCK_S,
+    EvictionMarks,
+    JanitorLock,
+    choose_victims,
+    last_use,
+    server_now,
+)
+from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
 from vllm_tiercache.shared.threads import background_thread
 
 #: Reads a ledger keeps (older ones are dropped; a record read longer ago ages by its write time).
 LEDGER_WINDOW_S = 7 * 86400.0
 #: The most entries one ledger holds (the most recent reads win): bounds its size (~40 bytes an entry).
 MAX_LEDGER_ENTRIES = 200_000
-#: A janitor lock this old (server time) belongs to a holder that died mid-sweep: it is taken over.
-LOCK_STALE_S = 120.0
-#: Tries to give the lock back (a refused DELETE is tried again).
-UNLOCK_TRIES = 5
-#: Candidates whose tags are read (HEAD) at once while pins are in force.
-TAG_BATCH = 64
-#: A writer that wrote this many times ``sweep_share`` of capacity since the last sweep it knows of (its own
-#: or another writer's) drops further writes (counted) until a sweep completes: the bound holds even while
-#: the sweeping writer is slow or gone.
-HARD_FACTOR = 2.0
-#: How many ``timeout_s`` a writer past its share waits for a sweep before it drops the put.
+#: All grants together take at most this share of capacity: with many writers each grant is smaller (and
+#: each writer sweeps sooner), so that the low-water mark never falls below half of capacity.
+MAX_RESERVE = 0.5
+#: A grant holds at least this many of the largest records listed (a record larger than its writer's grant
+#: can never be admitted), within `MAX_RESERVE`.
+GRANT_RECORDS = 2
+#: How many ``timeout_s`` a writer with no room left in its grant waits for a sweep before it drops the put.
 ADMIT_WAIT_TIMEOUTS = 4
-#: Pause before a writer whose sweep is due tries the lock again (another writer held it).
-RETRY_LOCK_S = 0.1
+#: A ledger rewritten within this many ``sweep_every_s`` (and at least `MIN_ACTIVE_S`) names an active
+#: writer (`active_seconds`); its owner admits only while it rewrote it within half of that.
+ACTIVE_SWEEPS = 4
+MIN_ACTIVE_S = 60.0
+
+
+def active_seconds(config: ObjectTierConfig) -> float:
+    """How recently a writer's ledger must have been rewritten for a sweep to give it a grant."""
+    return max(MIN_ACTIVE_S, ACTIVE_SWEEPS * config.sweep_every_s)
+
+
+def grant_size(capacity: int, share: float, writers: int, largest: int) -> int:
+    """Each active writer's grant: ``share`` of capacity, at least `GRANT_RECORDS` of the largest record,
+    all of them together at most `MAX_RESERVE` of capacity."""
+    if writers <= 0:
+        return 0
+    want = max(int(share * capacity), GRANT_RECORDS * largest)
+    return min(want, int(MAX_RESERVE * capacity) // writers)
 
 
 @dataclass
 class SweepResult:
-    """What one sweep found and did."""
+    """What one sweep found and did (and what it left in ``sys/usage``)."""
 
     entries: int
     bytes_used: int
     evicted: int
     evicted_bytes: int
+    #: usage the sweep evicted down to: capacity less the grants it reserved
+    low_water: int = 0
+    #: writer -> bytes it may write after ``listed_at``
+    grants: dict[str, int] = field(default_factory=dict)
+    #: when the records were listed (the sweeper's clock): writes before it are counted in ``bytes_used``
+    listed_at: float = 0.0
+    #: changes whenever an eviction deleted records (`existence`: cached lookups hold while it stays)
+    generation: str = ""
 
 
 def new_writer_id() -> str:
@@ -91,8 +135,8 @@ def new_writer_id() -> str:
 
 
 class Janitor:
-    """One writer's usage ledger and capacity sweeps (see the module docstring); a daemon thread, started
-    by the tier's first read or write (an admin command that only lists never starts one)."""
+    """One writer's usage ledger, grant and capacity sweeps (see the module docstring); a daemon thread,
+    started by the tier's first read or write (an admin command that only lists never starts one)."""
 
     def __init__(self, config: ObjectTierConfig, names: ObjectNames, calls: ObjectCalls, counters: TierCounters,
                  pins: Callable[[], frozenset[str]], thread_name: str) -> None:
@@ -103,16 +147,34 @@ class Janitor:
         self._pins = pins
         self._thread_name = thread_name
         self.writer = new_writer_id()
+        self.lock = JanitorLock(calls, names, self.writer, config.address)
+        self.marks = EvictionMarks(calls, names, self.writer)
+        self.active_s = active_seconds(config)
         self._lock = threading.Lock()
         self._reads: dict[str, float] = {}  # this writer's ledger: digest hex -> unix time of its last read
         self._dirty = False
-        self._written = 0  # bytes written since the last sweep this writer knows of
-        #: (unix time, bytes) of this writer's writes counted in ``_written``: a sweep that listed the bucket
-        #: at time T accounts for those before T only
+        #: bytes written after the ``listed_at`` of the last sweep this writer knows of, and (unix time, bytes)
+        #: of each of those writes (a sweep that listed the bucket at time T accounts for those before T)
+        self._written = 0
         self._writes: collections.deque[tuple[float, int]] = collections.deque()
+        self._reserved = 0  # bytes admitted and not yet written (or failed)
+        #: bytes this writer may write after ``_epoch`` (the last sweep's ``listed_at`` it knows); None: none
+        self._grant: int | None = None
+        self._epoch = 0.0
+        #: a grant counts only from a sweep that listed after this time (set when a stale ledger is rewritten)
+        self._grant_after = 0.0
+        self._wants_since: float | None = None  # last time this writer asked to write (its ledger says so)
+        #: the largest record this writer asked to write (its ledger says so: a sweep grants room for two),
+        #: and when a ledger saying so was written (a grant from a sweep before then may be too small)
+        self._largest = 0
+        self._largest_told_at = float("inf")
+        self._flushed_at: float | None = None  # when the ledger was last rewritten (our clock, before the PUT)
+        self._warned_large = False
+        self._waiting = 0  # puts waiting in `admit` for room: a sweep is due
         self._usage_etag: str | None = None  # ``sys/usage`` as last seen
         self._wake = threading.Event()
-        #: notified when a sweep completed (this writer's or, as `learn_usage` found, another's)
+        #: notified when a sweep completed (this writer's or, as `learn_usage` found, another's) or the
+        #: ledger was rewritten
         self._swept = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,37 +191,89 @@ class Janitor:
             self._dirty = True
         self.start()
 
-    def admits(self) -> bool:
-        """Whether this writer may write now. Past `HARD_FACTOR` x ``sweep_share`` of capacity written since
-        the last sweep it knows of, the caller waits for a sweep to complete, up to `ADMIT_WAIT_TIMEOUTS` x
-        ``timeout_s`` (a sweep is a few requests, each within ``timeout_s``; the
-        store's background writer: backpressure on the write-behind queue, whose overflow is counted),
-        and the put is dropped (counted) if none did."""
-        hard = HARD_FACTOR * self.config.sweep_share * self.config.capacity
-        if self._written < hard:
-            return True
-        self.start()
-        self._wake.set()
-        with self._swept:
-            return self._swept.wait_for(lambda: self._written < hard or self._stop.is_set(),
-                                        timeout=ADMIT_WAIT_TIMEOUTS * self.config.timeout_s
-                                        ) and not self._stop.is_set()
+    @property
+    def grant(self) -> int | None:
+        """Bytes this writer may write after the last sweep it knows of (None: it has no grant)."""
+        return self._grant
 
-    def wrote(self, nbytes: int, hex_digests: Iterable[str]) -> None:
-        """Records were written now: they go into the ledger (an object's LastModified has whole seconds
-        only, too coarse to order a batch), and past ``sweep_share`` of capacity since the last sweep,
-        this writer sweeps now."""
+    def admit(self, sizes: Sequence[int]) -> int:
+        """How many of the leading records of ``sizes`` (bytes each) this writer may write now; their bytes
+        are reserved until `wrote` releases them. With no room left in its grant (or no grant) it wakes its
+        janitor and waits for a sweep, up to `ADMIT_WAIT_TIMEOUTS` x ``timeout_s`` (the store's background
+        writer: backpressure on the write-behind queue, whose overflow is counted); 0 when none came, or
+        when the first record is larger than a whole grant (warned once: raise capacity or sweep_share)."""
+        if not sizes:
+            return 0
+        self.start()
+        deadline = time.monotonic() + ADMIT_WAIT_TIMEOUTS * self.config.timeout_s
+        with self._swept:
+            self._wants_since = time.time()
+            if max(sizes) > self._largest:
+                self._largest = max(sizes)
+                self._largest_told_at = float("inf")
+                self._dirty = True
+            while not self._stop.is_set():
+                self._check_fresh()
+                if self._grant is not None:
+                    room, n, total = self._grant - self._written - self._reserved, 0, 0
+                    while n < len(sizes) and total + sizes[n] <= room:
+                        total += sizes[n]
+                        n += 1
+                    if n:
+                        self._reserved += total
+                        if self._written + self._reserved >= self._grant / 2:
+                            self._wake.set()
+                        return n
+                    if self._written + self._reserved == 0 and sizes[0] > self._grant and \
+                            self._epoch >= self._largest_told_at:  # the sweep knew of it: it never fits
+                        self._warn_large(sizes[0])
+                        return 0
+                self._wake.set()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return 0
+                self._waiting += 1
+                try:
+                    self._swept.wait(remaining)
+                finally:
+                    self._waiting -= 1
+        return 0
+
+    def wrote(self, reserved: int, written: int, hex_digests: Iterable[str]) -> None:
+        """Admitted records were written now (``written`` of the ``reserved`` bytes; the rest failed): they go
+        into the ledger (an object's LastModified has whole seconds only, too coarse to order a batch)."""
         now = time.time()
         with self._lock:
             for h in hex_digests:
                 self._reads[h] = now
             self._dirty = True
-            self._written += nbytes
-            self._writes.append((now, nbytes))
-            due = self._written >= self.config.sweep_share * self.config.capacity
-        self.start()
+            self._reserved = max(0, self._reserved - reserved)
+            if written:
+                self._written += written
+                self._writes.append((now, written))
+            due = self._due()
         if due:
             self._wake.set()
+
+    def _check_fresh(self) -> None:
+        """(Lock held.) A writer admits only while its ledger is younger than half of ``active_s``: any sweep
+        then counts it active and reserves its grant. Past a quarter, the ledger is rewritten; past half,
+        the grant is void until a sweep that listed after the ledger was rewritten grants a new one."""
+        now = time.time()
+        age = now - self._flushed_at if self._flushed_at is not None else float("inf")
+        if age >= self.active_s / 4:
+            self._dirty = True
+            self._wake.set()
+        if age >= self.active_s / 2 and self._grant is not None:
+            self._grant = None
+            self._grant_after = float("inf")  # set by the rewrite (`flush_ledger`)
+
+    def _warn_large(self, size: int) -> None:
+        if not self._warned_large:
+            self._warned_large = True
+            log.warning("tiercache object tier %s: a record of %d bytes is larger than this writer's grant of %d "
+                        "bytes (capacity x sweep_share, shared by the active writers): it is dropped; raise "
+                        "capacity or sweep_share", self.config.address, size, self._grant)
 
     def start(self) -> None:
         if self._thread is None and not self._stop.is_set():
@@ -179,7 +293,13 @@ class Janitor:
             thread.join(self.config.timeout_s * 3)
 
     def _due(self) -> bool:
-        return self._written >= self.config.sweep_share * self.config.capacity
+        """Whether this writer needs a sweep now: it asked to write lately, and it has no grant, or used half
+        of it, or its ledger needs rewriting."""
+        if self._wants_since is None or time.time() - self._wants_since > self.active_s:
+            return False
+        if self._grant is None or self._waiting:
+            return True
+        return self._written + self._reserved >= self._grant / 2
 
     def _swept_lately(self) -> bool:
         """Whether any writer completed a sweep within the last ``sweep_every_s`` (one GET of ``sys/usage``):
@@ -198,8 +318,12 @@ class Janitor:
                 if not self._due() and self._swept_lately():
                     self.flush_ledger()  # another writer swept within sweep_every_s: no listing this round
                     continue
-                if not self._stop.is_set() and self.sweep() is None and self._due():
-                    pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
+                if not self._stop.is_set():
+                    if self.sweep() is None:
+                        if self._due():
+                            pause = min(pause, RETRY_LOCK_S)  # another writer sweeps: look again soon
+                    else:
+                        self._wake.clear()  # wakes that asked for the sweep just done
             except Exception as exc:  # a bug must not end the thread (the tier would grow without bound)
                 self.calls.health.other_error("janitor", exc)
         try:
@@ -213,73 +337,66 @@ class Janitor:
         with self._lock:
             if not self._dirty:
                 return True
-            horizon = time.time() - LEDGER_WINDOW_S
+            started = time.time()
+            horizon = started - LEDGER_WINDOW_S
             reads = {h: t for h, t in self._reads.items() if t >= horizon}
             if len(reads) > MAX_LEDGER_ENTRIES:
                 reads = dict(sorted(reads.items(), key=lambda item: item[1])[-MAX_LEDGER_ENTRIES:])
             self._reads = reads
             self._dirty = False
-            body = cbor2.dumps({"writer": self.writer, "reads": {bytes.fromhex(h): t for h, t in reads.items()}})
+            largest = self._largest
+            body = cbor2.dumps({"writer": self.writer, "writing_at": self._wants_since, "largest": largest,
+                                "reads": {bytes.fromhex(h): t for h, t in reads.items()}})
         done = self.calls.one("ledger", lambda: self.calls.put(self.names.ledger(self.writer), body))
-        if isinstance(done, Failure):
-            with self._lock:
+        with self._swept:
+            if isinstance(done, Failure):
                 self._dirty = True
-            return False
+                return False
+            if self._grant_after == float("inf"):
+                self._grant_after = started
+            if largest == self._largest and self._largest_told_at == float("inf"):
+                self._largest_told_at = started
+            self._flushed_at = started
+            self._swept.notify_all()
         return True
 
     def merged_reads(self, now: datetime | None = None) -> dict[str, float]:
         """Every writer's reads merged (digest hex -> newest read); deletes ledgers of writers gone.
         Raises what the listing raises (the admin side reports it)."""
-        now = now or datetime.now(tz=timezone.utc)
-        merged: dict[str, float] = {}
-        for obj in self.calls.list_names(self.names.ledgers):
-            if (now - obj["LastModified"]).total_seconds() > LEDGER_WINDOW_S:
-                self.calls.one("ledger clean-up", lambda name=obj["Key"]: self.calls.delete(name))
-                continue
-            raw = self.calls.one("ledger", lambda name=obj["Key"]: self.calls.get(name))
-            try:
-                reads = cbor2.loads(raw)["reads"] if not isinstance(raw, Failure) else {}
-                for digest, t in reads.items():
-                    h = digest.hex()
-                    if t > merged.get(h, 0.0):
-                        merged[h] = float(t)
-            except Exception:  # a damaged or foreign ledger: its reads are not known, records age by writes
-                continue
-        return merged
+        return read_ledgers(self.calls, self.names, self.active_s, now)[0]
 
     # ---------------------------------------------------------------------------------------- sweep
     def sweep(self) -> SweepResult | None:
         """One sweep, when this writer gets the janitor lock; None when another writer holds it or the
         endpoint failed (the next sweep tries again). Either way, a sweep another writer completed since
-        the last one this writer knew of resets its count of bytes written (`admits`)."""
+        the last one this writer knew of gives it its new grant (`admit`)."""
         self.flush_ledger()
         lock = self._take_lock()
         if lock is None:
             self.learn_usage()
             return None
         try:
-            listed_at = time.time()
             result = self._sweep_locked()
             if result is not None:
                 body = cbor2.dumps({"entries": result.entries, "bytes": result.bytes_used, "writer": self.writer,
-                                    "listed_at": listed_at})
+                                    "listed_at": result.listed_at, "low_water": result.low_water,
+                                    "grants": result.grants, "generation": result.generation})
                 put = self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
                 self._usage_etag = None if isinstance(put, Failure) else put["ETag"]
         finally:
             self._unlock(lock)
         if result is not None:
-            self._accounted(listed_at)
+            self._learn(result.listed_at, result.grants)
             self.last = result
             if result.evicted:
                 self.counters.add(evictions=result.evicted)
         return result
 
     def learn_usage(self) -> float | None:
-        """Read ``sys/usage``: a sweep completed since the last one seen resets the bytes written count.
-        Returns how many seconds ago (the server's clock) the last sweep of any writer completed; None when
-        unknown."""
-        got = self._lock_call("usage", lambda: self.calls.client.get_object(Bucket=self.calls.bucket,
-                                                                           Key=self.names.usage))
+        """Read ``sys/usage``: a sweep completed since the last one seen gives this writer its new grant and
+        resets its count of bytes written. Returns how many seconds ago (the server's clock) the last sweep
+        of any writer completed; None when unknown."""
+        got = self.marks.usage_object()
         if isinstance(got, Failure):
             return None
         age = (server_now(got) - got["LastModified"]).total_seconds()
@@ -287,21 +404,32 @@ class Janitor:
             return age
         try:
             usage = cbor2.loads(got["Body"].read())
-            self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0)
+            if usage.get("evicting"):  # a sweep deletes now: its result comes after
+                return None
             listed_at = float(usage["listed_at"])
+            grants = {str(w): int(g) for w, g in (usage.get("grants") or {}).items()}
+            self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0,
+                                    int(usage.get("low_water") or 0), grants, listed_at,
+                                    str(usage.get("generation") or ""))
         except Exception:  # damaged: the next sweep rewrites it
             return None
         self._usage_etag = got["ETag"]
-        self._accounted(listed_at)
+        self._learn(listed_at, grants)
         return age
 
-    def _accounted(self, listed_at: float) -> None:
-        """A sweep listed the bucket at ``listed_at``: this writer's writes before then are accounted for
-        (another host's clock may differ by its skew: the bound is approximate by that much)."""
-        with self._lock:
+    def _learn(self, listed_at: float, grants: dict[str, int]) -> None:
+        """A sweep listed the bucket at ``listed_at`` and granted ``grants``: this writer's writes before then
+        are accounted for (another host's clock may differ by its skew: the bound is approximate by that
+        much), and its grant is the one the sweep gave it (none when it was not active then)."""
+        with self._swept:
+            if listed_at < self._epoch:
+                return  # an older sweep than one already learned
+            self._epoch = listed_at
             while self._writes and self._writes[0][0] < listed_at:
                 self._written -= self._writes.popleft()[1]
             self._written = max(0, self._written)
+            granted = grants.get(self.writer)
+            self._grant = granted if granted is not None and listed_at >= self._grant_after else None
             self._swept.notify_all()
 
     def sweep_now(self, tries: int = 600) -> SweepResult | None:
@@ -314,126 +442,112 @@ class Janitor:
             time.sleep(RETRY_LOCK_S)
         return None
 
-    def _lock_call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """One request on the janitor lock. Only an endpoint that is not there (no answer at all) marks the
-        tier down; any refusal is an answer: the lock is not this writer's now, and the next sweep tries
-        again. (SeaweedFS answers a conditional PUT that races a DELETE of the same name with a 500.)"""
-        if self.calls.health.down:
-            return Failure(DOWN)
-        try:
-            return fn()
-        except botocore.exceptions.ClientError as exc:
-            return Failure(classify(exc) if classify(exc) in (CONFLICT, MISSING) else ERROR, exc)
-        except Exception as exc:
-            return Failure(self.calls.health.failed(what, exc), exc)
-
     def _take_lock(self) -> str | None:
-        """The lock's ETag when this writer now holds it, else None (conditional PUTs: one writer wins)."""
-        body = cbor2.dumps({"writer": self.writer, "at": time.time()})
-        lock = self.names.lock
-        got = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfNoneMatch="*"))
-        if not isinstance(got, Failure):
-            return str(got["ETag"])
-        if got.kind != CONFLICT:
-            return None
-        head = self._lock_call("janitor lock", lambda: self.calls.head(lock))
-        if isinstance(head, Failure):
-            return None
-        age = (server_now(head) - head["LastModified"]).total_seconds()
-        if age < LOCK_STALE_S:
-            return None
-        taken = self._lock_call("janitor lock", lambda: self.calls.put(lock, body, IfMatch=head["ETag"]))
-        if isinstance(taken, Failure):
-            return None
-        log.warning("tiercache object tier %s: janitor lock left %.0fs ago by a writer gone, taken over",
-                    self.config.address, age)
-        return str(taken["ETag"])
+        return self.lock.take()
 
     def _unlock(self, etag: str) -> None:
-        """Give the lock back: conditional on its ETag (a lock taken over is not ours to delete), tried
-        again on a refusal, so that a lost DELETE does not stop every writer's sweeps for `LOCK_STALE_S`."""
-        for _ in range(UNLOCK_TRIES):
-            done = self._lock_call("janitor unlock", lambda: self.calls.delete(self.names.lock, IfMatch=etag))
-            if not isinstance(done, Failure) or done.kind in (CONFLICT, MISSING, DOWN):
-                return
-            time.sleep(RETRY_LOCK_S)
+        self.lock.give_back(etag)
+
+    def eviction_generation(self) -> str | None:
+        """`EvictionMarks.generation` (the existence cache's check)."""
+        return self.marks.generation()
+
+    def evicted_between(self) -> tuple[str, str, list[str] | None] | None:
+        """`EvictionMarks.evicted_between` (what the last eviction deleted)."""
+        return self.marks.evicted_between()
+
+    def bracket_eviction(self, delete: Callable[[], Any]) -> Any:
+        """`EvictionMarks.bracket`: ``delete`` between the marks, holding the lock when it comes."""
+        return self.marks.bracket(self.lock, delete)
 
     def _sweep_locked(self) -> SweepResult | None:
-        """List, merge the ledgers, evict the least recently used records past capacity."""
+        """Read the ledgers (last uses, active writers), then list the records, grant each active writer its
+        share and evict the least recently used records down to the low-water mark. The ledgers are read
+        first: a writer whose ledger this sweep finds stale stopped admitting before it lists."""
+        now = datetime.now(tz=timezone.utc)
+        ledgers = self.calls.one("ledgers", lambda: read_ledgers(self.calls, self.names, self.active_s, now))
+        reads, active, largest = ({}, {self.writer}, self._largest) if isinstance(ledgers, Failure) else ledgers
+        previous_usage = self.marks.previous_usage()
+        try:
+            previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            previous = {}
+        listed_at = time.time()
         listed = self.calls.one("sweep", lambda: list(self.calls.list_names(self.names.records)))
         if isinstance(listed, Failure):
             return None
-        now = datetime.now(tz=listed[0]["LastModified"].tzinfo) if listed else None
         records: list[tuple[float, str, int]] = []  # (last use, name, bytes)
         total = 0
-        reads = self.calls.one("ledgers", lambda: self.merged_reads(now)) if now is not None else {}
-        if isinstance(reads, Failure):  # records age by their write times this once
-            reads = {}
         for obj in listed:
             hex_digest = self.names.digest_of(obj["Key"])
             if hex_digest is None:
                 continue
             size = int(obj["Size"])
             total += size
+            largest = max(largest, size)
             records.append((last_use(obj["LastModified"].timestamp(), reads.get(hex_digest)), obj["Key"], size))
         capacity = self.config.capacity
-        target = int(capacity * (1.0 - self.config.sweep_share))
-        if total <= capacity:
-            return SweepResult(len(records), total, 0, 0)
-        records.sort()
-        victims, total = self._choose(records, total, target)
-        done = self.calls.many("evict", lambda name: self.calls.delete(name), [name for name, _ in victims])
-        evicted = [(name, size) for (name, size), r in zip(victims, done, strict=True)
-                   if not isinstance(r, Failure) or r.kind == MISSING]
-        gone = sum(size for _, size in victims) - sum(size for _, size in evicted)
-        return SweepResult(len(records) - len(evicted), total + gone, len(evicted), sum(s for _, s in evicted))
-
-    def _choose(self, records: list[tuple[float, str, int]], total: int, target: int
-                ) -> tuple[list[tuple[str, int]], int]:
-        """The records to delete, oldest use first, until ``total`` is at most ``target``: records of pinned
-        tags are kept, up to ``pin_budget`` of capacity, while unpinned ones remain (the disk tier's rule)."""
-        pins = self._pins()
-        budget = self.config.pin_budget * self.config.capacity if pins else 0
+        share = grant_size(capacity, self.config.sweep_share, len(active), largest)
+        # a writer may still write within its previous grant: room for the larger of the two, within MAX_RESERVE
+        # of capacity (grants shrinking by more, e.g. many writers arriving at once, pass it for one sweep)
+        reserve = min(sum(max(previous.get(w, 0), share) for w in active),
+                      max(share * len(active), int(MAX_RESERVE * capacity)))
+        low_water = max(0, capacity - reserve)
+        evicted: list[tuple[str, int]] = []
         victims: list[tuple[str, int]] = []
-        skipped: list[tuple[str, int]] = []
-        protected = 0
-        pos = 0
-        while pos < len(records) and total > target:
-            batch = records[pos:pos + TAG_BATCH]
-            pos += len(batch)
-            tags = (self.calls.many("sweep tags", lambda name: self.calls.head(name), [n for _, n, _ in batch])
-                    if budget else [None] * len(batch))
-            for (_, name, size), head in zip(batch, tags, strict=True):
-                if total <= target:
-                    break
-                pinned = bool(budget) and isinstance(head, dict) and not pins.isdisjoint(
-                    tags_in(head.get("Metadata") or {}))
-                if pinned and protected + size <= budget:
-                    protected += size
-                    skipped.append((name, size))
-                    continue
-                victims.append((name, size))
-                total -= size
-        for name, size in skipped:
-            if total <= target:
-                break
-            victims.append((name, size))  # nothing unpinned was left: pinned records go too, oldest first
-            total -= size
-        return victims, total
+        if total > low_water:
+            records.sort()
+            pins = self._pins()
+            budget = self.config.pin_budget * capacity if pins else 0
+            victims, _ = choose_victims(self.calls, records, total, low_water, pins, budget)
+            if victims:
+                self.marks.mark_evicting(previous_usage)
+            done = self.calls.many("evict", lambda name: self.calls.delete(name), [name for name, _ in victims])
+            evicted = [(name, size) for (name, size), r in zip(victims, done, strict=True)
+                       if not isinstance(r, Failure) or r.kind == MISSING]
+            total -= sum(size for _, size in evicted)
+        if total > low_water and active:  # deletes failed: what is left above usage is shared out instead
+            share = min(share, max(0, capacity - total) // len(active))
+        # a new generation once anything may have been deleted (a failed DELETE may have deleted all the same)
+        generation = str(previous_usage.get("generation") or "")
+        if victims:
+            generation, before = uuid.uuid4().hex, generation
+            self.marks.record_evicted(before, generation, [name for name, _ in victims])
+        return SweepResult(len(records) - len(evicted), total, len(evicted), sum(s for _, s in evicted),
+                           low_water, dict.fromkeys(sorted(active), share), listed_at, generation)
 
 
-def last_use(modified: float, ledger: float | None) -> float:
-    """A record's last use: its ledger time when that is as new as the object (the ledger has the exact time;
-    LastModified whole seconds only), else the end of the object's LastModified second (written after any
-    ledger entry: counted as new as it may be, so that it is never evicted ahead of an older record)."""
-    return ledger if ledger is not None and ledger >= modified else modified + 1.0
-
-
-def server_now(response: dict[str, Any]) -> datetime:
-    """The server's clock from a response's Date header (lock ages are measured in one clock); ours when
-    it sent none."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return parsedate_to_datetime(date)
-    except (TypeError, ValueError):
-        return datetime.now().astimezone()
+def read_ledgers(calls: ObjectCalls, names: ObjectNames, active_s: float, now: datetime | None = None
+                 ) -> tuple[dict[str, float], set[str], int]:
+    """Every writer's reads merged (digest hex -> newest read), the active writers (a ledger rewritten
+    within ``active_s``, `active_seconds`, whose owner asked to write within it; one that cannot be read
+    counts as active: a grant too many costs room, a grant too few the bound) and the largest record they
+    asked to write;
+    deletes ledgers of writers gone."""
+    now = now or datetime.now(tz=timezone.utc)
+    merged: dict[str, float] = {}
+    active: set[str] = set()
+    largest = 0
+    for obj in calls.list_names(names.ledgers):
+        age = (now - obj["LastModified"]).total_seconds()
+        if age > LEDGER_WINDOW_S:
+            calls.one("ledger clean-up", lambda name=obj["Key"]: calls.delete(name))
+            continue
+        writer = obj["Key"][len(names.ledgers):]
+        raw = calls.one("ledger", lambda name=obj["Key"]: calls.get(name))
+        try:
+            ledger = cbor2.loads(raw) if not isinstance(raw, Failure) else None
+            writing_at = ledger.get("writing_at") if ledger is not None else now.timestamp()
+            if age <= active_s and writing_at is not None and \
+                    float(writing_at) >= now.timestamp() - active_s:
+                active.add(writer)
+                largest = max(largest, int(ledger.get("largest") or 0) if ledger is not None else 0)
+            for digest, t in (ledger["reads"] if ledger is not None else {}).items():
+                h = digest.hex()
+                if t > merged.get(h, 0.0):
+                    merged[h] = float(t)
+        except Exception:  # a damaged or foreign ledger: its reads are not known, records age by writes
+            if age <= active_s:
+                active.add(writer)
+            continue
+    return merged, active, largest

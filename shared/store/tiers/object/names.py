@@ -9,7 +9,8 @@ Layout (``H`` is the key digest in hex, `vllm_tiercache.shared.store.api.StoreKe
     {prefix}sys/control        the store's control entries (invalidations, pins): one CBOR map, changed
                                only by conditional PUT (If-Match / If-None-Match)
     {prefix}sys/janitor        the janitor's lock: created by If-None-Match, taken over when stale
-    {prefix}sys/usage          the last sweep's result (bytes, entries): every process's ``usage()``
+    {prefix}sys/usage          the last sweep's result (bytes, entries, grants, eviction generation)
+    {prefix}sys/evicted        the digests the last eviction deleted, and the generations it went from and to
     {prefix}sys/use/{writer}   one writer's usage ledger (its reads: digest -> unix time)
 
 Why one object per record, written whole: a PUT of a whole object is atomic in S3, so the PUT is the commit;
@@ -42,6 +43,7 @@ class ObjectNames:
         self.control = f"{prefix}sys/control"
         self.lock = f"{prefix}sys/janitor"
         self.usage = f"{prefix}sys/usage"
+        self.evicted = f"{prefix}sys/evicted"
         self.ledgers = f"{prefix}sys/use/"
 
     def record(self, key: StoreKey) -> str:

@@ -20,6 +20,7 @@ are the `janitor`'s; the admin side and the control entries are `admin`'s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,12 +43,14 @@ from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import describe_attempt
+from vllm_tiercache.shared.store.tiers.object.client import MISSING, describe_attempt
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
+from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache, warm
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
 from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
+from vllm_tiercache.shared.threads import background_thread
 
 
 class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight):
@@ -73,6 +76,9 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self._janitor = Janitor(config, self._names, self._calls, self.counters, self._pinned_now,
                                 thread_name=f"tiercache-janitor-{name}")
         self._admin = ObjectAdmin(self._names, self._calls, self.address, self._ledger_reads)
+        self._existence = ExistenceCache()
+        self._warming: threading.Thread | None = None
+        self._warm_on = True
         # last: one HEAD of the bucket; an endpoint away now is a warning and a tier that starts down
         self._calls.one("start", lambda: self._calls.client.head_bucket(Bucket=config.bucket))
 
@@ -112,11 +118,68 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         return self._janitor
 
     # ------------------------------------------------------------------------------------------ reads
+    @property
+    def existence(self) -> ExistenceCache:
+        """Records seen lately, answered without a HEAD while no eviction ran (`existence`)."""
+        return self._existence
+
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """One HEAD per key, many in flight (a down tier answers all misses at once)."""
-        calls = self._calls
-        res = calls.many("contains", lambda key: calls.head(self._names.record(key)), keys)
-        return [not isinstance(r, Failure) for r in res]
+        """Keys in the existence cache (`existence`: valid while ``sys/usage``'s eviction generation stays,
+        one GET) are there; the others get one HEAD each, many in flight (a down tier answers all misses at
+        once). Only HEADs that found a record fill the cache: it can under-promise, never over-promise."""
+        calls, cache = self._calls, self._existence
+        if self._health.down:
+            return [False] * len(keys)
+        hexes = [key.hex for key in keys]
+        known = cache.known(hexes)
+        # validated when it answers something, or holds no generation (then none of these HEADs could enter it)
+        # and no listing is under way (the first lookup costs its HEADs only: the listing validates meanwhile)
+        first = self._warming is None and self._warm_on  # the listing starts once this lookup is answered
+        warming = first or (self._warming is not None and self._warming.is_alive())
+        if any(known) or (cache.generation is None and not warming):
+            valid = cache.validate(self._janitor.eviction_generation(), self._janitor.evicted_between)
+            known = cache.known(hexes) if valid else [False] * len(keys)
+        generation = cache.generation  # read before the HEADs below
+        ask = [i for i, hit in enumerate(known) if not hit]
+        res = calls.many("contains", lambda i: calls.exists(self._names.record(keys[i])), ask)
+        found = list(known)
+        for i, r in zip(ask, res, strict=True):
+            found[i] = not isinstance(r, Failure)
+        cache.add((hexes[i] for i, r in zip(ask, res, strict=True) if not isinstance(r, Failure)), generation)
+        if first:
+            self._start_warming()
+        return found
+
+    def _start_warming(self) -> None:
+        """One background listing of the records into the existence cache (`existence.warm`), on the first
+        lookup: a new server of a precomputed corpus then answers its lookups from the cache."""
+        def listing() -> Iterator[str]:
+            for obj in self._calls.list_names(self._names.records):
+                h = self._names.digest_of(obj["Key"])
+                if h is not None:
+                    yield h
+
+        def run() -> None:
+            try:
+                warm(self._existence, self._janitor.eviction_generation, listing)
+            except Exception as exc:  # the endpoint went away meanwhile: lookups HEAD as before
+                self._health.other_error("existence listing", exc)
+
+        self._warming = background_thread(run, f"tiercache-warm-{self.name}", beside_forward=True)
+        self._warming.start()
+
+    def set_warming(self, on: bool) -> None:
+        """Whether the first lookup lists the prefix into the existence cache (on by default; `tiercache bench
+        lookups` turns it off to measure lookups by HEAD alone)."""
+        self._warm_on = on
+
+    def warmed(self, timeout: float | None = None) -> bool:
+        """Wait for the existence cache's listing (started by the first lookup) to end; True when it has
+        (tests, `tiercache bench lookups`)."""
+        if self._warming is None:
+            return False
+        self._warming.join(timeout)
+        return not self._warming.is_alive()
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         calls = self._calls
@@ -130,11 +193,14 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         if not keys:
             return []
         calls = self._calls
+        generation = self._existence.generation  # read before the GETs below
         res = calls.get_in_ranges("get", [self._names.record(key) for key in keys], self.config.range_size)
         out: list[Record | None] = [None] * len(keys)
         corrupt: list[StoreKey] = []
         for i, (key, body) in enumerate(zip(keys, res, strict=True)):
             if isinstance(body, Failure):
+                if body.kind == MISSING:  # gone (a cached promise may have said otherwise): not cached again
+                    self._existence.forget([key.hex])
                 continue
             try:
                 out[i] = records.decode(body, key)
@@ -144,44 +210,57 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
                 corrupt.append(key)
                 self._health.other_error(f"decode ({exc})", exc)
         if corrupt:
+            self._existence.forget(key.hex for key in corrupt)
             self.counters.add(corrupt=len(corrupt))
             calls.many("delete corrupt", lambda key: calls.delete(self._names.record(key)), corrupt)
         hits = [key.hex for key, rec in zip(keys, out, strict=True) if rec is not None]
         if hits:
             self._janitor.read(hits)
+            self._existence.add(hits, generation)
         return out
 
     def drop_many(self, keys: Sequence[StoreKey]) -> None:
         """Delete these keys' objects (`DropsRecords`: records the store cannot open), many in flight; an
         absent one is no error, a failure is counted and left for the next reader."""
         calls = self._calls
+        self._existence.forget(key.hex for key in keys)
         calls.many("drop", lambda key: calls.delete(self._names.record(key)), keys)
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
-        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted)."""
+        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted). Records
+        are encoded first, so that the janitor admits each by its real size: as many of the leading records
+        as fit in this writer's grant go out together, then the next ones (a full grant waits for a sweep,
+        `Janitor.admit`); those it does not admit are dropped writes."""
         if not items:
             return
         calls = self._calls
         janitor = self._janitor
-        if not janitor.admits():  # this writer is past its share until a sweep completes: a bounded tier
-            self.counters.add(dropped_writes=len(items))
-            return
+        encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
+        generation = self._existence.generation  # read before the PUTs below
+        pos = 0
+        while pos < len(encoded):
+            n = janitor.admit([enc.nbytes for _, enc, _ in encoded[pos:]])
+            if not n:  # no room in this writer's grant and no sweep came: the tier stays bounded
+                self.counters.add(dropped_writes=len(encoded) - pos)
+                return
+            batch = encoded[pos:pos + n]
+            pos += n
 
-        def put(item: tuple[StoreKey, torch.Tensor, dict[str, Any] | None]) -> int:
-            key, tensor, meta = item
-            enc = records.encode(key, tensor, meta)
-            calls.put(self._names.record(key), enc.tobytes(), record_metadata(key, tags_of(meta)))
-            return enc.nbytes
+            def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
+                key, enc, tags = item
+                calls.put(self._names.record(key), joined(enc), record_metadata(key, tags))
+                return enc.nbytes
 
-        res = calls.many("put", put, items)
-        written = [n for n in res if not isinstance(n, Failure)]
-        if written:
-            self.counters.add(puts=len(written), bytes_written=sum(written))
-            janitor.wrote(sum(written), [item[0].hex for item, n in zip(items, res, strict=True)
-                                         if not isinstance(n, Failure)])
-        if len(written) < len(items):
-            self.counters.add(dropped_writes=len(items) - len(written))
+            res = calls.many("put", put, batch)
+            ok = [(item[0].hex, n) for item, n in zip(batch, res, strict=True) if not isinstance(n, Failure)]
+            written = sum(nbytes for _, nbytes in ok)
+            janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [h for h, _ in ok])
+            self._existence.add((h for h, _ in ok), generation)
+            if ok:
+                self.counters.add(puts=len(ok), bytes_written=written)
+            if len(ok) < len(batch):
+                self.counters.add(dropped_writes=len(batch) - len(ok))
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def _ledger_reads(self) -> dict[str, float]:
@@ -195,8 +274,12 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
-        """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes)."""
-        return self._admin.delete_stored(predicate, dry_run=dry_run)
+        """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes). The deletes
+        are bracketed in ``sys/usage`` (`Janitor.bracket_eviction`), as a sweep's are: every process's
+        existence cache drops what it held."""
+        if dry_run:
+            return self._admin.delete_stored(predicate, dry_run=True)
+        return self._janitor.bracket_eviction(lambda: self._admin.delete_stored(predicate))
 
     def read_control(self) -> dict[str, bytes]:
         return self._admin.read_control()
@@ -235,3 +318,11 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self._janitor.close()
         self._calls.close()
 
+
+def joined(enc: records.Encoded) -> bytearray:
+    """A record's two pieces as one body (what a PUT sends), in one copy of the payload (`Encoded.tobytes`
+    makes two: the payload's bytes, then the concatenation)."""
+    body = bytearray(enc.nbytes)
+    body[:len(enc.prefix)] = enc.prefix
+    body[len(enc.prefix):] = enc.payload
+    return body

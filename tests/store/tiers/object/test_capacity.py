@@ -16,7 +16,7 @@ from tests.support.store_workers import expected_tensor, fault_key
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.control import pin_changes
-from vllm_tiercache.shared.store.tiers.object import janitor as janitor_module
+from vllm_tiercache.shared.store.tiers.object import evictions
 from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
 pytestmark = pytest.mark.s3
@@ -42,9 +42,8 @@ def listed_bytes(s3_bucket, prefix: str = "tiercache/r/") -> int:
     return sum(obj["Size"] for page in pages for obj in page.get("Contents", ()))
 
 
-def test_a_sweep_evicts_by_last_use_read_from_the_ledgers(s3_bucket, monkeypatch):
-    monkeypatch.setattr(janitor_module, "HARD_FACTOR", 100.0)  # no write dropped for the bound: the order is the point
-    # a sweep leaves 0.8 of capacity: the 8 most recently used of 14 records
+def test_a_sweep_evicts_by_last_use_read_from_the_ledgers(s3_bucket):
+    # a sweep leaves 0.8 of capacity (the one writer's grant is 0.2 of it): the 8 most recently used of 14
     writer = tier_of(s3_bucket, capacity=10 * 17 * KIB, sweep_every_s=3600.0, sweep_share=0.2)
     reader = tier_of(s3_bucket, capacity=10 * 17 * KIB, sweep_every_s=3600.0, sweep_share=0.2)
     for i in range(8):  # one at a time: a batch's records share one write time
@@ -71,7 +70,7 @@ def test_one_writer_at_a_time_holds_the_janitor_lock(s3_bucket, monkeypatch):
     held = a.janitor._take_lock()
     assert held is not None
     assert b.janitor._take_lock() is None and b.janitor.sweep() is None  # held by a
-    monkeypatch.setattr(janitor_module, "LOCK_STALE_S", 0.0)  # a's holder "died": b takes the lock over
+    monkeypatch.setattr(evictions, "LOCK_STALE_S", 0.0)  # a's holder "died": b takes the lock over
     taken = b.janitor._take_lock()
     assert taken is not None and taken != held
     assert a.janitor._take_lock() is None or True  # a may take over b's in turn (also stale at 0 s)
@@ -133,19 +132,34 @@ def test_four_writer_processes_stay_bounded_and_a_pinned_corpus_keeps_every_hit(
         out, err = p.communicate()
         assert p.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
-    tier.janitor.sweep_now()
-    final = listed_bytes(s3_bucket)
+    final = listed_bytes(s3_bucket)  # as the writers left it: no sweep after them
     written = sum(r["puts"] for r in results)
-    biggest = 34 * KIB  # a record's largest size, with its header, rounded up
-    # each writer: its share twice over, plus the batch it had admitted when it reached it
-    bound = capacity * (1 + writers * janitor_module.HARD_FACTOR * share) + writers * batch * biggest
     print(f"\ncapacity {capacity}, written {written} records, dropped {sum(r['dropped'] for r in results)}, "
-          f"evicted {sum(r['evictions'] for r in results)}, peak usage {peak} ({peak / capacity:.2f}x), "
-          f"final {final}")
+          f"evicted {sum(r['evictions'] for r in results)}, peak usage {peak} ({peak / capacity:.3f}x), "
+          f"final {final} ({final / capacity:.3f}x)")
     assert written * 16 * KIB > 5 * capacity  # the writers really wrote several capacities' worth
-    assert peak <= bound and final <= capacity
+    # the design holds usage at capacity at every instant (janitor's docstring); the issue allows 5% above, for
+    # what the design leaves approximate (a listing taken while records come and go)
+    assert peak <= 1.05 * capacity and final <= capacity
     got = tier.get_many([fault_key(i) for i in corpus])
     assert all(rec is not None and torch.equal(rec.tensor, expected_tensor(i)) and rec.meta == expected_meta_of[i]
                for i, rec in zip(corpus, got, strict=True))  # every byte
     assert not [r for r in results if r["errors"] > 2]  # SeaweedFS answers a few racing requests with 500
+    tier.close()
+
+
+def test_a_writer_writes_within_the_grant_a_sweep_gave_it_and_drops_a_record_no_grant_holds(s3_bucket, caplog):
+    capacity = 100 * KIB
+    tier = tier_of(s3_bucket, capacity=capacity, sweep_share=0.2, sweep_every_s=3600.0)
+    assert tier.janitor.grant is None  # new: it writes nothing before a sweep that saw its ledger
+    tier.put_many([(_k(0), _rec(0), None)])
+    assert tier.contains_many([_k(0)]) == [True]
+    size = tier.sizes_many([_k(0)])[0]
+    grant = max(int(0.2 * capacity), 2 * size)  # its share, and two of the largest records at least
+    assert tier.janitor.grant == grant and tier.janitor.last.low_water == capacity - grant
+    big = torch.zeros(60 * KIB // 4)  # larger than any grant of one writer: half of capacity at most
+    tier.put_many([(_k(1), big, None)])
+    assert tier.contains_many([_k(1)]) == [False] and tier.counters.get("dropped_writes") == 1
+    assert "larger than this writer's grant" in caplog.text
+    assert tier.janitor.grant == capacity // 2  # the sweep read of the large record in its ledger
     tier.close()
