@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from vllm_tiercache.tools.bench.object_row import s3_target
+from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arguments, s3_target
 from vllm_tiercache.tools.bench.tiers import size_list
 from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
 
@@ -67,9 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the tier's sweep_share (default %(default)s, the tier's default)")
     parser.add_argument("--sweep-every-s", type=float_in(0.05, 86400.0), default=30.0,
                         help="the tier's sweep_every_s (default %(default)s, the tier's default)")
-    parser.add_argument("--s3-endpoint", help="S3 endpoint (its --s3-bucket must exist; credentials from the "
-                        "AWS chain); default: start a private SeaweedFS")
-    parser.add_argument("--s3-bucket", help="bucket with --s3-endpoint")
+    add_s3_arguments(parser)
     parser.add_argument("--plot", help="also write usage over time to this PNG (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -173,8 +171,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         if high > capacity:
             raise UsageError(f"--record-sizes: a record of {high} bytes is larger than the capacity {capacity}; "
                              "allowed: records smaller than every capacity")
-    if args.s3_endpoint and not args.s3_bucket:
-        raise UsageError("--s3-endpoint: needs --s3-bucket (an existing bucket)")
+    check_s3_arguments(args)
     with s3_target(args.s3_endpoint, args.s3_bucket) as item:
         return [run_capacity(capacity, args, {**item, "timeout_s": 10.0}) for capacity in args.capacities]
 

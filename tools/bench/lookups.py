@@ -20,8 +20,8 @@ import time
 import uuid
 from typing import Any
 
-from vllm_tiercache.tools.bench.object_row import s3_target
-from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
+from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arguments, s3_target
+from vllm_tiercache.tools.cli import float_in, int_at_least
 
 
 def key_counts(text: str) -> list[int]:
@@ -44,9 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-ms", type=float_in(1.0, 60000.0), default=100.0,
                         help="the store's lookup_budget_ms (default %(default)s, the store's default)")
     parser.add_argument("--repeat", type=int_at_least(1, 1000), default=5, help="runs per case (default %(default)s)")
-    parser.add_argument("--s3-endpoint", help="S3 endpoint (its --s3-bucket must exist; credentials from the "
-                        "AWS chain); default: start a private SeaweedFS")
-    parser.add_argument("--s3-bucket", help="bucket with --s3-endpoint")
+    add_s3_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -123,8 +121,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.s3_endpoint and not args.s3_bucket:
-        raise UsageError("--s3-endpoint: needs --s3-bucket (an existing bucket)")
+    check_s3_arguments(args)
     with s3_target(args.s3_endpoint, args.s3_bucket) as item:
         rows = bench_lookups(args, item)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))

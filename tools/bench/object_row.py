@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_tiercache.tools.cli import UsageError
+
 #: The bytes one batch moves at most (fewer records of large sizes): keeps a default run short.
 BATCH_BYTES = 64 << 20
 MAX_BATCH = 32
@@ -43,6 +45,19 @@ def lookup_budget_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from {MIN_LOOKUP_BUDGET_MS:g} to "
                                          f"{MAX_LOOKUP_BUDGET_MS:g}")
     return value
+
+
+def add_s3_arguments(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """``--s3-endpoint`` and ``--s3-bucket``, as every bench of the object tier takes them (`s3_target`)."""
+    parser.add_argument("--s3-endpoint", help=f"S3 endpoint{what} (its --s3-bucket must exist; credentials from "
+                        "the AWS chain); default: start a private SeaweedFS")
+    parser.add_argument("--s3-bucket", help=f"bucket{what} with --s3-endpoint")
+
+
+def check_s3_arguments(args: argparse.Namespace) -> None:
+    """Refuse ``--s3-endpoint`` without ``--s3-bucket`` in one line, before anything starts."""
+    if getattr(args, "s3_endpoint", None) and not getattr(args, "s3_bucket", None):
+        raise UsageError("--s3-endpoint: needs --s3-bucket (an existing bucket)")
 
 
 @contextlib.contextmanager

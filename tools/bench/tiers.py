@@ -41,7 +41,14 @@ import torch
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig, parse_size
 from vllm_tiercache.shared.store import StoreKey, TieredStore
-from vllm_tiercache.tools.bench.object_row import CONCURRENCY, SERIAL_TARGET, bench_object, s3_target
+from vllm_tiercache.tools.bench.object_row import (
+    CONCURRENCY,
+    SERIAL_TARGET,
+    add_s3_arguments,
+    bench_object,
+    check_s3_arguments,
+    s3_target,
+)
 from vllm_tiercache.tools.cli import UsageError, int_at_least, writable_directory
 
 GIB = float(1 << 30)
@@ -114,9 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-cluster", action="store_true",
                         help="measure the redis tier on a Redis Cluster too: a private one of 3 masters and 3 "
                         "replicas on loopback (needs redis-server and redis-cli)")
-    parser.add_argument("--s3-endpoint", help="S3 endpoint for the object tier (its --s3-bucket must exist; "
-                        "credentials from the AWS chain); default: start a private SeaweedFS")
-    parser.add_argument("--s3-bucket", help="bucket for the object tier with --s3-endpoint")
+    add_s3_arguments(parser, " for the object tier")
     parser.add_argument("--sizes", type=size_list, default="1MiB,16MiB",
                         help="comma-separated record sizes, 1KiB to 1GiB each (default %(default)s)")
     parser.add_argument("--repeat", type=int_at_least(1, 100_000), default=30,
@@ -358,9 +363,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise UsageError("--redis-cluster: it measures the redis tier; allowed: with redis in --tiers")
     if args.redis_url and "redis" in tiers:
         _check_redis(args.redis_url)
+    check_s3_arguments(args)
     s3_endpoint = getattr(args, "s3_endpoint", None)
-    if s3_endpoint and not getattr(args, "s3_bucket", None):
-        raise UsageError("--s3-endpoint: needs --s3-bucket (an existing bucket)")
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         directory = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="tiercache-bench-"))
