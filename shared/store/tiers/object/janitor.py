@@ -24,28 +24,38 @@ Design (docs/operations.md, "Capacity across every writer", says it for operator
   sweep it knows of (its writes before then were listed), plus those admitted and not yet written, plus
   the record, at most its grant. Past half of it, its janitor sweeps (or learns of another's sweep, which
   resets the count); with no room left, the put waits for a sweep, up to `ADMIT_WAIT_TIMEOUTS` x
-  ``timeout_s``, and is dropped (counted) if none came. A writer with no grant (new, or idle until its
-  ledger grew stale) writes nothing until a sweep that saw its ledger grants it one.
+  ``timeout_s``. A writer with no grant (new, or idle until its ledger grew stale) waits so for a sweep
+  that saw its ledger to grant it one.
+- When no sweep came within that wait (the lock held by a sweeper that died or hangs, until `LOCK_STALE_S`;
+  a store that was away, or is too loaded to list in time), the writer **falls back** to the bound this
+  tier had before grants: it writes up to `FALLBACK_SHARES` x ``sweep_share`` of capacity since the last
+  sweep it knows of (or its grant, if larger), without waiting again until a sweep comes, and warns once.
+  Past that, puts are dropped (counted). Why not drop everything meanwhile: the serving test saw a server
+  whose janitor lock outlived a SIGSTOP of the store, and a precompute job on a loaded machine, drop every
+  write for minutes; usage passing capacity by a few percent for as long costs far less.
 
-Why that bounds usage: after a sweep, usage is at most the low-water mark plus what every active writer
-wrote after ``listed_at``, and each wrote at most the larger of its two last grants, which the low-water
-mark left room for: so usage stays at most ``capacity``, at every instant, while sweeps are as slow as they
-are. What it leaves approximate: clocks (a writer compares its own write times with the sweeper's
-``listed_at``: a skew of s seconds between hosts lets s seconds of writes through unaccounted; NTP keeps it
-at milliseconds), deletes that fail (the next sweep retries them), a writer whose grant shrank (more writers
-arrived) before it learned of the new one, and a put still in flight when its writer's ledger grew stale
-(``active_s``/2 after its last rewrite, far longer than a put). `tiercache bench capacity` measures the peak.
+Why that bounds usage: after a sweep, usage is at most the low-water mark plus what every active writer wrote
+after ``listed_at``, and each wrote at most the larger of its two last grants, which the low-water mark left
+room for: so usage stays at most ``capacity``, at every instant, while sweeps are as slow as they are, and
+sweeps do come (the fallback above loosens it to ``capacity`` + writers x `FALLBACK_SHARES` x ``sweep_share``
+of capacity while they do not). What it leaves approximate: clocks (a writer compares its own write times with
+the sweeper's ``listed_at``: a skew of s seconds between hosts lets s seconds of writes through unaccounted;
+NTP keeps it at milliseconds), deletes that fail (the next sweep retries them), a writer whose grant shrank
+(more writers arrived) before it learned of the new one, and a put still in flight when its writer's ledger
+grew stale (``active_s``/2 after its last rewrite, far longer than a put). `tiercache bench capacity` measures
+the peak.
 
 What it costs: usage runs between the low-water mark and ``capacity`` (with 4 writers and the default
 ``sweep_share`` 0.02, from 92% to 100%); a sweep every half grant a writer writes; and a new writer's first
-put waits for one sweep. Why not a usage counter every writer updates (conditional PUT on one object): every
-put would be a read-modify-write round trip on one hot object, serialised across hosts. Why not the store's
-Redis: there may be none, and the bucket must stay consistent alone. Why not a bucket lifecycle rule alone:
-it expires by age, not by use or bytes; where records are written once and read for a fixed time (a corpus
-refreshed daily), a lifecycle rule on ``{prefix}r/`` is cheaper than sweeping and can replace it (capacity
-then only reports). The price of this design: a sweep lists every record (1,000 per request, about 10,000
-requests for 10 million records), so its cost grows with the record count; ``sweep_share`` (bytes written
-between sweeps) and ``sweep_every_s`` trade that against how far below capacity the low-water mark sits.
+put waits for one sweep (at most `ADMIT_WAIT_TIMEOUTS` x ``timeout_s``). Why not a usage counter every writer
+updates (conditional PUT on one object): every put would be a read-modify-write round trip on one hot object,
+serialised across hosts. Why not the store's Redis: there may be none, and the bucket must stay consistent
+alone. Why not a bucket lifecycle rule alone: it expires by age, not by use or bytes; where records are
+written once and read for a fixed time (a corpus refreshed daily), a lifecycle rule on ``{prefix}r/`` is
+cheaper than sweeping and can replace it (capacity then only reports). The price of this design: a sweep lists
+every record (1,000 per request, about 10,000 requests for 10 million records), so its cost grows with the
+record count; ``sweep_share`` (bytes written between sweeps) and ``sweep_every_s`` trade that against how far
+below capacity the low-water mark sits.
 """
 
 from __future__ import annotations
@@ -88,8 +98,16 @@ MAX_RESERVE = 0.5
 #: A grant holds at least this many of the largest records listed (a record larger than its writer's grant
 #: can never be admitted), within `MAX_RESERVE`.
 GRANT_RECORDS = 2
-#: How many ``timeout_s`` a writer with no room left in its grant waits for a sweep before it drops the put.
+#: How many ``timeout_s`` a writer with no room left in its grant waits for a sweep before it falls back to
+#: its `FALLBACK_SHARES` allowance.
 ADMIT_WAIT_TIMEOUTS = 4
+#: When no sweep came within that wait (a sweeper that died holding the lock until `LOCK_STALE_S`, a store
+#: that was away or is too slow to list), a writer may write this many ``sweep_share`` of capacity since the
+#: last sweep it knows of instead of dropping everything: the looser bound this tier had before grants
+#: (writers x 2 x ``sweep_share`` past capacity at most), for as long as sweeps do not come. Why: a writer
+#: that drops every write until a sweep comes loses a whole corpus (a precompute job, a server after an
+#: outage) to a janitor it cannot hurry; a bound that slips by a few percent meanwhile costs far less.
+FALLBACK_SHARES = 2.0
 #: A ledger rewritten within this many ``sweep_every_s`` (and at least `MIN_ACTIVE_S`) names an active
 #: writer (`active_seconds`); its owner admits only while it rewrote it within half of that.
 ACTIVE_SWEEPS = 4
@@ -171,6 +189,10 @@ class Janitor:
         self._flushed_at: float | None = None  # when the ledger was last rewritten (our clock, before the PUT)
         self._warned_large = False
         self._waiting = 0  # puts waiting in `admit` for room: a sweep is due
+        #: `_epoch` when a wait in `admit` last ran out: until a newer sweep is learned, `admit` does not wait
+        #: again but admits within the fallback allowance (`FALLBACK_SHARES`)
+        self._gave_up_at: float | None = None
+        self._warned_fallback = False
         self._usage_etag: str | None = None  # ``sys/usage`` as last seen
         self._wake = threading.Event()
         #: notified when a sweep completed (this writer's or, as `learn_usage` found, another's) or the
@@ -230,14 +252,32 @@ class Janitor:
                         return 0
                 self._wake.set()
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return 0
+                if remaining <= 0 or self._gave_up_at == self._epoch:
+                    self._gave_up_at = self._epoch
+                    return self._fallback(sizes)
                 self._waiting += 1
                 try:
                     self._swept.wait(remaining)
                 finally:
                     self._waiting -= 1
         return 0
+
+    def _fallback(self, sizes: Sequence[int]) -> int:
+        """(Lock held.) No sweep came: how many of the leading records fit in the fallback allowance, the larger
+        of `FALLBACK_SHARES` x ``sweep_share`` of capacity and this writer's grant, less what it wrote since the
+        last sweep it knows of and what it has in flight (reserved as `admit` reserves)."""
+        allowance = max(int(FALLBACK_SHARES * self.config.sweep_share * self.config.capacity), self._grant or 0)
+        room, n, total = allowance - self._written - self._reserved, 0, 0
+        while n < len(sizes) and total + sizes[n] <= room:
+            total += sizes[n]
+            n += 1
+        self._reserved += total
+        if n and not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning("tiercache object tier %s: no capacity sweep came within %gs; writing within %g x "
+                        "sweep_share of capacity until one does (logged once)", self.config.address,
+                        ADMIT_WAIT_TIMEOUTS * self.config.timeout_s, FALLBACK_SHARES)
+        return n
 
     def wrote(self, reserved: int, written: int, hex_digests: Iterable[str]) -> None:
         """Admitted records were written now (``written`` of the ``reserved`` bytes; the rest failed): they go

@@ -4,6 +4,7 @@ lock taken by conditional PUT, LRU by last use, pins; four writer processes agai
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -163,3 +164,23 @@ def test_a_writer_writes_within_the_grant_a_sweep_gave_it_and_drops_a_record_no_
     assert "larger than this writer's grant" in caplog.text
     assert tier.janitor.grant == capacity // 2  # the sweep read of the large record in its ledger
     tier.close()
+
+
+def test_a_writer_no_sweep_reaches_falls_back_to_its_allowance_instead_of_dropping_everything(s3_bucket, caplog):
+    """The janitor lock held by a sweeper that died (until it is stale, `LOCK_STALE_S`): a new writer waits
+    for a grant its wait's length, then writes within `FALLBACK_SHARES` x sweep_share of capacity; past that
+    its puts are dropped, and it does not wait again until a sweep comes."""
+    caplog.set_level(logging.WARNING)
+    dead = tier_of(s3_bucket, sweep_every_s=3600.0)
+    assert dead.janitor._take_lock() is not None  # never given back
+    capacity = 1024 * KIB  # allowance: 2 x 0.02 x 1 MiB = 41.9 KB, two records of 16 KiB (and their headers)
+    writer = tier_of(s3_bucket, capacity=capacity, sweep_share=0.02, timeout_s=0.25, sweep_every_s=3600.0)
+    writer.put_many([(_k(i), _rec(i), None) for i in range(5)])
+    assert writer.janitor.grant is None  # no sweep could run
+    assert writer.counters.get("puts") == 2 and writer.counters.get("dropped_writes") == 3
+    assert writer.contains_many([_k(0), _k(1)]) == [True, True]
+    assert caplog.text.count("no capacity sweep came") == 1
+    writer.put_many([(_k(9), _rec(9), None)])  # the allowance is spent: dropped, without a second wait
+    assert writer.counters.get("dropped_writes") == 4
+    writer.close()
+    dead.close()
