@@ -209,8 +209,9 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
         a, b = _pair(tiny_llama, work, ("a", "b"), (store_of["a"], store_of["b"]), env)
         try:
+            stored_by_job = _record_count(s3)
             seen["a"] = a.ask_all([docs[n] for n in CORPUS])
-            _written_behind(s3)
+            _written_behind(s3, more_than=stored_by_job)
             seen["b"] = b.ask_all([docs[n] for n in CORPUS])
             # garbage under the name of one record of a stored document: B recomputes from that chunk on
             victims = _record_names_of(s3, GARBAGE)
@@ -247,7 +248,7 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             seen["bucketless_healthy"] = _healthy(a2.server)
             s3.create_bucket(BUCKET)  # (SeaweedFS may have made it again with A's first PUT: AWS would not)
             time.sleep(1.5)  # the prober finds the bucket back (when A's writes found it gone)
-            _written_behind(s3)
+            _written_behind(s3, more_than=0)
             seen["back_b"] = b2.ask(docs[PAUSED[0]])
         finally:
             for served in (a2, b2):
@@ -260,16 +261,19 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return seen
 
 
-def _written_behind(s3: SeaweedFSServer, quiet_s: float = 2.0, most_s: float = 30.0) -> None:
-    """Until the bucket's record count stops changing for ``quiet_s``: a server's answers come before its
-    write-behind has written their chunks."""
-    client = s3.client()
+def _record_count(s3: SeaweedFSServer) -> int:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="tiercache/r/")
+    return sum(page.get("KeyCount", 0) for page in pages)
 
-    def count() -> int:
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="tiercache/r/")
-        return sum(page.get("KeyCount", 0) for page in pages)
 
-    until_quiet(count, quiet_s, most_s)  # past most_s the test's own assertions say what is missing
+def _written_behind(s3: SeaweedFSServer, more_than: int, quiet_s: float = 2.0, most_s: float = 60.0) -> None:
+    """Until the bucket holds more than ``more_than`` records and their count stopped changing for ``quiet_s``:
+    a server's answers come before its write-behind has written their chunks (a new writer's first put may
+    wait for a capacity sweep first). Past ``most_s`` the test's own assertions say what is missing."""
+    deadline = time.monotonic() + most_s
+    while _record_count(s3) <= more_than and time.monotonic() < deadline:
+        time.sleep(0.5)
+    until_quiet(lambda: _record_count(s3), quiet_s, max(quiet_s, deadline - time.monotonic()))
 
 
 def _object_bytes(s3: SeaweedFSServer, name: str) -> bytes | None:
