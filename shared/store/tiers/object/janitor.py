@@ -114,6 +114,15 @@ ACTIVE_SWEEPS = 4
 MIN_ACTIVE_S = 60.0
 
 
+def leading_fit(sizes: Sequence[int], room: int) -> tuple[int, int]:
+    """How many of the leading ``sizes`` fit in ``room`` bytes together, and their bytes."""
+    n, total = 0, 0
+    while n < len(sizes) and total + sizes[n] <= room:
+        total += sizes[n]
+        n += 1
+    return n, total
+
+
 def active_seconds(config: ObjectTierConfig) -> float:
     """How recently a writer's ledger must have been rewritten for a sweep to give it a grant."""
     return max(MIN_ACTIVE_S, ACTIVE_SWEEPS * config.sweep_every_s)
@@ -237,10 +246,7 @@ class Janitor:
             while not self._stop.is_set():
                 self._check_fresh()
                 if self._grant is not None:
-                    room, n, total = self._grant - self._written - self._reserved, 0, 0
-                    while n < len(sizes) and total + sizes[n] <= room:
-                        total += sizes[n]
-                        n += 1
+                    n, total = leading_fit(sizes, self._grant - self._written - self._reserved)
                     if n:
                         self._reserved += total
                         if self._written + self._reserved >= self._grant / 2:
@@ -267,10 +273,7 @@ class Janitor:
         of `FALLBACK_SHARES` x ``sweep_share`` of capacity and this writer's grant, less what it wrote since the
         last sweep it knows of and what it has in flight (reserved as `admit` reserves)."""
         allowance = max(int(FALLBACK_SHARES * self.config.sweep_share * self.config.capacity), self._grant or 0)
-        room, n, total = allowance - self._written - self._reserved, 0, 0
-        while n < len(sizes) and total + sizes[n] <= room:
-            total += sizes[n]
-            n += 1
+        n, total = leading_fit(sizes, allowance - self._written - self._reserved)
         self._reserved += total
         if n and not self._warned_fallback:
             self._warned_fallback = True
