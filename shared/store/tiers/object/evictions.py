@@ -18,7 +18,7 @@ from typing import Any
 import botocore.exceptions
 import cbor2
 
-from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
+from vllm_tiercache.shared.store.tiers.object.calls import NOT_SENT, Failure, ObjectCalls
 from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, classify, log
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
 
@@ -39,11 +39,12 @@ def lock_call(calls: ObjectCalls, what: str, fn: Callable[[], Any]) -> Any:
     tier down; any refusal is an answer: the lock is not this writer's now, and the next sweep tries
     again. (SeaweedFS answers a conditional PUT that races a DELETE of the same name with a 500.)"""
     if calls.health.down:
-        return Failure(DOWN)
+        return NOT_SENT
     try:
         return fn()
     except botocore.exceptions.ClientError as exc:
-        return Failure(classify(exc) if classify(exc) in (CONFLICT, MISSING) else ERROR, exc)
+        kind = classify(exc)
+        return Failure(kind if kind in (CONFLICT, MISSING) else ERROR, exc)
     except Exception as exc:
         return Failure(calls.health.failed(what, exc), exc)
 
