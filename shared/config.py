@@ -88,6 +88,8 @@ __all__ = [
 
 #: the most writes the background queue may hold (each holds a record, often MiBs, until it is written)
 MAX_WRITE_QUEUE_SIZE = 1 << 20
+#: the longest a patient writer may wait out one tier (`vllm_tiercache.shared.store.patience`): a day
+MAX_WRITE_PATIENCE_S = 86400.0
 
 #: default and bounds of ``lookup_budget_ms``: below 1 ms a healthy server's answer rarely arrives in time;
 #: above a minute it no longer protects the engine from a server that stopped answering
@@ -185,6 +187,14 @@ class StoreConfig:
     write_queue_size: Annotated[int, Strict(), Field(gt=0, le=MAX_WRITE_QUEUE_SIZE, description=(
         "Bound of the background queue for slower-tier writes; when it is full, writes are dropped and "
         "counted.")), Allowed(f"a positive int, at most {MAX_WRITE_QUEUE_SIZE}"), SHAPES_STORE] = 256
+    write_patience_s: Annotated[float, Strict(), Field(ge=0, le=MAX_WRITE_PATIENCE_S, allow_inf_nan=False, description=(
+        "For batch writers only (the precompute jobs set it from --store-patience): how long a write may wait out "
+        "a slower tier that is down, hangs or throttles (S3 503 SlowDown, Redis OOM) before its records are "
+        "dropped, in seconds without any record written to that tier. Meanwhile what the tier left unwritten "
+        "is put again after an exponential backoff, and a full write queue makes the writer wait instead of "
+        "dropping. 0, the serving default: a write never waits, what a tier does not take at once is dropped "
+        "and counted (a request never waits for a store).")),
+        Allowed(f"a number of seconds, 0 (serving: never wait) to {MAX_WRITE_PATIENCE_S:g}"), SHAPES_STORE] = 0.0
     lookup_budget_ms: Annotated[float, Strict(), Field(
         ge=MIN_LOOKUP_BUDGET_MS, le=MAX_LOOKUP_BUDGET_MS, allow_inf_nan=False, description=(
             "The longest a scheduler's lookup (contains_many with shared_only, made for every new request on "
@@ -278,6 +288,8 @@ class StoreConfig:
         d["extra"] = dict(self.extra)
         if d["encryption"] is None:  # left out: configs without it keep their form, and their cache key
             del d["encryption"]
+        if not d["write_patience_s"]:  # the same for a serving store's patience (none)
+            del d["write_patience_s"]
         return d
 
     def cache_key(self) -> str:

@@ -3,7 +3,8 @@
 `gather` copies this step's chunk blocks of one layer right after the layer wrote them (a private copy,
 so vLLM may reuse the blocks at once); `hand_off`, at the step's end, gives the copies to one saver
 thread that puts them in the store. Nothing in the forward pass waits for a disk, GDS or Redis write, and
-a backlog past `MAX_PENDING_SAVES` drops new saves (counted) rather than block a step. Once a chunk's
+a backlog past `MAX_PENDING_SAVES` drops new saves (counted) rather than block a step, except in a batch
+job's patient store (``write_patience_s``), where the step waits for room: nothing is dropped there. Once a chunk's
 last layer is stored, the saver reports it resident when the worker's memory tier holds every layer of
 it (`vllm_tiercache.shared.residency`).
 
@@ -111,6 +112,9 @@ class KVSaver:
         assert self.mover is not None
         self.mover.finish_gathers()
         batch, self.gathered = self.gathered, []
+        if self.store.write_patience_s > 0:  # a batch job: wait for room, the store waits the tiers out
+            while self.queued and self.queued + len(batch) > MAX_PENDING_SAVES:
+                time.sleep(0.01)
         with self._queued_lock:
             if self.queued + len(batch) > MAX_PENDING_SAVES:
                 with self._counters_lock:
@@ -163,8 +167,8 @@ class KVSaver:
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until the saver thread has handed everything to the store, and the store its writes
-        (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
+        (tests, shutdown); a patient store's (``write_patience_s``) that much longer."""
+        deadline = time.monotonic() + timeout + self.store.write_patience_s
         while self.queued and time.monotonic() < deadline:
             time.sleep(0.005)
         self.store.flush(max(0.0, deadline - time.monotonic()))

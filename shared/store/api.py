@@ -163,6 +163,12 @@ class Store(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
     @property
+    def write_patience_s(self) -> float:
+        """> 0 for a batch writer's store (`vllm_tiercache.shared.store.patience`): its callers may wait for
+        room instead of dropping a save, and wait that much longer for a flush. 0 when serving."""
+        ...
+
+    @property
     def tiers(self) -> list[Tier]: ...
     @property
     def memory_tier(self) -> Tier | None:
@@ -405,7 +411,32 @@ class ChecksAtPreflight(ABC):
         log a warning and return when it cannot be reached."""
 
 
+@dataclass(frozen=True)
+class Unwritten:
+    """What one try of a put left unwritten that a later try may write: the items' positions in the put, and
+    why, in words fit for a log line (``"down: ReadTimeoutError"``, ``"throttled: SlowDown"``; never a URL or a
+    secret). ``throttled``: the store asked to be called less often (S3's 503 SlowDown, Redis's OOM or
+    LOADING), an answer to back off from, not a failure. Records a tier will never take (over its capacity)
+    are not in it: trying again would not help."""
+
+    positions: tuple[int, ...]
+    reason: str
+    throttled: bool = False
+
+
+class ReportsUnwritten(ABC):
+    """Tells which records a put did not write and why, so that a patient writer (a batch job's store,
+    ``write_patience_s``: `vllm_tiercache.shared.store.patience`) can put them again after a backoff instead
+    of dropping them. Its ``put_many`` is ``try_put_many`` with the unwritten ones counted as dropped."""
+
+    @abstractmethod
+    def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
+                     ) -> Unwritten | None:
+        """One try at writing ``items``; None when every one was written or will never be. Never raises for a
+        backend problem, and counts nothing as dropped: the caller decides whether the rest is dropped."""
+
+
 #: Every optional capability a tier class may declare, for the contract test and the docs.
 TIER_CAPABILITIES: tuple[type, ...] = (
     RemoteTier, ReportsHealth, ReadsInto, Prefetches, ReportsEvictions, InProcessTier, FileTier, TakesPayloadAllocator,
-    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, DropsRecords, ChecksAtPreflight)
+    KeepsControl, HonorsPins, DropsTagged, ExpiresRecords, DropsRecords, ChecksAtPreflight, ReportsUnwritten)

@@ -31,7 +31,7 @@ COUNTER_NAMES = (
     "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
     "dropped_writes",
     "refused", "errors", "read_seconds", "write_seconds", "lookups_past_budget", "lookups_skipped",
-    "writes_admitted", "writes_refused", "sealed_rejected",
+    "writes_admitted", "writes_refused", "sealed_rejected", "throttled", "write_retries", "write_wait_seconds",
 )
 
 #: Counter -> help text of `vllm:tiercache_store_<name>_total{tier}` (`COUNTER_NAMES` plus the memory tier's
@@ -57,6 +57,11 @@ STORE_COUNTER_HELP: dict[str, str] = {
                        "kept in memory until they were used again).",
     "sealed_rejected": "Sealed records that did not open (unknown or retired key id, bad tag, truncated or edited, "
                        "another tenant's, or plaintext in a sealing store); read as misses, the damaged ones deleted.",
+    "throttled": "Answers that asked the writer to slow down (S3 503 SlowDown or 429, Redis OOM or LOADING): a "
+                 "miss for a read; a patient writer backs off and puts again, others drop the write.",
+    "write_retries": "Records a patient writer (write_patience_s: precompute jobs) put again after a failed, hung or "
+                     "throttled try.",
+    "write_wait_seconds": "Seconds a patient writer (write_patience_s) waited out this tier: backoffs between tries.",
     "writes_refused": "Records a put kept out of this slower tier by its admission (policy seen): in memory only "
                       "until used again.",
 }

@@ -67,6 +67,7 @@ from vllm_tiercache.shared.store.api import (
 from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
+from vllm_tiercache.shared.store.patience import put_patiently
 from vllm_tiercache.shared.store.registry import make_tier
 from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
@@ -149,7 +150,8 @@ class TieredStore:
         #: a sealing store's seal and open steps (`encryption`); None: every tier keeps plaintext
         self._sealed = sealed_tiers(config.encryption)
         self._writer = BackgroundWriter(config.write_queue_size,
-                                        prepare=self._sealed.prepare if self._sealed else None)
+                                        prepare=self._sealed.prepare if self._sealed else None,
+                                        patience_s=config.write_patience_s)
         self._write_behind = WriteBehindBuffer()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -352,15 +354,23 @@ class TieredStore:
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()
         try:
-            tier.put_many(self._sealed.outgoing(tier, items) if self._sealed else items)
+            put_patiently(tier, self._sealed.outgoing(tier, items) if self._sealed else items,
+                          self.config.write_patience_s)
         except Exception as exc:
             _tier_error(tier, "put_many", exc)
             tier.counters.add(dropped_writes=len(items))
         tier.counters.add(write_seconds=time.perf_counter() - start)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued slower-tier writes are done; False when ``timeout`` passed first."""
+        """Wait until queued slower-tier writes are done; False when ``timeout`` passed first. A patient
+        store (``write_patience_s``) waits that much longer: its writes may be waiting out a tier."""
+        if timeout is not None and self.config.write_patience_s > 0:
+            timeout += self.config.write_patience_s
         return self._writer.flush(timeout)
+
+    @property
+    def write_patience_s(self) -> float:
+        return self.config.write_patience_s
 
     @property
     def pending_writes(self) -> int:

@@ -5,6 +5,10 @@ Why bounded and non-blocking: when slower tiers cannot keep up, dropping a cache
 miss, while blocking would stall vLLM's forward pass. Drops are counted per tier (`dropped_writes`).
 Urgent writes (a prefill/decode hand-off's records, which another engine is waiting for) go ahead of the
 queued ones, in their own batches, and are never dropped for a full queue.
+
+A patient writer (``patience_s`` > 0: a batch job's store, `vllm_tiercache.shared.store.patience`) is the
+other way round: a full queue makes `submit` wait (the job's forward pass slows down to what the store
+takes), and what a tier leaves unwritten is put again after a backoff instead of being dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store.api import StoreKey, Tier
+from vllm_tiercache.shared.store.patience import put_patiently
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
@@ -39,9 +44,14 @@ _WAKE = ("wake", (), None)
 class BackgroundWriter:
     """Queue of (tiers, items) jobs; `submit` never blocks; `flush` waits for everything submitted."""
 
-    def __init__(self, maxsize: int, name: str = "tiercache-writer", prepare: Prepare | None = None) -> None:
+    def __init__(self, maxsize: int, name: str = "tiercache-writer", prepare: Prepare | None = None,
+                 patience_s: float = 0.0) -> None:
         #: turns each batch's (tier, items) groups into what the tiers store (a sealing store seals them)
         self._prepare = prepare
+        #: > 0: a full queue makes `submit` wait, and unwritten records are put again (module docstring)
+        self.patience_s = patience_s
+        #: set on close: a patient wait ends at once
+        self._closing = threading.Event()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize)
         self._urgent: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -73,7 +83,10 @@ class BackgroundWriter:
                     pass
             return True
         try:
-            self._queue.put_nowait((tiers, items, on_done))
+            if self.patience_s > 0:  # a batch job: wait for room (the writer always drains, patiently)
+                self._queue.put((tiers, items, on_done))
+            else:
+                self._queue.put_nowait((tiers, items, on_done))
         except queue.Full:
             with self._cond:
                 self._pending -= 1
@@ -140,7 +153,7 @@ class BackgroundWriter:
         for tier, items in groups:
             start = time.perf_counter()
             try:
-                tier.put_many(items)
+                put_patiently(tier, items, self.patience_s, stop=self._closing)
             except Exception as exc:  # a tier bug must not kill the writer thread
                 tier.counters.add(errors=1, dropped_writes=len(items))
                 log.exception("tiercache writer: %s tier put failed: %s", tier.name, exc)
@@ -169,8 +182,10 @@ class BackgroundWriter:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush, then stop the thread. Returns whether everything was written."""
-        done = self.flush(timeout)
+        """Flush, then stop the thread. Returns whether everything was written. A patient writer waits its
+        patience longer than ``timeout``: what it still waits for after that is given up."""
+        done = self.flush(timeout if timeout is None or self.patience_s <= 0 else timeout + self.patience_s)
+        self._closing.set()
         if not self._stopped:
             self._stopped = True
             try:

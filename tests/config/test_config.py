@@ -190,8 +190,8 @@ def test_every_store_field_says_whether_it_shapes_the_store():
     for f in dataclasses.fields(StoreConfig):
         marks = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, StoreIdentity)]
         assert len(marks) == 1, f"StoreConfig.{f.name} needs exactly one of SHAPES_STORE, NOT_STORE_SHAPING"
-    assert STORE_SHAPING_FIELDS == store_shaping_fields(StoreConfig) == ("write_queue_size", "lookup_budget_ms",
-                                                                          "control_poll_s", "encryption", "tiers")
+    assert STORE_SHAPING_FIELDS == store_shaping_fields(StoreConfig) == (
+        "write_queue_size", "write_patience_s", "lookup_budget_ms", "control_poll_s", "encryption", "tiers")
 
     @dataclasses.dataclass(frozen=True)
     class Unmarked:
@@ -213,6 +213,7 @@ _BASE = {"tiers": [{"kind": "memory"}]}
 _CHANGED = {
     "namespace": {"namespace": "other"},
     "write_queue_size": {"write_queue_size": 64},
+    "write_patience_s": {"write_patience_s": 60.0},
     "lookup_budget_ms": {"lookup_budget_ms": 5.0},
     "control_poll_s": {"control_poll_s": 0.5},
     "model_version": {"model_version": "v2"},

@@ -40,6 +40,7 @@ from vllm_tiercache.tools.jobs import (
 )
 from vllm_tiercache.tools.precompute.passes import count_stored, produce, retag
 from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
+from vllm_tiercache.tools.precompute.waits import DEFAULT_STORE_PATIENCE_S, add_patience_argument, patient_config
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,12 @@ def precompute_images(
     batch_size: int = DEFAULT_BATCH,
     tags: Sequence[str] = (),
     pin: bool = False,
+    store_patience_s: float = DEFAULT_STORE_PATIENCE_S,
 ) -> PrecomputeSummary:
     """Encode every image not yet stored and store its encoder output; returns what happened.
+
+    The store is patient (``store_patience_s``, `vllm_tiercache.tools.precompute.waits`): a tier that is
+    slow, down or throttling is waited out, and an image fails only once it wrote nothing for that long.
 
     Each image's record carries the tags ``image:<name>`` (its file name without suffix) and ``tags``: the
     job writes them in once the engine stored the record (the EC connector saves untagged); ``pin`` then
@@ -100,6 +105,7 @@ def precompute_images(
     from tqdm import tqdm
 
     started = time.perf_counter()
+    store_config = patient_config(store_config, store_patience_s)
     summary = PrecomputeSummary(kind="images", total=len(images))
     tags = check_pin_tags(tags, pin)
     config = checked_store_config(store_config)
@@ -141,7 +147,7 @@ def precompute_images(
             model=model, engine_kwargs=kwargs, transfer=transfer, batch_size=batch_size, progress=progress,
             desc="encoding images", unit="img",
         )
-        count_stored(store, todo, stored_keys, summary,
+        count_stored(store, todo, stored_keys, summary, patience_s=store_patience_s,
                      failure="encoded but not found in the store afterwards (see the engine log: dropped write, "
                              "full disk or Redis down)")
         retag(store, todo, lambda path: item_tags("image", path, tags))
@@ -159,6 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", required=True, metavar="DIR_OR_LIST",
                         help="a directory of .png/.jpg/.jpeg/.webp files, or a text file with one path per line")
     add_job_tag_arguments(parser)
+    add_patience_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--images: no .png/.jpg/.jpeg/.webp file in {args.images!r}")
         summary = precompute_images(args.model, images, store_config, progress=not args.no_progress,
                                     engine_kwargs=engine_kwargs_from_args(args), batch_size=args.batch_size,
-                                    tags=args.tags, pin=args.pin)
+                                    tags=args.tags, pin=args.pin, store_patience_s=args.store_patience)
     except (ConfigError, JobError, ValueError) as exc:
         return fail(str(exc))
     return report(summary, args.json)

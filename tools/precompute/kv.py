@@ -68,6 +68,7 @@ from vllm_tiercache.tools.jobs import (
 )
 from vllm_tiercache.tools.precompute.passes import count_stored, produce
 from vllm_tiercache.tools.precompute.tagging import add_job_tag_arguments, check_pin_tags, item_tags, pin_after_job
+from vllm_tiercache.tools.precompute.waits import DEFAULT_STORE_PATIENCE_S, add_patience_argument, patient_config
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +198,12 @@ def precompute_docs(
     tags: Sequence[str] = (),
     pin: bool = False,
     salt: str | None = None,
+    store_patience_s: float = DEFAULT_STORE_PATIENCE_S,
 ) -> PrecomputeSummary:
     """Store the KV prefix chunks of every document whose chunks are not all stored yet.
+
+    The store is patient (``store_patience_s``, `vllm_tiercache.tools.precompute.waits`): a tier that is
+    slow, down or throttling is waited out, and a document fails only once it wrote nothing for that long.
 
     Each document's records carry the tags ``doc:<name>`` (its file name without ``.txt``) and ``tags``,
     given to the producer engine through the request's ``kv_transfer_params`` (the serving path's
@@ -212,6 +217,7 @@ def precompute_docs(
     from vllm.config import KVTransferConfig
 
     started = time.perf_counter()
+    store_config = patient_config(store_config, store_patience_s)
     summary = PrecomputeSummary(kind="docs", total=len(docs))
     tags = check_pin_tags(tags, pin)
     if template is not None and DOCUMENT_PLACEHOLDER not in template:
@@ -298,7 +304,7 @@ def precompute_docs(
         if unsupported is not None:
             raise _nothing_to_store(model, unsupported)
         evicted_since = count_stored(
-            store, todo, seen, summary,
+            store, todo, seen, summary, patience_s=store_patience_s, stats_dir=stats_dir, role="kv-worker",
             failure="prefilled but some chunks are not in the store afterwards (see the engine log: dropped "
                     "write, full disk or Redis down)",
         )
@@ -341,6 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", default=None, metavar="FILE",
                         help=f"template file with a {DOCUMENT_PLACEHOLDER} placeholder (serving must use it too)")
     add_job_tag_arguments(parser)
+    add_patience_argument(parser)
     parser.add_argument("--salt", default=None, type=salt_arg, metavar="SALT",
                         help="the tenant's cache_salt (or env:NAME to read it from an environment variable, kept "
                              "out of the process list): the corpus is stored for that tenant only; serving "
@@ -362,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         summary = precompute_docs(args.model, docs, store_config, template=template,
                                   progress=not args.no_progress, engine_kwargs=engine_kwargs_from_args(args),
                                   batch_size=args.batch_size, tags=args.tags, pin=args.pin,
-                                  salt=args.salt)
+                                  salt=args.salt, store_patience_s=args.store_patience)
     except (ConfigError, JobError, ValueError) as exc:
         return fail(str(exc))
     return report(summary, args.json)

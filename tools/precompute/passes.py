@@ -23,6 +23,7 @@ from vllm_tiercache.tools.jobs import (
     start_llm,
     wait_for_records,
 )
+from vllm_tiercache.tools.precompute.waits import describe_waits, lookup_patiently, store_waits
 
 #: One item of a job: its file and the store keys of every record it must leave stored.
 Item = tuple[Path, Sequence[StoreKey]]
@@ -75,8 +76,11 @@ def produce(
 
 
 def count_stored(store: TieredStore, todo: Sequence[Item], seen: set[StoreKey], summary: PrecomputeSummary,
-                 *, failure: str) -> int:
-    """Pass 3: count in ``summary`` the items whose records are all stored; the others fail with ``failure``.
+                 *, failure: str, patience_s: float, stats_dir: str | None = None, role: str = "") -> int:
+    """Pass 3: count in ``summary`` the items whose records are all stored; the others fail with ``failure``,
+    and what the store did: the tier still down (`lookup_patiently`, which asks again up to ``patience_s``
+    while a shared tier is away), or what the producer's patient writes gave up (`store_waits`, from its
+    stats files in ``stats_dir`` under ``role``). A job that waited the store out says so in its details.
 
     A record seen stored while the engine ran counts as stored even when it is gone now: a concurrent
     `tiercache evict` (or another writer's LRU) may have removed it since, which is no failed write.
@@ -85,7 +89,14 @@ def count_stored(store: TieredStore, todo: Sequence[Item], seen: set[StoreKey], 
     if not todo:
         return 0
     keys = [key for _, item_keys in todo for key in item_keys]
-    present = store.contains_many(keys, shared_only=True, bounded=False)
+    present, still_down = lookup_patiently(store, keys, patience_s)
+    waits = store_waits(stats_dir, role) if stats_dir else {}
+    if waits:
+        summary.details["store_waits"] = describe_waits(waits)
+    gave_up = [f"the {name} tier gave up {int(w['dropped_writes'])} records after waiting it out "
+               f"(--store-patience {patience_s:g}s; see the engine log)" for name, w in waits.items()
+               if w["dropped_writes"]]
+    failure = "; ".join([failure, *([still_down] if still_down else []), *gave_up])
     sizes = record_sizes(store, keys)
     evicted_since = 0
     offset = 0

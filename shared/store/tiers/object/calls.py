@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import botocore.exceptions
 import numpy as np
 
-from vllm_tiercache.shared.store.tiers.object.client import DOWN, error_code, make_client
+from vllm_tiercache.shared.store.tiers.object.client import DOWN, THROTTLED, classify, error_code, make_client
 from vllm_tiercache.shared.store.tiers.object.config import MAX_RANGE, ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.direct import DirectRequests, read_into
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
@@ -45,6 +45,15 @@ class Failure:
 
 #: A request never sent because the tier is down.
 NOT_SENT = Failure(DOWN)
+
+
+def failure_reason(failure: Failure) -> str:
+    """A failed request in words for a log line or a job's report: its kind and the S3 error code or the
+    exception's class (``"throttled: SlowDown"``, ``"down: ReadTimeoutError"``); never a URL or a message,
+    which may carry a presigned query."""
+    if failure.exc is None:
+        return f"{failure.kind}: not sent, the tier is down"
+    return f"{failure.kind}: {error_code(failure.exc) or type(failure.exc).__name__}"
 
 
 def body_into(got: dict[str, Any], out: memoryview | None = None) -> Any:
@@ -194,8 +203,9 @@ class ObjectCalls:
         self.probes += 1
         try:
             self.client.head_bucket(Bucket=self.bucket)
-        except Exception:  # down still: the prober tries again later, without a line
-            return False
+        except Exception as exc:  # down still: the prober tries again later, without a line
+            if classify(exc) != THROTTLED:
+                return False  # (a store that asks to slow down is up: its callers back off, `patience`)
         return not self.health.closed
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 log = logging.getLogger("vllm_tiercache.shared.store.tiers.object.tier")
 
 DOWN, MISSING, CONFLICT, ERROR, BUG = "down", "missing", "conflict", "error", "bug"
+THROTTLED = "throttled"
 #: Error codes that say this tier cannot work at all with these settings now: the bucket is gone or the
 #: credentials are refused. The tier goes down (misses, skipped writes) and the prober finds it back when
 #: an operator fixed it; preflight names the setting before an engine starts.
@@ -42,6 +43,12 @@ _TIER_CODES = frozenset({"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "
                          "AuthorizationHeaderMalformed", "PermanentRedirect"})
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
+#: Answers that ask the client to call less often (S3's 503 SlowDown, and what S3-compatible stores and
+#: gateways answer instead): back off and try again, never "down".
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                             "TooManyRequests", "TooManyRequestsException", "RequestThrottled",
+                             "ServiceUnavailable", "503", "429"})
+_THROTTLE_STATUS = frozenset({429, 503})
 #: Pooled connections beyond the request threads: the prober and the janitor.
 EXTRA_CONNECTIONS = 2
 
@@ -110,7 +117,10 @@ def classify(exc: BaseException) -> str:
     - ``down``: the endpoint is not there or hangs (connection refused or reset, a timeout), the bucket is
       gone, or the credentials are refused or missing: the whole tier goes down and the prober retries
       every ``retry_after_s``;
-    - ``error``: the store answered one request with an error (throttling, a 4xx about that request, a 5xx:
+    - ``throttled``: the store asked to be called less often (503 SlowDown, 429): that record only, a miss
+      or a write a patient writer puts again after a backoff (`vllm_tiercache.shared.store.patience`); the
+      store answered, so it is up;
+    - ``error``: the store answered one request with an error (a 4xx about that request, another 5xx:
       S3 says to retry those, and SeaweedFS answers a GET or conditional PUT that races an overwrite of the
       same name with 500): that record only, a miss or a dropped write; the store answered, so it is up;
     - ``bug``: anything else (logged once with its traceback).
@@ -127,6 +137,8 @@ def classify(exc: BaseException) -> str:
             return CONFLICT
         if code in _TIER_CODES or status == 403:
             return DOWN
+        if code in _THROTTLE_CODES or status in _THROTTLE_STATUS:
+            return THROTTLED
         return ERROR
     if isinstance(exc, botocore.exceptions.BotoCoreError):
         return ERROR

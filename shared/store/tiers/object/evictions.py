@@ -18,10 +18,16 @@ from typing import Any
 import botocore.exceptions
 import cbor2
 
+from vllm_tiercache.shared.store.patience import Backoff
 from vllm_tiercache.shared.store.tiers.object.calls import NOT_SENT, Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, classify, log
+from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, THROTTLED, classify, log
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
 
+#: Tries of an eviction's DELETEs that the store throttled (503 SlowDown) before the next sweep takes them:
+#: with `Backoff`'s defaults, at most about 3 s of pauses.
+THROTTLED_DELETE_TRIES = 5
+#: Pauses between those tries (full jitter, doubling up to 1.6 s).
+DELETE_BACKOFF = Backoff(cap_s=1.6)
 #: A janitor lock this old (server time) belongs to a holder that died mid-sweep: it is taken over.
 LOCK_STALE_S = 120.0
 #: Tries to give the lock back (a refused DELETE is tried again).
@@ -44,9 +50,28 @@ def lock_call(calls: ObjectCalls, what: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except botocore.exceptions.ClientError as exc:
         kind = classify(exc)
-        return Failure(kind if kind in (CONFLICT, MISSING) else ERROR, exc)
+        if kind == THROTTLED:
+            calls.health.counters.add(throttled=1)
+        return Failure(kind if kind in (CONFLICT, MISSING, THROTTLED) else ERROR, exc)
     except Exception as exc:
         return Failure(calls.health.failed(what, exc), exc)
+
+
+def delete_backing_off(calls: ObjectCalls, names: list[str], tries: int = THROTTLED_DELETE_TRIES,
+                       backoff: Backoff = DELETE_BACKOFF) -> list[Any]:
+    """DELETE each name, all in flight; those the store throttled (503 SlowDown) are deleted again after a
+    backoff, up to ``tries`` rounds, so that a busy store slows an eviction down instead of leaving the tier
+    over capacity until the next sweep. Answers in order, a `Failure` for each that still failed."""
+    done = calls.many("evict", calls.delete, names)
+    delays = backoff.delays()
+    for _ in range(tries - 1):
+        again = [i for i, r in enumerate(done) if isinstance(r, Failure) and r.kind == THROTTLED]
+        if not again or calls.health.closed:
+            break
+        time.sleep(next(delays))
+        for i, r in zip(again, calls.many("evict", calls.delete, [names[i] for i in again]), strict=True):
+            done[i] = r
+    return done
 
 
 class JanitorLock:

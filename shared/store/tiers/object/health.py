@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vllm_tiercache.shared.store.counters import TierCounters
-from vllm_tiercache.shared.store.tiers.object.client import BUG, DOWN, ERROR, classify, error_code, log
+from vllm_tiercache.shared.store.tiers.object.client import BUG, DOWN, ERROR, THROTTLED, classify, error_code, log
 from vllm_tiercache.shared.store.tiers.prober import ProbedHealth
 
 
@@ -50,7 +50,20 @@ class ObjectHealth(ProbedHealth):
                           self.address, what, type(exc).__name__, exc, exc_info=exc)
         elif kind == ERROR:
             self.other_error(what, exc)
+        elif kind == THROTTLED:
+            self.throttled(what, exc)
         return kind
+
+    def throttled(self, what: str, exc: BaseException) -> None:
+        """The store asked to be called less often: counted (``throttled``), one WARNING per kind of call;
+        the tier stays up (a patient writer backs off, `vllm_tiercache.shared.store.patience`)."""
+        self.counters.add(throttled=1)
+        seen = f"throttled: {what}"
+        if seen not in self._warned and not self.closed:
+            self._warned.add(seen)
+            log.warning("tiercache object tier %s: the store asks to slow down during %s (%s); reads miss, a "
+                        "patient writer backs off and puts again, others drop the write; logged once",
+                        self.address, what, error_code(exc) or type(exc).__name__)
 
     def other_error(self, what: str, exc: BaseException | str) -> None:
         """A failure that leaves the tier up (a refused request, a damaged record): one WARNING per kind."""

@@ -82,6 +82,7 @@ from vllm_tiercache.shared.store.tiers.object.evictions import (
     EvictionMarks,
     JanitorLock,
     choose_victims,
+    delete_backing_off,
     last_use,
     server_now,
 )
@@ -545,7 +546,7 @@ class Janitor:
             victims, _ = choose_victims(self.calls, records, total, low_water, pins, budget)
             if victims:
                 self.marks.mark_evicting(previous_usage)
-            done = self.calls.many("evict", lambda name: self.calls.delete(name), [name for name, _ in victims])
+            done = delete_backing_off(self.calls, [name for name, _ in victims])
             evicted = [(name, size) for (name, size), r in zip(victims, done, strict=True)
                        if not isinstance(r, Failure) or r.kind == MISSING]
             total -= sum(size for _, size in evicted)

@@ -16,6 +16,7 @@ from vllm_tiercache.shared.store.tier_config import ConfigError
 from vllm_tiercache.shared.store.tiers.object.client import (
     DOWN,
     MISSING,
+    THROTTLED,
     classify,
     describe_attempt,
     error_code,
@@ -54,6 +55,10 @@ def check_bucket(config: ObjectTierConfig, path: str) -> None:
             log.warning("vllm-tiercache: %s: the object tier's endpoint %s does not answer (%s); the engine starts "
                         "without it and serves requests, and the tier is probed every %.1fs", path, where,
                         type(exc).__name__, config.retry_after_s)
+            return
+        if kind == THROTTLED:  # it answered, and asks to be called less often: a busy store, not a wrong setting
+            log.warning("vllm-tiercache: %s: the object tier's endpoint %s asks to slow down (%s) at start; the "
+                        "engine starts and the tier backs off", path, where, code)
             return
         raise ConfigError(f"{path}: bucket {config.bucket!r} at {where} refused a HEAD ({code or type(exc).__name__});"
                           f" check {path}.endpoint, {path}.region and {path}.path_style") from None

@@ -35,15 +35,17 @@ from vllm_tiercache.shared.store.api import (
     Record,
     RemoteTier,
     ReportsHealth,
+    ReportsUnwritten,
     StoredRecord,
     StoreKey,
+    Unwritten,
 )
 from vllm_tiercache.shared.store.control import parse_control
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
-from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.client import MISSING, describe_attempt
+from vllm_tiercache.shared.store.tiers.object.calls import NOT_SENT, Failure, ObjectCalls, failure_reason
+from vllm_tiercache.shared.store.tiers.object.client import MISSING, THROTTLED, describe_attempt
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache, warm
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
@@ -53,7 +55,8 @@ from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
 from vllm_tiercache.shared.threads import background_thread
 
 
-class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight):
+class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecords, ChecksAtPreflight,
+                 ReportsUnwritten):
     """Whole-record objects in an S3 bucket, many requests in flight, down and back without a stall."""
 
     kind = "object"
@@ -228,24 +231,37 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
-        """One PUT of each whole record, many in flight; a failed PUT is a dropped write (counted). Records
-        are encoded first, so that the janitor admits each by its real size: as many of the leading records
-        as fit in this writer's grant go out together, then the next ones (a full grant waits for a sweep,
-        `Janitor.admit`); those it does not admit are dropped writes."""
+        """`try_put_many`, each record it left unwritten a dropped write (counted)."""
+        unwritten = self.try_put_many(items)
+        if unwritten is not None:
+            self.counters.add(dropped_writes=len(unwritten.positions))
+
+    def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
+                     ) -> Unwritten | None:
+        """One PUT of each whole record, many in flight; what failed (down, hung, throttled, refused) comes back
+        for the caller to drop or put again. Records are encoded first, so that the janitor admits each by its
+        real size: as many of the leading records as fit in this writer's grant go out together, then the next
+        ones (a full grant waits for a sweep, `Janitor.admit`); those it does not admit are dropped writes,
+        counted here (a later try would find the grant as full)."""
         if not items:
-            return
+            return None
         calls = self._calls
         janitor = self._janitor
         encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
         generation = self._existence.generation  # read before the PUTs below
+        failed: list[int] = []
+        first_failure: Failure | None = None
         pos = 0
         while pos < len(encoded):
             n = janitor.admit([enc.nbytes for _, enc, _ in encoded[pos:]])
             if not n:  # no room in this writer's grant and no sweep came: the tier stays bounded
-                self.counters.add(dropped_writes=len(encoded) - pos)
-                return
+                if self.down:  # the janitor could not ask: the records are unwritten, not refused
+                    failed.extend(range(pos, len(encoded)))
+                    first_failure = first_failure or NOT_SENT
+                else:
+                    self.counters.add(dropped_writes=len(encoded) - pos)
+                break
             batch = encoded[pos:pos + n]
-            pos += n
 
             def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
                 key, enc, tags = item
@@ -259,8 +275,14 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             self._existence.add((h for h, _ in ok), generation)
             if ok:
                 self.counters.add(puts=len(ok), bytes_written=written)
-            if len(ok) < len(batch):
-                self.counters.add(dropped_writes=len(batch) - len(ok))
+            for i, got in enumerate(res):
+                if isinstance(got, Failure):
+                    failed.append(pos + i)
+                    first_failure = first_failure or got
+            pos += n
+        if not failed or first_failure is None:
+            return None
+        return Unwritten(tuple(failed), failure_reason(first_failure), first_failure.kind == THROTTLED)
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def _ledger_reads(self) -> dict[str, float]:

@@ -20,7 +20,15 @@ from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.redis.client import make_client
 from vllm_tiercache.shared.store.tiers.redis.cluster import ClusterRouter
 from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig
-from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, STALE_MAP_ERRORS, FailureLog, classify, log
+from vllm_tiercache.shared.store.tiers.redis.errors import (
+    BUG,
+    DOWN,
+    STALE_MAP_ERRORS,
+    THROTTLED,
+    FailureLog,
+    classify,
+    log,
+)
 from vllm_tiercache.shared.store.tiers.redis.health import SLOT_MAP_REFRESH_S, TierHealth
 
 
@@ -142,8 +150,8 @@ class RedisCalls:
             self.failures.stale_map(what, stale, min(self.config.retry_after_s, SLOT_MAP_REFRESH_S))
         other = next((e for e in errors if not isinstance(e, STALE_MAP_ERRORS)), None)
         if other is not None:
-            if classify(other) == BUG:
-                self.failures.bug(f"{what} (some records)", other)
+            if classify(other) in (BUG, THROTTLED):
+                self.failures.failed(f"{what} (some records)", other)
             else:  # a node answered (OOM, READONLY, CLUSTERDOWN, ...): never the whole tier
                 self.failures.other_error(f"{what} (some records)", other)
         return res

@@ -25,7 +25,7 @@ from vllm_tiercache.shared.store.counters import TierCounters
 TIER_LOGGER_NAME = "vllm_tiercache.shared.store.tiers.redis.tier"
 log = logging.getLogger(TIER_LOGGER_NAME)
 
-DOWN, ERROR, BUG = "down", "error", "bug"
+DOWN, ERROR, BUG, THROTTLED = "down", "error", "bug", "throttled"
 #: Errors that mean "the server is not there": the tier goes down and is retried later. (ClusterDownError
 #: covers MasterDownError; BusyLoadingError, AuthenticationError are ConnectionErrors.)
 DOWN_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError,
@@ -52,12 +52,17 @@ def classify(exc: BaseException) -> str:
       still loading, a failed AUTH, CLUSTERDOWN / MASTERDOWN, a slot no reachable node serves, or the
       cluster client found no reachable node (a `RedisClusterException` whose cause is one of those, or
       whose text says so). The tier goes down; its prober thread retries every ``retry_after_s``.
-    - ``error``: the server refused one command (OOM, READONLY, WRONGTYPE, a redirect left over after
+    - ``throttled``: the server is out of memory (OOM): the command's record is a miss, or a write that a
+      patient writer puts again after a backoff (`vllm_tiercache.shared.store.patience`); the tier stays up.
+      (A server still LOADING is ``down``, since every command fails alike, and is counted as throttled too.)
+    - ``error``: the server refused one command (READONLY, WRONGTYPE, a redirect left over after
       the client's own retries, ...): a miss or a dropped write for what it touched.
     - ``bug``: anything else, a `RedisClusterException` that the client raises for a call it will not
       route (a multi-key command in a cluster pipeline, keys of two slots), CROSSSLOT, or an exception
       that is no Redis error at all: a miss, logged once as an ERROR with its traceback.
     """
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return THROTTLED
     if isinstance(exc, DOWN_ERRORS):
         return DOWN
     if isinstance(exc, redis.exceptions.RedisClusterException):
@@ -88,12 +93,24 @@ class FailureLog:
         self._mark_down = mark_down
         #: What has been logged already: a line per kind, not per call or record.
         self._warned: set[str] = set()
+        #: the last failure in words (``"down: TimeoutError"``), for a patient writer's report: never a message
+        self.last_reason = ""
 
     def failed(self, what: str, exc: BaseException) -> None:
         """Count and log one failure as `classify` says (the tier goes down only for ``down``)."""
         kind = classify(exc)
+        self.last_reason = f"{kind}: {type(exc).__name__}"
+        if isinstance(exc, redis.exceptions.BusyLoadingError):  # LOADING: down, and an answer to back off from
+            self.counters.add(throttled=1)
         if kind == DOWN:
             self._mark_down(exc)
+        elif kind == THROTTLED:
+            self.counters.add(throttled=1)
+            if f"throttled: {what}" not in self._warned:
+                self._warned.add(f"throttled: {what}")
+                log.warning("tiercache redis tier %s: %s: the server is out of memory (%s); reads miss, a patient "
+                            "writer backs off and puts again, others drop the write; logged once",
+                            self.address, what, type(exc).__name__)
         elif kind == ERROR:
             self.other_error(what, exc)
         else:

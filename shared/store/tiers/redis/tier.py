@@ -48,8 +48,10 @@ from vllm_tiercache.shared.store.api import (
     Record,
     RemoteTier,
     ReportsHealth,
+    ReportsUnwritten,
     StoredRecord,
     StoreKey,
+    Unwritten,
     key_text_bytes,
 )
 from vllm_tiercache.shared.store.counters import TierCounters
@@ -58,7 +60,7 @@ from vllm_tiercache.shared.store.tiers.redis.admin import RedisAdmin
 from vllm_tiercache.shared.store.tiers.redis.calls import RedisCalls
 from vllm_tiercache.shared.store.tiers.redis.client import describe_attempt, make_client
 from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig
-from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, ERROR, ShardDownError, classify
+from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, ERROR, THROTTLED, ShardDownError, classify
 from vllm_tiercache.shared.store.tiers.redis.health import TierHealth
 from vllm_tiercache.shared.store.tiers.redis.records import (
     MultiPart,
@@ -80,7 +82,8 @@ DELETE_RUN = 256
 MAX_DELETE_PARTS = 1 << 20
 
 
-class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresRecords, DropsRecords):
+class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresRecords, DropsRecords,
+                ReportsUnwritten):
     """Pipelined, part-splitting Redis tier that degrades to misses when the server is down."""
 
     kind = "redis"
@@ -264,8 +267,17 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+        """`try_put_many`, each record it left unwritten a dropped write (counted)."""
+        unwritten = self.try_put_many(items)
+        if unwritten is not None:
+            self.counters.add(dropped_writes=len(unwritten.positions))
+
+    def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
+                     ) -> Unwritten | None:
+        """One pipelined write of every record's parts, text, tags and head; the records a failed command
+        belongs to (or all, when the batch failed) come back for the caller to drop or put again."""
         if not items:
-            return
+            return None
         ttl_ms = int(self.config.ttl_s * 1000) if self.config.ttl_s else None
         part_size = self.config.part_size
         names = self._names
@@ -287,21 +299,30 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
                     pipe.set(names.tags(key), encode_tags(tags), px=px)
                 pipe.set(names.head(key), head_value(len(parts), enc.prefix), px=px)
 
-        res = self._calls.pipeline("put", queue)
+        available = self._calls.available()
+        res = self._calls.pipeline("put", queue) if available else None
         if res is None:
-            self.counters.add(dropped_writes=len(items))
-            return
+            reason = self._calls.failures.last_reason if available else "down: not sent, the tier is down"
+            return Unwritten(tuple(range(len(items))), reason or "down", reason.startswith(THROTTLED))
         pos, done, nbytes = 0, 0, 0
-        for (_, enc, _), n in zip(encoded, counts, strict=True):
-            # a record with a failed command is dropped; a head written without all its parts reads as
+        failed: list[int] = []
+        first: Exception | None = None
+        for i, ((_, enc, _), n) in enumerate(zip(encoded, counts, strict=True)):
+            # a record with a failed command is unwritten; a head written without all its parts reads as
             # damaged and is deleted by the first reader
-            if not any(isinstance(r, Exception) for r in res[pos:pos + n]):
+            error = next((r for r in res[pos:pos + n] if isinstance(r, Exception)), None)
+            if error is None:
                 done += 1
                 nbytes += enc.nbytes
+            else:
+                failed.append(i)
+                first = first or error
             pos += n
         self.counters.add(puts=done, bytes_written=nbytes)
-        if done < len(items):
-            self.counters.add(dropped_writes=len(items) - done)
+        if first is None:
+            return None
+        kind = classify(first)
+        return Unwritten(tuple(failed), f"{kind}: {type(first).__name__}", kind == THROTTLED)
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def iter_stored(self) -> Iterator[StoredRecord]:

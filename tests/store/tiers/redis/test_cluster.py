@@ -20,7 +20,7 @@ import torch
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import RedisTier, StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
-from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, ERROR, classify
+from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, ERROR, THROTTLED, classify
 from vllm_tiercache.tools.redis_server import LocalRedisCluster
 
 pytestmark = pytest.mark.serial
@@ -85,7 +85,7 @@ def _loud(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     (redis.exceptions.RedisClusterException(
         "Redis Cluster cannot be connected. Please provide at least one reachable node: Timeout"), DOWN),
     (redis.exceptions.RedisClusterException("All slots are not covered after query all startup_nodes."), DOWN),
-    (redis.exceptions.OutOfMemoryError("OOM command not allowed"), ERROR),
+    (redis.exceptions.OutOfMemoryError("OOM command not allowed"), THROTTLED),  # back off: a patient writer's
     (redis.exceptions.ReadOnlyError("READONLY"), ERROR),
     (redis.ResponseError("WRONGTYPE"), ERROR),
     (redis.exceptions.RedisClusterException("deleting multiple keys is not implemented in pipeline command"), BUG),
