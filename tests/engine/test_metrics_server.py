@@ -30,6 +30,7 @@ import pytest
 
 from tests.ec.test_ec_connector import ONE_IMAGE_MANAGER, _image
 from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
+from tests.support.quiet import until_quiet
 from vllm_tiercache.shared.store.counters import STORE_COUNTER_HELP
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
@@ -104,6 +105,21 @@ def cached_tokens(answer: dict[str, Any]) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
+def _written_behind(disk: Path, redis_url: str) -> None:
+    """Until the disk and Redis hold records and neither changed for a second: a server answers before its
+    write-behind wrote the answer's records, and nothing else tells when it did (the limit ends a hang)."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        def held() -> tuple[int, int]:
+            return sum(f.stat().st_size for f in disk.rglob("*.rec")), int(client.dbsize())
+
+        deadline = time.monotonic() + 120
+        while not all(held()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        until_quiet(held, 1.0, 120)
+
+
 def delete_kv_records(disk: Path) -> int:
     """Remove every KV record from the disk tier, as `tiercache evict` would (beside the server)."""
     from vllm_tiercache.shared.store import build_store
@@ -155,10 +171,10 @@ def test_metrics_list_every_series_from_the_start_and_count_disk_and_redis(
 
         first = chat(server, 1, TEXT_A)  # KV and encoder output saved: disk, Redis (memory: the image only)
         assert cached_tokens(first) == 0, first["usage"]
-        time.sleep(1.0)  # the background writes of the slower tiers
+        _written_behind(disk, redis_url)  # the background writes of the slower tiers, landed
         from_disk = chat(server, 1, TEXT_A)
         assert cached_tokens(from_disk) > 0, (from_disk["usage"], server.log_tail())
-        time.sleep(1.0)
+        _written_behind(disk, redis_url)
         assert delete_kv_records(disk) > 0
         from_redis = chat(server, 1, TEXT_A)
         assert cached_tokens(from_redis) == cached_tokens(from_disk), from_redis["usage"]

@@ -10,7 +10,7 @@ request from then on; a client sees what it would see of a store that changed un
   black-holed route): each request runs into the client's own timeout;
 - ``refuse``: nothing listens on the port (a store that is down): connections are refused;
 - ``throttle``: every request is answered ``503 SlowDown`` with S3's XML error body, without reaching the
-  store (``throttled`` counts them).
+  store (``throttled`` lists them).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class FaultyProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.mode = "forward"
-        #: requests answered 503 SlowDown so far
-        self.throttled = 0
+        #: the first line of every request answered 503 SlowDown so far (``b"PUT /bucket/name HTTP/1.1"``)
+        self.throttled: list[bytes] = []
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._watch: tuple[bytes, Callable[[], None]] | None = None
@@ -147,7 +147,7 @@ class FaultyProxy:
             if head:
                 client.sendall(_SLOWDOWN)
                 with self._lock:
-                    self.throttled += 1
+                    self.throttled.append(head.split(b"\r\n", 1)[0])
         except OSError:
             pass
         _close(client)

@@ -102,8 +102,11 @@ def test_bench_tiers_unusable_dir_and_unreachable_redis(tmp_path: Path) -> None:
     ["precompute", "docs", "--model", "m", "--docs", "x", "--config", "{}", "--block-size", "-16"],
     ["bench", "route", "--docs", "1"],
     ["bench", "route", "--doc-tokens", "100"],
+    ["precompute", "docs", "--model", "m", "--docs", "x", "--config", "{}", "--store-patience", "0"],
+    ["precompute", "images", "--model", "m", "--images", "x", "--config", "{}", "--store-patience", "soon"],
 ], ids=["policy-capacities-0", "policy-requests-3", "policy-exponents-nan", "policy-max-overlap-0",
-        "ec-repeats-0", "images-batch-size-0", "docs-block-size-negative", "route-docs-1", "route-doc-tokens-100"])
+        "ec-repeats-0", "images-batch-size-0", "docs-block-size-negative", "route-docs-1", "route-doc-tokens-100",
+        "docs-store-patience-0", "images-store-patience-word"])
 def test_numeric_options_are_bounded(args: list[str]) -> None:
     assert_one_line_error(tiercache_here(*args), "invalid value", "allowed:")
 

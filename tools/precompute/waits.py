@@ -43,7 +43,7 @@ def _patience_arg(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= MAX_WRITE_PATIENCE_S:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number of seconds above 0, at most "
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number of seconds above 0, at most "
                                          f"{MAX_WRITE_PATIENCE_S:g}")
     return value
 

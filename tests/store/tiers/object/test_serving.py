@@ -114,8 +114,16 @@ class Served:
         return stats
 
 
-def _store(endpoint: str, *local: dict[str, Any]) -> dict[str, Any]:
-    bucket = {"kind": "object", "endpoint": endpoint, "bucket": BUCKET, "path_style": True, "timeout_s": 2.0,
+#: the servers' request timeout: a margin a loaded 2-core machine meets (a HEAD or GET that misses it is a
+#: miss, and the tests assert exact hits); the SIGSTOP fault costs the paused loads one of it
+SERVER_TIMEOUT_S = 10.0
+#: the job's: short on purpose, the job is patient (`vllm_tiercache.tools.precompute.waits`): a request that
+#: runs into it on a loaded machine marks the tier down, and the job waits it out instead of failing
+JOB_TIMEOUT_S = 2.0
+
+
+def _store(endpoint: str, *local: dict[str, Any], timeout_s: float = SERVER_TIMEOUT_S) -> dict[str, Any]:
+    bucket = {"kind": "object", "endpoint": endpoint, "bucket": BUCKET, "path_style": True, "timeout_s": timeout_s,
               "retry_after_s": 0.5}
     return {"namespace": "corpus", "chunk_size": CHUNK, "lookup_budget_ms": PATIENT_LOOKUP_BUDGET_MS,
             "tiers": [*local, bucket]}
@@ -202,7 +210,7 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             reference.server.wait_healthy(timeout_s=400)
             seen["reference"] = {name: reference.ask(path)[0] for name, path in docs.items()}
         stored = [docs[n] for n in (*CORPUS, GARBAGE, *PAUSED)]
-        seen["job"] = _precompute(tiny_llama, work, stored, _store(s3.endpoint), env)
+        seen["job"] = _precompute(tiny_llama, work, stored, _store(s3.endpoint, timeout_s=JOB_TIMEOUT_S), env)
         seen["expected"] = dict(zip((d.stem for d in stored), _expected_hits(
             str(tiny_llama), ENGINE, _store(s3.endpoint), stored, [{"prompt": _prompt(d)} for d in stored],
             TEMPLATE), strict=True))
