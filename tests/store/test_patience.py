@@ -136,3 +136,29 @@ def test_write_patience_is_validated_and_leaves_a_serving_configs_identity_alone
     for bad in (-1.0, 1e9, "soon"):
         with pytest.raises(Exception, match="write_patience_s"):
             StoreConfig.from_dict({"write_patience_s": bad})
+
+
+def test_the_janitor_deletes_again_what_the_store_throttled_and_leaves_other_failures_to_the_next_sweep() -> None:
+    from vllm_tiercache.shared.store.tiers.object.calls import Failure
+    from vllm_tiercache.shared.store.tiers.object.client import ERROR, THROTTLED
+    from vllm_tiercache.shared.store.tiers.object.evictions import delete_backing_off
+
+    class Calls:  # the tier's requests, answering by name: "slow" throttled twice, "bad" always refused
+        class health:
+            closed = False
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def delete(self, name: str) -> dict:
+            return {}
+
+        def many(self, what: str, fn, names):
+            self.sent += names
+            return [Failure(ERROR) if n == "bad" else Failure(THROTTLED) if n == "slow" and self.sent.count(n) <= 2
+                    else fn(n) for n in names]
+
+    calls = Calls()
+    done = delete_backing_off(calls, ["ok", "slow", "bad"], backoff=QUICK)  # type: ignore[arg-type]
+    assert done[0] == {} and done[1] == {} and isinstance(done[2], Failure) and done[2].kind == ERROR
+    assert calls.sent.count("slow") == 3 and calls.sent.count("bad") == 1 and calls.sent.count("ok") == 1
