@@ -131,10 +131,15 @@ def run_capacity(capacity: int, args: argparse.Namespace, item: dict[str, Any]) 
     return {"capacity": capacity, "record_min": low, "record_max": high, "writers": args.writers,
             "written_bytes": sum(r["bytes"] for r in results), "puts": sum(r["puts"] for r in results),
             "dropped": sum(r["dropped"] for r in results), "evicted": sum(r["evictions"] for r in results),
+            "throttled": sum(r["throttled"] for r in results), "retries": sum(r["retries"] for r in results),
             "peak": peak, "final": final, "low_water": low_water, "peak_ratio": round(peak / capacity, 4),
             "final_ratio": round(final / capacity, 4), "low_water_ratio": round(low_water / capacity, 4),
             "listings": len(samples), "seconds": round(seconds, 2), "target": PEAK_TARGET,
             "samples": [(round(t, 3), b) for t, b in samples]}
+
+
+#: how long a bench's bulk writer waits out a store that writes nothing (`vllm_tiercache.shared.store.patience`)
+BULK_PATIENCE_S = 120.0
 
 
 def writer(opts: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +148,7 @@ def writer(opts: dict[str, Any]) -> dict[str, Any]:
 
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store import StoreKey
+    from vllm_tiercache.shared.store.patience import put_patiently
     from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
     torch.set_num_threads(1)
@@ -158,11 +164,13 @@ def writer(opts: dict[str, Any]) -> dict[str, Any]:
             batch.append((StoreKey(f"bench|capacity|{run}|{i}"), data[:size], None))
             left -= size
             i += 1
-        tier.put_many(batch)
+        # a bulk writer: a throttling or stalled store is waited out (what the janitor refuses is still dropped)
+        put_patiently(tier, batch, BULK_PATIENCE_S)
     tier.close()
     counters = tier.counters
     return {"puts": counters.get("puts"), "bytes": counters.get("bytes_written"),
-            "dropped": counters.get("dropped_writes"), "evictions": counters.get("evictions")}
+            "dropped": counters.get("dropped_writes"), "evictions": counters.get("evictions"),
+            "throttled": counters.get("throttled"), "retries": counters.get("write_retries")}
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -194,6 +202,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines.append("written: MiB the writers' puts wrote (x cap: in capacities); peak: the largest of the monitor's "
                  "listings of the prefix during the run, final: a listing after the last writer closed, low-w: the "
                  "last sweep's low-water mark (capacity less the grants), each x capacity")
+    if any(r["throttled"] or r["retries"] for r in rows):
+        lines.append("the store slowed the writers down: " + "; ".join(
+            f"{_fmt(r['capacity'])}: {r['throttled']} throttled answers, {r['retries']} records put again"
+            for r in rows))
     return "\n".join(lines)
 
 

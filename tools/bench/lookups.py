@@ -53,6 +53,8 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
 
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store import StoreKey, TieredStore
+    from vllm_tiercache.shared.store.patience import put_patiently
+    from vllm_tiercache.tools.bench.capacity import BULK_PATIENCE_S
 
     prefix = f"bench-lookups-{uuid.uuid4().hex[:8]}/"
     config = {"tiers": [{**item, "prefix": prefix, "concurrency": args.concurrency, "timeout_s": 10.0}],
@@ -60,8 +62,8 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
     keys = [StoreKey(f"bench|lookups|{prefix}|{i}") for i in range(max(args.keys))]
     writer = TieredStore(StoreConfig.from_dict(config))
     record = torch.zeros(1024, dtype=torch.uint8)
-    for start in range(0, len(keys), 256):
-        writer.tiers[0].put_many([(key, record, None) for key in keys[start:start + 256]])
+    for start in range(0, len(keys), 256):  # every record must land, or the lookups measure misses
+        put_patiently(writer.tiers[0], [(key, record, None) for key in keys[start:start + 256]], BULK_PATIENCE_S)
     rows = []
     try:
         for n in args.keys:
