@@ -88,7 +88,7 @@ __all__ = [
 
 #: the most writes the background queue may hold (each holds a record, often MiBs, until it is written)
 MAX_WRITE_QUEUE_SIZE = 1 << 20
-#: the longest a patient writer may wait out one tier (`vllm_tiercache.shared.store.patience`): a day
+#: the longest a patient writer may wait out one tier (`vllm_tiercache.shared.store.writes.patience`): a day
 MAX_WRITE_PATIENCE_S = 86400.0
 
 #: default and bounds of ``lookup_budget_ms``: below 1 ms a healthy server's answer rarely arrives in time;

@@ -164,7 +164,7 @@ class Store(Protocol):
     def close(self) -> None: ...
     @property
     def write_patience_s(self) -> float:
-        """> 0 for a batch writer's store (`vllm_tiercache.shared.store.patience`): its callers may wait for
+        """> 0 for a batch writer's store (`vllm_tiercache.shared.store.writes.patience`): its callers may wait for
         room instead of dropping a save, and wait that much longer for a flush. 0 when serving."""
         ...
 
@@ -426,7 +426,7 @@ class Unwritten:
 
 class ReportsUnwritten(ABC):
     """Tells which records a put did not write and why, so that a patient writer (a batch job's store,
-    ``write_patience_s``: `vllm_tiercache.shared.store.patience`) can put them again after a backoff instead
+    ``write_patience_s``: `vllm_tiercache.shared.store.writes.patience`) can put them again after a backoff instead
     of dropping them. Its ``put_many`` is ``try_put_many`` with the unwritten ones counted as dropped."""
 
     @abstractmethod

@@ -6,7 +6,7 @@ tiers through the bounded background writer, so a put costs one memory copy, nev
 network round trip.
 
 Write-behind stays readable: a record queued for the slower tiers stays in the write-behind buffer
-(`vllm_tiercache.shared.store.write_behind`) until the writer has written it, and reads consult it right
+(`vllm_tiercache.shared.store.writes.behind`) until the writer has written it, and reads consult it right
 after the fastest tier; an eviction of such a record reaches listeners only once its write is done.
 
 Why copy on put: the caller's tensor may be a view into vLLM's paged KV cache, or an encoder output vLLM
@@ -67,12 +67,12 @@ from vllm_tiercache.shared.store.api import (
 from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
 from vllm_tiercache.shared.store.counters import counter_deltas
-from vllm_tiercache.shared.store.patience import put_patiently
 from vllm_tiercache.shared.store.registry import make_tier
 from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
-from vllm_tiercache.shared.store.write_behind import WriteBehindBuffer
-from vllm_tiercache.shared.store.writer import BackgroundWriter, Item
+from vllm_tiercache.shared.store.writes.background import BackgroundWriter, Item
+from vllm_tiercache.shared.store.writes.behind import WriteBehindBuffer
+from vllm_tiercache.shared.store.writes.patience import put_patiently
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
@@ -364,9 +364,7 @@ class TieredStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued slower-tier writes are done; False when ``timeout`` passed first. A patient
         store (``write_patience_s``) waits that much longer: its writes may be waiting out a tier."""
-        if timeout is not None and self.config.write_patience_s > 0:
-            timeout += self.config.write_patience_s
-        return self._writer.flush(timeout)
+        return self._writer.flush(None if timeout is None else timeout + self.config.write_patience_s)
 
     @property
     def write_patience_s(self) -> float:

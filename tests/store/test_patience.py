@@ -1,4 +1,4 @@
-"""Patient writes (`vllm_tiercache.shared.store.patience`), the piece alone: what a tier left unwritten is put
+"""Patient writes (`vllm_tiercache.shared.store.writes.patience`), the piece alone: what a tier left unwritten is put
 again after a backoff, the patience restarts whenever the tier writes something, and records are given up
 (counted, one line) only after the tier wrote nothing for the whole patience. The real stores' bad days
 (hung, refusing, 503 SlowDown) are in `tests/store/tiers/object/test_patient_writes.py`."""
@@ -16,7 +16,7 @@ import torch
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store.api import ReportsUnwritten, StoreKey, Unwritten
 from vllm_tiercache.shared.store.counters import TierCounters
-from vllm_tiercache.shared.store.patience import Backoff, put_patiently
+from vllm_tiercache.shared.store.writes.patience import Backoff, put_patiently
 
 QUICK = Backoff(first_s=0.001, cap_s=0.002, floor_s=0.0)
 
@@ -71,12 +71,12 @@ def test_records_are_given_up_only_after_the_tier_wrote_nothing_for_the_whole_pa
     def sleep(seconds: float) -> None:  # a fake clock: the test takes no real time
         clock[0] += seconds
 
-    import vllm_tiercache.shared.store.patience as patience
+    import vllm_tiercache.shared.store.writes.patience as patience
 
     real = patience.time.monotonic
     patience.time.monotonic = lambda: clock[0]  # type: ignore[assignment]
     try:
-        with caplog.at_level(logging.ERROR, logger="vllm_tiercache.shared.store.patience"):
+        with caplog.at_level(logging.ERROR, logger="vllm_tiercache.shared.store.writes.patience"):
             gave_up = put_patiently(tier, _items(4), 30.0, backoff=Backoff(first_s=1.0, cap_s=4.0),  # type: ignore[arg-type]
                                     sleep=sleep)
     finally:
@@ -97,7 +97,7 @@ def test_a_tier_that_writes_some_restarts_the_patience() -> None:
     def sleep(seconds: float) -> None:
         clock[0] += 10.0
 
-    import vllm_tiercache.shared.store.patience as patience
+    import vllm_tiercache.shared.store.writes.patience as patience
 
     real = patience.time.monotonic
     patience.time.monotonic = lambda: clock[0]  # type: ignore[assignment]

@@ -138,7 +138,7 @@ def run_capacity(capacity: int, args: argparse.Namespace, item: dict[str, Any]) 
             "samples": [(round(t, 3), b) for t, b in samples]}
 
 
-#: how long a bench's bulk writer waits out a store that writes nothing (`vllm_tiercache.shared.store.patience`)
+#: how long a bench's bulk writer waits out a store that writes nothing (`vllm_tiercache.shared.store.writes.patience`)
 BULK_PATIENCE_S = 120.0
 
 
@@ -148,8 +148,8 @@ def writer(opts: dict[str, Any]) -> dict[str, Any]:
 
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store import StoreKey
-    from vllm_tiercache.shared.store.patience import put_patiently
     from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
+    from vllm_tiercache.shared.store.writes.patience import put_patiently
 
     torch.set_num_threads(1)
     tier = ObjectTier(StoreConfig.from_dict({"tiers": [opts["tier"]]}).tiers[0])

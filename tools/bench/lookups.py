@@ -53,7 +53,7 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
 
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store import StoreKey, TieredStore
-    from vllm_tiercache.shared.store.patience import put_patiently
+    from vllm_tiercache.shared.store.writes.patience import put_patiently
     from vllm_tiercache.tools.bench.capacity import BULK_PATIENCE_S
 
     prefix = f"bench-lookups-{uuid.uuid4().hex[:8]}/"

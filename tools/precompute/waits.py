@@ -1,7 +1,7 @@
 """How a precompute job rides out a slow, hung, down or throttling store instead of failing its documents.
 
 A job is a batch writer with no latency budget: its store is built patient (``write_patience_s`` =
-``--store-patience``, `vllm_tiercache.shared.store.patience`), so the producer engine's writes back off and
+``--store-patience``, `vllm_tiercache.shared.store.writes.patience`), so the producer engine's writes back off and
 are put again until the tier takes them, and the job's own checks of what is stored ask again once a tier
 that went down is back, instead of reading its silence as "not stored". A document fails only after the
 store wrote nothing for the whole patience; the report then names the tier, its last error and the wait,
@@ -18,8 +18,8 @@ from typing import Any
 from vllm_tiercache.shared.config import MAX_WRITE_PATIENCE_S, read_sources
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store.api import ReportsHealth, StoreKey
-from vllm_tiercache.shared.store.patience import WRITE_BACKOFF
 from vllm_tiercache.shared.store.tiered import TieredStore
+from vllm_tiercache.shared.store.writes.patience import WRITE_BACKOFF
 
 #: ``--store-patience``: ten minutes in which a tier writes nothing, far beyond any request timeout (a
 #: throttling burst, a failover, an endpoint restarted) and short enough that a store that is really gone

@@ -37,7 +37,7 @@ from vllm_tiercache.kvcache.handoff.wait import wait_for_records
 from vllm_tiercache.kvcache.plan import TieredKVMetadata
 from vllm_tiercache.kvcache.worker import KVWorkerSide
 from vllm_tiercache.shared.store import build_store
-from vllm_tiercache.shared.store.writer import BackgroundWriter
+from vllm_tiercache.shared.store.writes.background import BackgroundWriter
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
 BLOCK, CHUNK = 32, 128  # 4 blocks per chunk

@@ -118,7 +118,7 @@ def classify(exc: BaseException) -> str:
       gone, or the credentials are refused or missing: the whole tier goes down and the prober retries
       every ``retry_after_s``;
     - ``throttled``: the store asked to be called less often (503 SlowDown, 429): that record only, a miss
-      or a write a patient writer puts again after a backoff (`vllm_tiercache.shared.store.patience`); the
+      or a write a patient writer puts again after a backoff (`vllm_tiercache.shared.store.writes.patience`); the
       store answered, so it is up;
     - ``error``: the store answered one request with an error (a 4xx about that request, another 5xx:
       S3 says to retry those, and SeaweedFS answers a GET or conditional PUT that races an overwrite of the

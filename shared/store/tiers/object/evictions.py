@@ -18,10 +18,10 @@ from typing import Any
 import botocore.exceptions
 import cbor2
 
-from vllm_tiercache.shared.store.patience import Backoff
 from vllm_tiercache.shared.store.tiers.object.calls import NOT_SENT, Failure, ObjectCalls
 from vllm_tiercache.shared.store.tiers.object.client import CONFLICT, DOWN, ERROR, MISSING, THROTTLED, classify, log
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, tags_in
+from vllm_tiercache.shared.store.writes.patience import Backoff
 
 #: Tries of an eviction's DELETEs that the store throttled (503 SlowDown) before the next sweep takes them:
 #: with `Backoff`'s defaults, at most about 3 s of pauses.

@@ -56,7 +56,7 @@ class ObjectHealth(ProbedHealth):
 
     def throttled(self, what: str, exc: BaseException) -> None:
         """The store asked to be called less often: counted (``throttled``), one WARNING per kind of call;
-        the tier stays up (a patient writer backs off, `vllm_tiercache.shared.store.patience`)."""
+        the tier stays up (a patient writer backs off, `vllm_tiercache.shared.store.writes.patience`)."""
         self.counters.add(throttled=1)
         seen = f"throttled: {what}"
         if seen not in self._warned and not self.closed:

@@ -53,7 +53,7 @@ def classify(exc: BaseException) -> str:
       cluster client found no reachable node (a `RedisClusterException` whose cause is one of those, or
       whose text says so). The tier goes down; its prober thread retries every ``retry_after_s``.
     - ``throttled``: the server is out of memory (OOM): the command's record is a miss, or a write that a
-      patient writer puts again after a backoff (`vllm_tiercache.shared.store.patience`); the tier stays up.
+      patient writer puts again after a backoff (`vllm_tiercache.shared.store.writes.patience`); the tier stays up.
       (A server still LOADING is ``down``, since every command fails alike, and is counted as throttled too.)
     - ``error``: the server refused one command (READONLY, WRONGTYPE, a redirect left over after
       the client's own retries, ...): a miss or a dropped write for what it touched.

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
-from vllm_tiercache.shared.store.writer import Item
+from vllm_tiercache.shared.store.writes.background import Item
 
 
 class WriteBehindBuffer:

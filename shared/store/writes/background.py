@@ -6,7 +6,7 @@ miss, while blocking would stall vLLM's forward pass. Drops are counted per tier
 Urgent writes (a prefill/decode hand-off's records, which another engine is waiting for) go ahead of the
 queued ones, in their own batches, and are never dropped for a full queue.
 
-A patient writer (``patience_s`` > 0: a batch job's store, `vllm_tiercache.shared.store.patience`) is the
+A patient writer (``patience_s`` > 0: a batch job's store, `vllm_tiercache.shared.store.writes.patience`) is the
 other way round: a full queue makes `submit` wait (the job's forward pass slows down to what the store
 takes), and what a tier leaves unwritten is put again after a backoff instead of being dropped.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.store.api import StoreKey, Tier
-from vllm_tiercache.shared.store.patience import put_patiently
+from vllm_tiercache.shared.store.writes.patience import put_patiently
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
