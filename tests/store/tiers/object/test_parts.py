@@ -12,7 +12,7 @@ import pytest
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import MAX_TAG_LENGTH, MAX_TAGS
-from vllm_tiercache.shared.store.tiers.object.client import BUG, CONFLICT, DOWN, ERROR, MISSING, classify
+from vllm_tiercache.shared.store.tiers.object.client import BUG, CONFLICT, DOWN, ERROR, MISSING, THROTTLED, classify
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.janitor import last_use
 from vllm_tiercache.shared.store.tiers.object.names import record_metadata, tags_in, text_of
@@ -32,7 +32,8 @@ def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:
     (_client_error("InvalidAccessKeyId", 403), DOWN),
     (_client_error("SignatureDoesNotMatch", 403), DOWN),
     (_client_error("InternalError", 500), ERROR),  # one request's answer: the store is up
-    (_client_error("SlowDown", 503), ERROR),
+    (_client_error("SlowDown", 503), THROTTLED),  # asks to slow down: back off, the store is up
+    (_client_error("TooManyRequests", 429), THROTTLED),
     (_client_error("InvalidArgument", 400), ERROR),
     (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), DOWN),
     (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), DOWN),

@@ -8,7 +8,8 @@ One SeaweedFS of this module's own (it is paused, killed, restarted and loses it
 3. servers A and B start side by side, each with its own memory and disk directory, the bucket the only
    thing they share. A hits every corpus prompt's stored prefix, exactly; B, asking after A, hits that and
    what A wrote back (every whole block before the prompt's last token);
-4. faults while A and B serve, each landed at its moment by a watching proxy between them and SeaweedFS
+4. faults while A and B serve, each landed at its moment by a watching proxy between that server and
+   SeaweedFS, one per server, so that a fault meant for one server's request is never set off by the other's
    (`tests.support.watching_proxy`): garbage PUT under a stored record's name (B recomputes from that
    chunk on, the garbage is deleted and counted); SeaweedFS SIGSTOPped as the first record GET of A's
    loads reaches it, continued once A answered (the loads are recomputed); SeaweedFS SIGKILLed as the
@@ -198,10 +199,12 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     docs = _docs(work / "docs")
     env = SeaweedFSServer.credentials_env()
     seen: dict[str, Any] = {"logs": work}
-    with SeaweedFSServer() as s3, WatchingProxy(s3.ports["s3"]) as proxy:
+    with SeaweedFSServer() as s3, WatchingProxy(s3.ports["s3"]) as proxy_a, WatchingProxy(s3.ports["s3"]) as proxy_b:
         s3.create_bucket(BUCKET)
-        # A and B reach the store through the proxy, which lands each fault at the moment it names
-        store_of = {name: _store(proxy.endpoint if name in ("a", "b") else s3.endpoint,
+        # A and B reach the store each through its own proxy, which lands each fault at the moment it names
+        # (A's write-behind of what it recomputed may still run when B's fault is armed)
+        endpoint = {"a": proxy_a.endpoint, "b": proxy_b.endpoint}
+        store_of = {name: _store(endpoint.get(name, s3.endpoint),
                                  {"kind": "memory", "capacity": "8MiB"},
                                  {"kind": "disk", "path": str(work / f"disk-{name}"), "capacity": "256MiB"})
                     for name in ("a", "b", "a2", "b2")}
@@ -227,14 +230,14 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             seen["garbage"] = b.ask(docs[GARBAGE])
             seen["garbage_left"] = _object_bytes(s3, victims[0])
             # SIGSTOP as the first record GET of A's loads reaches the store; continued once A answered
-            proxy.arm(RECORD_GET, s3.pause)
+            proxy_a.arm(RECORD_GET, s3.pause)
             seen["paused"] = a.ask_all([docs[n] for n in PAUSED])
-            seen["pause_fired"] = proxy.fired.is_set()
+            seen["pause_fired"] = proxy_a.fired.is_set()
             s3.resume()
             # SIGKILL as the fifth record PUT of B's write-behind reaches the store; restarted on its data
-            proxy.arm(RECORD_PUT, s3.kill, skip=4)
+            proxy_b.arm(RECORD_PUT, s3.kill, skip=4)
             seen["written"] = b.ask_all([docs[n] for n in WRITTEN])
-            seen["kill_fired"] = proxy.fired.wait(60)  # the write-behind reaches the PUT that kills the store
+            seen["kill_fired"] = proxy_b.fired.wait(300)  # B's write-behind reaches the PUT that kills it
             s3.start()
             time.sleep(1.5)  # the prober (retry_after_s 0.5) finds it back
             seen["written_elsewhere"] = a.ask_all([docs[n] for n in WRITTEN])
