@@ -66,13 +66,19 @@ def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
     return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
 
 
-def _saves_heard(llm: Any, prompt: list[int], params: Any) -> None:
-    """Before a paired send: every worker stored its saves (`SavesStored`), then one request of a few tokens
-    runs a step whose report tells the scheduler what the memory tier took (the hit's lookup reads that)."""
-    from vllm.inputs import TokensPrompt
-
+def _saves_stored(llm: Any) -> None:
+    """Every worker stored its saves, on every tier (`SavesStored`)."""
     if not all(llm.collective_rpc("tiercache_wait_saves_stored", args=(SAVES_STORED_TIMEOUT_S,))):
         raise RuntimeError(f"the connector's saves were not stored within {SAVES_STORED_TIMEOUT_S:.0f}s")
+
+
+def _saves_heard(llm: Any, prompt: list[int], params: Any) -> None:
+    """Before a paired send: every worker stored its saves (`_saves_stored`), then one request of a few
+    tokens runs a step whose report tells the scheduler what the memory tier took (the hit's lookup reads
+    that)."""
+    from vllm.inputs import TokensPrompt
+
+    _saves_stored(llm)
     llm.generate([TokensPrompt(prompt_token_ids=prompt[:_REPORT_TOKENS])], params, use_tqdm=False)
 
 
@@ -173,9 +179,13 @@ def run_job(spec_path: str, out_path: str) -> int:
         if resident:
             per_prompt += "; vLLM's resident hit right after each: " + _per_prompt(resident, resident_cached)
         print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
-    # Let a producer's background writes reach disk/Redis before the process ends (the connector's
-    # shutdown flushes too; this makes it explicit and timed).
+    # Let a producer's background writes reach disk/Redis before the process ends, and time it. The
+    # connector's shutdown flushes too, but within bounds (its store flush 30 s, vLLM's shutdown timeout)
+    # that a loaded machine can pass: a consumer would then report a false miss. So wait for the saves
+    # themselves first (a hang bound only).
     flush_started = time.perf_counter()
+    if tiered:
+        _saves_stored(llm)
     del llm
     result["shutdown_s"] = time.perf_counter() - flush_started
     Path(out_path).write_text(json.dumps(result))
