@@ -17,9 +17,11 @@ at the next start, never an announcement, since only what the shared tiers hold 
 
 When the journal is written: on its own thread, at most every ``interval_s`` (0.5 s) while something new
 was journaled, whether or not the engine steps; a full segment at once. A clean stop writes the rest
-(`close`, one write, within vLLM's ``--shutdown-timeout``). So a SIGKILL loses at most the chunks whose
-saves were planned in the last ``interval_s`` before it (and what the store's write-behind had not
-written yet), and the records of those chunks were still on their way too.
+(`close`, one write, within vLLM's ``--shutdown-timeout``). So a SIGKILL loses the chunks journaled since
+the last write reached the shared tiers: on an idle machine those whose saves were planned in the last
+``interval_s`` before it; on a loaded one more (this thread must be scheduled, and the store's write-behind
+must carry the record), and the records of those chunks were still on their way too. No time bound holds
+on a machine that can be arbitrarily loaded.
 
 The journal keys are KV keys of the model (``...|Lall|Gevents``), so ``tiercache evict`` by model or
 namespace removes them with the KV records; a journal entry whose KV records are gone is never announced.
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 SLOTS = 16
 PER_SEGMENT = 256
-#: Seconds between two writes of the open segment while chunks are being journaled: the most a SIGKILL loses.
+#: Seconds between two writes of the open segment while chunks are being journaled: what a SIGKILL loses on an
+#: idle machine (more on a loaded one: the module docstring).
 WRITE_INTERVAL_S = 0.5
 #: (sequence number, entries): one record of the ring
 Segment = tuple[int, list[tuple[bytes, ChunkPayload]]]
