@@ -105,6 +105,10 @@ class EventJournal:
         self.clock = clock
         self.interval_s = interval_s
         self._lock = threading.Lock()
+        #: held from `due` to the end of `write`: snapshots of the open segment are written in the order they
+        #: were taken (else a stop's last write could land before the writer thread's older one, which would
+        #: then overwrite it: a loaded machine stretches that window)
+        self._write_lock = threading.Lock()
         #: the sequence number of the first segment not yet handed out (full ones first, then the open one)
         self._base = 0
         self._entries: list[tuple[bytes, ChunkPayload]] = []
@@ -188,9 +192,10 @@ class EventJournal:
             # a restarted engine reads it from a shared tier: never held back by the tiers' admission
             self.store.put(self.key(seq % SLOTS), tensor, None, owned=True, always_admit=True)
 
-    def flush_due(self) -> None:
-        """Write what `due` says, here and now."""
-        self.write(self.due())
+    def flush_due(self, *, force: bool = False) -> None:
+        """Write what `due` says, here and now (after any write in progress: the newest snapshot lands last)."""
+        with self._write_lock:
+            self.write(self.due(force=force))
 
     def _write_loop(self) -> None:
         """The background writer: what is due, whenever something was journaled, at most every ``interval_s``."""
@@ -224,7 +229,7 @@ class EventJournal:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=5.0)  # a writer still in a write past this: `flush_due` waits for it
         with self._lock:
             self._read = True  # a stop before the ring was read: its own entries still count
-        self.write(self.due(force=True))
+        self.flush_due(force=True)
