@@ -29,6 +29,8 @@ it needs, bounded only against a hang:
 - the SIGKILL comes once Redis holds every record of the later prompts and the journal on Redis lists
   them: a crash after the journal's write (the writer's cadence is no bound a loaded machine keeps;
   docs/operations.md);
+- a SIGTERM's stop may take as long as it needs (vLLM's ``--shutdown-timeout`` and the wait for the exit
+  are hang bounds);
 - the Redis tier's timeouts and the lookup budget are raised to hang bounds: a Redis answer slower than
   the defaults (2 s, 100 ms) on a loaded machine would make the tier down at start or a lookup a miss, a
   difference between index and resend this test is not about.
@@ -95,6 +97,10 @@ def _serving(model: Path, work: Path, name: str, store: dict[str, Any]) -> Itera
     the journal is done."""
     zmq_port, replay_port = free_port(), free_port()
     server = _server(model, work, name, store, zmq_port, replay_port=replay_port)
+    # a SIGTERM's stop (the journal's last write, the stores' flush) ends when done: the shutdown timeout
+    # is a hang bound here, not the 15 s a loaded machine might pass
+    i = server.args.index("--shutdown-timeout")
+    server.args[i + 1] = str(int(HANG_S))
     with server:
         indexer = DynamoIndexer({1: zmq_port}, block_size=BLOCK, model_name=SERVED,
                                 log_path=work / f"indexer-{name}.log", replay={1: replay_port})
@@ -168,7 +174,7 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
         for prompt in first:
             _complete(server, prompt)
         time.sleep(1.0)
-        seen["sigterm_exit"] = server.stop(sig="SIGTERM")
+        seen["sigterm_exit"] = server.stop(grace_s=HANG_S, sig="SIGTERM")
     seen["disk_bytes"] = sum(f.stat().st_size for f in (work / "disk").rglob("*.rec"))
     with _serving(tiny_llama, work, "after-sigterm", store) as (server, indexer):
         seen["after_sigterm"] = _restarted(server, indexer, first)
