@@ -301,6 +301,18 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return stats
 
+    def wait_saves_stored(self, timeout_s: float = 120.0) -> bool:
+        """Worker side: wait until every save this worker was handed is in the store (its memory tier, and
+        the slower tiers' queued writes too); False when ``timeout_s`` passed first, or on the scheduler side.
+
+        Why: a save is stored by the saver thread after the step that computed it, and the scheduler hears
+        of the chunks the memory tier took with a later step's report. A benchmark (``tiercache bench kv``,
+        through a worker extension) asking for a hit right after the request that saved it must wait for
+        the save itself, not for a guessed time: on a loaded machine the saver thread may not have run yet."""
+        if self._worker is None:
+            return False
+        return self._worker.saver.flush(timeout_s)
+
     def shutdown(self) -> None:
         """vLLM stops the engine: each side hands the store what it still holds, then the store's queued
         writes reach the slower tiers (bounded: 30 s). vLLM gives this only as long as its

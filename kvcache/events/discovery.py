@@ -56,6 +56,7 @@ class StartupDiscovery:
         background_thread(self._run, "tiercache-kv-discovery").start()
 
     def _run(self) -> None:
+        started = time.monotonic()
         try:
             answering = self._answering()
             entries, next_seq = self.journal.read_ring()
@@ -67,8 +68,10 @@ class StartupDiscovery:
             for start in range(0, len(unique), self.batch):
                 held += self._held([name for name, _ in unique[start:start + self.batch]])
             self._answer = Discovered(unique, held, answering and self._answering())
-            log.info("tiercache: KV events journal: %d of %d journaled chunks still held by the shared tiers",
-                     sum(held), len(unique))
+            # the line says when the check ended, and how long it took: a first step before it announces
+            # none of it (it waits at most FIRST_STEP_WAIT_S), the next step after it all of it
+            log.info("tiercache: KV events journal: %d of %d journaled chunks still held by the shared tiers "
+                     "(checked in %.2f s)", sum(held), len(unique), time.monotonic() - started)
         except Exception as exc:  # a tier down or broken at start: nothing announced now; later writes go on
             log.warning("tiercache: could not read the KV events journal at start (%s); chunks are announced as "
                         "lookups find them", exc)

@@ -17,9 +17,11 @@ at the next start, never an announcement, since only what the shared tiers hold 
 
 When the journal is written: on its own thread, at most every ``interval_s`` (0.5 s) while something new
 was journaled, whether or not the engine steps; a full segment at once. A clean stop writes the rest
-(`close`, one write, within vLLM's ``--shutdown-timeout``). So a SIGKILL loses at most the chunks whose
-saves were planned in the last ``interval_s`` before it (and what the store's write-behind had not
-written yet), and the records of those chunks were still on their way too.
+(`close`, one write, within vLLM's ``--shutdown-timeout``). So a SIGKILL loses the chunks journaled since
+the last write reached the shared tiers: on an idle machine those whose saves were planned in the last
+``interval_s`` before it; on a loaded one more (this thread must be scheduled, and the store's write-behind
+must carry the record), and the records of those chunks were still on their way too. No time bound holds
+on a machine that can be arbitrarily loaded.
 
 The journal keys are KV keys of the model (``...|Lall|Gevents``), so ``tiercache evict`` by model or
 namespace removes them with the KV records; a journal entry whose KV records are gone is never announced.
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 SLOTS = 16
 PER_SEGMENT = 256
-#: Seconds between two writes of the open segment while chunks are being journaled: the most a SIGKILL loses.
+#: Seconds between two writes of the open segment while chunks are being journaled: what a SIGKILL loses on an
+#: idle machine (more on a loaded one: the module docstring).
 WRITE_INTERVAL_S = 0.5
 #: (sequence number, entries): one record of the ring
 Segment = tuple[int, list[tuple[bytes, ChunkPayload]]]
@@ -102,6 +105,10 @@ class EventJournal:
         self.clock = clock
         self.interval_s = interval_s
         self._lock = threading.Lock()
+        #: held from `due` to the end of `write`: snapshots of the open segment are written in the order they
+        #: were taken (else a stop's last write could land before the writer thread's older one, which would
+        #: then overwrite it: a loaded machine stretches that window)
+        self._write_lock = threading.Lock()
         #: the sequence number of the first segment not yet handed out (full ones first, then the open one)
         self._base = 0
         self._entries: list[tuple[bytes, ChunkPayload]] = []
@@ -185,9 +192,10 @@ class EventJournal:
             # a restarted engine reads it from a shared tier: never held back by the tiers' admission
             self.store.put(self.key(seq % SLOTS), tensor, None, owned=True, always_admit=True)
 
-    def flush_due(self) -> None:
-        """Write what `due` says, here and now."""
-        self.write(self.due())
+    def flush_due(self, *, force: bool = False) -> None:
+        """Write what `due` says, here and now (after any write in progress: the newest snapshot lands last)."""
+        with self._write_lock:
+            self.write(self.due(force=force))
 
     def _write_loop(self) -> None:
         """The background writer: what is due, whenever something was journaled, at most every ``interval_s``."""
@@ -221,7 +229,7 @@ class EventJournal:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=5.0)  # a writer still in a write past this: `flush_due` waits for it
         with self._lock:
             self._read = True  # a stop before the ring was read: its own entries still count
-        self.write(self.due(force=True))
+        self.flush_due(force=True)

@@ -165,13 +165,14 @@ class KVSaver:
         for chunk_hash, keys in keys_of.items():
             self.residency.stored(chunk_hash, keys)
 
-    def flush(self, timeout: float = 60.0) -> None:
+    def flush(self, timeout: float = 60.0) -> bool:
         """Wait until the saver thread has handed everything to the store, and the store its writes
-        (tests, shutdown); a patient store's (``write_patience_s``) that much longer."""
+        (tests, shutdown, `TieredKVConnector.wait_saves_stored`); a patient store's (``write_patience_s``) that much
+        longer. False when the time passed first."""
         deadline = time.monotonic() + timeout + self.store.write_patience_s
         while self.queued and time.monotonic() < deadline:
             time.sleep(0.005)
-        self.store.flush(max(0.0, deadline - time.monotonic()))
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and not self.queued
 
     def shutdown(self) -> None:
         """Stop the saver thread once it has stored what it was handed."""

@@ -90,9 +90,9 @@ def _until(what: Callable[[], dict[str, int]], ok: Callable[[dict[str, int]], bo
 
 
 def _server(model: Path, work: Path, name: str, store: dict[str, Any], zmq_port: int,
-            adapter: Path | None = None) -> Server:
-    """An OpenAI server over ``store`` (its own ``chunk_size``, else `CHUNK`) publishing KV events on ``zmq_port``,
-    serving ``adapter`` as the LoRA module `LORA` when given."""
+            adapter: Path | None = None, replay_port: int | None = None) -> Server:
+    """An OpenAI server over ``store`` (its own ``chunk_size``, else `CHUNK`) publishing KV events on ``zmq_port``
+    (and replaying them on ``replay_port`` when given), serving ``adapter`` as the LoRA module `LORA` when given."""
     template = work / "template.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
@@ -102,7 +102,7 @@ def _server(model: Path, work: Path, name: str, store: dict[str, Any], zmq_port:
     server = Server(model, work / f"{name}.log", served_name=SERVED, chat_template=template, max_model_len=512,
                     kv_transfer=kv, extra_args=[
                         "--enable-prefix-caching", "--num-gpu-blocks-override", "17",
-                        "--kv-events-config", json.dumps(events_config(zmq_port)), *lora])
+                        "--kv-events-config", json.dumps(events_config(zmq_port, replay_port)), *lora])
     i = server.args.index("--limit-mm-per-prompt")  # a text model
     del server.args[i:i + 2]
     server.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), server.env.get("PYTHONPATH")) if p)

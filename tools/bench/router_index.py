@@ -36,42 +36,63 @@ class RouterIndexError(RuntimeError):
     """Dynamo's indexer is missing or does not answer; the message says why and how to fix it."""
 
 
-def events_config(zmq_port: int) -> dict[str, Any]:
-    """vLLM's ``--kv-events-config`` for a zmq publisher on ``zmq_port`` (every topic)."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_port}", "topic": ""}
+def events_config(zmq_port: int, replay_port: int | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config`` for a zmq publisher on ``zmq_port`` (every topic); with ``replay_port``,
+    its replay endpoint too (vLLM keeps its last batches there for a subscriber that missed some)."""
+    config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_port}",
+                              "topic": ""}
+    if replay_port is not None:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
+    return config
 
 
 class DynamoIndexer:
-    """``python -m dynamo.indexer`` subscribed to instances ``{worker id: zmq port}``; a context manager."""
+    """``python -m dynamo.indexer`` subscribed to instances ``{worker id: zmq port}``; a context manager.
+
+    ``replay`` (``{worker id: replay port}``, vLLM's ``replay_endpoint``): those workers are registered with
+    their replay endpoint (``POST /register``; the command line has no place for it). A zmq subscriber
+    misses what was published before its subscription reached the publisher; with a replay endpoint the
+    indexer sees the gap in the batches' sequence numbers at the next batch it gets (a first batch numbered
+    above 0 included) and asks the engine for the batches it missed."""
 
     def __init__(self, workers: dict[int, int], *, block_size: int, model_name: str, log_path: Path,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 300.0, replay: dict[int, int] | None = None) -> None:
         if importlib.util.find_spec("dynamo") is None:
             raise RouterIndexError(INSTALL_HINT)
         self.model_name = model_name
         self.port = free_port()
         self.log_path = log_path
+        replay = replay or {}
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        spec = ",".join(f"{worker}=tcp://127.0.0.1:{port}" for worker, port in workers.items())
+        spec = ",".join(f"{worker}=tcp://127.0.0.1:{port}" for worker, port in workers.items() if worker not in replay)
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo.indexer", "--block-size", str(block_size), "--threads", "1",
-             "--port", str(self.port), "--model-name", model_name, "--workers", spec],
+             "--port", str(self.port), "--model-name", model_name, *(["--workers", spec] if spec else [])],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
         try:
-            while True:
-                try:
-                    self.query([1, 2, 3])
-                    return
-                except (OSError, RouterIndexError):
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RouterIndexError(f"dynamo.indexer did not answer on port {self.port}; see "
-                                               f"{log_path}") from None
-                    time.sleep(0.3)
+            for worker, replay_port in replay.items():
+                self._until_answered(deadline, lambda w=worker, r=replay_port: _post(
+                    f"http://127.0.0.1:{self.port}/register",
+                    {"instance_id": w, "endpoint": f"tcp://127.0.0.1:{workers[w]}", "model_name": model_name,
+                     "block_size": block_size, "replay_endpoint": f"tcp://127.0.0.1:{r}"}, timeout_s=10))
+            self._until_answered(deadline, lambda: self.query([1, 2, 3]))
         except BaseException:
             self.stop()
             raise
+
+    def _until_answered(self, deadline: float, call: Any) -> None:
+        """Call ``call`` until the indexer's HTTP server answers it (it starts listening a moment after)."""
+        while True:
+            try:
+                call()
+                return
+            except (OSError, RouterIndexError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RouterIndexError(f"dynamo.indexer did not answer on port {self.port}; see "
+                                           f"{self.log_path}") from None
+                time.sleep(0.3)
 
     def query(self, tokens: list[int], lora_name: str | None = None) -> dict[int, dict[str, int]]:
         """Matched tokens per worker id and tier (``gpu``, ``cpu``, ``disk``); a worker with no match is absent."""

@@ -91,6 +91,75 @@ def test_the_background_journal_writes_nothing_before_the_ring_is_read() -> None
     journal.close()
 
 
+class _HeldFirstPut:
+    """A store whose first put waits until the test releases it (a writer thread inside a slow write);
+    every put is recorded as (slot, entries in the segment) once it lands."""
+
+    def __init__(self) -> None:
+        self.landed: list[tuple[int, int]] = []
+        self.first_entered, self.release, self.later_put = threading.Event(), threading.Event(), threading.Event()
+        self._calls = 0
+
+    def put(self, key: Any, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        from vllm_tiercache.kvcache.events.journal import decode_segment
+
+        self._calls += 1
+        if self._calls == 1:
+            self.first_entered.set()
+            assert self.release.wait(60.0), "the test never released the first write"
+        else:
+            self.later_put.set()
+        decoded = decode_segment(tensor.numpy().tobytes())
+        assert decoded is not None
+        self.landed.append((key, len(decoded[1])))
+
+
+class _SeenLock:
+    """The journal's write lock, telling the test when another thread asks for it while it is held."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.asked = threading.Event()
+
+    def __enter__(self) -> None:
+        if self._lock.locked():
+            self.asked.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_stop_s_last_write_lands_after_a_slower_write_in_progress() -> None:
+    """A writer still inside its write of an older snapshot when the engine stops must not land after the
+    stop's newer one (it would overwrite it, and the chunks journaled in between would not be announced).
+    Before the write lock, `close` gave the writer 5 s and then wrote regardless; a loaded machine can
+    stretch a write past that."""
+    from tests.kv.events.test_events import _Request
+
+    store = _HeldFirstPut()
+    journal = _SlotJournal(store, None, clock=time.monotonic, interval_s=0.0)  # type: ignore[arg-type]
+    journal._write_lock = _SeenLock()  # type: ignore[assignment]
+    payload = ChunkPayload.of(_Request(list(range(4 * BLOCK))), 0, 4, BLOCK)  # type: ignore[arg-type]
+    journal.add(b"a", payload)
+    writer = threading.Thread(target=journal.flush_due)  # the writer thread: snapshot [a], held in its put
+    writer.start()
+    assert store.first_entered.wait(60.0)
+    journal.add(b"b", payload)
+    stop = threading.Thread(target=journal.close)  # the stop: snapshot [a, b]
+    stop.start()
+    # the stop either waits for the write lock (it must) or already wrote (the bug): then the slow write lands
+    deadline = time.monotonic() + 60.0
+    while not (journal._write_lock.asked.is_set() or store.later_put.is_set()):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the stop neither wrote nor waited for the write lock"
+        time.sleep(0.01)
+    store.release.set()
+    writer.join(60.0)
+    stop.join(60.0)
+    assert not writer.is_alive() and not stop.is_alive()
+    assert store.landed == [(0, 1), (0, 2)]  # the newest snapshot of the slot landed last
+
+
 def test_a_restart_over_the_object_tier_alone_announces_it_as_storage(tiny_llama: Path, tmp_path: Path,
                                                                        s3_bucket: Any) -> None:
     """The journal and the start-up check go through the store's contract, so an S3 bucket as the only shared

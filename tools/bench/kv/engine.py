@@ -30,6 +30,32 @@ _TIMES = ("load_s", "fetch_s", "copy_s")
 JOB_TIMEOUT_S = 1800
 #: Lines an engine process writes with this prefix are echoed by the runner as progress.
 PROGRESS_MARK = "tiercache-bench: "
+#: How long a paired send may wait for the saves before it (`SavesStored`): a hang bound, not a guess at
+#: how long they take.
+SAVES_STORED_TIMEOUT_S = 300.0
+#: Prompt tokens of the request that carries the workers' report of the stored saves to the scheduler:
+#: under one block, so it neither saves nor loads anything, and vLLM's prefix cache keeps none of it.
+_REPORT_TOKENS = 8
+
+
+class SavesStored:
+    """A vLLM worker extension (``worker_extension_cls``) for `run_job`: wait in each worker until
+    `TieredKVConnector` stored every save it was handed.
+
+    Why: a paired step asks the connector for a hit of a prompt an earlier send of the same engine saved.
+    The save is stored by the connector's saver thread after that send's step, and the scheduler hears of
+    it with a later step's report; asked before, the hit is a miss (seen as ``tiered-memory`` status
+    ``miss`` on a loaded 2-core VM). A user's benchmark on a loaded machine must not report that false
+    miss, so the bench waits for the save itself (`_saves_heard`), never for a guessed time."""
+
+    def tiercache_wait_saves_stored(self, timeout_s: float) -> bool:
+        """True once this worker's connector stored its saves (or it has no `TieredKVConnector`)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return True
+        wait = getattr(get_kv_transfer_group(), "wait_saves_stored", None)
+        return True if wait is None else bool(wait(timeout_s))
 
 
 # ------------------------------------------------------------------------------------- engine process
@@ -38,6 +64,22 @@ def _send(llm: Any, prompt: Any, params: Any) -> tuple[float, int]:
     t0 = time.perf_counter()
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     return time.perf_counter() - t0, int(output.num_cached_tokens or 0)
+
+
+def _saves_stored(llm: Any) -> None:
+    """Every worker stored its saves, on every tier (`SavesStored`)."""
+    if not all(llm.collective_rpc("tiercache_wait_saves_stored", args=(SAVES_STORED_TIMEOUT_S,))):
+        raise RuntimeError(f"the connector's saves were not stored within {SAVES_STORED_TIMEOUT_S:.0f}s")
+
+
+def _saves_heard(llm: Any, prompt: list[int], params: Any) -> None:
+    """Before a paired send: every worker stored its saves (`_saves_stored`), then one request of a few
+    tokens runs a step whose report tells the scheduler what the memory tier took (the hit's lookup reads
+    that)."""
+    from vllm.inputs import TokensPrompt
+
+    _saves_stored(llm)
+    llm.generate([TokensPrompt(prompt_token_ids=prompt[:_REPORT_TOKENS])], params, use_tqdm=False)
 
 
 def _load_of(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -94,6 +136,10 @@ def run_job(spec_path: str, out_path: str) -> int:
     )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    # the paired sends of the connector's hits wait for its saves (`SavesStored`)
+    tiered = (spec.get("kv_transfer_config") or {}).get("kv_connector") == "TieredKVConnector"
+    if tiered:
+        kwargs["worker_extension_cls"] = "vllm_tiercache.tools.bench.kv.engine.SavesStored"
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": []}
@@ -109,6 +155,8 @@ def run_job(spec_path: str, out_path: str) -> int:
         ttft, cached, resident, resident_cached = [], [], [], []
         loads: list[dict[str, Any] | None] = []
         for prompt in step["prompts"]:
+            if step.get("paired") and tiered:  # what earlier sends saved is stored and known: outside the timing
+                _saves_heard(llm, prompt, params)
             # vLLM's own cache emptied (not the connector's: reset_connector=False), outside the timing
             if step.get("paired") and not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache between paired sends")
@@ -131,9 +179,13 @@ def run_job(spec_path: str, out_path: str) -> int:
         if resident:
             per_prompt += "; vLLM's resident hit right after each: " + _per_prompt(resident, resident_cached)
         print(f"{PROGRESS_MARK}{step['name']} (TTFT/cached tokens): {per_prompt}", file=sys.stderr, flush=True)
-    # Let a producer's background writes reach disk/Redis before the process ends (the connector's
-    # shutdown flushes too; this makes it explicit and timed).
+    # Let a producer's background writes reach disk/Redis before the process ends, and time it. The
+    # connector's shutdown flushes too, but within bounds (its store flush 30 s, vLLM's shutdown timeout)
+    # that a loaded machine can pass: a consumer would then report a false miss. So wait for the saves
+    # themselves first (a hang bound only).
     flush_started = time.perf_counter()
+    if tiered:
+        _saves_stored(llm)
     del llm
     result["shutdown_s"] = time.perf_counter() - flush_started
     Path(out_path).write_text(json.dumps(result))
