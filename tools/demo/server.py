@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from vllm_tiercache.tools.ports import free_port
 
 #: Seconds the engine may take to stop (``--shutdown-timeout``): the connectors flush their stores then.
 SHUTDOWN_TIMEOUT_S = 15
