@@ -20,6 +20,7 @@ from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store.api import ReportsHealth, StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
 from vllm_tiercache.shared.store.writes.patience import WRITE_BACKOFF
+from vllm_tiercache.tools.cli import float_in
 
 #: ``--store-patience``: ten minutes in which a tier writes nothing, far beyond any request timeout (a
 #: throttling burst, a failover, an endpoint restarted) and short enough that a store that is really gone
@@ -30,22 +31,12 @@ WAIT_COUNTERS = ("write_retries", "write_wait_seconds", "throttled", "dropped_wr
 
 
 def add_patience_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store-patience", type=_patience_arg, default=DEFAULT_STORE_PATIENCE_S, metavar="SECONDS",
+    parser.add_argument("--store-patience", type=float_in(0, MAX_WRITE_PATIENCE_S, low_open=True),
+                        default=DEFAULT_STORE_PATIENCE_S, metavar="SECONDS",
                         help="how long a write may wait out a store tier that is down, hangs or throttles (S3 "
                              "503 SlowDown, Redis OOM), backing off and putting again, before the documents it "
                              f"belongs to fail (default {DEFAULT_STORE_PATIENCE_S:g}: seconds in which the tier "
                              "wrote nothing)")
-
-
-def _patience_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= MAX_WRITE_PATIENCE_S:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number of seconds above 0, at most "
-                                         f"{MAX_WRITE_PATIENCE_S:g}")
-    return value
 
 
 def patient_config(store_config: Mapping[str, Any] | None, patience_s: float) -> dict[str, Any]:

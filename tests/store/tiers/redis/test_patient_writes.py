@@ -5,7 +5,10 @@ down for them. A serving store (no patience) drops the same writes at once, coun
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,50 +33,47 @@ def _store(url: str, patience_s: float) -> TieredStore:
         {"kind": "memory", "capacity": "64MiB"}, {"kind": "redis", "url": url, "timeout_s": 5.0}]}))
 
 
-def _full(redis_server, client) -> None:
-    """``maxmemory`` just under what the server uses now, and no eviction: every write is refused with OOM."""
-    used = int(client.info("memory")["used_memory"])
-    client.config_set("maxmemory-policy", "noeviction")
-    client.config_set("maxmemory", str(max(1, used - 1024 * 1024)))
+@contextlib.contextmanager
+def _out_of_memory(redis_server, redis_url: str, patience_s: float) -> Iterator[tuple[TieredStore, Any]]:
+    """A store with the given patience, and the server's ``maxmemory`` just under what it uses now with no
+    eviction: every write is refused with OOM until the test sets ``maxmemory`` back to 0 (done at the end)."""
+    with redis_server.client() as client:
+        store = _store(redis_url, patience_s)
+        try:
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", str(max(1, used - 1024 * 1024)))
+            yield store, client
+        finally:
+            client.config_set("maxmemory", "0")
+            store.close()
 
 
 def test_a_patient_store_waits_out_an_out_of_memory_redis(redis_server, redis_url) -> None:
-    with redis_server.client() as client:
-        store = _store(redis_url, patience_s=600.0)
-        try:
-            _full(redis_server, client)
-            store.put_many(_items(0, 8))
-            deadline = time.monotonic() + HANG_BOUND_S
-            while store.stats()["tiers"]["redis"]["throttled"] < 2:  # refused, and refused again after a backoff
-                assert time.monotonic() < deadline, "no OOM answer reached the writer"
-                time.sleep(0.05)
-            assert not store.tiers[1].down
-            client.config_set("maxmemory", "0")  # memory given back: the next try lands
-            assert store.flush(HANG_BOUND_S)
-            counters = store.stats()["tiers"]["redis"]
-        finally:
-            client.config_set("maxmemory", "0")
-            store.close()
-        assert counters["dropped_writes"] == 0 and counters["puts"] == 8 and counters["write_retries"] >= 8
-        fresh = TieredStore(StoreConfig.from_dict({"namespace": "patience", "tiers": [{"kind": "redis",
-                                                                                       "url": redis_url}]}))
-        try:
-            got = fresh.get_many([key for key, _, _ in _items(0, 8)])
-        finally:
-            fresh.close()
-        assert all(rec is not None and torch.equal(rec.tensor, t) for rec, (_, t, _) in zip(got, _items(0, 8),
-                                                                                            strict=True))
+    with _out_of_memory(redis_server, redis_url, patience_s=600.0) as (store, client):
+        store.put_many(_items(0, 8))
+        deadline = time.monotonic() + HANG_BOUND_S
+        while store.stats()["tiers"]["redis"]["throttled"] < 2:  # refused, and refused again after a backoff
+            assert time.monotonic() < deadline, "no OOM answer reached the writer"
+            time.sleep(0.05)
+        assert not store.tiers[1].down
+        client.config_set("maxmemory", "0")  # memory given back: the next try lands
+        assert store.flush(HANG_BOUND_S)
+        counters = store.stats()["tiers"]["redis"]
+    assert counters["dropped_writes"] == 0 and counters["puts"] == 8 and counters["write_retries"] >= 8
+    fresh = TieredStore(StoreConfig.from_dict({"namespace": "patience", "tiers": [{"kind": "redis",
+                                                                                   "url": redis_url}]}))
+    try:
+        got = fresh.get_many([key for key, _, _ in _items(0, 8)])
+    finally:
+        fresh.close()
+    assert all(rec is not None and torch.equal(rec.tensor, t) for rec, (_, t, _) in zip(got, _items(0, 8),
+                                                                                        strict=True))
 
 
 def test_a_serving_store_drops_writes_an_out_of_memory_redis_refuses(redis_server, redis_url) -> None:
-    with redis_server.client() as client:
-        store = _store(redis_url, patience_s=0.0)
-        try:
-            _full(redis_server, client)
-            store.put_many(_items(0, 3))
-            assert store.flush(HANG_BOUND_S)
-            counters = store.stats()["tiers"]["redis"]
-        finally:
-            client.config_set("maxmemory", "0")
-            store.close()
+    with _out_of_memory(redis_server, redis_url, patience_s=0.0) as (store, _):
+        store.put_many(_items(0, 3))
+        assert store.flush(HANG_BOUND_S)
+        counters = store.stats()["tiers"]["redis"]
     assert counters["dropped_writes"] == 3 and counters["throttled"] >= 1 and counters["write_retries"] == 0
