@@ -42,8 +42,8 @@ from typing import Any
 
 from vllm_tiercache.shared.eviction.base import EvictionPolicy
 
-#: heap priority of an orphan: below any live entry's (priorities are never negative)
-_ORPHAN = -1.0
+#: heap priority of an orphan: below any live entry's (scores are logarithms: any real number)
+_ORPHAN = -math.inf
 
 
 class _Node:
