@@ -60,7 +60,7 @@ class ChunkSave:
     #: (never in a repr)
     tenant: str | None = field(default=None, repr=False)
     #: the name of the chunk before this one (None for a prompt's first): each record's meta names the same
-    #: layer's record of it as its parent (`vllm_tiercache.shared.store.lineage`), for prefix-aware eviction
+    #: layer's record of it as its parent (`vllm_tiercache.shared.eviction.lineage`), for prefix-aware eviction
     parent_hash: bytes | None = None
 
 

@@ -368,14 +368,11 @@ class KVSchedulerSide:
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
                 name = state.names.name(end)
-                saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
+                saves = chunk_saves(name, end, self.groups, self.geometry, block_ids, state.names.parent_name(end))
                 if saves is not None:
                     urgent, tags = wants_remote_decode(request), request_tags(request)
-                    start = self.geometry.chunk_start(end)
-                    parent = state.names.name(start) if start else None  # the chunk before: the records' parent
                     for save in saves:  # a hand-off: written first
                         save.urgent, save.tags, save.reused_share = urgent, tags, state.reused_share
-                        save.parent_hash = parent
                         save.tenant = getattr(request, "cache_salt", None)  # a sealing store seals for it
                     plan.saves.extend(saves)
                     self._failed_chunks.pop(name, None)

@@ -26,9 +26,9 @@ from vllm_tiercache.kvcache.blocks.layout import PagedLayout
 from vllm_tiercache.kvcache.blocks.transfer import BlockMover
 from vllm_tiercache.kvcache.plan import ChunkSave
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
-from vllm_tiercache.shared.store.lineage import PARENT_KEY
 from vllm_tiercache.shared.store.tags import TAGS_KEY
 from vllm_tiercache.shared.threads import background_thread
 

@@ -16,9 +16,9 @@ from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
 from vllm_tiercache.kvcache.save.saver import MAX_PENDING_SAVES, GatheredRecord, KVSaver
 from vllm_tiercache.kvcache.worker import KVWorkerSide
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
-from vllm_tiercache.shared.store.lineage import PARENT_KEY
 
 BLOCK, HEADS, HEAD = 32, 2, 64
 NUM_BLOCKS, LAYERS = 16, 3

@@ -12,8 +12,8 @@ import random
 import torch
 
 from vllm_tiercache.shared.eviction import PrefixPolicy, make_policy
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY, parent_of
 from vllm_tiercache.shared.store.api import StoreKey
-from vllm_tiercache.shared.store.lineage import PARENT_KEY, parent_of
 from vllm_tiercache.shared.store.tiers.memory.config import MemoryTierConfig
 from vllm_tiercache.shared.store.tiers.memory.tier import MemoryTier
 

@@ -3,7 +3,7 @@
 The connector's traffic, per request (after vLLM's own prefix cache, `gpu_pool`): `contains_many` over
 the blocks asked, in order (the hit is the leading run found), `get_many` of that prefix, `put_many` of
 the rest. Each block is one record of ``record_bytes`` whose meta names the block before it as its
-parent (`vllm_tiercache.shared.store.lineage`), as the KV saver writes them. Hit ratio = blocks found /
+parent (`vllm_tiercache.shared.eviction.lineage`), as the KV saver writes them. Hit ratio = blocks found /
 blocks asked.
 """
 
@@ -53,8 +53,8 @@ def replay_memory_tier(traffic: Sequence[Asked], policy: str, capacity_bytes: in
     """``traffic`` through a real `MemoryTier` of ``capacity_bytes`` with ``policy``."""
     import torch
 
+    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
     from vllm_tiercache.shared.store.api import StoreKey
-    from vllm_tiercache.shared.store.lineage import PARENT_KEY
     from vllm_tiercache.shared.store.tiers.memory.config import MemoryTierConfig
     from vllm_tiercache.shared.store.tiers.memory.tier import MemoryTier
 

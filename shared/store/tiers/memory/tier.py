@@ -4,7 +4,7 @@ Why it stores the tensor object itself: a hit is then free (no copy, no decode).
 it a tensor it owns (copied on put), and callers never mutate what a read returns, so sharing is safe.
 
 The eviction order comes from the tier's `policy` ("prefix" by default, "lru" or "wtinylfu"): the same
-code as the encoder cache managers. A record's meta may name its parent (`shared.store.lineage`: a KV
+code as the encoder cache managers. A record's meta may name its parent (`shared.eviction.lineage`: a KV
 record names the record of the block before it); the tier hands it to the policy, and `prefix` evicts
 leaves first, so the tier never keeps a KV block whose prefix it lost (a record whose parent is not held
 goes first, and one refused on arrival counts as `refused`). With W-TinyLFU a record can be refused by
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.eviction import make_policy
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store.api import (
     DropsTagged,
     HonorsPins,
@@ -39,7 +40,6 @@ from vllm_tiercache.shared.store.api import (
     TierAdminUnsupported,
 )
 from vllm_tiercache.shared.store.counters import TierCounters
-from vllm_tiercache.shared.store.lineage import parent_of
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.memory.config import MemoryTierConfig
 
