@@ -120,3 +120,20 @@ def test_the_optimum_bounds_lru_and_bypasses_one_offs() -> None:
     assert plain_lru_hits([Asked(x, None) for x in asked], 2) == 0  # LRU lets each one-off push the prefix out
     assert belady_hits(asked, 0) == 0
 
+
+
+def test_reuse_analysis_shares_per_feature(tmp_path) -> None:
+    from vllm_tiercache.tools.bench.trace.reuse import reuse_tables
+
+    traffic = [Asked((1, 2, 3), None), Asked((1, 2, 4), None), Asked((5,), None), Asked((1, 2, 3), None)]
+    tables = reuse_tables(traffic, horizons=(1, 2))
+    uses = {row["value"]: row for row in tables["uses before"]}
+    assert uses[0]["count"] == 5 and uses[1]["count"] == 3 and uses[2]["count"] == 2
+    # first uses: 1, 2 (again at the next request), 3 (again 3 requests later), 4 and 5 (never)
+    assert uses[0]["within"] == {1: 2 / 5, 2: 2 / 5} and uses[0]["ever"] == 3 / 5
+    tail = {row["value"]: row for row in tables["place from the tail"]}
+    assert tail[0]["count"] == 4
+    trace = tmp_path / "t.jsonl"
+    proc = _cli(str(trace), "--generate", "200", "--reuse")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "-- uses before" in proc.stdout and "never used" in proc.stdout and "optimum" not in proc.stdout

@@ -9,6 +9,8 @@ the optimum it closes. A second table is each policy's cost per put against LRU'
 
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
+``--reuse`` prints, instead of the sweep, which features of a block an online policy could see separate
+blocks asked again soon from the rest (`reuse`).
 Exit status 1 when a policy beats the optimum (a bug in the replay or the bound).
 """
 
@@ -27,6 +29,7 @@ from vllm_tiercache.tools.bench.trace.generate import generate_trace
 from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, write_trace
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
 from vllm_tiercache.tools.bench.trace.replay import plain_lru_hits, replay_memory_tier, store_traffic
+from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
 from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -71,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="puts per policy in the cost micro-benchmark (default 100000; 0: skip it)")
     parser.add_argument("--plot", type=Path, help="also write hit ratio vs capacity to this PNG (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--reuse", action="store_true",
+                        help="only print which features of a block separate blocks asked again soon from the rest "
+                             "(per feature value, the share asked again within 65/300/1000 requests and ever)")
 
 
 def _progress(total: int) -> Any:
@@ -160,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
             write_trace(args.trace, generate_trace(args.generate, seed=args.seed))
         except OSError as exc:
             raise UsageError(f"cannot write the trace {args.trace}: {exc.strerror or exc}") from None
+    if args.reuse:
+        tables = reuse_tables(store_traffic(read_trace(args.trace, args.requests), args.gpu_blocks))
+        print(json.dumps(tables, indent=2) if args.json else format_reuse(tables))
+        return 0
     started = time.perf_counter()
     result = sweep(args)
     result["costs"] = cost_rows(args.policies, args.cost_puts) if args.cost_puts else []
