@@ -242,6 +242,12 @@ class RequestNames:
         named = block_hash if self.adapter is None else adapter_chunk_hash(block_hash, self.adapter)
         return generation_chunk_hash(named, self.generation)
 
+    def parent_name(self, end: int) -> bytes | None:
+        """The name of the chunk before the one that ends at block ``end`` (None for a prompt's first): its
+        records are the parents of this chunk's (`vllm_tiercache.shared.eviction.lineage`)."""
+        start = self.naming.geometry.chunk_start(end)
+        return self.name(start) if start else None
+
     def chunks(self, num_full_blocks: int) -> list[tuple[int, bytes]]:
         """(end block, name) of every chunk over the first ``num_full_blocks`` blocks; the last may be partial."""
         return [(end, self.name(end)) for end in self.naming.geometry.chunk_ends(num_full_blocks)]

@@ -59,6 +59,9 @@ class ChunkSave:
     #: the request's tenant salt (vLLM's ``cache_salt``): a sealing store seals the records with its subkey
     #: (never in a repr)
     tenant: str | None = field(default=None, repr=False)
+    #: the name of the chunk before this one (None for a prompt's first): each record's meta names the same
+    #: layer's record of it as its parent (`vllm_tiercache.shared.eviction.lineage`), for prefix-aware eviction
+    parent_hash: bytes | None = None
 
 
 @dataclass

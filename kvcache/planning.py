@@ -120,10 +120,12 @@ def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geome
 
 
 def chunk_saves(
-    name: bytes, end: int, groups: KVGroups, geometry: ChunkGeometry, block_ids: tuple[list[int], ...]
+    name: bytes, end: int, groups: KVGroups, geometry: ChunkGeometry, block_ids: tuple[list[int], ...],
+    parent: bytes | None = None,
 ) -> list[ChunkSave] | None:
     """The saves of the chunk named ``name`` that ends at block ``end``, one per KV cache group; None when
-    vLLM already let a group's blocks go (a sliding window past the chunk): the chunk is not saved at all."""
+    vLLM already let a group's blocks go (a sliding window past the chunk): the chunk is not saved at all.
+    ``parent``: the name of the chunk before (`RequestNames.parent_name`), its records' parent."""
     start = geometry.chunk_start(end)
     saves = []
     for group in groups.groups:
@@ -131,7 +133,7 @@ def chunk_saves(
         ids = block_ids[group.index][first:end]
         if len(ids) != end - first or NULL_BLOCK_ID in ids:
             return None
-        saves.append(ChunkSave(chunk_hash=name, block_ids=ids, group=group.index, first=first))
+        saves.append(ChunkSave(chunk_hash=name, block_ids=ids, group=group.index, first=first, parent_hash=parent))
     return saves
 
 

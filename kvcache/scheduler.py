@@ -368,7 +368,7 @@ class KVSchedulerSide:
                 if block_ids is None:
                     block_ids = self._block_ids(request.request_id)
                 name = state.names.name(end)
-                saves = chunk_saves(name, end, self.groups, self.geometry, block_ids)
+                saves = chunk_saves(name, end, self.groups, self.geometry, block_ids, state.names.parent_name(end))
                 if saves is not None:
                     urgent, tags = wants_remote_decode(request), request_tags(request)
                     for save in saves:  # a hand-off: written first

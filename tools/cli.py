@@ -36,6 +36,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                             "against the step"),
     ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
+    ("bench", "trace"): ("bench.trace.command", "KV hit ratio of the memory tier's policies on a Mooncake trace, "
+                                                "vs LRU and the offline optimum, per capacity"),
     ("bench", "serve"): ("bench.serve.command", "concurrent multi-turn chat, working set > vLLM's KV cache: TTFT and "
                                         "throughput vs vLLM alone"),
     ("bench", "gpu"): ("bench.gpu.command", "CUDA movers, layerwise overlap and GDS reads vs the hardware "

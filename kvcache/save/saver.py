@@ -27,6 +27,7 @@ from vllm_tiercache.kvcache.blocks.layout import PagedLayout
 from vllm_tiercache.kvcache.blocks.transfer import BlockMover
 from vllm_tiercache.kvcache.plan import ChunkSave
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.store.tags import TAGS_KEY
@@ -54,6 +55,8 @@ class GatheredRecord(NamedTuple):
     tags: tuple[str, ...] = ()
     #: the share of its prompt the request reused (`ChunkSave.reused_share`), for the store's admission
     reused_share: float | None = None
+    #: the key digest of the same layer's record of the chunk before (`ChunkSave.parent_hash`): its parent
+    parent: bytes | None = None
 
 
 class KVSaver:
@@ -102,8 +105,10 @@ class KVSaver:
         gathered = self.mover.gather_many(kv_layer, [save.block_ids for save in saves])
         for save, blocks in zip(saves, gathered, strict=True):
             key = self.key(save.chunk_hash, layer).for_tenant(save.tenant)  # sealed for the request's tenant
+            parent = (None if save.parent_hash is None
+                      else self.key(save.parent_hash, layer).for_tenant(save.tenant).digest)
             self.gathered.append(GatheredRecord(key, blocks, save.chunk_hash, last_layer, save.first, save.urgent,
-                                                save.tags, save.reused_share))
+                                                save.tags, save.reused_share, parent))
 
     def hand_off(self) -> None:
         """Hand this step's gathered records to the saver thread (the copies are ours: no waiting)."""
@@ -124,11 +129,14 @@ class KVSaver:
         self._queue.put(batch)
 
     def _meta(self, record: GatheredRecord) -> dict[str, Any]:
-        """A record's meta: its layout, block count and first block, and its tags when it has some."""
+        """A record's meta: its layout, block count and first block, its tags when it has some, and its
+        parent (the record of the chunk before) unless it is a prompt's first."""
         meta: dict[str, Any] = {"layout": self._layout_text, "blocks": int(record.blocks.shape[0]),
                                 "start": record.first_block}
         if record.tags:
             meta[TAGS_KEY] = list(record.tags)
+        if record.parent is not None:
+            meta[PARENT_KEY] = record.parent
         return meta
 
     def _save_loop(self) -> None:

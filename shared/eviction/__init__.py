@@ -30,6 +30,10 @@ memory tier may use it); every list of policy names elsewhere is derived from it
   size. No admission filter (in the encoder cache a newcomer must be allocated anyway; a cold one is
   simply the next to go). The default for the encoder cache: best measured on every trace of
   `tiercache bench policy` but the shifting one, where W-TinyLFU adapts faster (docs/benchmarks.md).
+- `prefix`: for KV records, which form prefix chains (a block is worth something only while every block
+  before it is held): leaves-only eviction (never a child whose parent is gone), decayed access counts
+  (LRFU), first-time keys behind returning ones. The memory tier's default (`tiercache bench trace`,
+  docs/benchmarks-kv.md); see `prefix`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ class EvictionPolicy:
 
     The owner calls `insert` when an entry becomes resident, `access` on every hit, `remove` when it drops
     an entry itself, and `evict` to make room; entries `evict` returns are already forgotten by the policy.
+
+    `insert`'s ``parent`` is the key of the entry this one extends (a KV block's record names the record
+    of the block before it): a prefix-aware policy (`prefix`) never keeps a child whose parent is gone;
+    the others ignore it.
     """
 
     name = "base"
@@ -26,7 +30,7 @@ class EvictionPolicy:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         raise NotImplementedError
 
     def access(self, key: Hashable) -> None:

@@ -61,7 +61,7 @@ class LFUPolicy(EvictionPolicy):
                 for k in table:
                     table[k] /= 2.0
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._size[key] = int(size)
         self._count(key)
 

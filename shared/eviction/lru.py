@@ -24,7 +24,7 @@ class LRUPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._order)
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._order[key] = int(size)
         self._order.move_to_end(key)
 

@@ -57,6 +57,7 @@ _POLICIES: dict[str, PolicyEntry] = {
     "lru": PolicyEntry(".lru.LRUPolicy", label="LRU", memory_tier=True),
     "lfu": PolicyEntry(".lfu.LFUPolicy", label="LFU", memory_tier=False),
     "wtinylfu": PolicyEntry(".wtinylfu.WTinyLFUPolicy", label="W-TinyLFU", memory_tier=True, admission=True),
+    "prefix": PolicyEntry(".prefix.PrefixPolicy", label="Prefix", memory_tier=True),
 }
 
 #: The encoder cache's policy when none is configured: the best measured on `tiercache bench policy`.

@@ -53,7 +53,7 @@ class WTinyLFUPolicy(EvictionPolicy):
                 return name
         return None
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         if key in self:
             self.remove(key)
         self.sketch.increment(key)

@@ -236,10 +236,11 @@ def test_cache_key_differs_exactly_in_the_store_shaping_fields(name, monkeypatch
 
 
 def test_cache_keys_of_existing_configs_are_unchanged():
-    """The key text of the hand-written key this replaced, for a default and a full config."""
+    """The key text of the hand-written key this replaced, for a default and a full config (the memory
+    tier's default policy is "prefix" since issue 56; the key is per process, nothing persisted names it)."""
     assert StoreConfig.from_dict(_BASE).cache_key() == (
         '{"control_poll_s": 5.0, "lookup_budget_ms": 100.0, "tiers": [{"capacity": 2147483648, "kind": "memory", '
-        '"pin_budget": 0.0, "policy": "lru"}], "write_queue_size": 256}')
+        '"pin_budget": 0.0, "policy": "prefix"}], "write_queue_size": 256}')
     full = StoreConfig.from_dict({
         "namespace": "n", "write_queue_size": 64, "lookup_budget_ms": 5.0, "model_version": "v",
         "trust_multi_modal_uuids": True, "x_a": 1,
@@ -265,7 +266,9 @@ def test_eviction_policies_selected_per_tier_and_for_the_encoder_cache():
     ec, cfg = ECConnectorOptions.load({"encoder_cache_policy": "wtinylfu", "tiers": tiers})
     assert ec.encoder_cache_policy == "wtinylfu"
     assert [t.policy for t in cfg.tiers] == ["wtinylfu", "lru"]
-    assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).tiers[0].policy == "lru"
+    # defaults: the memory tier's is prefix-aware (KV chains), the encoder cache's stays LFU
+    assert StoreConfig.load({"tiers": [{"kind": "memory"}]}).tiers[0].policy == "prefix"
+    assert ECConnectorOptions.load({"tiers": [{"kind": "memory"}]})[0].encoder_cache_policy in (None, "lfu")
 
 
 # ------------------------------------------------------------------------------- config by owner

@@ -133,6 +133,8 @@ def test_chunks_found_stored_are_passed_over_for_good(side) -> None:
     side.update_state_after_alloc(request, 0)
     (plan,) = side.build_connector_meta(step([("s", 0)], [], {"s": 330})).requests
     assert [s.chunk_hash for s in plan.saves] == [request.block_hashes[3], request.block_hashes[9]]
+    # each save names the chunk before it (the records' parent, for prefix-aware eviction), stored or not
+    assert [s.parent_hash for s in plan.saves] == [None, request.block_hashes[7]]
     assert side._requests["s"].saved_until == 10
     assert side._requests["s"].next_save_block == sys.maxsize  # save_decode is off: nothing more, ever
     for computed in range(330, 340):

@@ -16,6 +16,7 @@ from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave, RequestPlan, TieredKVMetadata
 from vllm_tiercache.kvcache.save.saver import MAX_PENDING_SAVES, GatheredRecord, KVSaver
 from vllm_tiercache.kvcache.worker import KVWorkerSide
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
 from vllm_tiercache.shared.store import build_store
 
@@ -374,7 +375,7 @@ def test_the_saver_alone_stores_every_layers_record_and_reports_the_chunk_reside
     saver = KVSaver(store=store, key=record_key)
     saver.attach(layout, BlockMover(torch.device("cpu")))
     for layer, name in enumerate(layout.layer_names):
-        saver.gather(layer, source[name], [ChunkSave(b"alone", [5, 2], first=1)])
+        saver.gather(layer, source[name], [ChunkSave(b"alone", [5, 2], first=1, parent_hash=b"before")])
     assert [record.last_layer for record in saver.gathered] == [False] * (LAYERS - 1) + [True]
     first = saver.gathered[0]
     assert isinstance(first, GatheredRecord)
@@ -388,6 +389,7 @@ def test_the_saver_alone_stores_every_layers_record_and_reports_the_chunk_reside
         assert record is not None and torch.equal(record.tensor, source[name][[5, 2]])
         assert record.meta["layout"] == layout.describe() and record.meta["blocks"] == 2
         assert record.meta["start"] == 1
+        assert record.meta[PARENT_KEY] == record_key(b"before", layer).digest  # the same layer's record before
     block_bytes = source[layout.layer_names[0]][0].nbytes
     assert saver.counters.saved_chunks == 1 and saver.counters.saved_bytes == LAYERS * 2 * block_bytes
     changes = saver.residency.take()

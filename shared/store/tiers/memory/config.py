@@ -29,6 +29,9 @@ from vllm_tiercache.shared.store.tier_config import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_CAPACITY = 2 << 30
+#: the memory tier's policy when none is configured: prefix-aware, the best measured on a production KV
+#: trace (`tiercache bench trace`, docs/benchmarks-kv.md); records without a parent are roots to it
+DEFAULT_MEMORY_POLICY = "prefix"
 #: (capacity, machine memory) already warned about in this process: one line per process, not per parse
 _WARNED: set[tuple[int, int]] = set()
 #: the eviction policies registered for the memory tier (`vllm_tiercache.shared.eviction.registry`: a
@@ -40,13 +43,15 @@ def _policy_description() -> str:
     """The ``policy`` field's text, from the registry: ``lru, or wtinylfu (W-TinyLFU; may refuse ...)``."""
     names = [name + (f" ({policy_entry(name).label}; may refuse a record by admission, counted as "
                      "admission_refused)" if policy_entry(name).admission else "")
+             + (" (the default: keeps KV prefix chains whole, evicting leaves first)"
+                if name == DEFAULT_MEMORY_POLICY else "")
              for name in memory_tier_policies()]
     return "Eviction policy: " + (", ".join(names[:-1]) + ", or " if len(names) > 1 else "") + names[-1] + "."
 
 
 @dataclass(frozen=True)
 class MemoryTierConfig:
-    """A bounded in-process LRU of tensors (`kind: memory`)."""
+    """A bounded in-process cache of tensors (`kind: memory`), evicting by its ``policy``."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")
     POLICIES: ClassVar[tuple[str, ...]] = get_args(MemoryPolicy)
@@ -58,7 +63,7 @@ class MemoryTierConfig:
                     "once per process (the config may be read on another machine than the one that serves). On "
                     "a CUDA worker the KV connector's records here are pinned host memory (docs/gpu.md).")
     ] = DEFAULT_MEMORY_CAPACITY
-    policy: Annotated[MemoryPolicy, Field(description=_policy_description())] = "lru"
+    policy: Annotated[MemoryPolicy, Field(description=_policy_description())] = DEFAULT_MEMORY_POLICY
     pin_budget: PinBudget = 0.0
     kind: Annotated[Literal["memory"], Field(description="The tier kind.")] = "memory"
 

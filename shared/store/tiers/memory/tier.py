@@ -3,11 +3,14 @@
 Why it stores the tensor object itself: a hit is then free (no copy, no decode). The tiered store hands
 it a tensor it owns (copied on put), and callers never mutate what a read returns, so sharing is safe.
 
-The eviction order comes from the tier's `policy` ("lru" by default, or "wtinylfu"): the same code
-as the encoder cache managers. With W-TinyLFU a record can be refused by admission: the new record, or
-one leaving the admission window, was asked for less often than what it would displace. Every such
-refusal counts as `admission_refused`; a put refused on arrival also counts as `refused`. The record
-simply stays in the slower tiers.
+The eviction order comes from the tier's `policy` ("prefix" by default, "lru" or "wtinylfu"): the same
+code as the encoder cache managers. A record's meta may name its parent (`shared.eviction.lineage`: a KV
+record names the record of the block before it); the tier hands it to the policy, and `prefix` evicts
+leaves first, so the tier never keeps a KV block whose prefix it lost (a record whose parent is not held
+goes first, and one refused on arrival counts as `refused`). With W-TinyLFU a record can be refused by
+admission: the new record, or one leaving the admission window, was asked for less often than what it
+would displace. Every such refusal counts as `admission_refused`; a put refused on arrival also counts as
+`refused`. The record simply stays in the slower tiers.
 
 Tags and pins (`vllm_tiercache.shared.store.tags`, `vllm_tiercache.shared.store.control`): a record's tags
 are in its meta; the tier indexes tagged records by tag and remembers when each was written, so that
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from vllm_tiercache.shared.eviction import make_policy
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store.api import (
     DropsTagged,
     HonorsPins,
@@ -96,14 +100,13 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
                     refused += 1
                     continue
                 old = self._items.pop(key.digest, None)
-                if old is not None:
+                if old is not None:  # rewritten: the policy updates it in place (a prefix keeps its children)
                     self._bytes -= old[1]
-                    self.policy.remove(key.digest)
                     self._untag(key.digest, old[0])
                 record = Record(tensor, dict(meta or {}))
                 self._items[key.digest] = (record, size)
                 self._tag(key.digest, record)
-                self.policy.insert(key.digest, size)
+                self.policy.insert(key.digest, size, parent_of(meta))
                 self._bytes += size
                 puts += 1
                 written += size

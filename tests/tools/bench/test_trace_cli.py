@@ -1,0 +1,139 @@
+"""`tiercache bench trace` end to end on generated traces (never the published one), and its parts: the
+Mooncake reader's errors, the generator's prefix rule, the GPU pool in front, the optimum as a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_tiercache.tools.bench.trace.command import parse_tokens
+from vllm_tiercache.tools.bench.trace.generate import generate_trace
+from vllm_tiercache.tools.bench.trace.mooncake import TraceRequest, read_trace, write_trace
+from vllm_tiercache.tools.bench.trace.optimum import belady_hits
+from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, store_traffic
+from vllm_tiercache.tools.cli import UsageError
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "trace", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_generated_trace_through_every_policy_prefix_at_least_lru_and_the_optimum_above_all(tmp_path) -> None:
+    trace = tmp_path / "gen.jsonl"
+    proc = _cli(str(trace), "--generate", "800", "--capacities", "8k,30k,100k", "--cost-puts", "2000", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["requests"] == 800 and len(read_trace(trace)) == 800
+    assert [row["capacity_tokens"] for row in result["rows"]] == [8000, 30000, 100000]
+    for row in result["rows"]:
+        rates = row["policies"]
+        assert set(rates) == {"lru", "wtinylfu", "prefix"}
+        assert rates["lru"] == pytest.approx(row["lru_reference"])  # the real tier's LRU is the plain one
+        assert rates["prefix"] >= row["lru_reference"], row
+        assert all(row["optimum"] >= rate for rate in rates.values()), row
+    assert [c["policy"] for c in result["costs"]] == ["lru", "wtinylfu", "prefix"]
+
+
+def test_the_table_the_plot_and_a_request_limit(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, generate_trace(300, seed=2))
+    plot = tmp_path / "hit.png"
+    proc = _cli(str(trace), "--requests", "150", "--capacities", "10k,40k", "--policies", "lru", "prefix",
+                "--cost-puts", "0", "--plot", str(plot), "--gpu-blocks", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "150 requests" in proc.stdout and "vLLM prefix cache 16 blocks" in proc.stdout
+    assert "Prefix (prefix)" in proc.stdout and "optimum" in proc.stdout and "W-TinyLFU" not in proc.stdout
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read the trace"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\nnot json\n', ":2: not a Mooncake"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n', "missing hash_ids"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}\n', "not a list of integers"),
+    ("\n", "no requests"),
+])
+def test_bad_traces_are_one_line_errors(tmp_path, content, message) -> None:
+    trace = tmp_path / "bad.jsonl"
+    if content is not None:
+        trace.write_text(content)
+    proc = _cli(str(trace), "--cost-puts", "0")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("tiercache: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("capacity", ["lots", "100", "-1M", "nan", ","])
+def test_a_bad_capacity_is_a_one_line_error(tmp_path, capacity) -> None:
+    proc = _cli(str(tmp_path / "x.jsonl"), "--capacities", capacity)
+    assert proc.returncode == 2 and "--capacities" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_token_counts() -> None:
+    assert [parse_tokens(t) for t in ("512", "300k", "0.3M", "10M", "1G")] == [
+        512, 300_000, 300_000, 10_000_000, 1_000_000_000]
+
+
+def test_generated_ids_follow_the_prefix_rule(tmp_path) -> None:
+    """Equal ids exactly where prefixes are equal: an id always comes after the same id."""
+    requests = generate_trace(400, seed=5)
+    before: dict[int, int | None] = {}
+    for request in requests:
+        for i, block in enumerate(request.hash_ids):
+            parent = request.hash_ids[i - 1] if i else None
+            assert before.setdefault(block, parent) == parent
+    assert len(before) < sum(len(r.hash_ids) for r in requests)  # prefixes are shared
+    path = tmp_path / "rt.jsonl"
+    write_trace(path, requests)
+    assert read_trace(path) == requests and read_trace(path, limit=7) == requests[:7]
+
+
+def test_missing_file_raises_usage_error(tmp_path) -> None:
+    with pytest.raises(UsageError, match="cannot read the trace"):
+        read_trace(tmp_path / "none.jsonl")
+
+
+def test_the_gpu_pool_takes_its_hits_off_the_store() -> None:
+    shared = (1, 2, 3, 4)
+    requests = [TraceRequest(i * 10_000.0, 2048, 1, (*shared, 100 + i)) for i in range(5)]
+    alone = store_traffic(requests, 0)
+    fronted = store_traffic(requests, 64)
+    assert [len(a.blocks) for a in alone] == [5] * 5
+    assert [len(a.blocks) for a in fronted] == [5, 1, 1, 1, 1]  # the system prompt stays in vLLM's cache
+    assert fronted[1].parent == 4  # the store's first block names the block before it
+    tiny = store_traffic(requests, 2)  # too small for a whole prompt: no hit, nothing breaks
+    assert sum(len(a.blocks) for a in tiny) >= sum(len(a.blocks) for a in fronted)
+
+
+def test_the_optimum_bounds_lru_and_bypasses_one_offs() -> None:
+    asked = [(1, 2), (3,), (4,), (1, 2), (5,), (1, 2)]
+    assert belady_hits(asked, 2) == 4  # keeps 1, 2 through the one-offs (bypassed)
+    assert plain_lru_hits([Asked(x, None) for x in asked], 2) == 0  # LRU lets each one-off push the prefix out
+    assert belady_hits(asked, 0) == 0
+
+
+
+def test_reuse_analysis_shares_per_feature(tmp_path) -> None:
+    from vllm_tiercache.tools.bench.trace.reuse import reuse_tables
+
+    traffic = [Asked((1, 2, 3), None), Asked((1, 2, 4), None), Asked((5,), None), Asked((1, 2, 3), None)]
+    tables = reuse_tables(traffic, horizons=(1, 2))
+    uses = {row["value"]: row for row in tables["uses before"]}
+    assert uses[0]["count"] == 5 and uses[1]["count"] == 3 and uses[2]["count"] == 2
+    # first uses: 1, 2 (again at the next request), 3 (again 3 requests later), 4 and 5 (never)
+    assert uses[0]["within"] == {1: 2 / 5, 2: 2 / 5} and uses[0]["ever"] == 3 / 5
+    tail = {row["value"]: row for row in tables["place from the tail"]}
+    assert tail[0]["count"] == 4
+    trace = tmp_path / "t.jsonl"
+    proc = _cli(str(trace), "--generate", "200", "--reuse")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "-- uses before" in proc.stdout and "never used" in proc.stdout and "optimum" not in proc.stdout

@@ -1,0 +1,194 @@
+"""`tiercache bench trace TRACE.jsonl`: KV hit ratios of the store's memory tier on a production trace.
+
+A Mooncake-format trace (`mooncake`) is replayed as the connector would replay it (`replay`): behind
+vLLM's own prefix cache (``--gpu-blocks``, `gpu_pool`), through the REAL `MemoryTier` with each policy
+the tier accepts, at each capacity of ``--capacities`` (tokens; ``--record-bytes`` per 512-token block).
+Beside them: a plain LRU (no store code, the reference the tier's lru must match) and the offline optimum
+(`optimum`: Belady with bypass). Each policy's cell shows, in brackets, the share of the gap from LRU to
+the optimum it closes. A second table is each policy's cost per put against LRU's (`cost`).
+
+``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
+prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
+``--reuse`` prints, instead of the sweep, which features of a block an online policy could see separate
+blocks asked again soon from the rest (`reuse`).
+Exit status 1 when a policy beats the optimum (a bug in the replay or the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_tiercache.shared.eviction import memory_tier_policies, policy_entry
+from vllm_tiercache.tools.bench.trace.cost import cost_rows
+from vllm_tiercache.tools.bench.trace.generate import generate_trace
+from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, write_trace
+from vllm_tiercache.tools.bench.trace.optimum import belady_hits
+from vllm_tiercache.tools.bench.trace.replay import plain_lru_hits, replay_memory_tier, store_traffic
+from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
+from vllm_tiercache.tools.cli import UsageError, int_at_least
+
+_SUFFIXES = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: ``300000``, ``300k``, ``0.3M``, ``10M``; at least one block (512 tokens)."""
+    raw = text.strip().lower()
+    scale = _SUFFIXES.get(raw[-1:], 1)
+    try:
+        value = float(raw[:-1] if scale != 1 else raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid capacity {text!r}: a token count such as 300k or 1M") from None
+    if not value >= BLOCK_TOKENS:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"invalid capacity {text!r}: at least {BLOCK_TOKENS} tokens (one block)")
+    return int(value)
+
+
+def capacity_list(text: str) -> list[int]:
+    """``--capacities``: comma-separated token counts (`parse_tokens`), in the order given."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("invalid capacities: give token counts such as 1M,3M,10M")
+    return [parse_tokens(p) for p in parts]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="a Mooncake-format trace (JSON lines with hash_ids)")
+    parser.add_argument("--capacities", type=capacity_list, default=capacity_list("1M,3M,10M"),
+                        help="memory tier capacities in tokens, comma-separated (default 1M,3M,10M)")
+    parser.add_argument("--gpu-blocks", type=int_at_least(0), default=0,
+                        help="vLLM's own prefix cache in front, in 512-token blocks (default 0: none)")
+    parser.add_argument("--record-bytes", type=int_at_least(1, 1 << 30), default=1024,
+                        help="bytes of one block's record (default 1024)")
+    parser.add_argument("--requests", type=int_at_least(1), default=None, help="replay only the first N requests")
+    parser.add_argument("--policies", nargs="+", choices=memory_tier_policies(), default=list(memory_tier_policies()),
+                        help="memory tier policies to replay (default: all)")
+    parser.add_argument("--generate", type=int_at_least(1), metavar="N", default=None,
+                        help="first write a generated trace of N requests to TRACE")
+    parser.add_argument("--seed", type=int, default=0, help="the generated trace's seed (default 0)")
+    parser.add_argument("--cost-puts", type=int_at_least(0), default=100_000,
+                        help="puts per policy in the cost micro-benchmark (default 100000; 0: skip it)")
+    parser.add_argument("--plot", type=Path, help="also write hit ratio vs capacity to this PNG (matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--reuse", action="store_true",
+                        help="only print which features of a block separate blocks asked again soon from the rest "
+                             "(per feature value, the share asked again within 65/300/1000 requests and ever)")
+
+
+def _progress(total: int) -> Any:
+    """A tqdm bar on stderr (silent when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, disable=None, leave=False)
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Every capacity's hit ratios: plain LRU, each policy through the real tier, the optimum."""
+    requests = read_trace(args.trace, args.requests)
+    traffic = store_traffic(requests, args.gpu_blocks)
+    asked = sum(len(t.blocks) for t in traffic)
+    rows = []
+    with _progress(len(traffic) * len(args.capacities) * len(args.policies)) as bar:
+        for tokens in args.capacities:
+            blocks = tokens // BLOCK_TOKENS
+            row: dict[str, Any] = {"capacity_tokens": tokens, "capacity_blocks": blocks,
+                                   "lru_reference": plain_lru_hits(traffic, blocks) / max(1, asked),
+                                   "policies": {}, "seconds": {}}
+            for policy in args.policies:
+                result = replay_memory_tier(traffic, policy, blocks * args.record_bytes, args.record_bytes, bar.update)
+                row["policies"][policy] = result.ratio
+                row["seconds"][policy] = round(result.seconds, 2)
+            row["optimum"] = belady_hits([t.blocks for t in traffic], blocks) / max(1, asked)
+            rows.append(row)
+    return {"trace": str(args.trace), "requests": len(requests), "blocks_asked": asked,
+            "distinct_blocks": len({b for t in traffic for b in t.blocks}), "gpu_blocks": args.gpu_blocks,
+            "record_bytes": args.record_bytes, "rows": rows}
+
+
+def gap_closed(value: float, lru: float, optimum: float) -> float:
+    """The share of the gap from LRU to the optimum that ``value`` closes (0 when there is no gap)."""
+    return (value - lru) / (optimum - lru) if optimum > lru else 0.0
+
+
+def format_tokens(tokens: int) -> str:
+    for suffix, scale in (("G", 1_000_000_000), ("M", 1_000_000), ("k", 1_000)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{suffix}"
+    return str(tokens)
+
+
+def format_table(result: dict[str, Any], policies: list[str]) -> str:
+    header = ["capacity", "blocks", "LRU (plain)", *(f"{policy_entry(p).label} ({p})" for p in policies), "optimum"]
+    lines = []
+    for row in result["rows"]:
+        lru, best = row["lru_reference"], row["optimum"]
+        cells = [format_tokens(row["capacity_tokens"]), str(row["capacity_blocks"]), f"{lru:.3f}"]
+        cells += [f"{row['policies'][p]:.3f} ({gap_closed(row['policies'][p], lru, best):+.0%})" for p in policies]
+        lines.append([*cells, f"{best:.3f}"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
+    text.append("(hit ratio = blocks found / blocks asked of the memory tier; in brackets: share of the gap from "
+                "LRU to the optimum closed; optimum: Belady with bypass)")
+    return "\n".join(text)
+
+
+def _plot(result: dict[str, Any], policies: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib (a dev dependency: pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [row["capacity_tokens"] for row in result["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [r["lru_reference"] for r in result["rows"]], "k--", label="LRU (plain)")
+    for p in policies:
+        ax.plot(xs, [r["policies"][p] for r in result["rows"]], marker="o", label=policy_entry(p).label)
+    ax.plot(xs, [r["optimum"] for r in result["rows"]], "k:", label="optimum (Belady, bypass)")
+    ax.set_xscale("log")
+    ax.set_xlabel("memory tier capacity (tokens)")
+    ax.set_ylabel("KV hit ratio (blocks)")
+    ax.set_title(f"{Path(result['trace']).name}: {result['requests']} requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.generate is not None:
+        try:
+            write_trace(args.trace, generate_trace(args.generate, seed=args.seed))
+        except OSError as exc:
+            raise UsageError(f"cannot write the trace {args.trace}: {exc.strerror or exc}") from None
+    if args.reuse:
+        tables = reuse_tables(store_traffic(read_trace(args.trace, args.requests), args.gpu_blocks))
+        print(json.dumps(tables, indent=2) if args.json else format_reuse(tables))
+        return 0
+    started = time.perf_counter()
+    result = sweep(args)
+    result["costs"] = cost_rows(args.policies, args.cost_puts) if args.cost_puts else []
+    if args.plot:
+        _plot(result, args.policies, args.plot)
+    beaten = [(row["capacity_tokens"], p) for row in result["rows"] for p, v in row["policies"].items()
+              if v > row["optimum"] + 1e-9]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"== {result['trace']}: {result['requests']} requests, {result['blocks_asked']} blocks asked of the "
+              f"store ({result['distinct_blocks']} distinct), vLLM prefix cache {args.gpu_blocks} blocks, "
+              f"{args.record_bytes} B per block ==")
+        print(format_table(result, args.policies))
+        if result["costs"]:
+            print("\n== policy cost per put (insert naming its parent, evict one when full) ==")
+            for row in result["costs"]:
+                print(f"{row['policy']:10s} {row['us_per_put']:7.2f} us/put  {row['x_lru']:.2f}x LRU")
+        print(f"({time.perf_counter() - started:.0f} s)")
+    for tokens, policy in beaten:
+        print(f"tiercache: {policy} beats the optimum at {format_tokens(tokens)} tokens: a bug", file=sys.stderr)
+    return 1 if beaten else 0
