@@ -178,7 +178,10 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         while store.tiers[1].down:  # the prober brings it back; no step counts that
             assert time.monotonic() < deadline, "the Redis tier did not come back after SIGCONT"
             time.sleep(0.05)
-        assert conn.get_kv_connector_stats() is None  # an idle step within the interval: not looked at
+        # an idle step within the interval: the gauges are not looked at (a probe that failed while Redis
+        # hung, on a loaded machine, may still bring a counter: that is no gauge report)
+        idle = conn.get_kv_connector_stats()
+        assert idle is None or "gauges" not in idle.data, idle
         assert store.get_many([key])[0] is not None  # read from Redis
         assert redis_up(conn.get_kv_connector_stats()) == 1
     finally:

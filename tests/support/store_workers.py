@@ -274,11 +274,14 @@ def half_line(_opts: dict[str, Any]) -> None:
 def object_writer(opts: dict[str, Any]) -> None:
     """A precompute-like producer on a store whose one tier is the object tier ``opts["tier"]`` (credentials
     from this process's environment): writes ``count`` records from ``start`` (tagged ``tag``) in batches,
-    flushing after each, then one last sweep of its janitor; reports puts, drops and evictions."""
+    flushing after each, then one last sweep of its janitor; reports puts, drops and evictions. Patient, as a
+    job's store is."""
     from vllm_tiercache.shared.store import build_store
 
+    # patient, as a precompute job's store (`write_patience_s`): a loaded machine's slow second of SeaweedFS is
+    # waited out, not a dropped write (what the janitor does not admit is still dropped)
     store = build_store({"namespace": NAMESPACE, "tiers": [opts["tier"]], "write_queue_size": 1024,
-                         "control_poll_s": 0.2})
+                         "control_poll_s": 0.2, "write_patience_s": 300.0})
     tier = store.tiers[0]
     start, count, batch = int(opts.get("start", 0)), int(opts["count"]), int(opts.get("batch", 4))
     meta_tags = {"tags": [opts["tag"]]} if opts.get("tag") else {}
