@@ -131,7 +131,9 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
     with redis_server.client() as client:
         client.flushall()
     store = {"namespace": "events", "tiers": [
-        {"kind": "memory", "capacity": "4MiB"},  # ~7 prompts of 576 KiB: A stays while the GPU loses it
+        # ~7 prompts of 576 KiB: A stays while the GPU loses it, and leaves once 7 newer prompts came (by
+        # recency: the default `prefix` policy would keep A, asked twice, over seven one-off prompts)
+        {"kind": "memory", "capacity": "4MiB", "policy": "lru"},
         {"kind": "disk", "path": str(work / "disk"), "capacity": "1GiB"},
         {"kind": "redis", "url": redis_server.url},
     ]}
