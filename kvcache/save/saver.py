@@ -177,9 +177,10 @@ class KVSaver:
         """Wait until the saver thread has handed everything to the store, and the store its writes
         (tests, shutdown, `TieredKVConnector.wait_saves_stored`); a patient store's (``write_patience_s``) that much
         longer. False when the time passed first."""
-        deadline = time.monotonic() + timeout + self.store.write_patience_s
-        while self.queued and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while self.queued and time.monotonic() < deadline + self.store.write_patience_s:
             time.sleep(0.005)
+        # the store adds its own patience to what is left: counted once, not twice
         return self.store.flush(max(0.0, deadline - time.monotonic())) and not self.queued
 
     def shutdown(self) -> None:

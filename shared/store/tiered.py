@@ -364,7 +364,7 @@ class TieredStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued slower-tier writes are done; False when ``timeout`` passed first. A patient
         store (``write_patience_s``) waits that much longer: its writes may be waiting out a tier."""
-        return self._writer.flush(None if timeout is None else timeout + self.config.write_patience_s)
+        return self._writer.flush(timeout)
 
     @property
     def write_patience_s(self) -> float:

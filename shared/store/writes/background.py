@@ -171,8 +171,9 @@ class BackgroundWriter:
             return self._pending
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted job is written; False if ``timeout`` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait until every submitted job is written; False if ``timeout`` seconds passed first. A patient
+        writer waits its patience longer: its writes may be waiting out a tier."""
+        deadline = None if timeout is None else time.monotonic() + timeout + self.patience_s
         with self._cond:
             while self._pending > 0:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -182,9 +183,9 @@ class BackgroundWriter:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush, then stop the thread. Returns whether everything was written. A patient writer waits its
-        patience longer than ``timeout``: what it still waits for after that is given up."""
-        done = self.flush(timeout if timeout is None or self.patience_s <= 0 else timeout + self.patience_s)
+        """Flush (a patient writer: its patience longer), then stop the thread: what a patient writer still
+        waits for then is given up. Returns whether everything was written."""
+        done = self.flush(timeout)
         self._closing.set()
         if not self._stopped:
             self._stopped = True
