@@ -196,6 +196,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 handoff_wait_s=self._options.handoff_wait_ms / 1000.0,
                 engine_id=str(transfer.engine_id or ""),
                 require_cache_salt=config.require_cache_salt,
+                lookup_deadline_s=self._options.lookup_deadline_ms / 1000.0,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -332,6 +333,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None

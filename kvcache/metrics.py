@@ -52,8 +52,16 @@ _COUNTERS = (
     "handoff_records_waited",
     "handoff_fallbacks",
     "handoff_missing_records",
+    # far tiers (vllm_tiercache.kvcache.lookup): the scheduler's lookups answered past their deadline, chunks
+    # still on their way to host memory at it, and prefetched chunks evicted before their request ran ...
+    "lookups_late",
+    "prefetches_late",
+    "prefetches_evicted",
+    # ... and the workers' prefetches (vllm_tiercache.kvcache.load.prefetcher)
+    "prefetched_chunks",
+    "prefetch_failures",
 )
-_SERIES = ("load_seconds", "save_seconds", "handoff_wait_seconds")
+_SERIES = ("load_seconds", "save_seconds", "handoff_wait_seconds", "prefetch_seconds")
 #: Keys whose value is {source: latest level}, merged by replacement.
 _LEVELS = ("gauges", "save_queue")
 

@@ -38,6 +38,11 @@ LOAD_MODES: tuple[str, ...] = get_args(LoadMode)
 #: the records its producer promised (`vllm_tiercache.kvcache.handoff.promise`); docs/serving.md says why 1 s.
 DEFAULT_HANDOFF_WAIT_MS = 1000.0
 MAX_HANDOFF_WAIT_MS = 60000.0
+#: Default and upper bound of ``lookup_deadline_ms``: how long a request waits at most for its lookup and its
+#: prefetch from far tiers (`vllm_tiercache.kvcache.lookup.far`): a far tier's answer and a chunk's fetch take a
+#: few round trips; past 1 s, recomputing most prompts is cheaper than waiting on a slow store.
+DEFAULT_LOOKUP_DEADLINE_MS = 1000.0
+MAX_LOOKUP_DEADLINE_MS = 60000.0
 #: Env var that overrides ``chunk_size`` (applied last, over every config source).
 CHUNK_SIZE_ENV = "TIERCACHE_CHUNK_SIZE"
 
@@ -79,6 +84,17 @@ class KVConnectorOptions:
         "arrived by then is recomputed and counted (handoff_fallbacks). 0: take what is there at once.")),
         Allowed(f"a number of milliseconds, at least 0, at most {MAX_HANDOFF_WAIT_MS:g}",
                 path="kv_connector_extra_config.handoff_wait_ms")] = DEFAULT_HANDOFF_WAIT_MS
+
+    lookup_deadline_ms: Annotated[float, Strict(), Field(ge=0, le=MAX_LOOKUP_DEADLINE_MS, allow_inf_nan=False,
+                                                         description=(
+        "Far tiers (Redis, Redis Cluster, the object tier; docs/architecture.md, \"far tiers\"): a request's "
+        "lookup runs off the scheduling thread from its arrival, and the chunks found there are fetched into the "
+        "memory tier before its turn, so neither the scheduler nor a forward pass waits on the network. The "
+        "request waits for that at most this long after its arrival, in ms, without holding up the others; "
+        "what has not come by then is computed (lookups_late, prefetches_late). 0: look far tiers up on the "
+        "scheduling thread, bounded by lookup_budget_ms, and read their hits in the forward pass.")),
+        Allowed(f"a number of milliseconds, at least 0, at most {MAX_LOOKUP_DEADLINE_MS:g}",
+                path="kv_connector_extra_config.lookup_deadline_ms")] = DEFAULT_LOOKUP_DEADLINE_MS
 
     #: the keys this class parses, as `vllm_tiercache.shared.config.CONNECTOR_KEYS` lists them
     KEYS: ClassVar[tuple[str, ...]] = CONNECTOR_KEYS["TieredKVConnector"]

@@ -65,6 +65,16 @@ class ChunkSave:
 
 
 @dataclass
+class ChunkPrefetch:
+    """Fetch every record of one chunk that this worker's rank reads from the far tiers into its memory tier,
+    off the forward pass (`vllm_tiercache.kvcache.load.prefetcher`), for a request still waiting for its turn."""
+
+    chunk_hash: bytes
+    #: the request's tenant salt (`ChunkLoad.tenant`); never in a repr
+    tenant: str | None = field(default=None, repr=False)
+
+
+@dataclass
 class RequestPlan:
     req_id: str
     loads: list[ChunkLoad] = field(default_factory=list)
@@ -82,6 +92,11 @@ class TieredKVMetadata(KVConnectorMetadata):
     """One step's work for every worker."""
 
     requests: list[RequestPlan] = field(default_factory=list)
+    #: chunks found on a far tier for requests still waiting: fetched into host memory in the background
+    prefetches: list[ChunkPrefetch] = field(default_factory=list)
+    #: this step's loads read only the near tiers (memory, local files): what a far tier holds was fetched
+    #: ahead, and a record gone since is a failed load (recomputed), never a network wait in the forward
+    near_loads: bool = False
 
     @property
     def has_saves(self) -> bool:
@@ -92,11 +107,16 @@ class TieredKVMetadata(KVConnectorMetadata):
 class TieredKVWorkerMetadata(ResidencyChanges[bytes], KVConnectorWorkerMetadata):
     """Worker -> scheduler: chunk hashes that entered or left the worker's in-process memory tier
     (`vllm_tiercache.shared.residency` says why, and how ranks merge), and chunks a whole-request load
-    could not use (missing, corrupt, another layout): the scheduler claims them no more until saved again."""
+    could not use (missing, corrupt, another layout): the scheduler claims them no more until saved again;
+    and the prefetches that are over (`ChunkPrefetch`), and those of them that did not land in host memory."""
 
     failed: set[bytes] = field(default_factory=set)
+    prefetched: set[bytes] = field(default_factory=set)
+    prefetch_failed: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
         merged = self.merge(other)
-        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted, failed=self.failed | other.failed)
+        return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted, failed=self.failed | other.failed,
+                                      prefetched=self.prefetched | other.prefetched,
+                                      prefetch_failed=self.prefetch_failed | other.prefetch_failed)

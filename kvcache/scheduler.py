@@ -41,8 +41,10 @@ from vllm_tiercache.kvcache.handoff.promise import (
     check_promise,
     plan_handoff_load,
     producer_params,
+    remote_prefill_params,
     wants_remote_decode,
 )
+from vllm_tiercache.kvcache.lookup.far import FarLookups
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import (
@@ -85,6 +87,7 @@ class KVSchedulerSide:
         handoff_wait_s: float = 1.0,
         engine_id: str = "",
         require_cache_salt: bool = False,
+        lookup_deadline_s: float = 0.0,
     ) -> None:
         """`naming`: how prompts are cut into chunks, how chunks are named, and whether a partial last
         chunk is saved: the rule `tiercache precompute docs` follows too. `request_cacheable`: asked once
@@ -94,7 +97,10 @@ class KVSchedulerSide:
         the chunk at the end of a decoding request's computed blocks is not saved yet (its drafter KV may
         be rewritten when draft tokens are rejected; see `vllm_tiercache.shared.vllm_compat.uses_eagle`).
         `publish_events`: vLLM publishes KV cache events; the tiers' holdings are then announced
-        (`vllm_tiercache.kvcache.events.tracker`; nothing runs otherwise). `require_cache_salt`: `UnsaltedRequests`."""
+        (`vllm_tiercache.kvcache.events.tracker`; nothing runs otherwise). `require_cache_salt`: `UnsaltedRequests`.
+        `lookup_deadline_s`: > 0 where the store has a far tier, lookups and loads never wait on the network
+        here or in a forward pass (`vllm_tiercache.kvcache.lookup.far`), and a request waits at most this
+        long after its arrival for them; 0: lookups on this thread, bounded by the store's lookup budget."""
         self.store = store
         self.naming = naming
         self.can_load = can_load
@@ -148,6 +154,22 @@ class KVSchedulerSide:
         self.handoff_wait_s = handoff_wait_s
         self.engine_id = engine_id
         self.handoffs = HandoffCounters()
+        #: lookups and loads of far tiers off this thread and out of the forward (None: synchronous lookups)
+        self.far: FarLookups | None = None
+        far_tiers = [t.name for t in getattr(store, "far_tiers", [])]
+        if lookup_deadline_s > 0 and far_tiers and self.can_load:
+            if store.memory_tier is None or self.whole_request_loads:
+                log.warning("TieredKVConnector: far tiers %s are looked up on the scheduling thread (bounded by "
+                            "lookup_budget_ms) and read in the forward pass: %s", far_tiers,
+                            "no memory tier to fetch them into ahead (add one first in tiers)"
+                            if store.memory_tier is None else "this model's KV cache groups are loaded as one "
+                            "whole-request load")
+            else:
+                self.far = FarLookups(store, self.resident, naming.geometry.blocks_per_chunk, lookup_deadline_s,
+                                      local_blocks=self._vllm_holds)
+                log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into "
+                         "host memory before a request's turn, waiting at most %.0f ms", far_tiers,
+                         lookup_deadline_s * 1000)
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -235,7 +257,35 @@ class KVSchedulerSide:
             self._requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived: with far tiers, its lookup starts now, before the scheduler reaches it (a
+        hand-off's request is loaded from its producer's promise instead)."""
+        if self.far is None or remote_prefill_params(request) is not None:
+            return
+        state = self._state(request)
+        if state.cacheable and self.groups.supported:
+            self._start_far_lookup(state)
+
+    def _start_far_lookup(self, state: RequestState) -> None:
+        assert self.far is not None
+        if not self._checked_engine_hashing:
+            self._checked_engine_hashing = True
+            self.naming.check_engine_hashing(state.request)
+        chunks = state.names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
+        self.far.start(state, chunks, self._failed_chunks)
+
+    def _vllm_holds(self, request: Request) -> int:
+        """The blocks of ``request`` vLLM's own prefix cache holds now (never fetched from a far tier)."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            return 0
+        try:
+            hit_tokens = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1]
+        except Exception:  # another vLLM's internals: fetch everything found rather than fail
+            return 0
+        return int(hit_tokens) // self.geometry.block_size
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         block_size = self.geometry.block_size
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
@@ -247,8 +297,19 @@ class KVSchedulerSide:
             state.forget_load()
             return plan_handoff_load(state, promise, resident=self.resident, block_size=block_size,
                                      num_computed_tokens=num_computed_tokens)
-        ends, full_ok, window_ok, resident = self._lookup(state)
-        stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
+        shorter: tuple[int, bool] | None = None
+        if self.far is not None:
+            answer = self.far.answer(state, num_computed_tokens // block_size, self._failed_chunks)
+            if answer is None:
+                if not self.far.started(request.request_id):
+                    self._start_far_lookup(state)
+                return None, False  # asked again next step; the others are scheduled meanwhile
+            ends, full_ok, resident, shorter, stored = (answer.ends, answer.usable, answer.resident,
+                                                        answer.shorter, answer.stored)
+            window_ok = [True] * len(ends)
+        else:
+            ends, full_ok, window_ok, resident = self._lookup(state)
+            stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
         state.stored, state.resident = stored, resident
         if self.events is not None:
             self.events.looked_up(request, state.names, ends, stored, resident, [not r for r in resident])
@@ -263,7 +324,11 @@ class KVSchedulerSide:
             hit_chunks -= 1
         chunks = [(end, resident[i]) for i, end in enumerate(ends[:hit_chunks])]
         if hit_chunks == full_chunks and hit_chunks < len(ends):
-            shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
+            if self.far is None:
+                shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
+            elif shorter is not None and self.geometry.chunk_start(shorter[0]) != self.geometry.chunk_start(
+                    ends[hit_chunks]):
+                shorter = None  # found inside a chunk the far lookup had; now short of it
             if shorter is not None and self._windows_ok(ends[:hit_chunks], window_ok, shorter[0]):
                 chunks.append(shorter)
         if not chunks:
@@ -307,6 +372,8 @@ class KVSchedulerSide:
     # ------------------------------------------------------------------------------------- step plan
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:
         meta = TieredKVMetadata()
+        if self.far is not None:
+            meta.prefetches, meta.near_loads = self.far.take_prefetches(), True
         pending, self._whole_request_pending = self._whole_request_pending, []
         for req_id in pending:  # not scheduled this step: vLLM waits for their load
             state = self._requests.get(req_id)
@@ -338,6 +405,8 @@ class KVSchedulerSide:
                 meta.requests.append(plan)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+            if self.far is not None:
+                self.far.forget(req_id)
         return meta
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
@@ -403,6 +472,8 @@ class KVSchedulerSide:
         """
         salt = self.generation.advance()
         self.resident.clear()
+        if self.far is not None:
+            self.far.clear()
         self._failed_chunks.clear()
         pending = set(self._whole_request_pending)
         kept = 0
@@ -432,6 +503,8 @@ class KVSchedulerSide:
         if self._unreported_resets:
             counts["generation_resets"], self._unreported_resets = self._unreported_resets, 0
         counts.update(self.unsalted.take())
+        if self.far is not None:
+            counts.update(self.far.take_counters())
         return counts
 
     # -------------------------------------------------------------------------------- worker reports
@@ -441,6 +514,8 @@ class KVSchedulerSide:
             if self.events is not None:
                 self.events.residency(worker_meta.added, worker_meta.evicted)
                 self.events.failed(worker_meta.failed)
+            if self.far is not None and worker_meta.prefetched:
+                self.far.worker_report(worker_meta.prefetched, worker_meta.prefetch_failed)
             if worker_meta.failed:
                 log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
                             "claimed again until saved anew", len(worker_meta.failed))
@@ -457,11 +532,15 @@ class KVSchedulerSide:
         handed to it, ahead of the connector's flush of the store."""
         if self.events is not None:
             self.events.close()
+        if self.far is not None:
+            self.far.close()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out of the paged buffer within the step that computed them, so vLLM may
         # free the blocks right away: nothing asynchronous still reads them.
         state = self._requests.pop(request.request_id, None)
+        if self.far is not None:
+            self.far.forget(request.request_id)
         if state is None or not (self.can_save and state.cacheable and wants_remote_decode(request)):
             return False, None
         params = producer_params(state.names, self.naming, prompt_full_blocks(request, self.geometry.block_size),

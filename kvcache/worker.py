@@ -22,6 +22,7 @@ import torch
 from vllm_tiercache.kvcache.blocks.layout import PagedLayout
 from vllm_tiercache.kvcache.blocks.transfer import BlockMover, CudaBlockMover, make_mover
 from vllm_tiercache.kvcache.load.loader import KVLoader
+from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
 from vllm_tiercache.kvcache.naming import KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.save.saver import KVSaver
@@ -95,6 +96,9 @@ class KVWorkerSide:
             counters_lock=self._counters_lock,
         )
         self.saver = KVSaver(store=store, key=self.key, counters=self.counters, counters_lock=self._counters_lock)
+        #: far chunks fetched into host memory before their request's turn (the scheduler names them)
+        self.prefetcher = Prefetcher(store=store, key=self.key, residency=self.saver.residency,
+                                     counters=self.counters, counters_lock=self._counters_lock)
 
     # ------------------------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> PagedLayout | None:
@@ -138,6 +142,7 @@ class KVWorkerSide:
             self.load_mode == "auto" and layout.device.type == "cpu")
         self.loader.attach(layout, kv_caches, self.layer_index, self.mover, before_forward=self.loads_before_forward)
         self.saver.attach(layout, self.mover)
+        self.prefetcher.attach(list(self.layer_index.values()))
         log.info("TieredKVConnector: %d layers, layout %s", len(layout.layer_names), layout.describe())
         return layout
 
@@ -147,7 +152,10 @@ class KVWorkerSide:
 
     # ------------------------------------------------------------------------------------ a step's plan
     def start_load(self, meta: TieredKVMetadata) -> None:
-        """Hand this step's loads to the loader (a step without loads, most of them, goes no further)."""
+        """Hand this step's prefetches to the prefetcher and its loads to the loader (a step without
+        either, most of them, goes no further)."""
+        if meta.prefetches:
+            self.prefetcher.submit(meta.prefetches)
         loads = [load for plan in meta.requests for load in plan.loads]
         if not loads:
             return
@@ -155,7 +163,7 @@ class KVWorkerSide:
         whole = {plan.req_id for plan in meta.requests if plan.whole_request and plan.loads}
         handoffs = {plan.req_id: plan.handoff_wait_s for plan in meta.requests
                     if plan.handoff_wait_s is not None and plan.loads}
-        self.loader.start(loads, owners, whole, handoffs)
+        self.loader.start(loads, owners, whole, handoffs, near_only=meta.near_loads)
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: TieredKVMetadata) -> None:
         """Hand the saver this step's saves of the layer's KV cache group, right after the layer wrote its KV
@@ -178,12 +186,14 @@ class KVWorkerSide:
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
         """What the scheduler side must hear of: chunks that entered or left the memory tier, and chunks a
         whole-request load could not use."""
+        prefetched, prefetch_failed = self.prefetcher.take() if self.prefetcher.has_news else (set(), set())
         changes = self.saver.residency.take()
         failed = self.loader.take_failed_chunks() if self.loader.failed_chunks else set()
-        if changes is None and not failed:
+        if changes is None and not failed and not prefetched:
             return None
         added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
-        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
+        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed, prefetched=prefetched,
+                                      prefetch_failed=prefetch_failed)
 
     def take_counters(self) -> dict[str, Any]:
         """This worker's counters since the last call; ``{}`` when none moved."""
@@ -225,5 +235,6 @@ class KVWorkerSide:
         self.saver.flush()
         self.take_counters()
         self.dump_totals(force=True)
+        self.prefetcher.shutdown()
         self.loader.shutdown()
         self.saver.shutdown()

@@ -31,6 +31,11 @@ class WorkerCounters:
     handoff_fallbacks: int = 0
     handoff_missing_records: int = 0
     handoff_wait_seconds: list[float] = field(default_factory=list)
+    #: far chunks fetched into host memory ahead of their request (`vllm_tiercache.kvcache.load.prefetcher`),
+    #: those that did not land there, and each fetch's time
+    prefetched_chunks: int = 0
+    prefetch_failures: int = 0
+    prefetch_seconds: list[float] = field(default_factory=list)
 
     def take(self) -> dict[str, Any]:
         """The numbers since the last call, then zero; ``{}`` when none moved (most decode steps)."""

@@ -57,19 +57,20 @@ class ResidencyReporter(Generic[Name]):
     def enabled(self) -> bool:
         return self._memory is not None
 
-    def stored(self, name: Name, keys: Sequence[StoreKey]) -> None:
+    def stored(self, name: Name, keys: Sequence[StoreKey]) -> bool:
         """Report `name` resident if the memory tier holds all its `keys` now (a put can be refused or
-        evicted at once). Checked under the lock the eviction listener takes, so an eviction racing with
-        this (another connector's saves share the memory tier) is never lost."""
+        evicted at once); whether it does. Checked under the lock the eviction listener takes, so an
+        eviction racing with this (another connector's saves share the memory tier) is never lost."""
         if self._memory is None or not keys:
-            return
+            return False
         with self._lock:
             if not all(self._memory.contains_many(keys)):
-                return
+                return False
             for key in keys:
                 self._name_of_digest[key.digest] = name
             self._changes.added.add(name)
             self._changes.evicted.discard(name)
+        return True
 
     def _on_evicted(self, tier_kind: str, digest: bytes) -> None:
         """An eviction from a tier that reports them (`Store.add_eviction_listener`); residency reports

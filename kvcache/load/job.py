@@ -15,8 +15,11 @@ class LoadJob:
     """One step's layerwise load, shared by the loader thread and the forward pass."""
 
     def __init__(self, layer_names: tuple[str, ...], loads: list[ChunkLoad],
-                 owners: list[str] | None = None, whole_requests: set[str] | None = None) -> None:
+                 owners: list[str] | None = None, whole_requests: set[str] | None = None, *,
+                 near_only: bool = False) -> None:
         self.loads = loads
+        #: read only the near tiers (`TieredKVMetadata.near_loads`): a record not there is a failed load
+        self.near_only = near_only
         #: the request of every load, and the requests whose loads are whole-request loads
         self.owners = owners or [""] * len(loads)
         self.whole_requests = whole_requests or set()

@@ -130,11 +130,12 @@ class KVLoader:
 
     # ------------------------------------------------------------------------------------------ a step
     def start(self, loads: list[ChunkLoad], owners: list[str], whole_requests: set[str],
-              handoffs: dict[str, float] | None = None) -> None:
+              handoffs: dict[str, float] | None = None, *, near_only: bool = False) -> None:
         """Start one step's loads (``owners``: the request of each load; ``whole_requests``: those whose
         loads vLLM waits for as a whole, failing as a whole; ``handoffs``: requests whose loads are
-        prefill/decode hand-offs, with their longest wait for records in flight); before_forward: run them
-        now. A hand-off goes to its own thread (`vllm_tiercache.kvcache.handoff.wait`), never this step's."""
+        prefill/decode hand-offs, with their longest wait for records in flight; ``near_only``: the step's
+        loads read the near tiers only, `TieredKVMetadata.near_loads`); before_forward: run them now. A
+        hand-off goes to its own thread (`vllm_tiercache.kvcache.handoff.wait`), never this step's."""
         if handoffs and self.layout is not None:
             for req_id, wait_s in handoffs.items():
                 mine = [load for load, owner in zip(loads, owners, strict=True) if owner == req_id]
@@ -152,7 +153,7 @@ class KVLoader:
             self._load_errors.update(block for load, owner in zip(loads, owners, strict=True)
                                      if owner not in whole_requests for block in load.block_ids)
             return
-        job = LoadJob(self.layout.layer_names, loads, owners, whole_requests)
+        job = LoadJob(self.layout.layer_names, loads, owners, whole_requests, near_only=near_only)
         self._job = job
         assert self.mover is not None
         # before this step's forward is queued: the loads land after everything already queued (with
@@ -264,6 +265,7 @@ class KVLoader:
         if self._reads_into:  # the whole step's files read ahead while the first layer loads (cold disks)
             self.store.prefetch([self.key(job.loads[i].chunk_hash, layer)  # type: ignore[attr-defined]
                                  for _, layer, group in layers for i in loads_of_group.get(group, ())])
+        reach = "near" if job.near_only else "all"
         for layer_name, layer, group in layers:
             todo = [i for i in loads_of_group.get(group, ()) if i not in job.failed]
             # a sealing store opens each record with its request's tenant subkey (`ChunkLoad.tenant`)
@@ -274,9 +276,9 @@ class KVLoader:
             if layer_bytes is not None and any(in_place[i] for i in todo):
                 into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], spans[i]) if in_place[i]
                         else None for i in todo]
-                records = self.store.get_many(keys, into=into)
+                records = self.store.get_many(keys, into=into, reach=reach)
             else:
-                records = self.store.get_many(keys)
+                records = self.store.get_many(keys, reach=reach)
             job.fetch_seconds += time.perf_counter() - fetch_started
             copies: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0

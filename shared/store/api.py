@@ -18,7 +18,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -137,17 +137,17 @@ class Store(Protocol):
     """
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
-                      bounded: bool | None = None) -> list[bool]: ...
+                      bounded: bool | None = None, reach: Reach = "all") -> list[bool]: ...
     def get(self, key: StoreKey) -> Record | None: ...
-    def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[Sequence[memoryview] | None] | None = None) -> list[Record | None]:
-        """Records for ``keys`` (None: a miss). ``into``: per key, where the caller wants the payload (or
-        None): writable byte views of CPU memory that, one after the other, are the destination (the KV
-        connector gives a record's blocks in the paged cache, in the record's order). A tier that reads
-        from a file lands a payload of exactly that many bytes there, verified, and returns a record with
-        ``in_place`` set, saving a buffer and a copy; a record of another size comes back as usual. A miss
-        may have written into the destination: the caller must treat it as garbage then (the KV connector
-        reports those blocks as failed loads)."""
+    def get_many(self, keys: Sequence[StoreKey], *, into: Sequence[Sequence[memoryview] | None] | None = None,
+                 reach: Reach = "all") -> list[Record | None]:
+        """Records for ``keys`` (None: a miss); ``reach`` (`in_reach`): which tiers are asked. ``into``: per
+        key, where the caller wants the payload (or None): writable byte views of CPU memory that, one
+        after the other, are the destination (the KV connector gives a record's blocks in the paged cache,
+        in the record's order). A tier that reads from a file lands a payload of exactly that many bytes
+        there, verified, and returns a record with ``in_place`` set, saving a buffer and a copy; a record
+        of another size comes back as usual. A miss may have written into the destination: the caller
+        must treat it as garbage then (the KV connector reports those blocks as failed loads)."""
         ...
 
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
@@ -170,6 +170,10 @@ class Store(Protocol):
 
     @property
     def tiers(self) -> list[Tier]: ...
+    @property
+    def far_tiers(self) -> list[Tier]:
+        """The tiers declaring `RemoteTier` (their calls cross the network)."""
+        ...
     @property
     def memory_tier(self) -> Tier | None:
         """The first tier declaring `InProcessTier` (what a worker's residency reports describe), if any."""
@@ -270,6 +274,16 @@ class RemoteTier:
     thread of its own (`vllm_tiercache.shared.store.bounded_lookup.BoundedLookup`) and waits at most
     ``lookup_budget_ms``.
     """
+
+
+#: Which tiers a read asks: all of them, only the near ones (in-process memory, local files), or only the far ones
+#: (`RemoteTier`). A forward pass reads ``near`` where a far record was fetched ahead (`vllm_tiercache.kvcache.lookup`).
+Reach = Literal["all", "near", "far"]
+
+
+def in_reach(tier: Tier, reach: Reach) -> bool:
+    """Whether a read with ``reach`` asks ``tier``."""
+    return reach == "all" or (reach == "far") == isinstance(tier, RemoteTier)
 
 
 class ReportsHealth(ABC):

@@ -55,6 +55,7 @@ from vllm_tiercache.shared.store.api import (
     InProcessTier,
     PayloadAllocator,
     Prefetches,
+    Reach,
     ReadsInto,
     Record,
     RemoteTier,
@@ -63,6 +64,7 @@ from vllm_tiercache.shared.store.api import (
     StoreKey,
     TakesPayloadAllocator,
     Tier,
+    in_reach,
 )
 from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
@@ -181,12 +183,19 @@ class TieredStore:
             self.tiers[0].add_eviction_listener(self._admission.forget)
 
     # ------------------------------------------------------------------------------------------ reads
-    def _tiers(self, shared_only: bool) -> list[tuple[int, Tier]]:
-        return [(i, t) for i, t in enumerate(self.tiers) if t.shared_across_processes or not shared_only]
+    def _tiers(self, shared_only: bool, reach: Reach = "all") -> list[tuple[int, Tier]]:
+        return [(i, t) for i, t in enumerate(self.tiers)
+                if (t.shared_across_processes or not shared_only) and in_reach(t, reach)]
+
+    @property
+    def far_tiers(self) -> list[Tier]:
+        """The tiers whose calls cross the network (`RemoteTier`: Redis, the object tier)."""
+        return [t for t in self.tiers if isinstance(t, RemoteTier)]
 
     def contains_many(self, keys: Sequence[StoreKey], shared_only: bool = False, *,
-                      bounded: bool | None = None) -> list[bool]:
-        """Which keys some tier holds; ``shared_only`` consults only tiers other processes also see.
+                      bounded: bool | None = None, reach: Reach = "all") -> list[bool]:
+        """Which keys some tier holds; ``shared_only`` consults only tiers other processes also see;
+        ``reach`` only the near (in-process, local files) or the far (`RemoteTier`) tiers.
 
         A record still on its way to the slower tiers counts as held, except for ``shared_only``: other
         processes can't read this process's write-behind buffer.
@@ -201,7 +210,7 @@ class TieredStore:
         deadline = time.monotonic() + self.lookup_budget_s if bounded else 0.0
         found = [False] * len(keys)
         missing = list(range(len(keys)))
-        for ti, tier in self._tiers(shared_only):
+        for ti, tier in self._tiers(shared_only, reach):
             if not missing:
                 break
             if ti == 1 and not shared_only:
@@ -233,9 +242,10 @@ class TieredStore:
     def get(self, key: StoreKey) -> Record | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[StoreKey], *,
-                 into: Sequence[Sequence[memoryview] | None] | None = None) -> list[Record | None]:
-        """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers.
+    def get_many(self, keys: Sequence[StoreKey], *, into: Sequence[Sequence[memoryview] | None] | None = None,
+                 reach: Reach = "all") -> list[Record | None]:
+        """Records for ``keys`` (None for a miss): fastest tier, write-behind buffer, then slower tiers;
+        ``reach="near"`` never asks a tier across the network (a forward pass reading what was prefetched).
 
         ``into`` (`Store.get_many`) goes to the tiers that read into a destination (``get_many_into``);
         a record they land in place is promoted as a copy, since the destination stays the caller's."""
@@ -252,6 +262,8 @@ class TieredStore:
                     out[i] = record
                 if not missing:
                     break
+            if not in_reach(tier, reach):
+                continue
             start = time.perf_counter()
             asked = [keys[i] for i in missing]
             try:

@@ -14,10 +14,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_tiercache.kvcache.plan import TieredKVMetadata
+from vllm_tiercache.kvcache.lookup.far import FarLookups
+from vllm_tiercache.kvcache.plan import ChunkPrefetch, TieredKVMetadata, TieredKVWorkerMetadata
 
 
 def cpu_vllm_config(model: str, kv: KVTransferConfig, *, block_size: int, prefix_caching: bool,
@@ -77,9 +79,46 @@ def hashed_request(req_id: str, prompt: list[int], block_size: int, max_tokens: 
 
 
 def schedule_new(scheduler: Scheduler, request: Request) -> tuple[Any, TieredKVMetadata]:
-    """Add `request` and run one schedule: (vLLM's scheduler output, the KV connector's plan for the step)."""
+    """Add `request` and schedule until the connector answered its lookup: (vLLM's scheduler output, the KV
+    connector's plan for that step). With a far tier the answer comes after the lookup's probe and the
+    prefetches, which `play_prefetches` plays as a worker would, in steps of their own."""
     scheduler.add_request(request)
-    output = scheduler.schedule()
-    meta = output.kv_connector_metadata
-    assert isinstance(meta, TieredKVMetadata)
-    return output, meta
+    for _ in range(100):
+        output = scheduler.schedule()
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, TieredKVMetadata)
+        far = far_lookups(scheduler)
+        ticket = far._tickets.get(request.request_id) if far is not None else None
+        if ticket is None or ticket.answered:
+            return output, meta
+        ticket.probe.done.wait(60.0)
+        report = play_prefetches(scheduler, meta.prefetches)
+        runner = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                   kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=report))
+        scheduler.update_from_output(output, runner)
+    raise AssertionError(f"request {request.request_id} never got the connector's answer")
+
+
+def far_lookups(scheduler: Scheduler) -> FarLookups | None:
+    """The KV connector's far lookups in ``scheduler`` (None: synchronous lookups)."""
+    connector = scheduler.connector
+    side = getattr(connector, "_scheduler", None)
+    return getattr(side, "far", None)
+
+
+def play_prefetches(scheduler: Scheduler, prefetches: list[ChunkPrefetch]) -> TieredKVWorkerMetadata | None:
+    """What a worker (rank 0, every layer) does with a step's prefetches: read each chunk's records through the
+    connector's store (which promotes them into its memory tier), and report it prefetched and resident."""
+    if not prefetches:
+        return None
+    connector = scheduler.connector
+    side = connector._scheduler  # type: ignore[union-attr]
+    naming, store = side.naming, side.store
+    added, failed = set(), set()
+    for prefetch in prefetches:
+        keys = [key.for_tenant(prefetch.tenant) for key in naming.group_keys(prefetch.chunk_hash, naming.groups.groups)]
+        if all(record is not None for record in store.get_many(keys)):
+            added.add(prefetch.chunk_hash)
+        else:
+            failed.add(prefetch.chunk_hash)
+    return TieredKVWorkerMetadata(added=added, prefetched=added | failed, prefetch_failed=failed)

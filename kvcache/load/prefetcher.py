@@ -1,0 +1,127 @@
+"""The worker's prefetcher: chunks a far tier holds, fetched into host memory before their request's turn.
+
+Why: a far store (S3 at 10-30 ms to the first byte, a Redis in another zone) must never be waited for
+inside a forward pass, which also carries every other user's decode. The scheduler side finds a waiting
+request's chunks on a far tier (`vllm_tiercache.kvcache.lookup`) and names them in the next step's plan
+(`ChunkPrefetch`); here a few threads read each chunk's records of this worker's rank with one batched
+store read, which promotes them into the memory tier, and report the chunk resident
+(`vllm_tiercache.shared.residency`). The scheduler lets the request run once its chunks are resident (or
+its deadline passed); its load then reads host memory only (``near_loads``).
+
+Several threads: each chunk's read waits mostly on the network, and sealed records are opened on the
+thread that read them, so chunks are fetched and opened side by side. A chunk asked twice while queued
+or in flight is fetched once. A chunk whose records are not all there, or that the memory tier could not
+keep (host memory too tight), is reported failed: the scheduler counts it and its request recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from vllm_tiercache.kvcache.plan import ChunkPrefetch
+from vllm_tiercache.kvcache.worker_counters import WorkerCounters
+from vllm_tiercache.shared.residency import ResidencyReporter
+from vllm_tiercache.shared.store.api import Store, StoreKey
+from vllm_tiercache.shared.threads import background_thread
+
+log = logging.getLogger(__name__)
+
+#: Chunks fetched at once: enough to overlap a far tier's round trips, few enough to leave the cores to the
+#: forward pass (a thread mostly waits on a socket).
+PREFETCH_THREADS = 4
+
+
+class Prefetcher:
+    """Background reads of whole chunks (every layer of this rank) into the memory tier."""
+
+    def __init__(self, *, store: Store, key: Callable[[bytes, int], StoreKey], residency: ResidencyReporter[bytes],
+                 counters: WorkerCounters, counters_lock: threading.Lock, threads: int = PREFETCH_THREADS) -> None:
+        """`key`: the store key of a chunk's record of one layer (the worker's); `residency`: the saver's
+        reporter, which tells the scheduler what the memory tier holds."""
+        self.store = store
+        self.key = key
+        self.residency = residency
+        self.counters = counters
+        self._counters_lock = counters_lock
+        self._threads_wanted = threads
+        #: layer indices whose records a chunk has on this rank (`attach`); empty: nothing can be fetched
+        self.layers: list[int] = []
+        self._queue: queue.Queue[ChunkPrefetch | None] = queue.Queue()
+        self._lock = threading.Condition()
+        self._pending: set[bytes] = set()
+        self._done: set[bytes] = set()
+        self._failed: set[bytes] = set()
+        self._threads: list[threading.Thread] = []
+
+    def attach(self, layers: list[int]) -> None:
+        self.layers = list(layers)
+
+    def submit(self, prefetches: list[ChunkPrefetch]) -> None:
+        """Fetch these chunks in the background (those already queued or in flight are not asked again)."""
+        with self._lock:
+            fresh = [p for p in prefetches if p.chunk_hash not in self._pending]
+            self._pending.update(p.chunk_hash for p in fresh)
+        if not fresh:
+            return
+        if not self._threads:
+            self._threads = [background_thread(self._loop, f"tiercache-kv-prefetch-{i}")
+                             for i in range(self._threads_wanted)]
+            for thread in self._threads:
+                thread.start()
+        for prefetch in fresh:
+            self._queue.put(prefetch)
+
+    def take(self) -> tuple[set[bytes], set[bytes]]:
+        """(prefetches over since the last call, those of them that did not land in host memory)."""
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no prefetch is queued or in flight (tests, benchmarks); False when the time passed first."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending, timeout)
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self._done)
+
+    def _loop(self) -> None:
+        while (prefetch := self._queue.get()) is not None:
+            started = time.perf_counter()
+            try:
+                ok = self._fetch(prefetch)
+            except Exception:  # a store or tier bug: the chunk is a miss, never a dead thread
+                log.exception("TieredKVConnector: prefetch of chunk %s failed", prefetch.chunk_hash.hex())
+                ok = False
+            with self._lock:
+                self._pending.discard(prefetch.chunk_hash)
+                self._done.add(prefetch.chunk_hash)
+                if not ok:
+                    self._failed.add(prefetch.chunk_hash)
+                self._lock.notify_all()
+            with self._counters_lock:
+                self.counters.prefetched_chunks += ok
+                self.counters.prefetch_failures += not ok
+                self.counters.prefetch_seconds.append(time.perf_counter() - started)
+
+    def _fetch(self, prefetch: ChunkPrefetch) -> bool:
+        """Read the chunk's records (promoted into the memory tier by the store); whether all are held there."""
+        if not self.layers:
+            return False
+        keys = [self.key(prefetch.chunk_hash, layer).for_tenant(prefetch.tenant) for layer in self.layers]
+        records = self.store.get_many(keys)
+        if any(record is None for record in records):
+            return False
+        return self.residency.stored(prefetch.chunk_hash, keys)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)

@@ -1,0 +1,217 @@
+"""Each request's lookup against far tiers, from its arrival to its answer, and the chunks fetched ahead.
+
+vLLM asks the connector, on its one scheduling thread, how much of a waiting request it can supply
+(``get_num_new_matched_tokens``); an answer of None means "ask me again next step", and the scheduler
+goes on with the other requests. With a far tier (`RemoteTier`: Redis, Redis Cluster, the object tier)
+the answer never waits on the network:
+
+1. When a request arrives (``on_new_request``, before the scheduler reaches it), its probe goes to a
+   probe thread (`vllm_tiercache.kvcache.lookup.probe`): where each chunk is, up to the first missing one.
+2. Once the probe is in, the chunks only a far tier holds are named in the next step's plan
+   (`ChunkPrefetch`) and every worker reads them into its memory tier in the background
+   (`vllm_tiercache.kvcache.load.prefetcher`), while the request waits for its lookup or its turn. A chunk
+   already on its way for another request is not asked again, nor one vLLM's own prefix cache holds.
+3. The request is answered once every chunk it waits for is resident or failed, or at its deadline
+   (``lookup_deadline_ms`` after its arrival), whichever comes first: the hit is the prefix of chunks
+   the workers' memory holds (by their residency reports) or a near tier holds, and its load in the
+   forward pass reads the near tiers only (``near_loads``). What the deadline cut short is a miss,
+   counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk evicted from host memory
+   before its request ran (``prefetches_evicted``), or one gone between the answer and the load (a
+   failed load, recomputed by vLLM).
+
+Never more than one probe per request, and after its answer a request that is asked again (no free
+blocks yet, or preempted) is answered at once from what is resident then: there is no livelock.
+An aborted request's prefetch still lands in host memory, for the next request that asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_tiercache.kvcache.lookup.probe import Probe, ProbeThreads, Where
+from vllm_tiercache.kvcache.plan import ChunkPrefetch
+from vllm_tiercache.shared.residency import ResidentSet
+from vllm_tiercache.shared.store.api import Store
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from vllm_tiercache.kvcache.planning import RequestState
+
+log = logging.getLogger(__name__)
+
+#: A prefetch the workers never reported (a worker restarted) is forgotten after this long, and may be asked again.
+FORGET_PREFETCH_S = 60.0
+
+
+@dataclass
+class FarTicket:
+    """One request's lookup: its probe, its deadline, and the chunks it waits for."""
+
+    probe: Probe
+    deadline: float
+    #: vLLM's ``cache_salt`` of the request (a sealing store opens its records with its subkey)
+    tenant: str | None = field(default=None, repr=False)
+    #: names of the far chunks fetched for it, and whether its answer has been given (later asks are at once)
+    waits_for: set[bytes] = field(default_factory=set)
+    prefetching: bool = False
+    answered: bool = False
+
+
+@dataclass
+class FarAnswer:
+    """Where the request's chunks are, as the synchronous lookup says it (`KVSchedulerSide._lookup`)."""
+
+    ends: list[int]
+    #: chunk index -> loadable now; and -> held by the workers' memory tier
+    usable: list[bool]
+    resident: list[bool]
+    #: a shorter stored chunk after the last usable one, and whether the workers' memory holds it
+    shorter: tuple[int, bool] | None
+    #: chunk index -> some tier holds it (not saved again)
+    stored: list[bool]
+
+
+class FarLookups:
+    """The scheduler side's lookups against far tiers (module docstring)."""
+
+    def __init__(self, store: Store, resident: ResidentSet[bytes], blocks_per_chunk: int, deadline_s: float,
+                 local_blocks: Callable[[Request], int] | None = None) -> None:
+        """``local_blocks``: how many of a waiting request's blocks vLLM's own prefix cache holds now (never
+        fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers."""
+        self.store = store
+        self.resident = resident
+        self.local_blocks = local_blocks or (lambda request: 0)
+        self.deadline_s = deadline_s
+        self._probes = ProbeThreads(store, blocks_per_chunk)
+        self._tickets: dict[str, FarTicket] = {}
+        #: chunk name -> when its prefetch was asked (one fetch per chunk at a time, across requests)
+        self._in_flight: dict[bytes, float] = {}
+        #: chunks a worker reported fetched, for the evicted-before-it-ran count
+        self._fetched: set[bytes] = set()
+        self._to_send: dict[bytes, ChunkPrefetch] = {}
+        self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0}
+
+    # ------------------------------------------------------------------------------------- a request
+    def start(self, state: RequestState, chunks: list[tuple[int, bytes]], failed: set[bytes] | dict[bytes, None]
+              ) -> None:
+        """Probe the request's chunks in the background (once per request)."""
+        if state.request.request_id in self._tickets:
+            return
+        resident = [name in self.resident and name not in failed for _, name in chunks]
+        probe = Probe(state.request, state.names, chunks, resident)
+        self._tickets[state.request.request_id] = FarTicket(
+            probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None))
+        self._probes.submit(probe)
+
+    def answer(self, state: RequestState, local_blocks: int, failed: set[bytes] | dict[bytes, None]
+               ) -> FarAnswer | None:
+        """Where the request's chunks are, or None while its probe or its prefetches are pending and its
+        deadline has not passed. ``local_blocks``: the blocks vLLM's own prefix cache holds."""
+        ticket = self._tickets.get(state.request.request_id)
+        if ticket is None:
+            return None
+        now = time.monotonic()
+        late = now >= ticket.deadline
+        probe = ticket.probe
+        if not ticket.answered:
+            if not probe.done.is_set():
+                if not late:
+                    return None
+                self.counters["lookups_late"] += 1
+                ticket.answered = True
+                return self._answer(ticket, failed, probe_in=False)
+            if not ticket.prefetching:
+                self._prefetch(ticket, local_blocks)
+            pending = {name for name in ticket.waits_for if name in self._in_flight and name not in self.resident}
+            if pending and not late:
+                return None
+            self.counters["prefetches_late"] += len(pending)
+            self.counters["prefetches_evicted"] += sum(
+                1 for name in ticket.waits_for if name in self._fetched and name not in self.resident)
+            ticket.answered = True
+        return self._answer(ticket, failed, probe_in=probe.done.is_set())
+
+    def started(self, req_id: str) -> bool:
+        return req_id in self._tickets
+
+    def forget(self, req_id: str) -> None:
+        """The request is over (finished or aborted); its prefetches, if any, still land."""
+        self._tickets.pop(req_id, None)
+
+    def _prefetch(self, ticket: FarTicket, local_blocks: int) -> None:
+        """Name the far chunks of the request's probed prefix for the workers to fetch (once per ticket)."""
+        ticket.prefetching = True
+        probe = ticket.probe
+        wanted = [(end, name) for (end, name), where in zip(probe.chunks, probe.where, strict=True)
+                  if where == Where.FAR and end > local_blocks]
+        if probe.shorter is not None and probe.shorter[2] == Where.FAR and Where.MISSING in probe.where:
+            wanted.append(probe.shorter[:2])
+        now = time.monotonic()
+        for _, name in wanted:
+            ticket.waits_for.add(name)
+            if name in self.resident or name in self._in_flight:
+                continue
+            self._in_flight[name] = now
+            self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant)
+
+    def _answer(self, ticket: FarTicket, failed: set[bytes] | dict[bytes, None], *, probe_in: bool) -> FarAnswer:
+        probe = ticket.probe
+        ends = [end for end, _ in probe.chunks]
+        resident = [name in self.resident and name not in failed for _, name in probe.chunks]
+        where = probe.where if probe_in else [Where.RESIDENT if r else Where.MISSING for r in resident]
+        usable = [r or (w == Where.NEAR and name not in failed)
+                  for r, w, (_, name) in zip(resident, where, probe.chunks, strict=True)]
+        stored = [r or w != Where.MISSING for r, w in zip(resident, where, strict=True)]
+        shorter = None
+        if probe_in and probe.shorter is not None:
+            end, name, at = probe.shorter
+            held = name in self.resident
+            if name not in failed and (held or at == Where.NEAR):
+                shorter = (end, held)
+        return FarAnswer(ends, usable, resident, shorter, stored)
+
+    # ------------------------------------------------------------------------------------ each step
+    def take_prefetches(self) -> list[ChunkPrefetch]:
+        """The prefetches to name in this step's plan: those asked since the last step, and those of
+        requests whose probe came in meanwhile (fetched while the request still waits for its turn)."""
+        for ticket in self._tickets.values():
+            if not ticket.prefetching and not ticket.answered and ticket.probe.done.is_set():
+                self._prefetch(ticket, self.local_blocks(ticket.probe.request))
+        if not self._to_send:
+            return []
+        out, self._to_send = list(self._to_send.values()), {}
+        return out
+
+    def worker_report(self, prefetched: set[bytes], failed: set[bytes]) -> None:
+        """The workers' prefetches that are over (resident now, by the same report, unless failed)."""
+        for name in prefetched:
+            self._in_flight.pop(name, None)
+            if name not in failed:
+                self._fetched.add(name)
+        if len(self._fetched) > 65536:
+            self._fetched.clear()
+        if self._in_flight:
+            stale = time.monotonic() - FORGET_PREFETCH_S
+            for name in [n for n, asked in self._in_flight.items() if asked < stale]:
+                del self._in_flight[name]
+
+    def take_counters(self) -> dict[str, int]:
+        out = {name: value for name, value in self.counters.items() if value}
+        for name in out:
+            self.counters[name] = 0
+        return out
+
+    def clear(self) -> None:
+        """A generation reset: every name asked so far is of the old generation."""
+        self._tickets.clear()
+        self._in_flight.clear()
+        self._fetched.clear()
+        self._to_send.clear()
+
+    def close(self) -> None:
+        self._probes.close()

@@ -1,0 +1,303 @@
+"""Far tiers never stall the scheduler (`vllm_tiercache.kvcache.lookup`): lookups off its thread, chunks fetched
+into host memory before the request's turn, loads that read the near tiers only.
+
+Real parts: vLLM `Request`s hashed as the engine hashes them, a real redis-server (paused with SIGSTOP where a
+test needs a store that hangs), a real Redis Cluster and a real SeaweedFS bucket, the real store, the real
+`KVSchedulerSide` and the worker's real `Prefetcher` over the same store. The scheduler output and the block
+table are the stand-ins of tests/kv/test_kv_scheduler.py; the worker's report is built as the worker builds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.kv.test_kv_scheduler import BLOCK, CHUNK, IDENTITY, BlockTable, make_request, step, tokens
+from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
+from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
+from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
+from vllm_tiercache.kvcache.worker_counters import WorkerCounters
+from vllm_tiercache.shared.residency import ResidencyReporter
+from vllm_tiercache.shared.store import build_store
+from vllm_tiercache.shared.store.api import Store
+from vllm_tiercache.tools.redis_server import RedisServer
+
+pytestmark = [pytest.mark.redis]
+
+NAMING = KVNaming(namespace="far", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, CHUNK), hash_algo="sha256",
+                  save_partial_chunks=True)
+#: a record's blocks: 4 blocks of (2, BLOCK, 128) bf16 values
+RECORD = torch.zeros(4, 2, BLOCK, 128, dtype=torch.bfloat16)
+#: the chunks of a 330-token prompt: [0,4) [4,8) and the partial [8,10)
+PROMPT_TOKENS = 330
+
+
+class Worker:
+    """The worker's side of a prefetch: the real `Prefetcher` over the scheduler's store, and its report."""
+
+    def __init__(self, store: Store, memory_store: Store | None = None) -> None:
+        target = memory_store or store
+        self.counters = WorkerCounters()
+        self.residency: ResidencyReporter[bytes] = ResidencyReporter(target)
+        self.prefetcher = Prefetcher(store=target, key=lambda chunk, layer: NAMING.record_key(chunk, layer),
+                                     residency=self.residency, counters=self.counters, counters_lock=threading.Lock())
+        self.prefetcher.attach(list(range(IDENTITY.num_layers)))
+
+    def play(self, meta: TieredKVMetadata, side: KVSchedulerSide) -> TieredKVWorkerMetadata:
+        """Fetch the plan's prefetches, wait for them, and send the scheduler the worker's report."""
+        self.prefetcher.submit(meta.prefetches)
+        assert self.prefetcher.drain(60.0)
+        return self.report(side)
+
+    def report(self, side: KVSchedulerSide) -> TieredKVWorkerMetadata:
+        prefetched, failed = self.prefetcher.take()
+        changes = self.residency.take()
+        added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
+        report = TieredKVWorkerMetadata(added=added, evicted=evicted, prefetched=prefetched, prefetch_failed=failed)
+        side.update_connector_output(report)
+        return report
+
+    def close(self) -> None:
+        self.prefetcher.shutdown()
+
+
+def far_side(store: Store, deadline_s: float = 30.0) -> KVSchedulerSide:
+    side = KVSchedulerSide(store=store, naming=NAMING, can_load=True, can_save=True, save_decode=False,
+                           lookup_deadline_s=deadline_s)
+    side.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    assert side.far is not None
+    return side
+
+
+def store_chunks(tier: dict[str, Any], chunks: list[bytes]) -> None:
+    """Every layer's record of ``chunks`` into the far tier alone, as another engine saved them."""
+    with build_store({"tiers": [tier]}) as writer:
+        for chunk in chunks:
+            for layer in range(IDENTITY.num_layers):
+                writer.put(NAMING.record_key(chunk, layer), RECORD, {"blocks": 4})
+        assert writer.flush(60.0)
+
+
+def store_with(tier: dict[str, Any], memory: str = "64MiB") -> Store:
+    return build_store({"tiers": [{"kind": "memory", "capacity": memory}, tier]})
+
+
+def probe_done(side: KVSchedulerSide, req_id: str) -> None:
+    assert side.far is not None
+    assert side.far._tickets[req_id].probe.done.wait(60.0)
+
+
+def empty_step(side: KVSchedulerSide) -> TieredKVMetadata:
+    return side.build_connector_meta(step([], [], {}))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def redis_tier(redis_url: str) -> dict[str, Any]:
+    return {"kind": "redis", "url": redis_url, "timeout_s": 2.0, "retry_after_s": 0.2}
+
+
+@pytest.fixture(params=["redis", "redis-cluster", "object"])
+def far_tier(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Every far kind: a redis-server, a Redis Cluster, a SeaweedFS bucket."""
+    if request.param == "redis":
+        return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "timeout_s": 2.0, "retry_after_s": 0.2}
+    if request.param == "redis-cluster":
+        return {"kind": "redis", "url": request.getfixturevalue("redis_cluster").url, "timeout_s": 2.0,
+                "retry_after_s": 0.2}
+    return request.getfixturevalue("s3_bucket").tier_config()
+
+
+def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_memory(far_tier) -> None:
+    request = make_request("a", tokens(PROMPT_TOKENS))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(far_tier, full)
+    with store_with(far_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            # the answer is not known yet: vLLM schedules the others and asks again next step
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+            probe_done(side, "a")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == full and meta.near_loads
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # still on its way
+            report = worker.play(meta, side)
+            assert report.added == set(full) and report.prefetched == set(full) and not report.prefetch_failed
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+            assert side._requests["a"].load_chunks == [(4, True), (8, True)]  # both from host memory
+            side.update_state_after_alloc(request, 8 * BLOCK)
+            plan = side.build_connector_meta(step([("a", 8 * BLOCK)], [], {"a": 74}))  # type: ignore[arg-type]
+            assert plan.near_loads and [load.chunk_hash for load in plan.requests[0].loads] == full
+            assert not plan.prefetches  # fetched once
+            # what the forward reads is in host memory, and the near tiers alone answer for it
+            keys = [NAMING.record_key(c, layer) for c in full for layer in range(IDENTITY.num_layers)]
+            assert all(record is not None for record in store.get_many(keys, reach="near"))
+            assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> None:
+    """A prompt never stored: the far tier is asked for the probe record of each chunk only; the request is
+    answered with no hit as soon as the probe is in, without a step for prefetches."""
+    request = make_request("m", tokens(PROMPT_TOKENS, seed=1))
+    with store_with(redis_tier) as store:
+        side = far_side(store)
+        asked: list[int] = []
+        far = store.far_tiers[0]
+        real = far.contains_many
+
+        def counting(keys):  # type: ignore[no-untyped-def]
+            asked.append(len(keys))
+            return real(keys)
+
+        far.contains_many = counting  # type: ignore[method-assign]
+        try:
+            side.on_new_request(request)
+            probe_done(side, "m")
+            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+            # three chunks, one record each (the synchronous lookup asked every layer: 6), then the three shorter
+            # endings inside the first chunk (a stored prompt shorter than one chunk)
+            assert asked == [3, 3]
+            assert empty_step(side).prefetches == []
+        finally:
+            side.shutdown()
+
+
+@pytest.mark.serial  # pauses a redis-server of its own
+def test_a_store_that_hangs_during_the_lookup_never_holds_a_call_and_the_request_runs_at_its_deadline() -> None:
+    with RedisServer() as server:
+        tier = {"kind": "redis", "url": server.url, "timeout_s": 30.0, "retry_after_s": 0.2}
+        request = make_request("h", tokens(PROMPT_TOKENS, seed=2))
+        store_chunks(tier, [request.block_hashes[3]])
+        with store_with(tier) as store:
+            side = far_side(store, deadline_s=0.3)
+            server.pause()
+            try:
+                side.on_new_request(request)
+                answers = [side.get_num_new_matched_tokens(request, 0)]
+                while answers[-1][0] is None:  # every call returns at once while the probe hangs
+                    answers.append(side.get_num_new_matched_tokens(request, 0))
+                    threading.Event().wait(0.01)
+                assert answers[0] == (None, False) and answers[-1] == (0, False)  # its deadline passed: a miss
+                assert not side.far._tickets["h"].probe.done.is_set()  # type: ignore[union-attr]
+                assert side.take_counters() == {"lookups_late": 1}
+            finally:
+                server.resume()
+                side.shutdown()
+
+
+@pytest.mark.serial  # pauses a redis-server of its own
+def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its_deadline() -> None:
+    with RedisServer() as server:
+        tier = {"kind": "redis", "url": server.url, "timeout_s": 30.0, "retry_after_s": 0.2}
+        request = make_request("p", tokens(PROMPT_TOKENS, seed=3))
+        full = [request.block_hashes[3], request.block_hashes[7]]
+        store_chunks(tier, full)
+        with store_with(tier) as store:
+            side, worker = far_side(store, deadline_s=0.3), Worker(store)
+            try:
+                side.on_new_request(request)
+                probe_done(side, "p")
+                meta = empty_step(side)
+                assert len(meta.prefetches) == 2
+                server.pause()
+                worker.prefetcher.submit(meta.prefetches)  # its reads wait on the stopped server
+                answer = side.get_num_new_matched_tokens(request, 0)
+                while answer[0] is None:
+                    threading.Event().wait(0.01)
+                    worker.report(side)
+                    answer = side.get_num_new_matched_tokens(request, 0)
+                assert answer == (0, False)
+                assert side.take_counters() == {"prefetches_late": 2}
+            finally:
+                server.resume()
+                assert worker.prefetcher.drain(60.0)
+                worker.close()
+                side.shutdown()
+
+
+def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(redis_tier) -> None:
+    first, second = make_request("x", tokens(PROMPT_TOKENS, seed=4)), make_request("y", tokens(PROMPT_TOKENS, seed=4))
+    full = [first.block_hashes[3], first.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(first)
+            side.on_new_request(second)  # the same prompt, arrived together
+            probe_done(side, "x")
+            probe_done(side, "y")
+            meta = empty_step(side)
+            assert sorted(p.chunk_hash for p in meta.prefetches) == sorted(full)  # one fetch per chunk
+            side.request_finished(first)  # aborted while its prefetch runs
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(second, 0) == (8 * BLOCK, False)
+            third = make_request("z", tokens(PROMPT_TOKENS, seed=4))
+            side.on_new_request(third)
+            probe_done(side, "z")
+            assert empty_step(side).prefetches == []  # resident: not fetched again
+            assert side.get_num_new_matched_tokens(third, 0) == (8 * BLOCK, False)
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_prefetched_chunk_evicted_before_its_request_runs_is_recomputed_and_counted(redis_tier) -> None:
+    request = make_request("e", tokens(PROMPT_TOKENS, seed=5))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "e")
+            worker.play(empty_step(side), side)
+            # host memory let the second chunk go before the request's turn (the worker reports it evicted)
+            side.update_connector_output(TieredKVWorkerMetadata(evicted={full[1]}))
+            assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+            assert side.take_counters() == {"prefetches_evicted": 1}
+            # preempted and asked again later: answered at once, from what host memory holds then
+            assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_tight_host_memory_fails_the_prefetch_and_the_request_runs_as_a_miss(redis_tier) -> None:
+    """A memory tier smaller than one chunk's records: the fetch cannot land, the worker says so at once, and
+    the request does not wait for its deadline."""
+    request = make_request("t", tokens(PROMPT_TOKENS, seed=6))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier, memory="64KiB") as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "t")
+            report = worker.play(empty_step(side), side)
+            assert report.prefetch_failed == set(full) and not report.added
+            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert worker.counters.prefetch_failures == 2
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+@pytest.fixture
+def plain_side(redis_tier) -> Iterator[KVSchedulerSide]:
+    with store_with(redis_tier) as store:
+        side = KVSchedulerSide(store=store, naming=NAMING, can_load=True, can_save=True, save_decode=False)
+        yield side
+
+
+def test_a_deadline_of_zero_keeps_the_synchronous_lookup(plain_side) -> None:
+    assert plain_side.far is None
+    request = make_request("s", tokens(PROMPT_TOKENS, seed=7))
+    assert plain_side.get_num_new_matched_tokens(request, 0) == (0, False)
