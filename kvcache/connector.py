@@ -207,6 +207,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=get_tensor_model_parallel_rank(),
                 use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
                 load_mode=self._options.load_mode,
+                prefetch_buffer_bytes=self._options.prefetch_buffer,
             )
 
     # ------------------------------------------------------------------------------- vLLM capabilities

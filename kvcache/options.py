@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BeforeValidator, ConfigDict, Field, Strict
 
 from vllm_tiercache.shared.config import CONNECTOR_KEYS, StoreConfig, split_connector_config
-from vllm_tiercache.shared.store.tier_config import Allowed, Bool, validate
+from vllm_tiercache.shared.store.tier_config import Allowed, Bool, size, validate
 
 #: Allowed values of ``load_failure_policy``.
 FailurePolicy = Literal["recompute", "fail"]
@@ -43,6 +43,10 @@ MAX_HANDOFF_WAIT_MS = 60000.0
 #: few round trips; past 1 s, recomputing most prompts is cheaper than waiting on a slow store.
 DEFAULT_LOOKUP_DEADLINE_MS = 1000.0
 MAX_LOOKUP_DEADLINE_MS = 60000.0
+#: Default and lower bound of ``prefetch_buffer``: the host memory a worker holds far chunks in between their
+#: fetch and their load (`vllm_tiercache.kvcache.load.staging`).
+DEFAULT_PREFETCH_BUFFER = 1 << 30
+MIN_PREFETCH_BUFFER = 1 << 20
 #: Env var that overrides ``chunk_size`` (applied last, over every config source).
 CHUNK_SIZE_ENV = "TIERCACHE_CHUNK_SIZE"
 
@@ -95,6 +99,13 @@ class KVConnectorOptions:
         "scheduling thread, bounded by lookup_budget_ms, and read their hits in the forward pass.")),
         Allowed(f"a number of milliseconds, at least 0, at most {MAX_LOOKUP_DEADLINE_MS:g}",
                 path="kv_connector_extra_config.lookup_deadline_ms")] = DEFAULT_LOOKUP_DEADLINE_MS
+
+    prefetch_buffer: Annotated[int, size(MIN_PREFETCH_BUFFER, out_of_range=(
+        f'a size of at least {MIN_PREFETCH_BUFFER} bytes, e.g. "1GiB"')), Field(description=(
+        "Far tiers: the host memory each worker may hold far chunks fetched ahead of their request in, until "
+        "their load (beside the memory tier, whose eviction never drops them before). A chunk that does not "
+        "fit is computed instead (prefetch_failures).")),
+        Allowed("a size such as 1GiB", path="kv_connector_extra_config.prefetch_buffer")] = DEFAULT_PREFETCH_BUFFER
 
     #: the keys this class parses, as `vllm_tiercache.shared.config.CONNECTOR_KEYS` lists them
     KEYS: ClassVar[tuple[str, ...]] = CONNECTOR_KEYS["TieredKVConnector"]

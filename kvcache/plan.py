@@ -108,15 +108,19 @@ class TieredKVWorkerMetadata(ResidencyChanges[bytes], KVConnectorWorkerMetadata)
     """Worker -> scheduler: chunk hashes that entered or left the worker's in-process memory tier
     (`vllm_tiercache.shared.residency` says why, and how ranks merge), and chunks a whole-request load
     could not use (missing, corrupt, another layout): the scheduler claims them no more until saved again;
-    and the prefetches that are over (`ChunkPrefetch`), and those of them that did not land in host memory."""
+    and the prefetches that are over (`ChunkPrefetch`): staged in host memory (per chunk, how many ranks
+    staged it: the scheduler claims a chunk once every rank did), failed, or dropped from staging since."""
 
     failed: set[bytes] = field(default_factory=set)
-    prefetched: set[bytes] = field(default_factory=set)
+    prefetched: dict[bytes, int] = field(default_factory=dict)
     prefetch_failed: set[bytes] = field(default_factory=set)
+    unstaged: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
         merged = self.merge(other)
         return TieredKVWorkerMetadata(added=merged.added, evicted=merged.evicted, failed=self.failed | other.failed,
-                                      prefetched=self.prefetched | other.prefetched,
-                                      prefetch_failed=self.prefetch_failed | other.prefetch_failed)
+                                      prefetched={name: self.prefetched.get(name, 0) + other.prefetched.get(name, 0)
+                                                  for name in self.prefetched.keys() | other.prefetched.keys()},
+                                      prefetch_failed=self.prefetch_failed | other.prefetch_failed,
+                                      unstaged=self.unstaged | other.unstaged)

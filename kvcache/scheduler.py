@@ -166,7 +166,7 @@ class KVSchedulerSide:
                             "whole-request load")
             else:
                 self.far = FarLookups(store, self.resident, naming.geometry.blocks_per_chunk, lookup_deadline_s,
-                                      local_blocks=self._vllm_holds)
+                                      local_blocks=self._vllm_holds, ranks=len(naming.identities))
                 log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into "
                          "host memory before a request's turn, waiting at most %.0f ms", far_tiers,
                          lookup_deadline_s * 1000)
@@ -306,10 +306,10 @@ class KVSchedulerSide:
                 return None, False  # asked again next step; the others are scheduled meanwhile
             ends, full_ok, resident, shorter, stored = (answer.ends, answer.usable, answer.resident,
                                                         answer.shorter, answer.stored)
-            window_ok = [True] * len(ends)
+            window_ok, host = [True] * len(ends), answer.host
         else:
             ends, full_ok, window_ok, resident = self._lookup(state)
-            stored = [f and w for f, w in zip(full_ok, window_ok, strict=True)]
+            stored, host = [f and w for f, w in zip(full_ok, window_ok, strict=True)], resident
         state.stored, state.resident = stored, resident
         if self.events is not None:
             self.events.looked_up(request, state.names, ends, stored, resident, [not r for r in resident])
@@ -322,7 +322,7 @@ class KVSchedulerSide:
         hit_chunks = full_chunks
         while hit_chunks and not self._windows_ok(ends, window_ok, ends[hit_chunks - 1]):
             hit_chunks -= 1
-        chunks = [(end, resident[i]) for i, end in enumerate(ends[:hit_chunks])]
+        chunks = [(end, host[i]) for i, end in enumerate(ends[:hit_chunks])]
         if hit_chunks == full_chunks and hit_chunks < len(ends):
             if self.far is None:
                 shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
@@ -514,8 +514,8 @@ class KVSchedulerSide:
             if self.events is not None:
                 self.events.residency(worker_meta.added, worker_meta.evicted)
                 self.events.failed(worker_meta.failed)
-            if self.far is not None and worker_meta.prefetched:
-                self.far.worker_report(worker_meta.prefetched, worker_meta.prefetch_failed)
+            if self.far is not None and (worker_meta.prefetched or worker_meta.prefetch_failed or worker_meta.unstaged):
+                self.far.worker_report(worker_meta.prefetched, worker_meta.prefetch_failed, worker_meta.unstaged)
             if worker_meta.failed:
                 log.warning("TieredKVConnector: %d chunk(s) failed to load; they are recomputed and not "
                             "claimed again until saved anew", len(worker_meta.failed))

@@ -23,7 +23,9 @@ from vllm_tiercache.kvcache.blocks.layout import PagedLayout
 from vllm_tiercache.kvcache.blocks.transfer import BlockMover, CudaBlockMover, make_mover
 from vllm_tiercache.kvcache.load.loader import KVLoader
 from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
+from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.naming import KVNaming
+from vllm_tiercache.kvcache.options import DEFAULT_PREFETCH_BUFFER
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.save.saver import KVSaver
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
@@ -50,10 +52,12 @@ class KVWorkerSide:
         rank: int,
         use_mla: bool,
         load_mode: str = "auto",
+        prefetch_buffer_bytes: int = DEFAULT_PREFETCH_BUFFER,
     ) -> None:
         """`naming` names the records (the scheduler side's naming); `rank`: this worker's tensor-parallel
         rank, whose records it reads and writes; `load_mode`: `KVConnectorOptions.load_mode` ("auto" is
-        resolved when the KV caches' device is known)."""
+        resolved when the KV caches' device is known); `prefetch_buffer_bytes`: the host memory that far chunks
+        fetched ahead may hold until their load (`vllm_tiercache.kvcache.load.staging`)."""
         self.store = store
         self.load_mode = load_mode
         #: a step's loads run in `start_load`, before the forward, instead of on the loader thread
@@ -84,6 +88,8 @@ class KVWorkerSide:
         #: chunk and layer; building one (text, checks, blake2b) costs more than finding it here
         #: (docs/benchmarks-kv.md, "the loader's keys"). The loader and the saver share them.
         self.key = functools.lru_cache(maxsize=KEY_CACHE_SIZE)(self._build_key)
+        #: far chunks fetched ahead, held for their load
+        self.staging = Staging(prefetch_buffer_bytes)
         self.loader = KVLoader(
             store=store,
             key=self.key,
@@ -94,10 +100,11 @@ class KVWorkerSide:
             rank=rank,
             counters=self.counters,
             counters_lock=self._counters_lock,
+            staging=self.staging,
         )
         self.saver = KVSaver(store=store, key=self.key, counters=self.counters, counters_lock=self._counters_lock)
         #: far chunks fetched into host memory before their request's turn (the scheduler names them)
-        self.prefetcher = Prefetcher(store=store, key=self.key, residency=self.saver.residency,
+        self.prefetcher = Prefetcher(store=store, key=self.key, residency=self.saver.residency, staging=self.staging,
                                      counters=self.counters, counters_lock=self._counters_lock)
 
     # ------------------------------------------------------------------------------------ registration
@@ -186,14 +193,15 @@ class KVWorkerSide:
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
         """What the scheduler side must hear of: chunks that entered or left the memory tier, and chunks a
         whole-request load could not use."""
-        prefetched, prefetch_failed = self.prefetcher.take() if self.prefetcher.has_news else (set(), set())
+        done, prefetch_failed, unstaged = self.prefetcher.take() if self.prefetcher.has_news else (set(), set(), set())
         changes = self.saver.residency.take()
         failed = self.loader.take_failed_chunks() if self.loader.failed_chunks else set()
-        if changes is None and not failed and not prefetched:
+        if changes is None and not failed and not done and not unstaged:
             return None
         added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
-        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed, prefetched=prefetched,
-                                      prefetch_failed=prefetch_failed)
+        return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed,
+                                      prefetched={name: 1 for name in done - prefetch_failed},
+                                      prefetch_failed=prefetch_failed, unstaged=unstaged)
 
     def take_counters(self) -> dict[str, Any]:
         """This worker's counters since the last call; ``{}`` when none moved."""

@@ -331,7 +331,8 @@ STORE_KEYS = (*(f.name for f in fields(StoreConfig) if f.name != "extra"), "conf
 #: `vllm_tiercache.eccache.options`, whose ``KEYS`` are these tuples).
 CONNECTOR_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "TieredKVConnector": ("chunk_size", "save_partial_chunks", "save_decode", "load_failure_policy", "load_mode",
-                          "warmup_cpu_attention", "handoff_wait_ms", "lookup_deadline_ms"),
+                          "warmup_cpu_attention", "handoff_wait_ms", "lookup_deadline_ms",
+                          "prefetch_buffer"),
     "TieredECConnector": ("encoder_cache_policy", "x_ec_stats_path"),
 })
 

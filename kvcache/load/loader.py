@@ -27,10 +27,11 @@ from vllm_tiercache.kvcache.blocks.layout import PagedLayout
 from vllm_tiercache.kvcache.blocks.transfer import BlockMover, block_spans
 from vllm_tiercache.kvcache.handoff.wait import HandoffLoads
 from vllm_tiercache.kvcache.load.job import LoadJob
+from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.load.trace import LoadTrace
 from vllm_tiercache.kvcache.plan import ChunkLoad
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
-from vllm_tiercache.shared.store.api import Record, Store, StoreKey
+from vllm_tiercache.shared.store.api import Reach, Record, Store, StoreKey
 from vllm_tiercache.shared.store.records import byte_view
 from vllm_tiercache.shared.threads import background_thread
 
@@ -71,6 +72,7 @@ class KVLoader:
         rank: int = 0,
         counters: WorkerCounters | None = None,
         counters_lock: threading.Lock | None = None,
+        staging: Staging | None = None,
     ) -> None:
         """`key`: the store key of a chunk's record of one layer (the worker's remembered keys);
         `group_of_layer`: the KV cache group of each layer index; `counted_layer`: the layer whose
@@ -82,6 +84,8 @@ class KVLoader:
         self._counted_layer = counted_layer
         self.rank = rank
         self.counters = counters if counters is not None else WorkerCounters()
+        #: far chunks fetched ahead (`vllm_tiercache.kvcache.load.staging`), read first by near-only loads
+        self.staging = staging
         self._counters_lock = counters_lock if counters_lock is not None else threading.Lock()
         #: a step's loads run in `start`, before the forward, instead of on the loader thread (`attach`)
         self.before_forward = False
@@ -265,7 +269,6 @@ class KVLoader:
         if self._reads_into:  # the whole step's files read ahead while the first layer loads (cold disks)
             self.store.prefetch([self.key(job.loads[i].chunk_hash, layer)  # type: ignore[attr-defined]
                                  for _, layer, group in layers for i in loads_of_group.get(group, ())])
-        reach = "near" if job.near_only else "all"
         for layer_name, layer, group in layers:
             todo = [i for i in loads_of_group.get(group, ()) if i not in job.failed]
             # a sealing store opens each record with its request's tenant subkey (`ChunkLoad.tenant`)
@@ -273,12 +276,7 @@ class KVLoader:
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             fetch_started = time.perf_counter()
-            if layer_bytes is not None and any(in_place[i] for i in todo):
-                into = [landing_place(layer_bytes, self._block_bytes, job.loads[i], spans[i]) if in_place[i]
-                        else None for i in todo]
-                records = self.store.get_many(keys, into=into, reach=reach)
-            else:
-                records = self.store.get_many(keys, reach=reach)
+            records = self._read(job, todo, keys, spans, in_place, layer_bytes)
             job.fetch_seconds += time.perf_counter() - fetch_started
             copies: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0
@@ -304,6 +302,30 @@ class KVLoader:
                     self.counters.loaded_blocks += loaded_blocks
         with self._counters_lock:
             self.counters.load_errors += len(job.failed)
+        if job.near_only and self.staging is not None:
+            self.staging.loaded([load.chunk_hash for load in job.loads])
+
+    def _read(self, job: LoadJob, todo: list[int], keys: list[StoreKey], spans: list[list[tuple[int, int, int, int]]],
+              in_place: list[bool], layer_bytes: memoryview | None) -> list[Record | None]:
+        """One layer's records of the loads ``todo``: a near-only load takes what was fetched ahead from the
+        staging first, then asks the near tiers; any other asks every tier. A file tier lands a record in
+        its blocks where it can (`landing_place`)."""
+        reach: Reach = "near" if job.near_only else "all"
+        staged = self.staging.get_many(keys) if job.near_only and self.staging is not None else [None] * len(keys)
+        need = [j for j, record in enumerate(staged) if record is None]
+        if not need:
+            return staged
+        asked = [keys[j] for j in need]
+        if layer_bytes is not None and any(in_place[todo[j]] for j in need):
+            into = [landing_place(layer_bytes, self._block_bytes, job.loads[todo[j]], spans[todo[j]])
+                    if in_place[todo[j]] else None for j in need]
+            found = self.store.get_many(asked, into=into, reach=reach)
+        else:
+            found = self.store.get_many(asked, reach=reach)
+        records = list(staged)
+        for j, record in zip(need, found, strict=True):
+            records[j] = record
+        return records
 
     def _usable_blocks(self, record: Record | None, load: ChunkLoad, expected_meta: str) -> torch.Tensor | None:
         """The record's blocks for this load, or None when it must not reach attention."""

@@ -4,14 +4,14 @@ Why: a far store (S3 at 10-30 ms to the first byte, a Redis in another zone) mus
 inside a forward pass, which also carries every other user's decode. The scheduler side finds a waiting
 request's chunks on a far tier (`vllm_tiercache.kvcache.lookup`) and names them in the next step's plan
 (`ChunkPrefetch`); here a few threads read each chunk's records of this worker's rank with one batched
-store read, which promotes them into the memory tier, and report the chunk resident
-(`vllm_tiercache.shared.residency`). The scheduler lets the request run once its chunks are resident (or
-its deadline passed); its load then reads host memory only (``near_loads``).
+store read and hold them in host memory for the load (`vllm_tiercache.kvcache.load.staging`), and the
+worker reports the chunk staged. The scheduler lets the request run once its chunks are staged (or its
+deadline passed); its load then reads host memory and the near tiers only (``near_loads``).
 
 Several threads: each chunk's read waits mostly on the network, and sealed records are opened on the
 thread that read them, so chunks are fetched and opened side by side. A chunk asked twice while queued
-or in flight is fetched once. A chunk whose records are not all there, or that the memory tier could not
-keep (host memory too tight), is reported failed: the scheduler counts it and its request recomputes it.
+or in flight is fetched once. A chunk whose records are not all there, or that does not fit the staging
+budget (host memory too tight), is reported failed: the scheduler counts it and its request computes it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.plan import ChunkPrefetch
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
 from vllm_tiercache.shared.residency import ResidencyReporter
@@ -39,10 +40,13 @@ class Prefetcher:
     """Background reads of whole chunks (every layer of this rank) into the memory tier."""
 
     def __init__(self, *, store: Store, key: Callable[[bytes, int], StoreKey], residency: ResidencyReporter[bytes],
-                 counters: WorkerCounters, counters_lock: threading.Lock, threads: int = PREFETCH_THREADS) -> None:
+                 staging: Staging, counters: WorkerCounters, counters_lock: threading.Lock,
+                 threads: int = PREFETCH_THREADS) -> None:
         """`key`: the store key of a chunk's record of one layer (the worker's); `residency`: the saver's
-        reporter, which tells the scheduler what the memory tier holds."""
+        reporter, which tells the scheduler what the memory tier holds; `staging`: where fetched chunks wait
+        for their load."""
         self.store = store
+        self.staging = staging
         self.key = key
         self.residency = residency
         self.counters = counters
@@ -75,12 +79,13 @@ class Prefetcher:
         for prefetch in fresh:
             self._queue.put(prefetch)
 
-    def take(self) -> tuple[set[bytes], set[bytes]]:
-        """(prefetches over since the last call, those of them that did not land in host memory)."""
+    def take(self) -> tuple[set[bytes], set[bytes], set[bytes]]:
+        """(prefetches over since the last call, those of them that were not staged, chunks dropped from
+        staging since)."""
         with self._lock:
             done, failed = self._done, self._failed
             self._done, self._failed = set(), set()
-        return done, failed
+        return done, failed, self.staging.take_dropped()
 
     def drain(self, timeout: float) -> bool:
         """Wait until no prefetch is queued or in flight (tests, benchmarks); False when the time passed first."""
@@ -89,7 +94,8 @@ class Prefetcher:
 
     @property
     def has_news(self) -> bool:
-        return bool(self._done)
+        """Prefetches over, or staged chunks that may have to be reported dropped (cheap: most steps)."""
+        return bool(self._done) or bool(self.staging.held_bytes)
 
     def _loop(self) -> None:
         while (prefetch := self._queue.get()) is not None:
@@ -111,14 +117,16 @@ class Prefetcher:
                 self.counters.prefetch_seconds.append(time.perf_counter() - started)
 
     def _fetch(self, prefetch: ChunkPrefetch) -> bool:
-        """Read the chunk's records (promoted into the memory tier by the store); whether all are held there."""
+        """Read the chunk's records (the store also promotes them into its memory tier) and stage them for
+        the load; whether every one was there and fits the staging budget."""
         if not self.layers:
             return False
         keys = [self.key(prefetch.chunk_hash, layer).for_tenant(prefetch.tenant) for layer in self.layers]
         records = self.store.get_many(keys)
         if any(record is None for record in records):
             return False
-        return self.residency.stored(prefetch.chunk_hash, keys)
+        self.residency.stored(prefetch.chunk_hash, keys)
+        return self.staging.admit(prefetch.chunk_hash, [(k, r) for k, r in zip(keys, records, strict=True) if r])
 
     def shutdown(self) -> None:
         for _ in self._threads:

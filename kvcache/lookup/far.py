@@ -8,16 +8,17 @@ the answer never waits on the network:
 1. When a request arrives (``on_new_request``, before the scheduler reaches it), its probe goes to a
    probe thread (`vllm_tiercache.kvcache.lookup.probe`): where each chunk is, up to the first missing one.
 2. Once the probe is in, the chunks only a far tier holds are named in the next step's plan
-   (`ChunkPrefetch`) and every worker reads them into its memory tier in the background
-   (`vllm_tiercache.kvcache.load.prefetcher`), while the request waits for its lookup or its turn. A chunk
-   already on its way for another request is not asked again, nor one vLLM's own prefix cache holds.
-3. The request is answered once every chunk it waits for is resident or failed, or at its deadline
+   (`ChunkPrefetch`) and every worker reads them into host memory in the background, where they wait
+   for their load (`vllm_tiercache.kvcache.load.prefetcher`, `vllm_tiercache.kvcache.load.staging`),
+   while the request waits for its lookup or its turn. A chunk already on its way for another request is
+   not asked again, nor one the workers' memory or vLLM's own prefix cache holds.
+3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
    (``lookup_deadline_ms`` after its arrival), whichever comes first: the hit is the prefix of chunks
-   the workers' memory holds (by their residency reports) or a near tier holds, and its load in the
-   forward pass reads the near tiers only (``near_loads``). What the deadline cut short is a miss,
-   counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk evicted from host memory
-   before its request ran (``prefetches_evicted``), or one gone between the answer and the load (a
-   failed load, recomputed by vLLM).
+   the workers hold in host memory (their memory tier, by their residency reports, or staged) or a near
+   tier holds, and its load in the forward pass reads those only (``near_loads``). What the deadline cut
+   short is a miss, counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk dropped from host memory
+   before its request ran (``prefetches_evicted``: staged past its time, or evicted from the memory tier), or
+   one gone between the answer and the load (a failed load, recomputed by vLLM).
 
 Never more than one probe per request, and after its answer a request that is asked again (no free
 blocks yet, or preempted) is answered at once from what is resident then: there is no livelock.
@@ -67,9 +68,10 @@ class FarAnswer:
     """Where the request's chunks are, as the synchronous lookup says it (`KVSchedulerSide._lookup`)."""
 
     ends: list[int]
-    #: chunk index -> loadable now; and -> held by the workers' memory tier
+    #: chunk index -> loadable now; -> held by the workers' memory tier; -> in their host memory (that, or staged)
     usable: list[bool]
     resident: list[bool]
+    host: list[bool]
     #: a shorter stored chunk after the last usable one, and whether the workers' memory holds it
     shorter: tuple[int, bool] | None
     #: chunk index -> some tier holds it (not saved again)
@@ -80,11 +82,16 @@ class FarLookups:
     """The scheduler side's lookups against far tiers (module docstring)."""
 
     def __init__(self, store: Store, resident: ResidentSet[bytes], blocks_per_chunk: int, deadline_s: float,
-                 local_blocks: Callable[[Request], int] | None = None) -> None:
+                 local_blocks: Callable[[Request], int] | None = None, ranks: int = 1) -> None:
         """``local_blocks``: how many of a waiting request's blocks vLLM's own prefix cache holds now (never
-        fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers."""
+        fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers;
+        ``ranks``: the workers that each stage their own records of a chunk."""
         self.store = store
         self.resident = resident
+        self.ranks = ranks
+        #: chunks every worker staged (`vllm_tiercache.kvcache.load.staging`), and how many did so far
+        self.staged: set[bytes] = set()
+        self._staged_by: dict[bytes, int] = {}
         self.local_blocks = local_blocks or (lambda request: 0)
         self.deadline_s = deadline_s
         self._probes = ProbeThreads(store, blocks_per_chunk)
@@ -124,17 +131,17 @@ class FarLookups:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
-                return self._answer(ticket, failed, probe_in=False)
+                return self._answer(ticket, failed, local_blocks, probe_in=False)
             if not ticket.prefetching:
                 self._prefetch(ticket, local_blocks)
-            pending = {name for name in ticket.waits_for if name in self._in_flight and name not in self.resident}
+            pending = {name for name in ticket.waits_for if name in self._in_flight and not self._held(name)}
             if pending and not late:
                 return None
             self.counters["prefetches_late"] += len(pending)
             self.counters["prefetches_evicted"] += sum(
-                1 for name in ticket.waits_for if name in self._fetched and name not in self.resident)
+                1 for name in ticket.waits_for if name in self._fetched and not self._held(name))
             ticket.answered = True
-        return self._answer(ticket, failed, probe_in=probe.done.is_set())
+        return self._answer(ticket, failed, local_blocks, probe_in=probe.done.is_set())
 
     def started(self, req_id: str) -> bool:
         return req_id in self._tickets
@@ -154,26 +161,34 @@ class FarLookups:
         now = time.monotonic()
         for _, name in wanted:
             ticket.waits_for.add(name)
-            if name in self.resident or name in self._in_flight:
+            if self._held(name) or name in self._in_flight:
                 continue
             self._in_flight[name] = now
             self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant)
 
-    def _answer(self, ticket: FarTicket, failed: set[bytes] | dict[bytes, None], *, probe_in: bool) -> FarAnswer:
+    def _answer(self, ticket: FarTicket, failed: set[bytes] | dict[bytes, None], local_blocks: int, *,
+                probe_in: bool) -> FarAnswer:
+        """Loadable: what the workers' memory holds now, what a near tier holds, and what vLLM holds itself
+        (never loaded: the hit starts past it)."""
         probe = ticket.probe
         ends = [end for end, _ in probe.chunks]
         resident = [name in self.resident and name not in failed for _, name in probe.chunks]
+        host = [self._held(name) and name not in failed for _, name in probe.chunks]
         where = probe.where if probe_in else [Where.RESIDENT if r else Where.MISSING for r in resident]
-        usable = [r or (w == Where.NEAR and name not in failed)
-                  for r, w, (_, name) in zip(resident, where, probe.chunks, strict=True)]
-        stored = [r or w != Where.MISSING for r, w in zip(resident, where, strict=True)]
+        usable = [h or end <= local_blocks or (w == Where.NEAR and name not in failed)
+                  for h, w, (end, name) in zip(host, where, probe.chunks, strict=True)]
+        stored = [h or w != Where.MISSING for h, w in zip(host, where, strict=True)]
         shorter = None
         if probe_in and probe.shorter is not None:
             end, name, at = probe.shorter
-            held = name in self.resident
+            held = self._held(name)
             if name not in failed and (held or at == Where.NEAR):
                 shorter = (end, held)
-        return FarAnswer(ends, usable, resident, shorter, stored)
+        return FarAnswer(ends, usable, resident, host, shorter, stored)
+
+    def _held(self, name: bytes) -> bool:
+        """The workers hold the chunk in host memory: their memory tier, or staged for a load."""
+        return name in self.resident or name in self.staged
 
     # ------------------------------------------------------------------------------------ each step
     def take_prefetches(self) -> list[ChunkPrefetch]:
@@ -187,12 +202,22 @@ class FarLookups:
         out, self._to_send = list(self._to_send.values()), {}
         return out
 
-    def worker_report(self, prefetched: set[bytes], failed: set[bytes]) -> None:
-        """The workers' prefetches that are over (resident now, by the same report, unless failed)."""
-        for name in prefetched:
-            self._in_flight.pop(name, None)
-            if name not in failed:
+    def worker_report(self, prefetched: dict[bytes, int], failed: set[bytes], unstaged: set[bytes]) -> None:
+        """The workers' prefetches that are over: staged (per chunk, by how many workers), failed; and the
+        staged chunks they dropped since."""
+        for name in unstaged:
+            self.staged.discard(name)
+            self._staged_by.pop(name, None)
+        for name, ranks in prefetched.items():
+            count = self._staged_by[name] = self._staged_by.get(name, 0) + ranks
+            if count >= self.ranks:
+                self.staged.add(name)
+                self._in_flight.pop(name, None)
                 self._fetched.add(name)
+        for name in failed:
+            self._in_flight.pop(name, None)
+            self._staged_by.pop(name, None)
+            self.staged.discard(name)
         if len(self._fetched) > 65536:
             self._fetched.clear()
         if self._in_flight:
@@ -211,6 +236,8 @@ class FarLookups:
         self._tickets.clear()
         self._in_flight.clear()
         self._fetched.clear()
+        self.staged.clear()
+        self._staged_by.clear()
         self._to_send.clear()
 
     def close(self) -> None:

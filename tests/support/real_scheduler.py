@@ -121,4 +121,4 @@ def play_prefetches(scheduler: Scheduler, prefetches: list[ChunkPrefetch]) -> Ti
             added.add(prefetch.chunk_hash)
         else:
             failed.add(prefetch.chunk_hash)
-    return TieredKVWorkerMetadata(added=added, prefetched=added | failed, prefetch_failed=failed)
+    return TieredKVWorkerMetadata(added=added, prefetched=dict.fromkeys(added, 1), prefetch_failed=failed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from tests.kv.test_kv_scheduler import BLOCK, CHUNK, IDENTITY, BlockTable, make_request, step, tokens
 from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
+from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
@@ -40,12 +42,13 @@ PROMPT_TOKENS = 330
 class Worker:
     """The worker's side of a prefetch: the real `Prefetcher` over the scheduler's store, and its report."""
 
-    def __init__(self, store: Store, memory_store: Store | None = None) -> None:
-        target = memory_store or store
+    def __init__(self, store: Store, staging_bytes: int = 1 << 30) -> None:
         self.counters = WorkerCounters()
-        self.residency: ResidencyReporter[bytes] = ResidencyReporter(target)
-        self.prefetcher = Prefetcher(store=target, key=lambda chunk, layer: NAMING.record_key(chunk, layer),
-                                     residency=self.residency, counters=self.counters, counters_lock=threading.Lock())
+        self.residency: ResidencyReporter[bytes] = ResidencyReporter(store)
+        self.staging = Staging(staging_bytes)
+        self.prefetcher = Prefetcher(store=store, key=lambda chunk, layer: NAMING.record_key(chunk, layer),
+                                     residency=self.residency, staging=self.staging, counters=self.counters,
+                                     counters_lock=threading.Lock())
         self.prefetcher.attach(list(range(IDENTITY.num_layers)))
 
     def play(self, meta: TieredKVMetadata, side: KVSchedulerSide) -> TieredKVWorkerMetadata:
@@ -55,10 +58,11 @@ class Worker:
         return self.report(side)
 
     def report(self, side: KVSchedulerSide) -> TieredKVWorkerMetadata:
-        prefetched, failed = self.prefetcher.take()
+        done, failed, unstaged = self.prefetcher.take()
         changes = self.residency.take()
         added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
-        report = TieredKVWorkerMetadata(added=added, evicted=evicted, prefetched=prefetched, prefetch_failed=failed)
+        report = TieredKVWorkerMetadata(added=added, evicted=evicted, prefetched=dict.fromkeys(done - failed, 1),
+                                        prefetch_failed=failed, unstaged=unstaged)
         side.update_connector_output(report)
         return report
 
@@ -127,16 +131,16 @@ def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_mem
             assert [p.chunk_hash for p in meta.prefetches] == full and meta.near_loads
             assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # still on its way
             report = worker.play(meta, side)
-            assert report.added == set(full) and report.prefetched == set(full) and not report.prefetch_failed
+            assert report.prefetched == dict.fromkeys(full, 1) and not report.prefetch_failed
             assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
             assert side._requests["a"].load_chunks == [(4, True), (8, True)]  # both from host memory
             side.update_state_after_alloc(request, 8 * BLOCK)
             plan = side.build_connector_meta(step([("a", 8 * BLOCK)], [], {"a": 74}))  # type: ignore[arg-type]
             assert plan.near_loads and [load.chunk_hash for load in plan.requests[0].loads] == full
             assert not plan.prefetches  # fetched once
-            # what the forward reads is in host memory, and the near tiers alone answer for it
+            # what the forward reads is in host memory: staged for the load
             keys = [NAMING.record_key(c, layer) for c in full for layer in range(IDENTITY.num_layers)]
-            assert all(record is not None for record in store.get_many(keys, reach="near"))
+            assert all(record is not None for record in worker.staging.get_many(keys))
             assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
         finally:
             worker.close()
@@ -249,18 +253,20 @@ def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(re
             side.shutdown()
 
 
-def test_a_prefetched_chunk_evicted_before_its_request_runs_is_recomputed_and_counted(redis_tier) -> None:
+def test_a_prefetched_chunk_dropped_before_its_request_runs_is_recomputed_and_counted(redis_tier) -> None:
+    """Staged chunks wait for their load; one dropped before it (its time passed: the scheduler hears it from
+    the worker) is not claimed, and counted."""
     request = make_request("e", tokens(PROMPT_TOKENS, seed=5))
     full = [request.block_hashes[3], request.block_hashes[7]]
     store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
+    with store_with(redis_tier, memory="64KiB") as store:  # a chunk is 128 KiB: only the staging keeps it
         side, worker = far_side(store), Worker(store)
         try:
             side.on_new_request(request)
             probe_done(side, "e")
             worker.play(empty_step(side), side)
-            # host memory let the second chunk go before the request's turn (the worker reports it evicted)
-            side.update_connector_output(TieredKVWorkerMetadata(evicted={full[1]}))
+            worker.staging._drop(full[1])  # as its time passing drops it
+            worker.report(side)
             assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
             assert side.take_counters() == {"prefetches_evicted": 1}
             # preempted and asked again later: answered at once, from what host memory holds then
@@ -270,19 +276,37 @@ def test_a_prefetched_chunk_evicted_before_its_request_runs_is_recomputed_and_co
             side.shutdown()
 
 
-def test_tight_host_memory_fails_the_prefetch_and_the_request_runs_as_a_miss(redis_tier) -> None:
-    """A memory tier smaller than one chunk's records: the fetch cannot land, the worker says so at once, and
-    the request does not wait for its deadline."""
-    request = make_request("t", tokens(PROMPT_TOKENS, seed=6))
+def test_a_memory_tier_smaller_than_the_prefix_still_serves_it_from_the_staging(redis_tier) -> None:
+    """The memory tier cannot hold a chunk: the staging keeps the fetched records for their load."""
+    request = make_request("k", tokens(PROMPT_TOKENS, seed=9))
     full = [request.block_hashes[3], request.block_hashes[7]]
     store_chunks(redis_tier, full)
     with store_with(redis_tier, memory="64KiB") as store:
         side, worker = far_side(store), Worker(store)
         try:
             side.on_new_request(request)
+            probe_done(side, "k")
+            report = worker.play(empty_step(side), side)
+            assert not report.added and report.prefetched == dict.fromkeys(full, 1)
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_staging_budget_too_tight_fails_the_prefetch_and_the_request_runs_as_a_miss(redis_tier) -> None:
+    """Host memory too tight for the fetched chunks: the worker says so at once, and the request does not wait
+    for its deadline."""
+    request = make_request("t", tokens(PROMPT_TOKENS, seed=6))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier, memory="64KiB") as store:
+        side, worker = far_side(store), Worker(store, staging_bytes=RECORD.numel())  # half a chunk
+        try:
+            side.on_new_request(request)
             probe_done(side, "t")
             report = worker.play(empty_step(side), side)
-            assert report.prefetch_failed == set(full) and not report.added
+            assert report.prefetch_failed == set(full) and not report.prefetched
             assert side.get_num_new_matched_tokens(request, 0) == (0, False)
             assert worker.counters.prefetch_failures == 2
         finally:
@@ -301,3 +325,31 @@ def test_a_deadline_of_zero_keeps_the_synchronous_lookup(plain_side) -> None:
     assert plain_side.far is None
     request = make_request("s", tokens(PROMPT_TOKENS, seed=7))
     assert plain_side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+class HoldingTable(BlockTable):
+    """The block table stand-in, and vLLM's prefix cache holding the first ``held_tokens`` of every prompt."""
+
+    def __init__(self, held_tokens: int) -> None:
+        super().__init__()
+        self.coordinator = SimpleNamespace(find_longest_cache_hit=lambda hashes, max_length: ((), held_tokens, 0))
+
+
+def test_nothing_vllm_holds_is_fetched_and_the_hit_starts_past_it(redis_tier) -> None:
+    request = make_request("v", tokens(PROMPT_TOKENS, seed=8))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        side.bind_kv_cache_manager(HoldingTable(4 * BLOCK))  # type: ignore[arg-type]
+        try:
+            side.on_new_request(request)
+            probe_done(side, "v")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == [full[1]]  # the first chunk is vLLM's own
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (4 * BLOCK, False)
+            assert side._requests["v"].load_first == 4 and side._requests["v"].load_end == 8
+        finally:
+            worker.close()
+            side.shutdown()
