@@ -45,6 +45,7 @@ from vllm_tiercache.kvcache.handoff.promise import (
     wants_remote_decode,
 )
 from vllm_tiercache.kvcache.lookup.far import FarLookups
+from vllm_tiercache.kvcache.lookup.pipeline import PromptLookup
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import (
@@ -117,7 +118,6 @@ class KVSchedulerSide:
             if shared_tiers and all(isinstance(t, FileTier) for t in shared_tiers)
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
-        self._checked_engine_hashing = False
         self.resident: ResidentSet[bytes] = ResidentSet()
         self._requests: dict[str, RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
@@ -137,7 +137,7 @@ class KVSchedulerSide:
         #: several groups, or any sliding-window group: loads are whole-request loads vLLM waits for (see
         #: the module docstring; vLLM's block-level recovery would restart a sliding-window request from the
         #: first failed block, whose window it no longer holds)
-        self.whole_request_loads = len(groups.groups) > 1 or groups.hybrid
+        whole_request_loads = len(groups.groups) > 1 or groups.hybrid
         self._whole_request_pending: list[str] = []
         #: chunks a whole-request load could not use: missing until a request saves them again
         #: (insertion-ordered, at most `max_failed_chunks`: the oldest is forgotten, and claimed once more)
@@ -154,22 +154,24 @@ class KVSchedulerSide:
         self.handoff_wait_s = handoff_wait_s
         self.engine_id = engine_id
         self.handoffs = HandoffCounters()
-        #: lookups and loads of far tiers off this thread and out of the forward (None: synchronous lookups)
-        self.far: FarLookups | None = None
-        far_tiers = [t.name for t in getattr(store, "far_tiers", [])]
-        if lookup_deadline_s > 0 and far_tiers and self.can_load:
-            if store.memory_tier is None or self.whole_request_loads:
-                log.warning("TieredKVConnector: far tiers %s are looked up on the scheduling thread (bounded by "
-                            "lookup_budget_ms) and read in the forward pass: %s", far_tiers,
-                            "no memory tier to fetch them into ahead (add one first in tiers)"
-                            if store.memory_tier is None else "this model's KV cache groups are loaded as one "
-                            "whole-request load")
-            else:
-                self.far = FarLookups(store, self.resident, naming.geometry.blocks_per_chunk, lookup_deadline_s,
-                                      local_blocks=self._vllm_holds, ranks=len(naming.identities))
-                log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into "
-                         "host memory before a request's turn, waiting at most %.0f ms", far_tiers,
-                         lookup_deadline_s * 1000)
+        #: how much of a waiting request's prompt the store supplies: name, ask, plan (`vllm_tiercache.kvcache.lookup`)
+        self.lookup = PromptLookup(store=store, naming=naming, resident=self.resident, failed=self._failed_chunks,
+                                   events=self.events, can_load=self.can_load,
+                                   whole_request_loads=whole_request_loads, deadline_s=lookup_deadline_s)
+
+    @property
+    def whole_request_loads(self) -> bool:
+        """Several KV cache groups, or any sliding-window group: loads are whole-request loads vLLM waits for."""
+        return self.lookup.whole_request_loads
+
+    @whole_request_loads.setter
+    def whole_request_loads(self, value: bool) -> None:
+        self.lookup.whole_request_loads = value
+
+    @property
+    def far(self) -> FarLookups | None:
+        """The lookups and fetches of far tiers off this thread (None: lookups on it)."""
+        return self.lookup.far
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -177,70 +179,11 @@ class KVSchedulerSide:
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
+        self.lookup.kv_cache_manager = manager
         if self.events is not None:
             self.events.bind_kv_cache_manager(manager)
 
     # ---------------------------------------------------------------------------------------- lookup
-    def _lookup(self, state: RequestState) -> tuple[list[int], list[bool], list[bool], list[bool]]:
-        """Per chunk of the prompt's full blocks: its end block, are its full-attention records loadable
-        now, are its sliding-window records (True for a model without such groups), and does the workers'
-        memory hold it all? One batched store call."""
-        if not self._checked_engine_hashing:  # once: vLLM seeds its hashing only after building the connector
-            self._checked_engine_hashing = True
-            self.naming.check_engine_hashing(state.request)
-        names = state.names
-        chunks = names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
-        failed = [name in self._failed_chunks for _, name in chunks]
-        resident = [name in self.resident and not bad for (_, name), bad in zip(chunks, failed, strict=True)]
-        full_ok, window_ok = list(resident), list(resident)
-        missing = [i for i, hit in enumerate(resident) if not hit and not failed[i]]
-        if missing:
-            full, sliding = self.groups.full, self.groups.sliding
-            per_chunk = [
-                (names.record_keys(chunks[i][1], full), names.record_keys(chunks[i][1], sliding)) for i in missing
-            ]
-            flat = [key for keys in per_chunk for part in keys for key in part]
-            found = self.store.contains_many(flat, shared_only=True)
-            offset = 0
-            for i, (full_keys, window_keys) in zip(missing, per_chunk, strict=True):
-                full_ok[i] = all(found[offset : offset + len(full_keys)])
-                offset += len(full_keys)
-                window_ok[i] = all(found[offset : offset + len(window_keys)])
-                offset += len(window_keys)
-        return [end for end, _ in chunks], full_ok, window_ok, resident
-
-    def _windows_ok(self, ends: list[int], window_ok: list[bool], end: int) -> bool:
-        """Can every sliding-window group supply a hit ending at block `end` (or one block before it)?
-        It needs the records of the chunks that overlap `[end - window_blocks - 1, end)`."""
-        if not self.groups.sliding:
-            return True
-        low = end - self.groups.max_window_blocks - 1
-        return all(ok for chunk_end, ok in zip(ends, window_ok, strict=False) if low < chunk_end < end + 1)
-
-    def _shorter_chunk(self, state: RequestState, start: int, end: int) -> tuple[int, bool] | None:
-        """The longest stored chunk that starts at block `start` and ends before `end`, if any.
-
-        A chunk is named by the hash at its last block, so a prompt that extends a stored prompt (a RAG
-        question after a precomputed document) finds the document's partial last chunk only by probing
-        the shorter endings: first on layer 0 of rank 0 for every candidate in one call, then on every
-        layer and rank of the best candidate. A chunk a load could not use is no candidate (else a record
-        the workers always reject, e.g. of another chunk size, would be claimed, failed and recomputed on
-        every lookup of the request).
-        """
-        names = state.names
-        named = [(e, names.name(e)) for e in range(end - 1, start, -1)]
-        named = [(e, h) for e, h in named if h not in self._failed_chunks]
-        if not named:
-            return None
-        for e, h in named:
-            if h in self.resident:
-                return e, True
-        probed = self.store.contains_many([names.probe_key(h) for _, h in named], shared_only=True)
-        for (e, h), hit in zip(named, probed, strict=True):
-            if hit and all(self.store.contains_many(names.record_keys(h), shared_only=True)):
-                return e, False
-        return None
-
     def _state(self, request: Request) -> RequestState:
         """The request's state, created on first sight (when `request_cacheable` is asked, once)."""
         state = self._requests.get(request.request_id)
@@ -260,33 +203,14 @@ class KVSchedulerSide:
     def on_new_request(self, request: Request) -> None:
         """A request arrived: with far tiers, its lookup starts now, before the scheduler reaches it (a
         hand-off's request is loaded from its producer's promise instead)."""
-        if self.far is None or remote_prefill_params(request) is not None:
+        if self.lookup.far is None or remote_prefill_params(request) is not None:
             return
         state = self._state(request)
         if state.cacheable and self.groups.supported:
-            self._start_far_lookup(state)
-
-    def _start_far_lookup(self, state: RequestState) -> None:
-        assert self.far is not None
-        if not self._checked_engine_hashing:
-            self._checked_engine_hashing = True
-            self.naming.check_engine_hashing(state.request)
-        chunks = state.names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
-        self.far.start(state, chunks, self._failed_chunks)
-
-    def _vllm_holds(self, request: Request) -> int:
-        """The blocks of ``request`` vLLM's own prefix cache holds now (never fetched from a far tier)."""
-        manager = self._kv_cache_manager
-        if manager is None:
-            return 0
-        try:
-            hit_tokens = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1]
-        except Exception:  # another vLLM's internals: fetch everything found rather than fail
-            return 0
-        return int(hit_tokens) // self.geometry.block_size
+            self.lookup.start(state)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        block_size = self.geometry.block_size
+        """How many tokens past vLLM's own hit the store supplies (`PromptLookup`); None: not known yet."""
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False
@@ -295,52 +219,9 @@ class KVSchedulerSide:
             state.stored, state.resident = [True] * len(promise.ends), []
             state.saved_until, state.next_save_block = state.planned_until, 0
             state.forget_load()
-            return plan_handoff_load(state, promise, resident=self.resident, block_size=block_size,
+            return plan_handoff_load(state, promise, resident=self.resident, block_size=self.geometry.block_size,
                                      num_computed_tokens=num_computed_tokens)
-        shorter: tuple[int, bool] | None = None
-        if self.far is not None:
-            answer = self.far.answer(state, num_computed_tokens // block_size, self._failed_chunks)
-            if answer is None:
-                if not self.far.started(request.request_id):
-                    self._start_far_lookup(state)
-                return None, False  # asked again next step; the others are scheduled meanwhile
-            ends, full_ok, resident, shorter, stored = (answer.ends, answer.usable, answer.resident,
-                                                        answer.shorter, answer.stored)
-            window_ok, host = [True] * len(ends), answer.host
-        else:
-            ends, full_ok, window_ok, resident = self._lookup(state)
-            stored, host = [f and w for f, w in zip(full_ok, window_ok, strict=True)], resident
-        state.stored, state.resident = stored, resident
-        if self.events is not None:
-            self.events.looked_up(request, state.names, ends, stored, resident, [not r for r in resident])
-        state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
-        state.forget_load()
-        if not self.can_load:
-            return 0, False
-        # the full-attention prefix, then the longest part of it whose end every window group can supply
-        full_chunks = next((i for i, ok in enumerate(full_ok) if not ok), len(full_ok))
-        hit_chunks = full_chunks
-        while hit_chunks and not self._windows_ok(ends, window_ok, ends[hit_chunks - 1]):
-            hit_chunks -= 1
-        chunks = [(end, host[i]) for i, end in enumerate(ends[:hit_chunks])]
-        if hit_chunks == full_chunks and hit_chunks < len(ends):
-            if self.far is None:
-                shorter = self._shorter_chunk(state, self.geometry.chunk_start(ends[hit_chunks]), ends[hit_chunks])
-            elif shorter is not None and self.geometry.chunk_start(shorter[0]) != self.geometry.chunk_start(
-                    ends[hit_chunks]):
-                shorter = None  # found inside a chunk the far lookup had; now short of it
-            if shorter is not None and self._windows_ok(ends[:hit_chunks], window_ok, shorter[0]):
-                chunks.append(shorter)
-        if not chunks:
-            return 0, False
-        # vLLM must compute at least the last prompt token itself, so a hit stops one token short.
-        usable_blocks = (request.num_prompt_tokens - 1) // block_size
-        hit_blocks = min(chunks[-1][0], usable_blocks)
-        local_blocks = num_computed_tokens // block_size
-        if hit_blocks <= local_blocks:
-            return 0, False
-        state.load_first, state.load_end, state.load_chunks = local_blocks, hit_blocks, chunks
-        return (hit_blocks - local_blocks) * block_size, self.whole_request_loads
+        return self.lookup.matched(state, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self._state(request)

@@ -197,8 +197,9 @@ class StoreConfig:
         Allowed(f"a number of seconds, 0 (serving: never wait) to {MAX_WRITE_PATIENCE_S:g}"), SHAPES_STORE] = 0.0
     lookup_budget_ms: Annotated[float, Strict(), Field(
         ge=MIN_LOOKUP_BUDGET_MS, le=MAX_LOOKUP_BUDGET_MS, allow_inf_nan=False, description=(
-            "The longest a scheduler's lookup (contains_many with shared_only, made for every new request on "
-            "the engine's scheduling thread) waits on a network tier (Redis), in ms. What Redis has not "
+            "The longest a lookup made on the engine's scheduling thread (contains_many with shared_only: the "
+            "encoder-cache connector's, and the KV connector's where it does not look far tiers up in the "
+            "background, see lookup_deadline_ms) waits on a network tier (Redis, S3), in ms. What Redis has not "
             "answered by then is a miss (the request computes it), never a hit; while a timed-out call is "
             "still outstanding, further lookups skip Redis at once. Raise it when Redis is far away or prompts "
             "are long (one lookup asks for every layer and rank of every chunk) and "

@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_tiercache.shared.counters import Counters
@@ -99,6 +99,41 @@ def counter_deltas(now: Mapping[str, Mapping[str, Any]], before: Mapping[str, Ma
             out[name] = value - (last if _number(last) else 0)
         deltas[tier] = out
     return deltas
+
+
+class CounterBaseline:
+    """What a store's `take_counter_deltas` handed out so far: per tier, and the write-behind hits.
+
+    One baseline per store: a store two connectors share hands each increment to one of them. Every engine
+    step asks, and most steps count nothing: the tiers' counter versions, read before the snapshot (an add in
+    between is in it, and moves the version again), say so without a snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reported: dict[str, dict[str, Any]] = {}
+        self._write_behind = 0
+        #: every tier's `Counters.version` when `_reported` was taken (None: not known, take a snapshot)
+        self._versions: tuple[int, ...] | None = None
+
+    def take(self, tiers: Sequence[Any], write_behind_hits: int) -> dict[str, Any]:
+        """What moved since the last call: {"tiers": {tier: {name: increment}}, "write_queue_hits": n}."""
+        with self._lock:  # the snapshot too: two callers must not swap baselines
+            versions = tuple(tier.counters.version for tier in tiers)
+            if versions == self._versions and write_behind_hits == self._write_behind:
+                return {}
+            now = {tier.name: tier.counters.snapshot() for tier in tiers}
+            names = {name for numbers in now.values() for name in numbers}
+            deltas = counter_deltas(now, self._reported, sorted(names))
+            self._reported, self._versions = now, versions
+            hits, self._write_behind = write_behind_hits - self._write_behind, write_behind_hits
+        out: dict[str, Any] = {}
+        moved = {tier: {k: v for k, v in numbers.items() if v > 0} for tier, numbers in deltas.items()}
+        moved = {tier: numbers for tier, numbers in moved.items() if numbers}
+        if moved:
+            out["tiers"] = moved
+        if hits > 0:
+            out["write_queue_hits"] = hits
+        return out
 
 
 def add_nested(into: dict[str, dict[str, float]], more: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:

@@ -68,7 +68,7 @@ from vllm_tiercache.shared.store.api import (
 )
 from vllm_tiercache.shared.store.bounded_lookup import BoundedLookup
 from vllm_tiercache.shared.store.control import ControlPoller
-from vllm_tiercache.shared.store.counters import counter_deltas
+from vllm_tiercache.shared.store.counters import CounterBaseline
 from vllm_tiercache.shared.store.registry import make_tier
 from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
@@ -158,11 +158,7 @@ class TieredStore:
         self._closed = False
         self._close_lock = threading.Lock()
         #: What `take_counter_deltas` handed out so far, per tier (and the write-behind hits).
-        self._reported_lock = threading.Lock()
-        self._reported: dict[str, dict[str, Any]] = {}
-        self._reported_write_behind = 0
-        #: every tier's `Counters.version` when `_reported` was taken (None: not known, take a snapshot)
-        self._reported_versions: tuple[int, ...] | None = None
+        self._reported = CounterBaseline()
         #: The background usage refresh (`gauge_report`): its latest snapshot and its thread.
         self._usage_lock = threading.Lock()
         self._usage: dict[str, dict[str, Any]] = {}
@@ -453,27 +449,7 @@ class TieredStore:
 
         One baseline per store: a store two connectors share hands each increment to one of them.
         """
-        with self._reported_lock:  # the snapshot too: two callers must not swap baselines
-            # Every engine step asks, and most steps count nothing: the counters' versions, read before
-            # the snapshot (an add in between is in it, and moves the version again), say so for free.
-            versions = tuple(tier.counters.version for tier in self.tiers)
-            write_behind = self._write_behind.hits
-            if (versions == self._reported_versions
-                    and write_behind == self._reported_write_behind):
-                return {}
-            now = {tier.name: tier.counters.snapshot() for tier in self.tiers}
-            names = {name for numbers in now.values() for name in numbers}
-            deltas = counter_deltas(now, self._reported, sorted(names))
-            self._reported, self._reported_versions = now, versions
-            hits, self._reported_write_behind = write_behind - self._reported_write_behind, write_behind
-        out: dict[str, Any] = {}
-        moved = {tier: {k: v for k, v in numbers.items() if v > 0} for tier, numbers in deltas.items()}
-        moved = {tier: numbers for tier, numbers in moved.items() if numbers}
-        if moved:
-            out["tiers"] = moved
-        if hits > 0:
-            out["write_queue_hits"] = hits
-        return out
+        return self._reported.take(self.tiers, self._write_behind.hits)
 
     def gauge_report(self) -> dict[str, Any]:
         """This store's gauges for `/metrics`, never blocking on a backend: {"tiers": {tier: {"bytes_used",

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.redis import PATIENT_LOOKUP_DEADLINE_MS
 from vllm_tiercache.tools.bench.router_index import TIERS, DynamoIndexer, events_config
 from vllm_tiercache.tools.demo.server import Server, free_port
 from vllm_tiercache.tools.evict_cmd import evict
@@ -130,7 +131,7 @@ def seen(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_serve
     work = tmp_path_factory.mktemp("kv-events")
     with redis_server.client() as client:
         client.flushall()
-    store = {"namespace": "events", "tiers": [
+    store = {"namespace": "events", "lookup_deadline_ms": PATIENT_LOOKUP_DEADLINE_MS, "tiers": [
         # ~7 prompts of 576 KiB: A stays while the GPU loses it, and leaves once 7 newer prompts came (by
         # recency: the default `prefix` policy would keep A, asked twice, over seven one-off prompts)
         {"kind": "memory", "capacity": "4MiB", "policy": "lru"},

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests.ec.test_ec_connector import ONE_IMAGE_MANAGER, _image
-from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS, PATIENT_LOOKUP_DEADLINE_MS
 from tests.support.quiet import until_quiet
 from vllm_tiercache.shared.store.counters import STORE_COUNTER_HELP
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
@@ -143,7 +143,8 @@ def test_metrics_list_every_series_from_the_start_and_count_disk_and_redis(
         {"kind": "redis", "url": redis_url},
     ]}
     kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "vllm_tiercache.kvcache.connector",
-          "kv_role": "kv_both", "kv_connector_extra_config": {**store, "chunk_size": 64}}
+          "kv_role": "kv_both", "kv_connector_extra_config": {**store, "chunk_size": 64,
+                                                        "lookup_deadline_ms": PATIENT_LOOKUP_DEADLINE_MS}}
     ec = {"ec_connector": "TieredECConnector", "ec_connector_module_path": "vllm_tiercache.eccache.connector",
           "ec_role": "ec_both", "ec_connector_extra_config": store}
     server = Server(tiny_blip2, tmp_path / "server.log", served_name=SERVED, chat_template=template,

@@ -74,7 +74,8 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _store(redis_url: str, disk: Path) -> dict[str, Any]:
-    return {"namespace": "restart", "chunk_size": CHUNK, "lookup_budget_ms": 60000.0, "tiers": [
+    return {"namespace": "restart", "chunk_size": CHUNK, "lookup_budget_ms": 60000.0, "lookup_deadline_ms": 60000.0,
+            "tiers": [
         {"kind": "memory", "capacity": "1MiB"},  # a chunk is 128 KiB (2 layers, float32): the last few only
         {"kind": "disk", "path": str(disk), "capacity": "2MiB"},  # under the prompts' KV: Redis keeps the rest
         {"kind": "redis", "url": redis_url, "timeout_s": 60.0},

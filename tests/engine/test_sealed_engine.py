@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.models import run_engine
-from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS, PATIENT_LOOKUP_DEADLINE_MS
 from tests.store.sealing.rings import new_key, shares_window, write_ring
 from vllm_tiercache.shared.config import DiskTierConfig
 from vllm_tiercache.shared.store import records
@@ -56,6 +56,7 @@ def _kv(role: str, disk: Path, url: str, ring: Path | None) -> dict[str, Any]:
     namespace of its own: a sealing store and a plaintext one never share records)."""
     extra: dict[str, Any] = {
         "namespace": "sealed" if ring is not None else "plain", "lookup_budget_ms": PATIENT_LOOKUP_BUDGET_MS,
+        "lookup_deadline_ms": PATIENT_LOOKUP_DEADLINE_MS,
         "tiers": [{"kind": "memory", "capacity": "256MiB"}, {"kind": "disk", "path": str(disk), "capacity": "1GiB"},
                   {"kind": "redis", "url": url}],
     }

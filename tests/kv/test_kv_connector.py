@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.models import run_engine as run_one_process_engine
-from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS
+from tests.fixtures.redis import PATIENT_LOOKUP_BUDGET_MS, PATIENT_LOOKUP_DEADLINE_MS
 from vllm_tiercache.shared.stats_dump import read_stats
 
 pytestmark = pytest.mark.engine
@@ -147,7 +147,8 @@ def test_consumer_loads_from_redis_in_fresh_process(produced: dict) -> None:
             "model": produced["model"],
             "rounds": [PROMPTS],
             "kv_transfer_config": kv_config("kv_consumer", [{"kind": "redis", "url": produced["redis_url"]}],
-                                            lookup_budget_ms=PATIENT_LOOKUP_BUDGET_MS),
+                                            lookup_budget_ms=PATIENT_LOOKUP_BUDGET_MS,
+                                            lookup_deadline_ms=PATIENT_LOOKUP_DEADLINE_MS),
         },
         work,
         stats_dir=work / "redis-stats",
