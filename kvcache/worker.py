@@ -193,15 +193,19 @@ class KVWorkerSide:
     def worker_meta(self) -> TieredKVWorkerMetadata | None:
         """What the scheduler side must hear of: chunks that entered or left the memory tier, and chunks a
         whole-request load could not use."""
-        done, prefetch_failed, unstaged = self.prefetcher.take() if self.prefetcher.has_news else (set(), set(), set())
+        news = self.prefetcher.take() if self.prefetcher.has_news else None
         changes = self.saver.residency.take()
         failed = self.loader.take_failed_chunks() if self.loader.failed_chunks else set()
-        if changes is None and not failed and not done and not unstaged:
+        if news is not None:  # a chunk whose records were missing is claimed no more until saved anew
+            failed |= news.missing
+        if changes is None and not failed and (news is None or not (news.staged or news.failed or news.unstaged)):
             return None
         added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
+        if news is None:
+            return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed)
         return TieredKVWorkerMetadata(added=added, evicted=evicted, failed=failed,
-                                      prefetched={name: 1 for name in done - prefetch_failed},
-                                      prefetch_failed=prefetch_failed, unstaged=unstaged)
+                                      prefetched=dict.fromkeys(news.staged, 1), prefetch_failed=news.failed,
+                                      unstaged=news.unstaged)
 
     def take_counters(self) -> dict[str, Any]:
         """This worker's counters since the last call; ``{}`` when none moved."""

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.plan import ChunkPrefetch
@@ -30,6 +31,17 @@ from vllm_tiercache.shared.store.api import Store, StoreKey
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefetchNews:
+    """The prefetcher's news for the worker's report: chunks staged, chunks whose prefetch failed (and, of
+    those, the ones a record was missing or unreadable for), chunks dropped from staging."""
+
+    staged: set[bytes]
+    failed: set[bytes]
+    missing: set[bytes]
+    unstaged: set[bytes]
 
 #: Chunks fetched at once: enough to overlap a far tier's round trips, few enough to leave the cores to the
 #: forward pass (a thread mostly waits on a socket).
@@ -59,6 +71,8 @@ class Prefetcher:
         self._pending: set[bytes] = set()
         self._done: set[bytes] = set()
         self._failed: set[bytes] = set()
+        #: failed because a record was missing or unreadable (not for want of room): not claimed until saved anew
+        self._missing: set[bytes] = set()
         self._threads: list[threading.Thread] = []
 
     def attach(self, layers: list[int]) -> None:
@@ -79,13 +93,12 @@ class Prefetcher:
         for prefetch in fresh:
             self._queue.put(prefetch)
 
-    def take(self) -> tuple[set[bytes], set[bytes], set[bytes]]:
-        """(prefetches over since the last call, those of them that were not staged, chunks dropped from
-        staging since)."""
+    def take(self) -> PrefetchNews:
+        """What happened since the last call."""
         with self._lock:
-            done, failed = self._done, self._failed
-            self._done, self._failed = set(), set()
-        return done, failed, self.staging.take_dropped()
+            news = PrefetchNews(self._done - self._failed, self._failed, self._missing, self.staging.take_dropped())
+            self._done, self._failed, self._missing = set(), set(), set()
+        return news
 
     def drain(self, timeout: float) -> bool:
         """Wait until no prefetch is queued or in flight (tests, benchmarks); False when the time passed first."""
@@ -100,8 +113,10 @@ class Prefetcher:
     def _loop(self) -> None:
         while (prefetch := self._queue.get()) is not None:
             started = time.perf_counter()
+            missing = False
             try:
                 ok = self._fetch(prefetch)
+                missing = ok is None
             except Exception:  # a store or tier bug: the chunk is a miss, never a dead thread
                 log.exception("TieredKVConnector: prefetch of chunk %s failed", prefetch.chunk_hash.hex())
                 ok = False
@@ -110,21 +125,24 @@ class Prefetcher:
                 self._done.add(prefetch.chunk_hash)
                 if not ok:
                     self._failed.add(prefetch.chunk_hash)
+                if missing:
+                    self._missing.add(prefetch.chunk_hash)
                 self._lock.notify_all()
             with self._counters_lock:
                 self.counters.prefetched_chunks += ok
                 self.counters.prefetch_failures += not ok
                 self.counters.prefetch_seconds.append(time.perf_counter() - started)
 
-    def _fetch(self, prefetch: ChunkPrefetch) -> bool:
+    def _fetch(self, prefetch: ChunkPrefetch) -> bool | None:
         """Read the chunk's records (the store also promotes them into its memory tier) and stage them for
-        the load; whether every one was there and fits the staging budget."""
+        the load; whether they fit the staging budget, None when a record was missing or unreadable (absent,
+        corrupt, a tier that failed: `Store.get_many` tells these apart no further)."""
         if not self.layers:
             return False
         keys = [self.key(prefetch.chunk_hash, layer).for_tenant(prefetch.tenant) for layer in self.layers]
         records = self.store.get_many(keys)
         if any(record is None for record in records):
-            return False
+            return None
         self.residency.stored(prefetch.chunk_hash, keys)
         return self.staging.admit(prefetch.chunk_hash, [(k, r) for k, r in zip(keys, records, strict=True) if r])
 

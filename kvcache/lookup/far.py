@@ -74,19 +74,23 @@ class FarAnswer:
     host: list[bool]
     #: a shorter stored chunk after the last usable one, and whether the workers' memory holds it
     shorter: tuple[int, bool] | None
-    #: chunk index -> some tier holds it (not saved again)
+    #: chunk index -> some tier holds it (not saved again); -> the shared tiers were asked about it (and answered)
     stored: list[bool]
+    asked: list[bool]
 
 
 class FarLookups:
     """The scheduler side's lookups against far tiers (module docstring)."""
 
     def __init__(self, store: Store, resident: ResidentSet[bytes], blocks_per_chunk: int, deadline_s: float,
-                 local_blocks: Callable[[Request], int] | None = None, ranks: int = 1) -> None:
+                 local_blocks: Callable[[Request], int] | None = None, ranks: int = 1,
+                 failed: dict[bytes, None] | None = None) -> None:
         """``local_blocks``: how many of a waiting request's blocks vLLM's own prefix cache holds now (never
         fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers;
-        ``ranks``: the workers that each stage their own records of a chunk."""
+        ``ranks``: the workers that each stage their own records of a chunk; ``failed``: the scheduler side's
+        chunks a load or a prefetch could not use (never claimed, nor fetched, until saved anew)."""
         self.store = store
+        self.failed = failed if failed is not None else {}
         self.resident = resident
         self.ranks = ranks
         #: chunks every worker staged (`vllm_tiercache.kvcache.load.staging`), and how many did so far
@@ -104,19 +108,17 @@ class FarLookups:
         self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0}
 
     # ------------------------------------------------------------------------------------- a request
-    def start(self, state: RequestState, chunks: list[tuple[int, bytes]], failed: set[bytes] | dict[bytes, None]
-              ) -> None:
+    def start(self, state: RequestState, chunks: list[tuple[int, bytes]]) -> None:
         """Probe the request's chunks in the background (once per request)."""
         if state.request.request_id in self._tickets:
             return
-        resident = [name in self.resident and name not in failed for _, name in chunks]
+        resident = [name in self.resident and name not in self.failed for _, name in chunks]
         probe = Probe(state.request, state.names, chunks, resident)
         self._tickets[state.request.request_id] = FarTicket(
             probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None))
         self._probes.submit(probe)
 
-    def answer(self, state: RequestState, local_blocks: int, failed: set[bytes] | dict[bytes, None]
-               ) -> FarAnswer | None:
+    def answer(self, state: RequestState, local_blocks: int) -> FarAnswer | None:
         """Where the request's chunks are, or None while its probe or its prefetches are pending and its
         deadline has not passed. ``local_blocks``: the blocks vLLM's own prefix cache holds."""
         ticket = self._tickets.get(state.request.request_id)
@@ -131,7 +133,7 @@ class FarLookups:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
-                return self._answer(ticket, failed, local_blocks, probe_in=False)
+                return self._answer(ticket, local_blocks, probe_in=False)
             if not ticket.prefetching:
                 self._prefetch(ticket, local_blocks)
             pending = {name for name in ticket.waits_for if name in self._in_flight and not self._held(name)}
@@ -141,7 +143,7 @@ class FarLookups:
             self.counters["prefetches_evicted"] += sum(
                 1 for name in ticket.waits_for if name in self._fetched and not self._held(name))
             ticket.answered = True
-        return self._answer(ticket, failed, local_blocks, probe_in=probe.done.is_set())
+        return self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
 
     def started(self, req_id: str) -> bool:
         return req_id in self._tickets
@@ -155,7 +157,7 @@ class FarLookups:
         ticket.prefetching = True
         probe = ticket.probe
         wanted = [(end, name) for (end, name), where in zip(probe.chunks, probe.where, strict=True)
-                  if where == Where.FAR and end > local_blocks]
+                  if where == Where.FAR and end > local_blocks and name not in self.failed]
         if probe.shorter is not None and probe.shorter[2] == Where.FAR and Where.MISSING in probe.where:
             wanted.append(probe.shorter[:2])
         now = time.monotonic()
@@ -166,25 +168,27 @@ class FarLookups:
             self._in_flight[name] = now
             self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant)
 
-    def _answer(self, ticket: FarTicket, failed: set[bytes] | dict[bytes, None], local_blocks: int, *,
-                probe_in: bool) -> FarAnswer:
+    def _answer(self, ticket: FarTicket, local_blocks: int, *, probe_in: bool) -> FarAnswer:
         """Loadable: what the workers' memory holds now, what a near tier holds, and what vLLM holds itself
         (never loaded: the hit starts past it)."""
         probe = ticket.probe
         ends = [end for end, _ in probe.chunks]
-        resident = [name in self.resident and name not in failed for _, name in probe.chunks]
-        host = [self._held(name) and name not in failed for _, name in probe.chunks]
+        resident = [name in self.resident and name not in self.failed for _, name in probe.chunks]
+        host = [self._held(name) and name not in self.failed for _, name in probe.chunks]
         where = probe.where if probe_in else [Where.RESIDENT if r else Where.MISSING for r in resident]
-        usable = [h or end <= local_blocks or (w == Where.NEAR and name not in failed)
+        usable = [h or end <= local_blocks or (w == Where.NEAR and name not in self.failed)
                   for h, w, (end, name) in zip(host, where, probe.chunks, strict=True)]
-        stored = [h or w != Where.MISSING for h, w in zip(host, where, strict=True)]
+        found = probe.found if probe_in else where
+        stored = [h or (w != Where.MISSING and name not in self.failed)
+                  for h, w, (_, name) in zip(host, found, probe.chunks, strict=True)]
+        asked = [probe_in and not r for r in probe.resident]
         shorter = None
         if probe_in and probe.shorter is not None:
             end, name, at = probe.shorter
             held = self._held(name)
-            if name not in failed and (held or at == Where.NEAR):
+            if name not in self.failed and (held or at == Where.NEAR):
                 shorter = (end, held)
-        return FarAnswer(ends, usable, resident, host, shorter, stored)
+        return FarAnswer(ends, usable, resident, host, shorter, stored, asked)
 
     def _held(self, name: bytes) -> bool:
         """The workers hold the chunk in host memory: their memory tier, or staged for a load."""

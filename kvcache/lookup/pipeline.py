@@ -47,7 +47,7 @@ class PromptLookup:
         #: vLLM's block manager (`KVSchedulerSide.bind_kv_cache_manager`): its prefix cache is never fetched
         self.kv_cache_manager: Any = None
         self._checked_engine_hashing = False
-        self.far = far_lookups(store, naming, resident, deadline_s, can_load=can_load,
+        self.far = far_lookups(store, naming, resident, deadline_s, can_load=can_load, failed=failed,
                                whole_request_loads=whole_request_loads, local_blocks=self.vllm_holds)
 
     def _check_engine_hashing(self, request: Request) -> None:
@@ -60,7 +60,7 @@ class PromptLookup:
         assert self.far is not None
         self._check_engine_hashing(state.request)
         chunks = state.names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
-        self.far.start(state, chunks, self.failed)
+        self.far.start(state, chunks)
 
     def vllm_holds(self, request: Request) -> int:
         """The blocks of ``request`` vLLM's own prefix cache holds now (never fetched from a far tier)."""
@@ -80,20 +80,21 @@ class PromptLookup:
         block_size = self.geometry.block_size
         shorter: tuple[int, bool] | None = None
         if self.far is not None:
-            answer = self.far.answer(state, num_computed_tokens // block_size, self.failed)
+            answer = self.far.answer(state, num_computed_tokens // block_size)
             if answer is None:
                 if not self.far.started(request.request_id):
                     self.start(state)
                 return None, False  # asked again next step; the others are scheduled meanwhile
             ends, full_ok, resident, shorter, stored = (answer.ends, answer.usable, answer.resident,
                                                         answer.shorter, answer.stored)
-            window_ok, host = [True] * len(ends), answer.host
+            window_ok, host, asked = [True] * len(ends), answer.host, answer.asked
         else:
             ends, full_ok, window_ok, resident = self._ask(state)
             stored, host = [f and w for f, w in zip(full_ok, window_ok, strict=True)], resident
+            asked = [not r for r in resident]
         state.stored, state.resident = stored, resident
         if self.events is not None:
-            self.events.looked_up(request, state.names, ends, stored, resident, [not r for r in resident])
+            self.events.looked_up(request, state.names, ends, stored, resident, asked)
         state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
         state.forget_load()
         if not self.can_load:
@@ -184,7 +185,7 @@ class PromptLookup:
 
 
 def far_lookups(store: Store, naming: KVNaming, resident: ResidentSet[bytes], deadline_s: float, *, can_load: bool,
-                whole_request_loads: bool, local_blocks: Any) -> FarLookups | None:
+                failed: dict[bytes, None], whole_request_loads: bool, local_blocks: Any) -> FarLookups | None:
     """The far lookups of a store with a far tier, or None (lookups on the scheduling thread), saying why at start."""
     far_tiers = [t.name for t in getattr(store, "far_tiers", [])]
     if deadline_s <= 0 or not far_tiers or not can_load:
@@ -198,4 +199,4 @@ def far_lookups(store: Store, naming: KVNaming, resident: ResidentSet[bytes], de
     log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into host memory "
              "before a request's turn, waiting at most %.0f ms", far_tiers, deadline_s * 1000)
     return FarLookups(store, resident, naming.geometry.blocks_per_chunk, deadline_s, local_blocks=local_blocks,
-                      ranks=len(naming.identities))
+                      ranks=len(naming.identities), failed=failed)

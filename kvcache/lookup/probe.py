@@ -58,8 +58,9 @@ class Probe:
     #: (end block, name) of every chunk of the prompt's full blocks, and whether the workers' memory holds it
     chunks: list[tuple[int, bytes]]
     resident: list[bool]
-    #: per chunk, up to the first missing one (then MISSING); and a shorter stored chunk inside the first
-    #: missing one, as (end block, name, where)
+    #: per chunk, where it was found (``found``: every chunk asked; ``where``: up to the first missing one, then
+    #: MISSING); and a shorter stored chunk inside the first missing one, as (end block, name, where)
+    found: list[Where] = field(default_factory=list)
     where: list[Where] = field(default_factory=list)
     shorter: tuple[int, bytes, Where] | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -86,6 +87,7 @@ class Probe:
                 for i, hit in zip(far, found, strict=True):
                     if hit:
                         where[i] = Where.FAR
+        self.found = where
         self.where = up_to_first_missing(where)
         cut = len(self.where) - self.where.count(Where.MISSING)
         if cut < len(self.chunks):
@@ -136,7 +138,8 @@ class ProbeThreads:
                 probe.run(self.store, self.blocks_per_chunk)
             except Exception:  # a store bug: the request's far chunks are misses, never a dead thread
                 log.exception("TieredKVConnector: a lookup failed; its request is computed without the far tiers")
-                probe.where = up_to_first_missing([Where.RESIDENT if r else Where.MISSING for r in probe.resident])
+                probe.found = [Where.RESIDENT if r else Where.MISSING for r in probe.resident]
+                probe.where = up_to_first_missing(probe.found)
             finally:
                 probe.done.set()
 

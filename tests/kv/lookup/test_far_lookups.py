@@ -58,11 +58,12 @@ class Worker:
         return self.report(side)
 
     def report(self, side: KVSchedulerSide) -> TieredKVWorkerMetadata:
-        done, failed, unstaged = self.prefetcher.take()
+        news = self.prefetcher.take()
         changes = self.residency.take()
         added, evicted = (changes.added, changes.evicted) if changes is not None else (set(), set())
-        report = TieredKVWorkerMetadata(added=added, evicted=evicted, prefetched=dict.fromkeys(done - failed, 1),
-                                        prefetch_failed=failed, unstaged=unstaged)
+        report = TieredKVWorkerMetadata(added=added, evicted=evicted, failed=news.missing,
+                                        prefetched=dict.fromkeys(news.staged, 1), prefetch_failed=news.failed,
+                                        unstaged=news.unstaged)
         side.update_connector_output(report)
         return report
 
@@ -78,11 +79,12 @@ def far_side(store: Store, deadline_s: float = 30.0) -> KVSchedulerSide:
     return side
 
 
-def store_chunks(tier: dict[str, Any], chunks: list[bytes]) -> None:
-    """Every layer's record of ``chunks`` into the far tier alone, as another engine saved them."""
+def store_chunks(tier: dict[str, Any], chunks: list[bytes], layers: int = IDENTITY.num_layers) -> None:
+    """The records of ``chunks`` (of their first ``layers`` layers: every one by default) into the far tier
+    alone, as another engine saved them."""
     with build_store({"tiers": [tier]}) as writer:
         for chunk in chunks:
-            for layer in range(IDENTITY.num_layers):
+            for layer in range(layers):
                 writer.put(NAMING.record_key(chunk, layer), RECORD, {"blocks": 4})
         assert writer.flush(60.0)
 
@@ -350,6 +352,33 @@ def test_nothing_vllm_holds_is_fetched_and_the_hit_starts_past_it(redis_tier) ->
             worker.play(meta, side)
             assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (4 * BLOCK, False)
             assert side._requests["v"].load_first == 4 and side._requests["v"].load_end == 8
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_tier) -> None:
+    """Its probe record is there, another layer's is not (a writer that died halfway): the fetch fails, the
+    chunk is claimed by no request until one saves it again, and the request that computes it does."""
+    request = make_request("r", tokens(PROMPT_TOKENS, seed=10))
+    first, second = request.block_hashes[3], request.block_hashes[7]
+    store_chunks(redis_tier, [first])
+    store_chunks(redis_tier, [second], layers=1)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "r")
+            report = worker.play(empty_step(side), side)
+            assert report.failed == {second} and report.prefetch_failed == {second}
+            again = make_request("r2", tokens(PROMPT_TOKENS, seed=10))
+            side.on_new_request(again)
+            probe_done(side, "r2")
+            assert empty_step(side).prefetches == []  # not fetched again before it is saved anew
+            assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+            side.update_state_after_alloc(request, 4 * BLOCK)
+            plan = side.build_connector_meta(step([], [("r", 4 * BLOCK)], {"r": 200}))  # type: ignore[arg-type]
+            assert [save.chunk_hash for save in plan.requests[0].saves] == [second]  # saved anew
         finally:
             worker.close()
             side.shutdown()
