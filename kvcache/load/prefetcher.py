@@ -115,8 +115,8 @@ class Prefetcher:
             started = time.perf_counter()
             missing = False
             try:
-                ok = self._fetch(prefetch)
-                missing = ok is None
+                fetched = self._fetch(prefetch)
+                ok, missing = bool(fetched), fetched is None
             except Exception:  # a store or tier bug: the chunk is a miss, never a dead thread
                 log.exception("TieredKVConnector: prefetch of chunk %s failed", prefetch.chunk_hash.hex())
                 ok = False

@@ -371,6 +371,8 @@ def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_
             probe_done(side, "r")
             report = worker.play(empty_step(side), side)
             assert report.failed == {second} and report.prefetch_failed == {second}
+            assert worker.counters.prefetch_failures == 1 and worker.counters.prefetched_chunks == 1
+            assert all(thread.is_alive() for thread in worker.prefetcher._threads)  # a failure ends no thread
             again = make_request("r2", tokens(PROMPT_TOKENS, seed=10))
             side.on_new_request(again)
             probe_done(side, "r2")

@@ -170,7 +170,9 @@ def test_a_store_over_the_object_tier(s3_bucket, tmp_path):
     assert store.flush(30)
     store.close()
     again = TieredStore(cfg)  # a fresh process's store: only the bucket has them
-    assert again.contains_many([_k(i) for i in range(10)], shared_only=True) == [True] * 10
+    # unbounded: a cold lookup's HEADs may take longer than lookup_budget_ms on a loaded machine (its bound:
+    # tests/kv/test_lookup_budget.py)
+    assert again.contains_many([_k(i) for i in range(10)], shared_only=True, bounded=False) == [True] * 10
     got = again.get_many([_k(i) for i in range(10)])
     assert all(torch.equal(got[i].tensor, _t(100, i)) for i in range(10))
     again.close()
