@@ -143,6 +143,21 @@ def test_bench_capacity_and_lookups_refuse_bad_sizes_and_counts_before_starting_
     assert_one_line_error(tiercache_here("bench", "lookups", "--keys", "0,32"), "--keys", "from 1 to 100000")
 
 
+@pytest.mark.parametrize("bench", ["lookups", "kv", "serve"])
+@pytest.mark.parametrize("value", ["-1", "10001", "20ms"])
+def test_the_store_rtt_is_bounded_before_anything_starts(bench: str, value: str) -> None:
+    assert_one_line_error(tiercache_here("bench", bench, "--store-rtt-ms", value), "--store-rtt-ms",
+                          f"invalid value '{value}'", "allowed: a number in [0, 10000]")
+
+
+def test_the_store_rtt_cannot_delay_a_tls_endpoint() -> None:
+    """A proxy on 127.0.0.1 in front of https://host would fail the certificate's host check on every request:
+    refused in one line instead, before any request."""
+    assert_one_line_error(tiercache_here("bench", "lookups", "--s3-endpoint", "https://s3.example.com",
+                                         "--s3-bucket", "b", "--store-rtt-ms", "20"),
+                          "--store-rtt-ms: cannot delay the TLS endpoint https://s3.example.com")
+
+
 @pytest.mark.parametrize(("job", "corpus", "extra", "pieces"), [
     ("docs", "a.txt", ["--pin"], ["--pin pins the tags given with --tag; add one, e.g. --tag corpus:v3"]),
     ("images", "a.png", ["--pin"], ["--pin pins the tags given with --tag"]),

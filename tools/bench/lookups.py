@@ -9,6 +9,8 @@ the records already seen (``cached``: the existence cache's one GET of ``sys/usa
 `vllm_tiercache.shared.store.tiers.object.existence`); and how many of the N keys the store's bounded lookup
 found within the budget, cold, listed and cached. Medians over ``--repeat`` runs, each with a fresh tier for the cold
 case. Without ``--s3-endpoint`` a private SeaweedFS is started; the records are deleted afterwards.
+``--store-rtt-ms N`` puts the store N ms of round trip away (`vllm_tiercache.tools.bench.rtt_proxy`): a local
+SeaweedFS answers in a fraction of a millisecond, S3 in 10-30 ms, and the budget is about the latter.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 from typing import Any
 
 from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arguments, s3_target
+from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, delayed_item, store_rtt_header
 from vllm_tiercache.tools.cli import float_in, int_at_least
 
 
@@ -45,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the store's lookup_budget_ms (default %(default)s, the store's default)")
     parser.add_argument("--repeat", type=int_at_least(1, 1000), default=5, help="runs per case (default %(default)s)")
     add_s3_arguments(parser)
+    add_store_rtt_argument(parser, "the object tier")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -92,9 +96,11 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
                         store.tiers[0].contains_many([])
                         store.tiers[0].warmed()
                     found.append(sum(store.contains_many(keys[:n], shared_only=True)))
-                    time.sleep(0.05 + n / 1000)  # an outstanding lookup ends before the store closes
+                    # an outstanding lookup ends before the store closes: its HEADs, in waves of concurrency
+                    time.sleep(0.05 + n / 1000 + n / args.concurrency * args.store_rtt_ms / 1000)
                     store.close()
             rows.append({"keys": n, "concurrency": args.concurrency, "budget_ms": args.budget_ms,
+                         "store_rtt_ms": args.store_rtt_ms,
                          "cold_ms": round(statistics.median(cold) * 1000, 1),
                          "listed_ms": round(statistics.median(listed) * 1000, 1),
                          "cached_ms": round(statistics.median(cached) * 1000, 1),
@@ -108,9 +114,10 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    rtt = store_rtt_header(rows[0].get("store_rtt_ms", 0.0) if rows else 0.0, "the object tier")
     head = (f"{'keys':>6} {'in flight':>9} | {'cold ms':>8} {'listed ms':>9} {'cached ms':>9} | {'budget ms':>9} "
             f"{'found: cold':>11} {'listed':>6} {'cached':>6}")
-    lines = [head, "-" * len(head)]
+    lines = [*([rtt] if rtt else []), head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['keys']:>6} {r['concurrency']:>9} | {r['cold_ms']:>8.1f} {r['listed_ms']:>9.1f} "
                      f"{r['cached_ms']:>9.1f} | {r['budget_ms']:>9.0f} {r['found_cold']:>11} {r['found_listed']:>6} "
@@ -124,7 +131,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     check_s3_arguments(args)
-    with s3_target(args.s3_endpoint, args.s3_bucket) as item:
+    with s3_target(args.s3_endpoint, args.s3_bucket) as target, delayed_item(target, args.store_rtt_ms) as item:
+        assert item is not None
         rows = bench_lookups(args, item)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0

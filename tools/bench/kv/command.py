@@ -24,6 +24,11 @@ number that is really a prefill.
 
 Absolute seconds depend on the machine and on whatever else runs on it; the ratios between cases of
 one run are the result.
+
+``--store-rtt-ms N``: the Redis and object cases reach their redis-server and SeaweedFS through a proxy in this
+process that adds N ms to every round trip (`vllm_tiercache.tools.bench.rtt_proxy`), as a store in another
+zone or S3 would; their raw references (redis-py GETs, boto3 GETs) go through it too, so a hit is still held
+to what the medium costs at that distance. Memory and disk are not delayed.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, run_engine_process,
 from vllm_tiercache.tools.bench.kv.report import CaseResult, format_table, hit_breakdown
 from vllm_tiercache.tools.bench.object_row import lookup_budget_arg
 from vllm_tiercache.tools.bench.pd.client import TOKEN_RANGE
+from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, delayed_url
 from vllm_tiercache.tools.cli import UsageError
 
 #: Targets, as (case, reference case, most allowed ratio): case TTFT / reference TTFT <= ratio.
@@ -133,6 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the store's lookup_budget_ms in every tiered case (default: the store's, 100 ms): how "
                              "long a scheduler's lookup waits on Redis or the object tier, which HEADs every record of "
                              "the prompt's chunks (96 at 2K on the bench model); past it, a miss")
+    add_store_rtt_argument(parser, "the Redis and object cases' stores (and their raw references)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -191,6 +198,8 @@ class Bench:
                      if getattr(args, "encrypt", False) else None)
         #: every engine's max_model_len: the prompt and the few tokens a case generates
         self.max_model_len = max(self.prompt_len + 64, 1024)
+        #: round trip added to Redis and S3 (`vllm_tiercache.tools.bench.rtt_proxy`; 0: none)
+        self.store_rtt_ms: float = getattr(args, "store_rtt_ms", 0.0) or 0.0
 
     # ------------------------------------------------------------------------------------- helpers
     def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
@@ -367,8 +376,8 @@ class Bench:
     def case_tiered_redis(self) -> None:
         from vllm_tiercache.tools.redis_server import RedisServer
 
-        with RedisServer() as server:
-            tiers = [{"kind": "redis", "url": server.url}]
+        with RedisServer() as server, delayed_url(server.url, self.store_rtt_ms) as url:
+            tiers = [{"kind": "redis", "url": url}]
             self._produce_then_consume("tiered-redis", self.tiered("kv_both", tiers), self.tiered("kv_consumer", tiers))
 
     def case_example(self) -> None:
@@ -460,8 +469,8 @@ class Bench:
         if "tiered-redis" in self.cases and shutil.which("redis-server"):
             from vllm_tiercache.tools.redis_server import RedisServer
 
-            with RedisServer() as server:
-                self.media = raw_medium_times(nbytes, self.work / "media", server.url)
+            with RedisServer() as server, delayed_url(server.url, self.store_rtt_ms) as url:
+                self.media = raw_medium_times(nbytes, self.work / "media", url)
         else:
             self.media = raw_medium_times(nbytes, self.work / "media")
         # measured by the object case on its own SeaweedFS: (seconds, objects, bytes)
@@ -550,6 +559,7 @@ class Bench:
             "dtype": self.args.dtype,
             "admission": self.args.admission,
             "lookup_budget_ms": getattr(self.args, "lookup_budget_ms", None),
+            "store_rtt_ms": self.store_rtt_ms,
             "prompt_len": self.prompt_len,
             "sealed": self.ring is not None,
             "prompts": self.num_prompts,

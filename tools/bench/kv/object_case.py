@@ -7,7 +7,8 @@ environment, so the engine processes, which inherit it, find them through the st
 deployment would (no secret is written to a job spec, a log or the table). A producer process with the
 object tier alone stores the prompts and exits (its shutdown drains the tier's write-behind queue); a
 fresh ``kv_consumer`` process with the object tier alone measures the hits, each paired with vLLM's
-resident hit of the same prompt in the same engine (`Bench._produce_then_consume`).
+resident hit of the same prompt in the same engine (`Bench._produce_then_consume`). With ``--store-rtt-ms``
+the engines and the raw GETs reach the SeaweedFS through a delaying proxy (`rtt_proxy`) this process holds.
 
 Why the object tier alone in the consumer, and not memory + object: a memory tier in front would take the
 records of the first hit (promotion), and every repeat (``--hit-repeats``) would then be a memory hit, so
@@ -47,6 +48,7 @@ class _Bench(Protocol):
     prompt_len: int
     min_hit_tokens: int
     object_get: tuple[float | None, int | None, int | None]
+    store_rtt_ms: float
 
     def progress(self, message: str) -> None: ...
 
@@ -93,8 +95,10 @@ def run_case(bench: _Bench) -> None:
     """The producer and the consumer on a private SeaweedFS, then the raw GETs of the same objects there."""
     from vllm_tiercache.tools.bench.kv.medium import kv_bytes_per_layer_token, object_get_s
     from vllm_tiercache.tools.bench.object_row import s3_target
+    from vllm_tiercache.tools.bench.rtt_proxy import delayed_item
 
-    with s3_target(None, None) as target:
+    with s3_target(None, None) as server, delayed_item(server, bench.store_rtt_ms) as target:
+        assert target is not None
         item = tier_item(target, bench.namespace)
         bench.progress(f"    SeaweedFS serving S3 at {item['endpoint']}, bucket {item['bucket']}/{item['prefix']}")
         tiers = [item]

@@ -85,7 +85,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"hits need num_cached_tokens >= {report['min_hit_tokens']}; case 8's disk admission: "
         f"{report.get('admission', 'always')}" + ("; disk and Redis records sealed (--encrypt)" if report.get("sealed")
                                                    else "")
-        + (f"; lookup_budget_ms {report['lookup_budget_ms']:g}" if report.get("lookup_budget_ms") is not None else ""),
+        + (f"; lookup_budget_ms {report['lookup_budget_ms']:g}" if report.get("lookup_budget_ms") is not None else "")
+        + (f"; store RTT +{report['store_rtt_ms']:g} ms (Redis and S3 behind a delaying proxy, raw references "
+           "too: --store-rtt-ms)" if report.get("store_rtt_ms") else ""),
         f"{'case':44} {'TTFT med (s)':>12} {'min (s)':>8} {'x resident':>10} {'own res (s)':>11} {'x own res':>9} "
         f"{'x cold':>7} {'cached tokens':>14}  note",
     ]

@@ -21,6 +21,8 @@ Cases on the text model: ``vllm`` (alone); ``memory`` (a memory tier holding the
 ``memory-disk``, ``memory-redis``, ``memory-disk-redis``, ``memory-object`` and ``memory-disk-object`` (a
 memory tier only as large as vLLM's KV cache, the rest on disk, on a private redis-server, on a private
 SeaweedFS's S3 bucket, or two of them: `tiers`), so the lower tiers serve most of what vLLM evicted.
+``--store-rtt-ms N`` puts that redis-server and SeaweedFS N ms of round trip away (`rtt_proxy`, in this
+process, for as long as the servers run); memory and disk stay as they are.
 Cases on a multimodal model (`multimodal`): ``mm-vllm`` (alone) and ``mm-kv-ec`` (the KV and the encoder
 connector on one store); each family of cases has its own trace, KV budget and baseline.
 """
@@ -52,6 +54,7 @@ from vllm_tiercache.tools.bench.router_index import (
     events_config,
     wait_until_indexed,
 )
+from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument
 from vllm_tiercache.tools.bench.serve import events as serve_events
 from vllm_tiercache.tools.bench.serve import multimodal as serve_multimodal
 from vllm_tiercache.tools.bench.serve import tiers as serve_tiers
@@ -163,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup-budget-ms", type=lookup_budget_arg, default=None,
                         help="the store's lookup_budget_ms in the text tiercache cases (default: the store's, 100 "
                              "ms): how long the scheduler's lookup of a request waits on Redis or the object tier")
+    add_store_rtt_argument(parser, "the Redis and object cases' stores")
     parser.add_argument("--work-dir", type=Path, help="models, tiers, logs (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", type=Path, dest="json_path", help="write the full results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT percentiles and throughput vs users")
@@ -200,6 +204,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if missing := serve_tiers.weed_missing(s["cases"]):
         raise BenchServeError(missing)
     s["lookup_budget_ms"] = getattr(args, "lookup_budget_ms", None)
+    s["store_rtt_ms"] = getattr(args, "store_rtt_ms", 0.0) or 0.0
     s["events"] = bool(getattr(args, "events", False))
     if s["events"]:
         if not any(c in TEXT_CASES and c != BASELINE for c in s["cases"]):
@@ -474,7 +479,8 @@ def _run(args: argparse.Namespace) -> int:
                       f"{settings['docs']} docs (Zipf {args.zipf_alpha}), {settings['max_tokens']} tokens per "
                       f"answer; users {settings['users']}; cases {settings['cases']}; "
                       f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server"
-                      + (f"; lookup_budget_ms {budget:g}" if (budget := settings["lookup_budget_ms"]) else ""))
+                      + (f"; lookup_budget_ms {budget:g}" if (budget := settings["lookup_budget_ms"]) else "")
+                      + (f"; store RTT +{rtt:g} ms (Redis, S3)" if (rtt := settings["store_rtt_ms"]) else ""))
         for family in families.values():
             geometry = kv_geometry(family.model)
             doc_tokens = settings["mm_doc_tokens" if family.name == "multimodal" else "doc_tokens"]
@@ -495,7 +501,7 @@ def _run(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         ran: list[str] = []
         errors: dict[str, str] = {}
-        ctx["stores"] = stack.enter_context(serve_tiers.private_stores(settings["cases"]))
+        ctx["stores"] = stack.enter_context(serve_tiers.private_stores(settings["cases"], settings["store_rtt_ms"]))
         for case in settings["cases"]:
             family = families[_family_of(case)]
             try:
@@ -535,7 +541,7 @@ def _run(args: argparse.Namespace) -> int:
         for family in families.values():
             print(f"{family.name} cases: working set {family.working_set} tokens / vLLM KV budget {family.budget} "
                   f"tokens = {family.ws_ratio:.2f}x (ratios against {family.baseline})")
-        print(format_table(rows))
+        print(format_table(rows, settings["store_rtt_ms"]))
         if ctx.get("audits"):
             print(serve_events.format_audits(ctx["audits"]))
         for t in targets:

@@ -95,12 +95,16 @@ def _x(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The stdout table: one line per case and concurrency."""
+def format_table(rows: list[dict[str, Any]], store_rtt_ms: float = 0.0) -> str:
+    """The stdout table: one line per case and concurrency (first, the delay of Redis and S3 where they were
+    behind `--store-rtt-ms`'s proxy)."""
+    from vllm_tiercache.tools.bench.rtt_proxy import store_rtt_header
+
+    rtt = store_rtt_header(store_rtt_ms, "the Redis and object tiers")
     head = (f"{'case':<18} {'users':>5} {'reqs':>5} {'fail':>4} {'mism':>4} {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
             f"{'ITL p50':>7} {'req/s':>6} {'tok/s':>6} {'cached':>6} {'KV hit':>6} {'EC hit':>6} {'RSS GiB':>7} "
             f"{'TTFT50 x':>8} {'tput x':>6}")
-    lines = [head, "-" * len(head)]
+    lines = [*([rtt] if rtt else []), head, "-" * len(head)]
     for r in rows:
         kv = f"{r['kv_hit']:.0%}" if r.get("kv_hit") is not None else "-"
         ec = f"{r['ec_hit']:.0%}" if r.get("ec_hit") is not None else "-"

@@ -9,6 +9,8 @@ of what vLLM evicted: ``memory-disk``, ``memory-redis``, ``memory-disk-redis``, 
 its credentials from the AWS chain: `s3_target` puts the SeaweedFS's in this process's environment while
 the bench runs, and each server inherits them (no config or log holds them). Each case has its own key
 prefix in the one bucket, so no case reads another's records and each one's capacity is its own.
+With ``--store-rtt-ms`` both stores are reached through a delaying proxy (`rtt_proxy`) the bench process holds
+while the servers run: the stores of a deployment are a network away, these are on loopback.
 """
 
 from __future__ import annotations
@@ -39,19 +41,22 @@ def weed_missing(cases: Sequence[str]) -> str | None:
 
 
 @contextmanager
-def private_stores(cases: Sequence[str]) -> Iterator[dict[str, Any]]:
+def private_stores(cases: Sequence[str], store_rtt_ms: float = 0.0) -> Iterator[dict[str, Any]]:
     """``{"redis_url": ..., "object": ...}``: a private redis-server's URL when a Redis case runs, and the
     object tier item of a private SeaweedFS's bucket when an object case runs (None otherwise); both stop
-    when the bench ends."""
+    when the bench ends. ``store_rtt_ms``: both are given behind an `RttProxy` adding that round trip."""
+    from vllm_tiercache.tools.bench.rtt_proxy import delayed_item, delayed_url
     from vllm_tiercache.tools.redis_server import optional_redis_url
 
     with ExitStack() as stack:
-        stores: dict[str, Any] = {"redis_url": stack.enter_context(
-            optional_redis_url(any(c in REDIS_CASES for c in cases))), "object": None}
+        redis_url = stack.enter_context(optional_redis_url(any(c in REDIS_CASES for c in cases)))
+        stores: dict[str, Any] = {"redis_url": stack.enter_context(delayed_url(redis_url, store_rtt_ms)),
+                                  "object": None}
         if any(c in OBJECT_CASES for c in cases):
             from vllm_tiercache.tools.bench.object_row import s3_target
 
-            stores["object"] = stack.enter_context(s3_target(None, None))
+            stores["object"] = stack.enter_context(delayed_item(stack.enter_context(s3_target(None, None)),
+                                                                store_rtt_ms))
         yield stores
 
 

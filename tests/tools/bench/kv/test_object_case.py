@@ -1,13 +1,19 @@
 """`tiercache bench kv`'s object-tier case (``tiered-object``) without engines: the case is known, the tier
 it builds is an object tier the store accepts, a missing ``weed`` is one line before anything runs, the raw
-GET reference really GETs (the session's SeaweedFS) and the table carries its targets."""
+GET reference really GETs (the session's SeaweedFS) and the table carries its targets; with ``--store-rtt-ms``
+the Redis and object cases' engines and raw references reach their stores through a delaying proxy."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.tools.bench.kv import object_case
@@ -94,3 +100,44 @@ def test_the_table_says_the_raw_get_and_its_target() -> None:
     table = format_table(report)
     assert "raw S3 GETs of the object case's records (96 objects, 24.0 MiB" in table and "25.00 ms" in table
     assert "(tiered-object - resident (same engine)) / raw S3 GET =  1.200  (target <= 1.5)  ok" in table
+
+
+@pytest.mark.s3
+@pytest.mark.redis
+def test_the_store_rtt_puts_the_redis_and_object_cases_behind_a_delaying_proxy(
+        s3_bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_tiercache.shared.store.tiers.object.client import make_client
+
+    bench = Bench(_args("--cases", "tiered-redis,tiered-object", "--store-rtt-ms", "20"), tmp_path)
+    assert bench.store_rtt_ms == 20.0 and Bench(_args(), tmp_path).store_rtt_ms == 0.0
+    reached: list[str] = []
+
+    def check(name: str, producer: dict[str, Any], consumer: dict[str, Any]) -> None:
+        """Stands in for the engines: their tier reaches the store through the proxy, a round trip away."""
+        tier = consumer["kv_connector_extra_config"]["tiers"][0]
+        assert producer["kv_connector_extra_config"]["tiers"][0] == tier
+        started = time.perf_counter()
+        if tier["kind"] == "redis":
+            with redis.Redis.from_url(tier["url"]) as client:
+                assert client.ping()
+        else:
+            assert tier["endpoint"] != s3_bucket.server.endpoint
+            client = make_client(StoreConfig.from_dict({"tiers": [tier]}).tiers[0])
+            client.put_object(Bucket=tier["bucket"], Key=f"{tier['prefix']}x", Body=b"x")
+        assert time.perf_counter() - started >= 0.020
+        reached.append(tier["kind"])
+
+    @contextlib.contextmanager
+    def session_bucket(*_: object) -> Iterator[dict[str, Any]]:
+        yield {"kind": "object", "endpoint": s3_bucket.server.endpoint, "bucket": s3_bucket.bucket,
+               "path_style": True}
+
+    monkeypatch.setattr(bench, "_produce_then_consume", check)
+    monkeypatch.setattr("vllm_tiercache.tools.bench.object_row.s3_target", session_bucket)
+    bench.case_tiered_redis()
+    object_case.run_case(bench)
+    assert reached == ["redis", "object"]
+    report = {"media": {}, "hit_bytes": None, "prompt_len": 512, "prompts": 1, "hit_repeats": 1, "model": "m",
+              "min_hit_tokens": 480, "rows": [], "targets": [], "store_rtt_ms": 20.0}
+    assert "; store RTT +20 ms (Redis and S3 behind a delaying proxy" in format_table(report).splitlines()[0]
+    assert "store RTT" not in format_table({**report, "store_rtt_ms": 0.0})

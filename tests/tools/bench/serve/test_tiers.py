@@ -1,18 +1,22 @@
 """`tiercache bench serve`'s tiered text cases without a server: the object cases are known, build the tiers
-they are named after, get a private SeaweedFS bucket, and a missing ``weed`` is one line before any server."""
+they are named after, get a private SeaweedFS bucket, and a missing ``weed`` is one line before any server;
+``--store-rtt-ms`` puts the private Redis and bucket behind a delaying proxy."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.tools.bench.serve import tiers
 from vllm_tiercache.tools.bench.serve.command import TEXT_CASES, BenchServeError, _settings, add_arguments, run
+from vllm_tiercache.tools.bench.serve.report import format_table
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -90,3 +94,29 @@ def test_the_object_cases_get_a_private_bucket_and_its_credentials_only_while_th
     assert os.environ.get("AWS_SECRET_ACCESS_KEY") == before
     with tiers.private_stores(["vllm", "memory-disk"]) as stores:
         assert stores == {"redis_url": None, "object": None}
+
+
+@pytest.mark.s3
+@pytest.mark.redis
+def test_the_store_rtt_puts_redis_and_the_bucket_behind_a_delaying_proxy_while_the_bench_runs(
+        s3_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_tiercache.shared.store.tiers.object.client import make_client
+
+    assert _settings(_args("--cases", "vllm,memory-redis"))["store_rtt_ms"] == 0.0
+    assert _settings(_args("--cases", "vllm,memory-redis", "--store-rtt-ms", "20"))["store_rtt_ms"] == 20.0
+    monkeypatch.setattr("vllm_tiercache.tools.s3_server.SeaweedFSServer", lambda: contextlib.nullcontext(s3_server))
+    with tiers.private_stores(["vllm", "memory-redis", "memory-object"], 20.0) as stores:
+        item = stores["object"]
+        assert item["endpoint"] != s3_server.endpoint  # the proxy's, in front of it
+        client = make_client(StoreConfig.from_dict({"tiers": [{**item, "prefix": "probe/"}]}).tiers[0])
+        client.put_object(Bucket=item["bucket"], Key="probe/x", Body=b"x")
+        started = time.perf_counter()
+        assert client.get_object(Bucket=item["bucket"], Key="probe/x")["Body"].read() == b"x"
+        assert time.perf_counter() - started >= 0.020
+        with redis.Redis.from_url(stores["redis_url"]) as r:
+            assert r.ping()
+            started = time.perf_counter()
+            assert r.ping()
+            assert time.perf_counter() - started >= 0.020
+    assert format_table([], 20.0).splitlines()[0].startswith("store RTT +20 ms: the Redis and object tiers behind")
+    assert format_table([]).startswith("case ")  # no proxy: no line
