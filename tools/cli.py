@@ -34,6 +34,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv"): ("bench.kv.command", "TTFT of KV-cache hits per tier vs vLLM's own prefix cache"),
     ("bench", "kv-step"): ("bench.kv.step", "the KV connector's own time per engine step while decoding, "
                                             "against the step"),
+    ("bench", "kv-sched"): ("bench.kv.sched", "the scheduler's time per engine step while far lookups and fetches "
+                                              "are pending, vs vLLM alone"),
     ("bench", "ec"): ("bench.ec", "encoder-cache policy hit rates and per-image load latency"),
     ("bench", "policy"): ("bench.policy", "eviction policies vs vLLM's encoder cache manager and Belady"),
     ("bench", "trace"): ("bench.trace.command", "KV hit ratio of the memory tier's policies on a Mooncake trace, "
