@@ -94,7 +94,7 @@ class KVConnectorOptions:
         "Far tiers (Redis, Redis Cluster, the object tier; docs/architecture.md, \"far tiers\"): a request's "
         "lookup runs off the scheduling thread from its arrival, and the chunks found there are fetched into "
         "host memory (prefetch_buffer) before its turn, so neither the scheduler nor a forward pass waits on "
-        "the network (needs a memory tier; not for models with several KV cache groups). The "
+        "the network (not for models with several KV cache groups). The "
         "request waits for that at most this long after its arrival, in ms, without holding up the others; "
         "what has not come by then is computed (lookups_late, prefetches_late). 0: look far tiers up on the "
         "scheduling thread, bounded by lookup_budget_ms, and read their hits in the forward pass.")),

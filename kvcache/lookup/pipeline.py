@@ -190,11 +190,10 @@ def far_lookups(store: Store, naming: KVNaming, resident: ResidentSet[bytes], de
     far_tiers = [t.name for t in getattr(store, "far_tiers", [])]
     if deadline_s <= 0 or not far_tiers or not can_load:
         return None
-    if store.memory_tier is None or whole_request_loads:
+    if whole_request_loads:
         log.warning("TieredKVConnector: far tiers %s are looked up on the scheduling thread (bounded by "
-                    "lookup_budget_ms) and read in the forward pass: %s", far_tiers,
-                    "no memory tier (add one first in tiers)" if store.memory_tier is None
-                    else "this model's KV cache groups are loaded as one whole-request load")
+                    "lookup_budget_ms) and read in the forward pass: this model's KV cache groups are loaded as one "
+                    "whole-request load", far_tiers)
         return None
     log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into host memory "
              "before a request's turn, waiting at most %.0f ms", far_tiers, deadline_s * 1000)
