@@ -14,8 +14,9 @@ the answer never waits on the network:
    not asked again, nor one the workers' memory or vLLM's own prefix cache holds.
 3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
    (``lookup_deadline_ms`` after its arrival), whichever comes first: the hit is the prefix of chunks
-   the workers hold in host memory (their memory tier, by their residency reports, or staged) or a near
-   tier holds, and its load in the forward pass reads those only (``near_loads``). What the deadline cut
+   the workers hold staged (a chunk of their memory tier is staged too: the memory tier may evict it
+   before the load, and its residency report comes a step late) or a near tier holds, and its load in
+   the forward pass reads those only (``near_loads``). What the deadline cut
    short is a miss, counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk dropped from host memory
    before its request ran (``prefetches_evicted``: staged past its time, or evicted from the memory tier), or
    one gone between the answer and the load (a failed load, recomputed by vLLM).
@@ -156,8 +157,10 @@ class FarLookups:
         """Name the far chunks of the request's probed prefix for the workers to fetch (once per ticket)."""
         ticket.prefetching = True
         probe = ticket.probe
+        # the workers' memory tier's chunks too: staged, they cannot be evicted between this answer and the load
+        # (a memory hit for the prefetcher; the residency report of an eviction comes a step late)
         wanted = [(end, name) for (end, name), where in zip(probe.chunks, probe.where, strict=True)
-                  if where == Where.FAR and end > local_blocks and name not in self.failed]
+                  if where in (Where.FAR, Where.RESIDENT) and end > local_blocks and name not in self.failed]
         if probe.shorter is not None and probe.shorter[2] == Where.FAR and Where.MISSING in probe.where:
             wanted.append(probe.shorter[:2])
         now = time.monotonic()
@@ -191,8 +194,9 @@ class FarLookups:
         return FarAnswer(ends, usable, resident, host, shorter, stored, asked)
 
     def _held(self, name: bytes) -> bool:
-        """The workers hold the chunk in host memory: their memory tier, or staged for a load."""
-        return name in self.resident or name in self.staged
+        """The workers hold the chunk staged for a load (`vllm_tiercache.kvcache.load.staging`): what their
+        memory tier holds is claimed only once staged too, since it may be evicted before the load."""
+        return name in self.staged
 
     # ------------------------------------------------------------------------------------ each step
     def take_prefetches(self) -> list[ChunkPrefetch]:

@@ -384,3 +384,25 @@ def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_
         finally:
             worker.close()
             side.shutdown()
+
+
+def test_a_chunk_of_the_workers_memory_is_staged_before_it_is_claimed(redis_tier) -> None:
+    """The memory tier may evict a chunk between the answer and the load, and its residency report comes a
+    step late: a resident chunk is staged too (a memory read for the worker), and claimed once staged."""
+    request = make_request("m2", tokens(PROMPT_TOKENS, seed=11))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.update_connector_output(TieredKVWorkerMetadata(added=set(full)))  # the workers' memory holds them
+            side.on_new_request(request)
+            probe_done(side, "m2")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == full
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # not claimed before staged
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        finally:
+            worker.close()
+            side.shutdown()
