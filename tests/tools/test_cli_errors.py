@@ -143,7 +143,7 @@ def test_bench_capacity_and_lookups_refuse_bad_sizes_and_counts_before_starting_
     assert_one_line_error(tiercache_here("bench", "lookups", "--keys", "0,32"), "--keys", "from 1 to 100000")
 
 
-@pytest.mark.parametrize("bench", ["lookups", "kv", "serve"])
+@pytest.mark.parametrize("bench", ["lookups", "kv", "serve", "kv-sched"])
 @pytest.mark.parametrize("value", ["-1", "10001", "20ms"])
 def test_the_store_rtt_is_bounded_before_anything_starts(bench: str, value: str) -> None:
     assert_one_line_error(tiercache_here("bench", bench, "--store-rtt-ms", value), "--store-rtt-ms",

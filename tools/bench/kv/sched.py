@@ -43,7 +43,8 @@ from typing import Any
 
 from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE
-from vllm_tiercache.tools.cli import float_in, int_at_least
+from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
+from vllm_tiercache.tools.cli import int_at_least
 
 ARMS = ("vllm", "sync", "far")
 CHUNK_SIZE = 256
@@ -52,8 +53,7 @@ CHUNK_SIZE = 256
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", choices=("object", "redis"), default="object",
                         help="the far tier: a private SeaweedFS bucket or redis-server (default %(default)s)")
-    parser.add_argument("--store-rtt-ms", type=float_in(0.0, 10000.0), default=20.0,
-                        help="round trip added in front of the far tier, in ms (default %(default)s)")
+    add_store_rtt_argument(parser, "the far tier")
     parser.add_argument("--hits", type=int_at_least(1, 256), default=8,
                         help="stored prompts that arrive together (default %(default)s)")
     parser.add_argument("--background", type=int_at_least(0, 256), default=4,
@@ -196,9 +196,10 @@ def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> 
 
 def format_table(report: dict[str, Any]) -> str:
     base = next(row for row in report["arms"] if row["arm"] == "vllm")
-    lines = [f"the scheduler's time per engine step: {report['hits']} stored prompts of {report['prompt_len']} "
-             f"tokens arriving with {report['background']} decoding prompts; far tier {report['store']}, store RTT "
-             f"+{report['store_rtt_ms']:g} ms",
+    header = store_rtt_header(report["store_rtt_ms"], f"the {report['store']} tier")
+    lines = [*([header] if header else []),
+             f"the scheduler's time per engine step: {report['hits']} stored prompts of {report['prompt_len']} "
+             f"tokens arriving with {report['background']} decoding prompts; far tier {report['store']}",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
              f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s}"]
     for row in report["arms"]:
