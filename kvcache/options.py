@@ -104,8 +104,8 @@ class KVConnectorOptions:
     prefetch_buffer: Annotated[int, size(MIN_PREFETCH_BUFFER, out_of_range=(
         f'a size of at least {MIN_PREFETCH_BUFFER} bytes, e.g. "1GiB"')), Field(description=(
         "Far tiers: the host memory each worker may hold far chunks fetched ahead of their request in, until "
-        "their load (beside the memory tier, whose eviction never drops them before); a loaded chunk stays, for "
-        "the next request with that prefix, until room is needed or a minute passed. A chunk that does not "
+        "their load (beside the memory tier, whose eviction never drops them before); a chunk leaves it once the "
+        "last request waiting for it has loaded it. A chunk that does not "
         "fit is computed instead (prefetch_failures).")),
         Allowed("a size such as 1GiB", path="kv_connector_extra_config.prefetch_buffer")] = DEFAULT_PREFETCH_BUFFER
 

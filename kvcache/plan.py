@@ -97,6 +97,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     #: this step's loads read only the near tiers (memory, local files): what a far tier holds was fetched
     #: ahead, and a record gone since is a failed load (recomputed), never a network wait in the forward
     near_loads: bool = False
+    #: staged chunks (`ChunkPrefetch`) this step's loads read for the last time: the workers drop them once
+    #: the step's loads are over (a later request fetches again, from the memory tier if it kept them)
+    release: list[bytes] = field(default_factory=list)
 
     @property
     def has_saves(self) -> bool:

@@ -288,6 +288,8 @@ class KVSchedulerSide:
             self._requests.pop(req_id, None)
             if self.far is not None:
                 self.far.forget(req_id)
+        if self.far is not None and self.far.staged:
+            meta.release = self.far.consume([load.chunk_hash for plan in meta.requests for load in plan.loads])
         return meta
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...]:

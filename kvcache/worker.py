@@ -88,8 +88,9 @@ class KVWorkerSide:
         #: chunk and layer; building one (text, checks, blake2b) costs more than finding it here
         #: (docs/benchmarks-kv.md, "the loader's keys"). The loader and the saver share them.
         self.key = functools.lru_cache(maxsize=KEY_CACHE_SIZE)(self._build_key)
-        #: far chunks fetched ahead, held for their load
+        #: far chunks fetched ahead, held for their load, and those this step's loads read for the last time
         self.staging = Staging(prefetch_buffer_bytes)
+        self._release: list[bytes] = []
         self.loader = KVLoader(
             store=store,
             key=self.key,
@@ -163,6 +164,7 @@ class KVWorkerSide:
         either, most of them, goes no further)."""
         if meta.prefetches:
             self.prefetcher.submit(meta.prefetches)
+        self._release = meta.release
         loads = [load for plan in meta.requests for load in plan.loads]
         if not loads:
             return
@@ -186,6 +188,9 @@ class KVWorkerSide:
     def wait_for_save(self) -> None:
         """End of the step's forward: its loads are over, and its gathers go to the saver thread."""
         self.loader.finish_load()
+        if self._release:  # staged chunks this step's loads read for the last time
+            self.staging.release(self._release)
+            self._release = []
         if self.saver.gathered:
             self.saver.hand_off()
 

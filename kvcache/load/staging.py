@@ -3,9 +3,12 @@
 Why not the memory tier alone: its capacity serves every request by recency and reuse, and an operator may
 size it small (or a prompt's prefix may be larger than it); a prefetch into it could be evicted by the
 next one before its own request ran, and the fetch would have been for nothing. Here what the prefetcher
-read stays until the loader has read it, within its own budget (``prefetch_buffer``): chunks already
-loaded go first when room is needed, then those unused for `STAGED_TTL_S` (an aborted request's); a chunk
-that still does not fit is not staged (the prefetch fails, counted, and its request computes it).
+read stays until the loader has read it, within its own budget (``prefetch_buffer``): the scheduler names
+the chunks a step's loads read for the last time (`release`, after the step's loads), so the staging is a
+way in and never a cache of its own (one `tiercache evict` or a tier's eviction could not reach); chunks
+unused for `STAGED_TTL_S` (an aborted request's) go too, and when room is needed, chunks already loaded
+first; a chunk that still does not fit is not staged (the prefetch fails, counted, and its request
+computes it).
 
 The scheduler hears of every chunk dropped (`take_dropped`) and claims it no more from here.
 """
@@ -72,6 +75,12 @@ class Staging:
                 entry = self._chunks.get(chunk)
                 if entry is not None:
                     self._chunks[chunk] = (entry[0], entry[1], entry[2], True)
+
+    def release(self, chunks: Sequence[bytes]) -> None:
+        """Drop these chunks: their last load is over (the scheduler already counts them gone)."""
+        with self._lock:
+            for chunk in chunks:
+                self._drop(chunk, dropped=False)
 
     def take_dropped(self) -> set[bytes]:
         """Chunks dropped since the last call (the scheduler claims them no more, unless the memory tier holds

@@ -233,6 +233,17 @@ class FarLookups:
             for name in [n for n, asked in self._in_flight.items() if asked < stale]:
                 del self._in_flight[name]
 
+    def consume(self, names: list[bytes]) -> list[bytes]:
+        """This step's loads read these chunks: the staged ones no request still waits for are released (the
+        workers drop them after the step's loads: staging is a way in, never a cache that `tiercache evict`
+        or a tier's eviction could not reach); the others stay for their waiting requests."""
+        waited = {name for ticket in self._tickets.values() if not ticket.answered for name in ticket.waits_for}
+        released = [name for name in dict.fromkeys(names) if name in self.staged and name not in waited]
+        for name in released:
+            self.staged.discard(name)
+            self._staged_by.pop(name, None)
+        return released
+
     def take_counters(self) -> dict[str, int]:
         out = {name: value for name, value in self.counters.items() if value}
         for name in out:

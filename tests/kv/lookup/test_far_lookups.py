@@ -140,6 +140,7 @@ def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_mem
             plan = side.build_connector_meta(step([("a", 8 * BLOCK)], [], {"a": 74}))  # type: ignore[arg-type]
             assert plan.near_loads and [load.chunk_hash for load in plan.requests[0].loads] == full
             assert not plan.prefetches  # fetched once
+            assert plan.release == full  # no other request waits for them: dropped after this step's loads
             # what the forward reads is in host memory: staged for the load
             keys = [NAMING.record_key(c, layer) for c in full for layer in range(IDENTITY.num_layers)]
             assert all(record is not None for record in worker.staging.get_many(keys))
