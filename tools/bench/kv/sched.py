@@ -166,11 +166,11 @@ def _time_steps(core: Any) -> dict[str, list[float]]:
 
 
 @contextlib.contextmanager
-def _far_tier(kind: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(the far tier item, direct; the same through the delaying proxy), on a private server."""
     from vllm_tiercache.tools.bench.rtt_proxy import delayed_item, delayed_url
 
-    if kind == "redis":
+    if server_name == "redis-server":
         from vllm_tiercache.tools.redis_server import RedisServer
 
         with RedisServer() as server, delayed_url(server.url, rtt_ms) as url:
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     model = str(make_tiny_llama(work / "model", spec))
     namespace = f"kv-sched-{os.getpid()}"
     arms = []
-    with _far_tier(args.store, args.store_rtt_ms) as (direct, far):
+    with _far_tier("redis-server" if args.store == "redis" else "weed", args.store_rtt_ms) as (direct, far):
         memory = {"kind": "memory", "capacity": "2GiB"}
         _run_process(args, "store", {"model": model, "namespace": namespace, "tiers": [memory, direct]})
         for arm in ARMS:
