@@ -342,7 +342,9 @@ def test_garbage_under_a_records_name_is_recomputed_counted_and_deleted(seen: di
     # later chunk) itself
     assert seen["stats_b"]["counters"]["prefetch_failures"] >= 1
     assert _object(seen["stats_b"])["corrupt"] >= 1
-    assert seen["garbage_left"] is None, "the garbage object was left in the bucket"
+    # deleted when read; B then saves the chunk it computed anew, so the name may hold a good record again
+    left = seen["garbage_left"]
+    assert left is None or not left.startswith(b"\x00garbage"), "the garbage object was left in the bucket"
 
 
 def test_a_store_hung_during_loads_costs_hits_never_a_request(seen: dict[str, Any]) -> None:
