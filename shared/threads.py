@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
 
 
 def widen_affinity(*, beside_forward: bool = False) -> set[int] | None:
@@ -57,3 +61,43 @@ def background_thread(target: Callable[[], object], name: str, *, daemon: bool =
         target()
 
     return threading.Thread(target=run, name=name, daemon=daemon)
+
+
+class WorkerThreads(Generic[Item]):
+    """A few daemon `background_thread`s that hand every item `put` to ``handle``, in arrival order, several
+    at once: for work that mostly waits on a socket (a far tier's lookups and reads). Started on the first
+    `put`, so a process that never needs them starts none. ``handle`` must not raise: a raise ends its thread."""
+
+    def __init__(self, handle: Callable[[Item], object], name: str, count: int) -> None:
+        self._handle = handle
+        self._name = name
+        self._count = count
+        self._queue: queue.Queue[Item | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return list(self._threads)
+
+    def put(self, item: Item) -> None:
+        if not self._threads:
+            with self._start_lock:
+                if not self._threads:
+                    threads = [background_thread(self._loop, f"{self._name}-{i}") for i in range(self._count)]
+                    for thread in threads:
+                        thread.start()
+                    self._threads = threads
+        self._queue.put(item)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._handle(item)
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the threads after what is queued; with ``timeout``, wait that long for each."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if timeout is not None:
+            for thread in self._threads:
+                thread.join(timeout=timeout)

@@ -17,7 +17,6 @@ budget (host memory too tight), is reported failed: the scheduler counts it and 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from vllm_tiercache.kvcache.plan import ChunkPrefetch
 from vllm_tiercache.kvcache.worker_counters import WorkerCounters
 from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store.api import Store, StoreKey
-from vllm_tiercache.shared.threads import background_thread
+from vllm_tiercache.shared.threads import WorkerThreads
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ PREFETCH_THREADS = 4
 
 
 class Prefetcher:
-    """Background reads of whole chunks (every layer of this rank) into the memory tier."""
+    """Background reads of whole chunks (every layer of this rank) into the staging."""
 
     def __init__(self, *, store: Store, key: Callable[[bytes, int], StoreKey], residency: ResidencyReporter[bytes],
                  staging: Staging, counters: WorkerCounters, counters_lock: threading.Lock,
@@ -63,17 +62,15 @@ class Prefetcher:
         self.residency = residency
         self.counters = counters
         self._counters_lock = counters_lock
-        self._threads_wanted = threads
+        self._threads: WorkerThreads[ChunkPrefetch] = WorkerThreads(self._run, "tiercache-kv-prefetch", threads)
         #: layer indices whose records a chunk has on this rank (`attach`); empty: nothing can be fetched
         self.layers: list[int] = []
-        self._queue: queue.Queue[ChunkPrefetch | None] = queue.Queue()
         self._lock = threading.Condition()
         self._pending: set[bytes] = set()
         self._done: set[bytes] = set()
         self._failed: set[bytes] = set()
         #: failed because a record was missing or unreadable (not for want of room): not claimed until saved anew
         self._missing: set[bytes] = set()
-        self._threads: list[threading.Thread] = []
 
     def attach(self, layers: list[int]) -> None:
         self.layers = list(layers)
@@ -83,15 +80,8 @@ class Prefetcher:
         with self._lock:
             fresh = [p for p in prefetches if p.chunk_hash not in self._pending]
             self._pending.update(p.chunk_hash for p in fresh)
-        if not fresh:
-            return
-        if not self._threads:
-            self._threads = [background_thread(self._loop, f"tiercache-kv-prefetch-{i}")
-                             for i in range(self._threads_wanted)]
-            for thread in self._threads:
-                thread.start()
         for prefetch in fresh:
-            self._queue.put(prefetch)
+            self._threads.put(prefetch)
 
     def take(self) -> PrefetchNews:
         """What happened since the last call."""
@@ -110,28 +100,28 @@ class Prefetcher:
         """Prefetches over, or staged chunks that may have to be reported dropped (cheap: most steps)."""
         return bool(self._done) or bool(self.staging.held_bytes)
 
-    def _loop(self) -> None:
-        while (prefetch := self._queue.get()) is not None:
-            started = time.perf_counter()
-            missing = False
-            try:
-                fetched = self._fetch(prefetch)
-                ok, missing = bool(fetched), fetched is None
-            except Exception:  # a store or tier bug: the chunk is a miss, never a dead thread
-                log.exception("TieredKVConnector: prefetch of chunk %s failed", prefetch.chunk_hash.hex())
-                ok = False
-            with self._lock:
-                self._pending.discard(prefetch.chunk_hash)
-                self._done.add(prefetch.chunk_hash)
-                if not ok:
-                    self._failed.add(prefetch.chunk_hash)
-                if missing:
-                    self._missing.add(prefetch.chunk_hash)
-                self._lock.notify_all()
-            with self._counters_lock:
-                self.counters.prefetched_chunks += ok
-                self.counters.prefetch_failures += not ok
-                self.counters.prefetch_seconds.append(time.perf_counter() - started)
+    def _run(self, prefetch: ChunkPrefetch) -> None:
+        """One chunk's fetch, on a prefetch thread; what came of it, for `take`."""
+        started = time.perf_counter()
+        missing = False
+        try:
+            fetched = self._fetch(prefetch)
+            ok, missing = bool(fetched), fetched is None
+        except Exception:  # a store or tier bug: the chunk is a miss, never a dead thread
+            log.exception("TieredKVConnector: prefetch of chunk %s failed", prefetch.chunk_hash.hex())
+            ok = False
+        with self._lock:
+            self._pending.discard(prefetch.chunk_hash)
+            self._done.add(prefetch.chunk_hash)
+            if not ok:
+                self._failed.add(prefetch.chunk_hash)
+            if missing:
+                self._missing.add(prefetch.chunk_hash)
+            self._lock.notify_all()
+        with self._counters_lock:
+            self.counters.prefetched_chunks += ok
+            self.counters.prefetch_failures += not ok
+            self.counters.prefetch_seconds.append(time.perf_counter() - started)
 
     def _fetch(self, prefetch: ChunkPrefetch) -> bool | None:
         """Read the chunk's records (the store also promotes them into its memory tier) and stage them for
@@ -147,7 +137,4 @@ class Prefetcher:
         return self.staging.admit(prefetch.chunk_hash, [(k, r) for k, r in zip(keys, records, strict=True) if r])
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._threads.close(timeout=10)

@@ -18,11 +18,11 @@ the answer never waits on the network:
    before the load, and its residency report comes a step late) or a near tier holds, and its load in
    the forward pass reads those only (``near_loads``). What the deadline cut
    short is a miss, counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk dropped from host memory
-   before its request ran (``prefetches_evicted``: staged past its time, or evicted from the memory tier), or
+   before its request ran (``prefetches_evicted``: its staging time passed, or room was needed), or
    one gone between the answer and the load (a failed load, recomputed by vLLM).
 
 Never more than one probe per request, and after its answer a request that is asked again (no free
-blocks yet, or preempted) is answered at once from what is resident then: there is no livelock.
+blocks yet, or preempted) is answered at once from what is staged then: there is no livelock.
 An aborted request's prefetch still lands in host memory, for the next request that asks.
 """
 
@@ -66,14 +66,14 @@ class FarTicket:
 
 @dataclass
 class FarAnswer:
-    """Where the request's chunks are, as the synchronous lookup says it (`KVSchedulerSide._lookup`)."""
+    """Where the request's chunks are, as the synchronous lookup says it (`PromptLookup._ask`)."""
 
     ends: list[int]
-    #: chunk index -> loadable now; -> held by the workers' memory tier; -> in their host memory (that, or staged)
+    #: chunk index -> loadable now; -> held by the workers' memory tier; -> staged by them for a load
     usable: list[bool]
     resident: list[bool]
     host: list[bool]
-    #: a shorter stored chunk after the last usable one, and whether the workers' memory holds it
+    #: a shorter stored chunk after the last usable one, and whether the workers hold it staged
     shorter: tuple[int, bool] | None
     #: chunk index -> some tier holds it (not saved again); -> the shared tiers were asked about it (and answered)
     stored: list[bool]
@@ -83,14 +83,13 @@ class FarAnswer:
 class FarLookups:
     """The scheduler side's lookups against far tiers (module docstring)."""
 
-    def __init__(self, store: Store, resident: ResidentSet[bytes], blocks_per_chunk: int, deadline_s: float,
+    def __init__(self, store: Store, resident: ResidentSet[bytes], deadline_s: float,
                  local_blocks: Callable[[Request], int] | None = None, ranks: int = 1,
                  failed: dict[bytes, None] | None = None) -> None:
         """``local_blocks``: how many of a waiting request's blocks vLLM's own prefix cache holds now (never
         fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers;
         ``ranks``: the workers that each stage their own records of a chunk; ``failed``: the scheduler side's
         chunks a load or a prefetch could not use (never claimed, nor fetched, until saved anew)."""
-        self.store = store
         self.failed = failed if failed is not None else {}
         self.resident = resident
         self.ranks = ranks
@@ -99,8 +98,10 @@ class FarLookups:
         self._staged_by: dict[bytes, int] = {}
         self.local_blocks = local_blocks or (lambda request: 0)
         self.deadline_s = deadline_s
-        self._probes = ProbeThreads(store, blocks_per_chunk)
+        self._probes = ProbeThreads(store)
         self._tickets: dict[str, FarTicket] = {}
+        #: the requests whose chunks are not named for a fetch yet (`take_prefetches` looks at these alone)
+        self._unfetched: set[str] = set()
         #: chunk name -> when its prefetch was asked (one fetch per chunk at a time, across requests)
         self._in_flight: dict[bytes, float] = {}
         #: chunks a worker reported fetched, for the evicted-before-it-ran count
@@ -117,6 +118,7 @@ class FarLookups:
         probe = Probe(state.request, state.names, chunks, resident)
         self._tickets[state.request.request_id] = FarTicket(
             probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None))
+        self._unfetched.add(state.request.request_id)
         self._probes.submit(probe)
 
     def answer(self, state: RequestState, local_blocks: int) -> FarAnswer | None:
@@ -134,6 +136,7 @@ class FarLookups:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
+                self._unfetched.discard(state.request.request_id)
                 return self._answer(ticket, local_blocks, probe_in=False)
             if not ticket.prefetching:
                 self._prefetch(ticket, local_blocks)
@@ -152,10 +155,12 @@ class FarLookups:
     def forget(self, req_id: str) -> None:
         """The request is over (finished or aborted); its prefetches, if any, still land."""
         self._tickets.pop(req_id, None)
+        self._unfetched.discard(req_id)
 
     def _prefetch(self, ticket: FarTicket, local_blocks: int) -> None:
         """Name the far chunks of the request's probed prefix for the workers to fetch (once per ticket)."""
         ticket.prefetching = True
+        self._unfetched.discard(ticket.probe.request.request_id)
         probe = ticket.probe
         # the workers' memory tier's chunks too: staged, they cannot be evicted between this answer and the load
         # (a memory hit for the prefetcher; the residency report of an eviction comes a step late)
@@ -202,8 +207,9 @@ class FarLookups:
     def take_prefetches(self) -> list[ChunkPrefetch]:
         """The prefetches to name in this step's plan: those asked since the last step, and those of
         requests whose probe came in meanwhile (fetched while the request still waits for its turn)."""
-        for ticket in self._tickets.values():
-            if not ticket.prefetching and not ticket.answered and ticket.probe.done.is_set():
+        for req_id in list(self._unfetched):
+            ticket = self._tickets[req_id]
+            if ticket.probe.done.is_set():
                 self._prefetch(ticket, self.local_blocks(ticket.probe.request))
         if not self._to_send:
             return []
@@ -237,6 +243,8 @@ class FarLookups:
         """This step's loads read these chunks: the staged ones no request still waits for are released (the
         workers drop them after the step's loads: staging is a way in, never a cache that `tiercache evict`
         or a tier's eviction could not reach); the others stay for their waiting requests."""
+        if not names:
+            return []
         waited = {name for ticket in self._tickets.values() if not ticket.answered for name in ticket.waits_for}
         released = [name for name in dict.fromkeys(names) if name in self.staged and name not in waited]
         for name in released:
@@ -253,6 +261,7 @@ class FarLookups:
     def clear(self) -> None:
         """A generation reset: every name asked so far is of the old generation."""
         self._tickets.clear()
+        self._unfetched.clear()
         self._in_flight.clear()
         self._fetched.clear()
         self.staged.clear()

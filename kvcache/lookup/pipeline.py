@@ -183,7 +183,6 @@ class PromptLookup:
         return None
 
 
-
 def far_lookups(store: Store, naming: KVNaming, resident: ResidentSet[bytes], deadline_s: float, *, can_load: bool,
                 failed: dict[bytes, None], whole_request_loads: bool, local_blocks: Any) -> FarLookups | None:
     """The far lookups of a store with a far tier, or None (lookups on the scheduling thread), saying why at start."""
@@ -197,5 +196,5 @@ def far_lookups(store: Store, naming: KVNaming, resident: ResidentSet[bytes], de
         return None
     log.info("TieredKVConnector: far tiers %s: looked up off the scheduling thread and fetched into host memory "
              "before a request's turn, waiting at most %.0f ms", far_tiers, deadline_s * 1000)
-    return FarLookups(store, resident, naming.geometry.blocks_per_chunk, deadline_s, local_blocks=local_blocks,
-                      ranks=len(naming.identities), failed=failed)
+    return FarLookups(store, resident, deadline_s, local_blocks=local_blocks, ranks=len(naming.identities),
+                      failed=failed)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from vllm_tiercache.kvcache.naming import RequestNames
 from vllm_tiercache.shared.store.api import Store
-from vllm_tiercache.shared.threads import background_thread
+from vllm_tiercache.shared.threads import WorkerThreads
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -65,7 +64,7 @@ class Probe:
     shorter: tuple[int, bytes, Where] | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
-    def run(self, store: Store, blocks_per_chunk: int) -> None:
+    def run(self, store: Store) -> None:
         """Ask the tiers (on a probe thread): the near ones for every record of the chunks not resident,
         the far ones for the probe record of the rest, each in one batched call."""
         where = [Where.RESIDENT if r else Where.MISSING for r in self.resident]
@@ -91,12 +90,12 @@ class Probe:
         self.where = up_to_first_missing(where)
         cut = len(self.where) - self.where.count(Where.MISSING)
         if cut < len(self.chunks):
-            self.shorter = self._shorter(store, cut, blocks_per_chunk)
+            self.shorter = self._shorter(store, cut)
 
-    def _shorter(self, store: Store, index: int, blocks_per_chunk: int) -> tuple[int, bytes, Where] | None:
+    def _shorter(self, store: Store, index: int) -> tuple[int, bytes, Where] | None:
         """The longest stored chunk that starts where chunk ``index`` starts and ends before it does."""
         end = self.chunks[index][0]
-        start = (end - 1) // blocks_per_chunk * blocks_per_chunk
+        start = self.names.naming.geometry.chunk_start(end)
         named = [(e, self.names.name(e)) for e in range(end - 1, start, -1)]
         if not named:
             return None
@@ -117,35 +116,25 @@ class Probe:
 class ProbeThreads:
     """A few daemon threads that run probes in arrival order (started on first use)."""
 
-    def __init__(self, store: Store, blocks_per_chunk: int, threads: int = PROBE_THREADS) -> None:
+    def __init__(self, store: Store, threads: int = PROBE_THREADS) -> None:
         self.store = store
-        self.blocks_per_chunk = blocks_per_chunk
-        self._threads_wanted = threads
-        self._queue: queue.Queue[Probe | None] = queue.Queue()
-        self._threads: list[threading.Thread] = []
+        self._threads: WorkerThreads[Probe] = WorkerThreads(self._run, "tiercache-kv-lookup", threads)
 
     def submit(self, probe: Probe) -> None:
-        if not self._threads:
-            self._threads = [background_thread(self._loop, f"tiercache-kv-lookup-{i}")
-                             for i in range(self._threads_wanted)]
-            for thread in self._threads:
-                thread.start()
-        self._queue.put(probe)
+        self._threads.put(probe)
 
-    def _loop(self) -> None:
-        while (probe := self._queue.get()) is not None:
-            try:
-                probe.run(self.store, self.blocks_per_chunk)
-            except Exception:  # a store bug: the request's far chunks are misses, never a dead thread
-                log.exception("TieredKVConnector: a lookup failed; its request is computed without the far tiers")
-                probe.found = [Where.RESIDENT if r else Where.MISSING for r in probe.resident]
-                probe.where = up_to_first_missing(probe.found)
-            finally:
-                probe.done.set()
+    def _run(self, probe: Probe) -> None:
+        try:
+            probe.run(self.store)
+        except Exception:  # a store bug: the request's far chunks are misses, never a dead thread
+            log.exception("TieredKVConnector: a lookup failed; its request is computed without the far tiers")
+            probe.found = [Where.RESIDENT if r else Where.MISSING for r in probe.resident]
+            probe.where = up_to_first_missing(probe.found)
+        finally:
+            probe.done.set()
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
+        self._threads.close()
 
 
 def up_to_first_missing(where: Sequence[Where]) -> list[Where]:

@@ -177,57 +177,73 @@ def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> 
             side.shutdown()
 
 
-@pytest.mark.serial  # pauses a redis-server of its own
-def test_a_store_that_hangs_during_the_lookup_never_holds_a_call_and_the_request_runs_at_its_deadline() -> None:
+@pytest.fixture(scope="module")
+def hanging_redis() -> Iterator[RedisServer]:
+    """A redis-server of this module's own, which its tests pause (SIGSTOP): the session's stays answering."""
     with RedisServer() as server:
-        tier = {"kind": "redis", "url": server.url, "timeout_s": 30.0, "retry_after_s": 0.2}
-        request = make_request("h", tokens(PROMPT_TOKENS, seed=2))
-        store_chunks(tier, [request.block_hashes[3]])
-        with store_with(tier) as store:
-            side = far_side(store, deadline_s=0.3)
-            server.pause()
-            try:
-                side.on_new_request(request)
-                answers = [side.get_num_new_matched_tokens(request, 0)]
-                while answers[-1][0] is None:  # every call returns at once while the probe hangs
-                    answers.append(side.get_num_new_matched_tokens(request, 0))
-                    threading.Event().wait(0.01)
-                assert answers[0] == (None, False) and answers[-1] == (0, False)  # its deadline passed: a miss
-                assert not side.far._tickets["h"].probe.done.is_set()  # type: ignore[union-attr]
-                assert side.take_counters() == {"lookups_late": 1}
-            finally:
-                server.resume()
-                side.shutdown()
+        yield server
 
 
-@pytest.mark.serial  # pauses a redis-server of its own
-def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its_deadline() -> None:
-    with RedisServer() as server:
-        tier = {"kind": "redis", "url": server.url, "timeout_s": 30.0, "retry_after_s": 0.2}
-        request = make_request("p", tokens(PROMPT_TOKENS, seed=3))
-        full = [request.block_hashes[3], request.block_hashes[7]]
-        store_chunks(tier, full)
-        with store_with(tier) as store:
-            side, worker = far_side(store, deadline_s=0.3), Worker(store)
-            try:
-                side.on_new_request(request)
-                probe_done(side, "p")
-                meta = empty_step(side)
-                assert len(meta.prefetches) == 2
-                server.pause()
-                worker.prefetcher.submit(meta.prefetches)  # its reads wait on the stopped server
+@pytest.fixture
+def hang_tier(hanging_redis: RedisServer) -> Iterator[dict[str, Any]]:
+    """That server emptied, as a tier whose calls outlast every deadline here; resumed after the test."""
+    with hanging_redis.client() as client:
+        client.flushall()
+    try:
+        yield {"kind": "redis", "url": hanging_redis.url, "timeout_s": 30.0, "retry_after_s": 0.2}
+    finally:
+        hanging_redis.resume()
+
+
+@pytest.mark.serial  # pauses a redis-server
+def test_a_store_that_hangs_during_the_lookup_never_holds_a_call_and_the_request_runs_at_its_deadline(
+        hanging_redis: RedisServer, hang_tier: dict[str, Any]) -> None:
+    request = make_request("h", tokens(PROMPT_TOKENS, seed=2))
+    store_chunks(hang_tier, [request.block_hashes[3]])
+    with store_with(hang_tier) as store:
+        side = far_side(store, deadline_s=0.3)
+        hanging_redis.pause()
+        try:
+            side.on_new_request(request)
+            answers = [side.get_num_new_matched_tokens(request, 0)]
+            while answers[-1][0] is None:  # every call returns at once while the probe hangs
+                answers.append(side.get_num_new_matched_tokens(request, 0))
+                threading.Event().wait(0.01)
+            assert answers[0] == (None, False) and answers[-1] == (0, False)  # its deadline passed: a miss
+            assert not side.far._tickets["h"].probe.done.is_set()  # type: ignore[union-attr]
+            assert side.take_counters() == {"lookups_late": 1}
+        finally:
+            hanging_redis.resume()
+            side.shutdown()
+
+
+@pytest.mark.serial  # pauses a redis-server
+def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its_deadline(
+        hanging_redis: RedisServer, hang_tier: dict[str, Any]) -> None:
+    request = make_request("p", tokens(PROMPT_TOKENS, seed=3))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(hang_tier, full)
+    with store_with(hang_tier) as store:
+        side, worker = far_side(store, deadline_s=0.3), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "p")
+            meta = empty_step(side)
+            assert len(meta.prefetches) == 2
+            hanging_redis.pause()
+            worker.prefetcher.submit(meta.prefetches)  # its reads wait on the stopped server
+            answer = side.get_num_new_matched_tokens(request, 0)
+            while answer[0] is None:
+                threading.Event().wait(0.01)
+                worker.report(side)
                 answer = side.get_num_new_matched_tokens(request, 0)
-                while answer[0] is None:
-                    threading.Event().wait(0.01)
-                    worker.report(side)
-                    answer = side.get_num_new_matched_tokens(request, 0)
-                assert answer == (0, False)
-                assert side.take_counters() == {"prefetches_late": 2}
-            finally:
-                server.resume()
-                assert worker.prefetcher.drain(60.0)
-                worker.close()
-                side.shutdown()
+            assert answer == (0, False)
+            assert side.take_counters() == {"prefetches_late": 2}
+        finally:
+            hanging_redis.resume()
+            assert worker.prefetcher.drain(60.0)
+            worker.close()
+            side.shutdown()
 
 
 def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(redis_tier) -> None:
@@ -373,7 +389,7 @@ def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_
             report = worker.play(empty_step(side), side)
             assert report.failed == {second} and report.prefetch_failed == {second}
             assert worker.counters.prefetch_failures == 1 and worker.counters.prefetched_chunks == 1
-            assert all(thread.is_alive() for thread in worker.prefetcher._threads)  # a failure ends no thread
+            assert all(thread.is_alive() for thread in worker.prefetcher._threads.threads)  # a failure ends no thread
             again = make_request("r2", tokens(PROMPT_TOKENS, seed=10))
             side.on_new_request(again)
             probe_done(side, "r2")
