@@ -21,8 +21,10 @@ the answer never waits on the network:
    before its request ran (``prefetches_evicted``: its staging time passed, or room was needed), or
    one gone between the answer and the load (a failed load, recomputed by vLLM).
 
-Never more than one probe per request, and after its answer a request that is asked again (no free
-blocks yet, or preempted) is answered at once from what is staged then: there is no livelock.
+Never more than one probe per request and preemption: after its answer a request that is asked again (no
+free blocks yet) is answered at once from what is staged then, so there is no livelock. A request vLLM
+preempted since (its KV freed, its loaded chunks released from host memory) is probed and fetched anew,
+unless vLLM's own prefix cache still holds its whole prompt.
 An aborted request's prefetch still lands in host memory, for the next request that asks.
 """
 
@@ -62,6 +64,8 @@ class FarTicket:
     waits_for: set[bytes] = field(default_factory=set)
     prefetching: bool = False
     answered: bool = False
+    #: vLLM's count of the request's preemptions when it was probed: a preempted request is probed anew
+    preemptions: int = 0
 
 
 @dataclass
@@ -117,7 +121,8 @@ class FarLookups:
         resident = [name in self.resident and name not in self.failed for _, name in chunks]
         probe = Probe(state.request, state.names, chunks, resident)
         self._tickets[state.request.request_id] = FarTicket(
-            probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None))
+            probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None),
+            preemptions=getattr(state.request, "num_preemptions", 0))
         self._unfetched.add(state.request.request_id)
         self._probes.submit(probe)
 
@@ -127,6 +132,9 @@ class FarLookups:
         ticket = self._tickets.get(state.request.request_id)
         if ticket is None:
             return None
+        if ticket.answered and self._preempted(ticket, local_blocks):
+            self.forget(state.request.request_id)
+            return None  # probed and fetched anew (`_preempted`)
         now = time.monotonic()
         late = now >= ticket.deadline
         probe = ticket.probe
@@ -148,6 +156,18 @@ class FarLookups:
                 1 for name in ticket.waits_for if name in self._fetched and not self._held(name))
             ticket.answered = True
         return self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
+
+    @staticmethod
+    def _preempted(ticket: FarTicket, local_blocks: int) -> bool:
+        """vLLM preempted the request since its answer, and its own prefix cache no longer holds all of the
+        probed prompt: the chunks loaded for it were released after their load (and what it computed since
+        may have been saved), so it is probed and fetched anew, with a deadline of its own, rather than
+        recomputing what a far tier holds."""
+        request = ticket.probe.request
+        if getattr(request, "num_preemptions", 0) <= ticket.preemptions:
+            return False
+        ticket.preemptions = request.num_preemptions
+        return bool(ticket.probe.chunks) and local_blocks < ticket.probe.chunks[-1][0]
 
     def started(self, req_id: str) -> bool:
         return req_id in self._tickets

@@ -216,3 +216,26 @@ def test_memory_only_hits_in_the_same_engine(produced: dict) -> None:
     stats = worker_stats(work / "memory-stats")
     assert stats["store"]["tiers"]["memory"]["hits"] > 0
     assert os.environ.get("TIERCACHE_STATS_DIR") is None  # the stats variable never leaks into this process
+
+
+def test_a_preempted_request_fetches_its_far_chunks_anew_with_identical_tokens(tiny_llama: Path, redis_server,
+                                                                               tmp_path: Path) -> None:
+    """A KV cache too small for the batch, and Redis the only tier (far: looked up and fetched off the
+    scheduler's thread): vLLM preempts decoding requests, and each one re-admitted is probed and fetched anew,
+    loading the prompt chunks it saved (the only loads possible: every prompt is new to the namespace). The
+    tokens are vLLM's own, preempted alike; both engines reserve the same cores."""
+    rng = random.Random(77)
+    prompts = [[rng.randrange(3, 259) for _ in range(300)] for _ in range(6)]
+    spec = {"model": str(tiny_llama), "rounds": [prompts], "num_gpu_blocks_override": 48, "max_tokens": 160,
+            "max_model_len": 512}
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    alone = run_engine(spec, tmp_path / "alone", env_extra=env)
+    tiers = [{"kind": "redis", "url": redis_server.url}]
+    config = kv_config("kv_both", tiers, namespace=f"preempt-{tmp_path.name}",
+                       lookup_budget_ms=PATIENT_LOOKUP_BUDGET_MS, lookup_deadline_ms=PATIENT_LOOKUP_DEADLINE_MS)
+    ours = run_engine({**spec, "kv_transfer_config": config}, tmp_path / "ours", env_extra=env,
+                      stats_dir=tmp_path / "stats")
+    assert ours["rounds"][0]["tokens"] == alone["rounds"][0]["tokens"]
+    counters = worker_stats(tmp_path / "stats")["counters"]
+    assert counters["prefetched_chunks"] > 0 and counters["loaded_blocks"] > 0  # fetched anew after a preemption
+    assert counters["load_errors"] == 0 and counters["prefetch_failures"] == 0

@@ -288,7 +288,7 @@ def test_a_prefetched_chunk_dropped_before_its_request_runs_is_recomputed_and_co
             worker.report(side)
             assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
             assert side.take_counters() == {"prefetches_evicted": 1}
-            # preempted and asked again later: answered at once, from what host memory holds then
+            # asked again later (no free blocks yet): answered at once, from what host memory holds then
             assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
         finally:
             worker.close()
@@ -420,6 +420,71 @@ def test_a_chunk_of_the_workers_memory_is_staged_before_it_is_claimed(redis_tier
             assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # not claimed before staged
             worker.play(meta, side)
             assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_request_preempted_after_its_load_is_probed_and_fetched_anew(redis_tier) -> None:
+    """Its loaded chunks were released from host memory after their load, and vLLM freed its KV: asked again,
+    it is probed and fetched anew (not recomputed), and vLLM's prefix cache holding the whole prompt spares it
+    the wait."""
+    request = make_request("pre", tokens(PROMPT_TOKENS, seed=12))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "pre")
+            worker.play(empty_step(side), side)
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+            side.update_state_after_alloc(request, 8 * BLOCK)
+            plan = side.build_connector_meta(step([("pre", 8 * BLOCK)], [], {"pre": 74}))  # type: ignore[arg-type]
+            assert plan.release == full and not side.far.staged  # type: ignore[union-attr]
+            worker.staging.release(plan.release)
+            request.num_preemptions += 1  # as vLLM's _preempt_request does, with its blocks freed
+            request.num_computed_tokens = 0
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # a new probe, off the thread
+            probe_done(side, "pre")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == full  # fetched again
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+            assert side._requests["pre"].load_chunks == [(4, True), (8, True)]
+            # preempted once more while vLLM's prefix cache still holds the prompt: answered at once
+            side.bind_kv_cache_manager(HoldingTable(PROMPT_TOKENS))  # type: ignore[arg-type]
+            request.num_preemptions += 1
+            assert side.get_num_new_matched_tokens(request, 10 * BLOCK) == (0, False)
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_reset_during_a_prefetch_claims_nothing_of_the_old_generation(redis_tier) -> None:
+    """vLLM resets the connector cache (weights changed in place) while a request's chunks are on their way:
+    what lands is of the old names and is never claimed; the request is probed anew in the new generation,
+    where nothing is stored yet, and computes its prompt."""
+    request = make_request("g", tokens(PROMPT_TOKENS, seed=13))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "g")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == full
+            assert side.reset_cache()
+            worker.play(meta, side)  # the old generation's chunks land after the reset
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # probed anew
+            probe_done(side, "g")
+            assert empty_step(side).prefetches == []  # the new names are stored nowhere
+            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+            side.update_state_after_alloc(request, 0)
+            plan = side.build_connector_meta(step([("g", 0)], [], {"g": PROMPT_TOKENS}))  # type: ignore[arg-type]
+            saved = [save.chunk_hash for save in plan.requests[0].saves]
+            assert saved and not set(saved) & set(full)  # saved under the new generation's names
         finally:
             worker.close()
             side.shutdown()
