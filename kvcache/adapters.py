@@ -5,7 +5,7 @@ blocks' hashes change with the adapter's name and path but not with its weights.
 and written again under the same path (the everyday fine-tuning workflow, as for base weights: see
 `vllm_tiercache.shared.naming.weights_identity`) would meet the old adapter's KV after a restart and give
 outputs that match neither adapter. So a LoRA request's chunks are named by vLLM's block hash mixed with a
-digest of the adapter's files (`adapter_chunk_hash`, which `vllm_tiercache.kvcache.naming.RequestNames`
+digest of the adapter's files (`vllm_tiercache.kvcache.naming.adapter_chunk_hash`, which `RequestNames`
 applies with the other salts), computed once per file and remembered by its stat signature like the base
 weights' digest.
 
@@ -25,7 +25,6 @@ its files: retraining such an adapter in place needs `tiercache evict` for the e
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -36,15 +35,6 @@ from typing import Any
 from vllm_tiercache.shared.naming.weights_identity import digest_directory
 
 log = logging.getLogger(__name__)
-
-_PERSON = b"tiercache-lora"
-
-
-def adapter_chunk_hash(chunk_hash: bytes, adapter_digest: str) -> bytes:
-    """The name of a LoRA request's chunk: vLLM's hash at the chunk's last block, mixed with the adapter's
-    content digest (same length as vLLM's hash, so everything downstream treats it alike)."""
-    return hashlib.blake2b(chunk_hash + b"|" + adapter_digest.encode(), digest_size=len(chunk_hash),
-                           person=_PERSON).digest()
 
 
 class AdapterDigests:

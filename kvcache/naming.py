@@ -24,26 +24,45 @@ scheduler, from vLLM's block hashes) or `KVNaming.prompt_names` (offline, from t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.blocks.layout import layout_tag
 from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
 from vllm_tiercache.kvcache.options import KVConnectorOptions
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
-from vllm_tiercache.shared.generations import generation_chunk_hash
 from vllm_tiercache.shared.naming.hashing import (
     BlockExtraKeys,
     MMInput,
     assert_engine_seed_matches,
     block_hashes,
     check_seed_is_stable,
-    chunk_boundaries,
 )
 from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key, weights_of
 from vllm_tiercache.shared.store.api import StoreKey
+
+#: the keyed blake2b's ``person`` of each salt a chunk name mixes in (part of every stored name: never change)
+_ADAPTER_PERSON = b"tiercache-lora"
+_GENERATION_PERSON = b"tiercache-gen"
+
+
+def adapter_chunk_hash(chunk_hash: bytes, adapter_digest: str) -> bytes:
+    """The name of a LoRA request's chunk: vLLM's hash at the chunk's last block, mixed with the adapter's
+    content digest (`vllm_tiercache.kvcache.adapters` says why; same length as vLLM's hash, so everything
+    downstream treats it alike)."""
+    return hashlib.blake2b(chunk_hash + b"|" + adapter_digest.encode(), digest_size=len(chunk_hash),
+                           person=_ADAPTER_PERSON).digest()
+
+
+def generation_chunk_hash(chunk_hash: bytes, salt: bytes | None) -> bytes:
+    """A KV chunk's name in the weights generation `salt` (`vllm_tiercache.shared.generations` says why): the
+    name itself before any reset (``salt`` None), else the name mixed with the salt."""
+    if salt is None:
+        return chunk_hash
+    return hashlib.blake2b(chunk_hash + b"|" + salt, digest_size=len(chunk_hash),
+                           person=_GENERATION_PERSON).digest()
 
 
 @dataclass(frozen=True)
@@ -70,8 +89,16 @@ class ChunkGeometry:
         return ((end_block - 1) // self.blocks_per_chunk) * self.blocks_per_chunk
 
     def chunk_ends(self, num_full_blocks: int) -> list[int]:
-        """End block (exclusive) of every chunk over `num_full_blocks`; the last one may be partial."""
-        return chunk_boundaries(num_full_blocks, self.blocks_per_chunk)
+        """End block (exclusive) of every chunk over `num_full_blocks`: ``10 blocks, 4 per chunk -> [4, 8, 10]``
+        (the last one may be partial). A chunk ending at ``e`` covers ``[previous end, e)`` and is named by
+        the chain hash of block ``e - 1``, which fingerprints the whole prefix up to it."""
+        if num_full_blocks < 0:
+            raise ValueError(f"num_full_blocks must be >= 0, got {num_full_blocks}")
+        per_chunk = self.blocks_per_chunk
+        ends = list(range(per_chunk, num_full_blocks + 1, per_chunk))
+        if num_full_blocks % per_chunk:
+            ends.append(num_full_blocks)
+        return ends
 
     def next_full_end(self, after_block: int) -> int:
         """End block of the first full chunk that ends past ``after_block``."""

@@ -17,8 +17,9 @@ knows the salt, so it cannot read them (to share records computed with the new w
 engines with the new weights on disk; the weights digest names them). `tiercache evict` reclaims them.
 
 The salt is random rather than a counter so that two engines both reset once (same model, different
-updates) never meet each other's records. The mixing is a keyed blake2b with its own ``person``, like
-`vllm_tiercache.kvcache.adapters.adapter_chunk_hash`.
+updates) never meet each other's records. The mixing is a keyed blake2b with its own ``person``: for an
+encoder output here (`generation_mm_name`), for a KV chunk where every chunk name is made
+(`vllm_tiercache.kvcache.naming.generation_chunk_hash`, beside the LoRA adapter's salt).
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ SALT_BYTES = 16
 def new_salt() -> bytes:
     """A fresh generation salt."""
     return os.urandom(SALT_BYTES)
-
-
-def generation_chunk_hash(chunk_hash: bytes, salt: bytes | None) -> bytes:
-    """A KV chunk's name in generation `salt`: the name itself before any reset (``salt`` None), else the
-    name mixed with the salt (same length as vLLM's hash, so everything downstream treats it alike)."""
-    if salt is None:
-        return chunk_hash
-    return hashlib.blake2b(chunk_hash + b"|" + salt, digest_size=len(chunk_hash), person=_PERSON).digest()
 
 
 def generation_mm_name(mm_hash: str, salt: bytes | None) -> str:

@@ -50,7 +50,6 @@ __all__ = [
     "assert_engine_seed_matches",
     "block_hashes",
     "check_seed_is_stable",
-    "chunk_boundaries",
     "extra_keys_for_block",
     "hash_block",
     "hash_fn",
@@ -382,24 +381,3 @@ def block_hashes(
         prev = fn((prev, tuple(tokens[lo : lo + block_size]), extra))
         out.append(prev)
     return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# Chunks: groups of consecutive blocks stored as one record
-# --------------------------------------------------------------------------------------------------------
-
-
-def chunk_boundaries(num_full_blocks: int, blocks_per_chunk: int) -> list[int]:
-    """Exclusive end block index of each chunk: ``(10, 4) -> [4, 8, 10]`` (the last chunk may be partial).
-
-    A chunk ending at ``e`` covers blocks ``[previous_end, e)`` and is named by the chain hash of block
-    ``e - 1``, which fingerprints the whole prefix up to it.
-    """
-    if blocks_per_chunk <= 0:
-        raise ValueError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
-    if num_full_blocks < 0:
-        raise ValueError(f"num_full_blocks must be >= 0, got {num_full_blocks}")
-    ends = list(range(blocks_per_chunk, num_full_blocks + 1, blocks_per_chunk))
-    if num_full_blocks % blocks_per_chunk:
-        ends.append(num_full_blocks)
-    return ends

@@ -31,8 +31,8 @@ from tests.kv.test_kv_scheduler import make_request, make_side, step, tokens
 from tests.support.real_scheduler import hashed_request, schedule_new
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
+from vllm_tiercache.kvcache.naming import generation_chunk_hash
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
-from vllm_tiercache.shared.generations import generation_chunk_hash
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
 BLOCK, CHUNK = 16, 64  # 4 blocks per chunk

@@ -20,8 +20,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
-from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, adapter_chunk_hash
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
 from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key

@@ -26,6 +26,8 @@ from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.request import Request
 
 from tests.support.hashing_helpers import chunk_hashes, extra_keys_of
+from vllm_tiercache.kvcache.naming import ChunkGeometry
+from vllm_tiercache.shared.config import ConfigError
 from vllm_tiercache.shared.naming import hashing as th
 from vllm_tiercache.shared.naming.hashing import (
     HASH_ALGOS,
@@ -35,7 +37,6 @@ from vllm_tiercache.shared.naming.hashing import (
     assert_engine_seed_matches,
     block_hashes,
     check_seed_is_stable,
-    chunk_boundaries,
     extra_keys_for_block,
     hash_fn,
     none_hash,
@@ -435,13 +436,18 @@ def test_salt_lora_and_image_change_hashes(algo: str) -> None:
 # ---------------------------------------------------------------------------------------------- chunks
 
 
+def chunk_boundaries(num_full_blocks: int, blocks_per_chunk: int) -> list[int]:
+    """The chunk ends of the connector's geometry (`ChunkGeometry.chunk_ends`), 16-token blocks."""
+    return ChunkGeometry(16, 16 * blocks_per_chunk).chunk_ends(num_full_blocks)
+
+
 def test_chunk_boundaries() -> None:
     assert chunk_boundaries(10, 4) == [4, 8, 10]
     assert chunk_boundaries(8, 4) == [4, 8]
     assert chunk_boundaries(3, 4) == [3]
     assert chunk_boundaries(0, 4) == []
     assert chunk_boundaries(5, 1) == [1, 2, 3, 4, 5]
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         chunk_boundaries(5, 0)
     with pytest.raises(ValueError):
         chunk_boundaries(-1, 2)

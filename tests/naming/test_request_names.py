@@ -14,10 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_tiercache.kvcache.adapters import adapter_chunk_hash
 from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroup, KVGroups
-from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
-from vllm_tiercache.shared.generations import generation_chunk_hash
+from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, adapter_chunk_hash, generation_chunk_hash
 from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, block_hashes
 from vllm_tiercache.shared.naming.keys import KVModelIdentity
 from vllm_tiercache.shared.store.api import StoreKey
@@ -102,6 +100,16 @@ def test_every_salt_is_mixed_in_by_the_naming_in_one_order(hashes: list[bytes]) 
     assert names.name(4) == generation_chunk_hash(adapter_chunk_hash(hashes[3], ADAPTER), SALT)
     assert names.in_generation(None).name(4) == adapter_chunk_hash(hashes[3], ADAPTER)
     assert NAMING.request_names(hashes).name(4) == hashes[3]  # no salt: vLLM's own hash
+
+
+def test_the_salted_names_are_those_of_earlier_builds() -> None:
+    """Every stored record is found by these bytes: the values the mixing gave when it lived in
+    kvcache/adapters.py and shared/generations.py (a build that changes them loses every salted record)."""
+    block_hash = bytes(range(32))
+    assert adapter_chunk_hash(block_hash, "abc123").hex() == (
+        "597500ee0dd5c6a76134137b97d1bcd49179eeffeb20bc43be0dc7aacdb67031")
+    assert generation_chunk_hash(block_hash, b"0123456789abcdef").hex() == (
+        "1cf8072826b46533401f4a6c2d1a36a0ba9d8cc03a566c2f770fb5fcac74f0cc")
 
 
 def test_offline_prompt_keys_are_those_of_the_old_path(monkeypatch: pytest.MonkeyPatch) -> None:

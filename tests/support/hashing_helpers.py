@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, MMInput, chunk_boundaries
+from vllm_tiercache.kvcache.naming import ChunkGeometry
+from vllm_tiercache.shared.naming.hashing import BlockExtraKeys, MMInput
 
 
 def extra_keys_of(request: Any) -> BlockExtraKeys:
@@ -26,4 +27,4 @@ def extra_keys_of(request: Any) -> BlockExtraKeys:
 
 def chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
     """The chain hash at the last block of each chunk (how the KV scheduler names a prompt's chunks)."""
-    return [block_hashes[end - 1] for end in chunk_boundaries(len(block_hashes), blocks_per_chunk)]
+    return [block_hashes[end - 1] for end in ChunkGeometry(1, blocks_per_chunk).chunk_ends(len(block_hashes))]
