@@ -279,6 +279,13 @@ class RequestNames:
         """(end block, name) of every chunk over the first ``num_full_blocks`` blocks; the last may be partial."""
         return [(end, self.name(end)) for end in self.naming.geometry.chunk_ends(num_full_blocks)]
 
+    def prompt_chunks(self, num_prompt_tokens: int) -> list[tuple[int, bytes]]:
+        """(end block, name) of every chunk of a prompt of ``num_prompt_tokens`` tokens: its full blocks vLLM
+        hashed (`vllm_tiercache.kvcache.planning.prompt_full_blocks`), the last chunk maybe partial. Named
+        once per request: the lookup's first stage."""
+        block_size = self.naming.geometry.block_size
+        return self.chunks(min(num_prompt_tokens // block_size, len(self.block_hashes)))
+
     def record_keys(self, name: bytes, groups: tuple[KVGroup, ...] | None = None) -> list[StoreKey]:
         """The keys of the records of the chunk named ``name`` (from `name`): each layer of ``groups``
         (default: every group) on each rank. The chunk is loadable when all of them are stored."""

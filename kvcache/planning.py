@@ -32,6 +32,8 @@ class RequestState:
     request: Request
     #: the request's chunk names and record keys, every salt applied (the one naming rule)
     names: RequestNames
+    #: (end block, name) of each chunk of the prompt (`RequestNames.prompt_chunks`): what a lookup asks about
+    chunks: list[tuple[int, bytes]] = field(default_factory=list)
     #: chunk index -> present in the store at lookup time (those are never written again)
     stored: list[bool] = field(default_factory=list)
     #: chunk index -> held by the workers' memory tier at lookup time (the rest come from shared tiers)
@@ -60,35 +62,19 @@ class RequestState:
     #: store's hits); its saves carry it to the slower tiers' admission (`ChunkSave.reused_share`)
     reused_share: float | None = None
 
+    def found(self, stored: list[bool], resident: list[bool]) -> None:
+        """A lookup (or a hand-off's promise) says what is stored, per chunk, and what the workers' memory holds:
+        what is stored may have changed since the last one, so saving is planned again from the last chunk
+        planned (`planned_until`), and any load planned before is dropped."""
+        self.stored, self.resident = stored, resident
+        self.saved_until, self.next_save_block = self.planned_until, 0
+        self.forget_load()
+
     def forget_load(self) -> None:
         """No load planned any more (it was planned into a step, or the lookup's hit was not used)."""
         self.load_first = self.load_end = 0
         self.load_chunks = []
         self.handoff_load = False
-
-
-class UnsaltedRequests:
-    """``require_cache_salt``: where tenants share a store, a request without vLLM's ``cache_salt`` is kept
-    out of it both ways (no lookup, no save) and counted (``unsalted_requests``); docs/operations.md, the
-    trust boundary (the salt is set by the gateway from an authenticated tenant)."""
-
-    def __init__(self, required: bool) -> None:
-        self.required = required
-        self.unreported = 0
-
-    def refuses(self, request: Request) -> bool:
-        """Whether ``request`` must stay out of the store (asked once per request)."""
-        if self.required and not getattr(request, "cache_salt", None):
-            self.unreported += 1
-            return True
-        return False
-
-    def take(self) -> dict[str, int]:
-        """The refusals since the last call, as the scheduler side's counters."""
-        if not self.unreported:
-            return {}
-        counts, self.unreported = {"unsalted_requests": self.unreported}, 0
-        return counts
 
 
 def prompt_full_blocks(request: Request, block_size: int) -> int:

@@ -38,8 +38,7 @@ from vllm_tiercache.kvcache.adapters import AdapterDigests
 from vllm_tiercache.kvcache.events.tracker import TierEventTracker
 from vllm_tiercache.kvcache.handoff.promise import (
     HandoffCounters,
-    check_promise,
-    plan_handoff_load,
+    handoff_hit,
     producer_params,
     remote_prefill_params,
     wants_remote_decode,
@@ -50,7 +49,6 @@ from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import RequestPlan, TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.planning import (
     RequestState,
-    UnsaltedRequests,
     chunk_saves,
     chunks_to_save,
     group_loads,
@@ -69,6 +67,30 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+class UnsaltedRequests:
+    """``require_cache_salt``: where tenants share a store, a request without vLLM's ``cache_salt`` is kept
+    out of it both ways (no lookup, no save) and counted (``unsalted_requests``); docs/operations.md, the
+    trust boundary (the salt is set by the gateway from an authenticated tenant)."""
+
+    def __init__(self, required: bool) -> None:
+        self.required = required
+        self.unreported = 0
+
+    def refuses(self, request: Request) -> bool:
+        """Whether ``request`` must stay out of the store (asked once per request)."""
+        if self.required and not getattr(request, "cache_salt", None):
+            self.unreported += 1
+            return True
+        return False
+
+    def take(self) -> dict[str, int]:
+        """The refusals since the last call, as the scheduler side's counters."""
+        if not self.unreported:
+            return {}
+        counts, self.unreported = {"unsalted_requests": self.unreported}, 0
+        return counts
 
 
 class KVSchedulerSide:
@@ -122,6 +144,7 @@ class KVSchedulerSide:
         self._requests: dict[str, RequestState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._adapters = AdapterDigests()
+        self._checked_engine_hashing = False
         #: how long the first request of a newly loaded adapter waits for its digest (once per adapter: a
         #: small adapter is digested well within it; a large or slow one stalls the engine at most this
         #: long, and its requests are computed without the cache until the digest is ready)
@@ -195,8 +218,12 @@ class KVSchedulerSide:
             if cacheable and lora is not None:
                 adapter = self._adapters.digest(lora, wait_s=self.adapter_wait_s)
                 cacheable = adapter is not None  # not ready yet, or not nameable: computed as without us
+            if cacheable and self.groups.supported and not self._checked_engine_hashing:
+                self._checked_engine_hashing = True  # once: vLLM seeds its hashing only after building the connector
+                self.naming.check_engine_hashing(request)
             names = self.naming.request_names(request.block_hashes, adapter=adapter, generation=self.generation.salt)
-            state = RequestState(request, names, cacheable=cacheable)
+            chunks = names.prompt_chunks(request.num_prompt_tokens) if cacheable else []
+            state = RequestState(request, names, chunks, cacheable=cacheable)
             self._requests[request.request_id] = state
         return state
 
@@ -207,20 +234,16 @@ class KVSchedulerSide:
             return
         state = self._state(request)
         if state.cacheable and self.groups.supported:
-            self.lookup.start(state)
+            self.lookup.far.start(state)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """How many tokens past vLLM's own hit the store supplies (`PromptLookup`); None: not known yet."""
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False
-        if self.can_load and (promise := check_promise(state, self.naming, self.handoffs)) is not None:
-            # a producer's promise: its chunks are loaded (and not saved again) without a lookup
-            state.stored, state.resident = [True] * len(promise.ends), []
-            state.saved_until, state.next_save_block = state.planned_until, 0
-            state.forget_load()
-            return plan_handoff_load(state, promise, resident=self.resident, block_size=self.geometry.block_size,
-                                     num_computed_tokens=num_computed_tokens)
+        if self.can_load and (hit := handoff_hit(state, self.naming, self.handoffs, resident=self.resident,
+                                                 num_computed_tokens=num_computed_tokens)) is not None:
+            return hit  # a producer's promise: its chunks are loaded (and not saved again) without a lookup
         return self.lookup.matched(state, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -253,6 +276,7 @@ class KVSchedulerSide:
     # ------------------------------------------------------------------------------------- step plan
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredKVMetadata:
         meta = TieredKVMetadata()
+        self.lookup.announce()  # this step's lookups, to the events tracker ahead of the step's saves
         if self.far is not None:
             meta.prefetches, meta.near_loads = self.far.take_prefetches(), True
         pending, self._whole_request_pending = self._whole_request_pending, []
@@ -362,6 +386,7 @@ class KVSchedulerSide:
         kept = 0
         for req_id, state in self._requests.items():
             state.names = state.names.in_generation(salt)
+            state.chunks = state.names.prompt_chunks(state.request.num_prompt_tokens) if state.chunks else []
             state.stored, state.resident = [], []
             if req_id in pending:
                 continue
@@ -373,6 +398,7 @@ class KVSchedulerSide:
                 state.saved_until = state.planned_until = state.next_save_block = 0
         self._unreported_resets += 1
         if self.events is not None:
+            self.lookup.findings = []  # of the old generation's names
             self.events.reset()
         log.warning("TieredKVConnector: vLLM reset the connector cache (e.g. after a weight update): started "
                     "weights generation %d; records stored before are no longer used by this engine (they stay "
@@ -408,7 +434,10 @@ class KVSchedulerSide:
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's KV cache events for what the tiers hold (vLLM publishes them after its own)."""
-        return self.events.take() if self.events is not None else []
+        if self.events is None:
+            return []
+        self.lookup.announce()
+        return self.events.take()
 
     def shutdown(self) -> None:
         """The engine stops: what this side still holds for the store (the event journal's last entries) is

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_tiercache.kvcache.naming import KVNaming, RequestNames
-from vllm_tiercache.kvcache.planning import RequestState, prompt_full_blocks
+from vllm_tiercache.kvcache.planning import RequestState
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -109,15 +109,19 @@ def producer_params(names: RequestNames, naming: KVNaming, prompt_blocks: int, *
 
 @dataclass(frozen=True)
 class HandoffPromise:
-    """A producer's promise as a consumer checked it: the end blocks of the promised chunks."""
+    """A producer's promise as a consumer checked it: the end blocks and names of the promised chunks."""
 
     ends: tuple[int, ...]
     producer: str
+    names: tuple[bytes, ...] = ()
 
     @classmethod
-    def parse(cls, promise: dict[str, Any], names: RequestNames, naming: KVNaming,
-              prompt_blocks: int) -> tuple[HandoffPromise | None, str]:
-        """(the promise, "") when it names this request's own chunks under this naming, else (None, why)."""
+    def parse(cls, promise: dict[str, Any], prompt_chunks: list[tuple[int, bytes]],
+              naming: KVNaming) -> tuple[HandoffPromise | None, str]:
+        """(the promise, "") when it names this request's own chunks under this naming, else (None, why).
+        ``prompt_chunks``: (end block, name) of each chunk of the prompt (`RequestNames.prompt_chunks`); a
+        partial last one is stored, and so promised, only with ``save_partial_chunks``
+        (`KVNaming.stored_chunk_ends`)."""
         if promise.get("v") != PROMISE_VERSION:
             return None, f"promise format {promise.get('v')!r}, this build reads {PROMISE_VERSION}"
         if promise.get("namespace") != naming.namespace:
@@ -126,30 +130,37 @@ class HandoffPromise:
             return None, (f"chunk_size {promise.get('chunk_size')!r}, this consumer's is "
                           f"{naming.geometry.chunk_size}")
         count = promise.get("chunks")
-        ends = naming.stored_chunk_ends(prompt_blocks)
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= len(ends):
-            return None, f"{count!r} chunks promised, the prompt has {len(ends)}"
-        ends = ends[:count]
+        chunks = prompt_chunks
+        if chunks and chunks[-1][0] % naming.geometry.blocks_per_chunk and not naming.save_partial_chunks:
+            chunks = chunks[:-1]
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= len(chunks):
+            return None, f"{count!r} chunks promised, the prompt has {len(chunks)}"
+        chunks = chunks[:count]
         last = promise.get("last_chunk")
-        if not isinstance(last, str) or names.name(ends[-1]).hex() != last:
+        if not isinstance(last, str) or chunks[-1][1].hex() != last:
             return None, "the last promised chunk is not this prompt's (another prompt, model, adapter or salt)"
-        return cls(tuple(ends), str(promise.get("producer", "?"))), ""
+        return cls(tuple(end for end, _ in chunks), str(promise.get("producer", "?")),
+                   tuple(name for _, name in chunks)), ""
 
 
-def plan_handoff_load(state: RequestState, promise: HandoffPromise, *, resident: Any, block_size: int,
-                      num_computed_tokens: int) -> tuple[int, bool]:
-    """Plan the load of a checked promise into ``state``: every promised chunk, stored yet or not (the
-    worker waits for the late ones), up to one token short of the prompt; (tokens, True) for vLLM's
+def handoff_hit(state: RequestState, naming: KVNaming, counters: HandoffCounters, *, resident: Any,
+                num_computed_tokens: int) -> tuple[int, bool] | None:
+    """What a request's producer promised, planned as its load, or None when it carries no usable promise (it
+    is looked up as any other). Every promised chunk is loaded, stored yet or not (the worker waits for the
+    late ones), up to one token short of the prompt, and none is saved again: (tokens, True) for vLLM's
     ``load_kv_async``, or (0, False) when the engine's own prefix cache already holds as much."""
-    request = state.request
-    usable_blocks = (request.num_prompt_tokens - 1) // block_size
+    promise = check_promise(state, naming, counters)
+    if promise is None:
+        return None
+    block_size = naming.geometry.block_size
+    usable_blocks = (state.request.num_prompt_tokens - 1) // block_size
     hit_blocks = min(promise.ends[-1], usable_blocks)
     local_blocks = num_computed_tokens // block_size
+    state.found([True] * len(promise.ends), [])
     if hit_blocks <= local_blocks:
         return 0, False
-    names = state.names
     state.load_first, state.load_end = local_blocks, hit_blocks
-    state.load_chunks = [(end, names.name(end) in resident) for end in promise.ends]
+    state.load_chunks = [(end, name in resident) for end, name in zip(promise.ends, promise.names, strict=True)]
     state.handoff_load = True
     return (hit_blocks - local_blocks) * block_size, True
 
@@ -160,8 +171,7 @@ def check_promise(state: RequestState, naming: KVNaming, counters: HandoffCounte
         raw = remote_prefill_params(state.request)
         state.handoff = False
         if raw is not None:
-            promise, why = HandoffPromise.parse(raw, state.names, naming,
-                                                prompt_full_blocks(state.request, naming.geometry.block_size))
+            promise, why = HandoffPromise.parse(raw, state.chunks, naming)
             if promise is None:
                 counters.handoffs_rejected += 1
                 log.warning("TieredKVConnector: request %s: the producer's kv_transfer_params are not usable "

@@ -114,10 +114,11 @@ class FarLookups:
         self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0}
 
     # ------------------------------------------------------------------------------------- a request
-    def start(self, state: RequestState, chunks: list[tuple[int, bytes]]) -> None:
-        """Probe the request's chunks in the background (once per request)."""
+    def start(self, state: RequestState) -> None:
+        """Probe the request's chunks in the background (once per request and preemption)."""
         if state.request.request_id in self._tickets:
             return
+        chunks = state.chunks
         resident = [name in self.resident and name not in self.failed for _, name in chunks]
         probe = Probe(state.request, state.names, chunks, resident)
         self._tickets[state.request.request_id] = FarTicket(
@@ -130,11 +131,15 @@ class FarLookups:
         """Where the request's chunks are, or None while its probe or its prefetches are pending and its
         deadline has not passed. ``local_blocks``: the blocks vLLM's own prefix cache holds."""
         ticket = self._tickets.get(state.request.request_id)
-        if ticket is None:
-            return None
-        if ticket.answered and self._preempted(ticket, local_blocks):
-            self.forget(state.request.request_id)
-            return None  # probed and fetched anew (`_preempted`)
+        if ticket is not None and ticket.answered and self._preempted(ticket, local_blocks):
+            self.forget(state.request.request_id)  # probed and fetched anew
+        elif ticket is not None:
+            return self._answer_ticket(ticket, local_blocks)
+        self.start(state)  # at its first ask (vLLM told of no arrival) or after a preemption: asked next step
+        return None
+
+    def _answer_ticket(self, ticket: FarTicket, local_blocks: int) -> FarAnswer | None:
+        """`answer` for a request whose probe was started."""
         now = time.monotonic()
         late = now >= ticket.deadline
         probe = ticket.probe
@@ -144,7 +149,7 @@ class FarLookups:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
-                self._unfetched.discard(state.request.request_id)
+                self._unfetched.discard(probe.request.request_id)
                 return self._answer(ticket, local_blocks, probe_in=False)
             if not ticket.prefetching:
                 self._prefetch(ticket, local_blocks)
@@ -168,9 +173,6 @@ class FarLookups:
             return False
         ticket.preemptions = request.num_preemptions
         return bool(ticket.probe.chunks) and local_blocks < ticket.probe.chunks[-1][0]
-
-    def started(self, req_id: str) -> bool:
-        return req_id in self._tickets
 
     def forget(self, req_id: str) -> None:
         """The request is over (finished or aborted); its prefetches, if any, still land."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_tiercache.kvcache.events.tracker import TierEventTracker
 from vllm_tiercache.kvcache.lookup.far import FarLookups
 from vllm_tiercache.kvcache.naming import KVNaming
-from vllm_tiercache.kvcache.planning import RequestState, prompt_full_blocks
+from vllm_tiercache.kvcache.planning import RequestState
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
 
@@ -41,26 +41,17 @@ class PromptLookup:
         self.groups = naming.groups
         self.resident = resident
         self.failed = failed
+        #: this step's findings for the KV events tracker (`announce`): per looked-up request, the request, its
+        #: names, and per chunk its end, stored, resident, asked (None: vLLM publishes no events)
+        self.findings: list[tuple[Request, Any, list[int], list[bool], list[bool], list[bool]]] | None = (
+            [] if events is not None else None)
         self.events = events
         self.can_load = can_load
         self.whole_request_loads = whole_request_loads
         #: vLLM's block manager (`KVSchedulerSide.bind_kv_cache_manager`): its prefix cache is never fetched
         self.kv_cache_manager: Any = None
-        self._checked_engine_hashing = False
         self.far = far_lookups(store, naming, resident, deadline_s, can_load=can_load, failed=failed,
                                whole_request_loads=whole_request_loads, local_blocks=self.vllm_holds)
-
-    def _check_engine_hashing(self, request: Request) -> None:
-        if not self._checked_engine_hashing:  # once: vLLM seeds its hashing only after building the connector
-            self._checked_engine_hashing = True
-            self.naming.check_engine_hashing(request)
-
-    def start(self, state: RequestState) -> None:
-        """Start the request's far lookup (on its arrival, or at its first ask)."""
-        assert self.far is not None
-        self._check_engine_hashing(state.request)
-        chunks = state.names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
-        self.far.start(state, chunks)
 
     def vllm_holds(self, request: Request) -> int:
         """The blocks of ``request`` vLLM's own prefix cache holds now (never fetched from a far tier)."""
@@ -82,8 +73,6 @@ class PromptLookup:
         if self.far is not None:
             answer = self.far.answer(state, num_computed_tokens // block_size)
             if answer is None:
-                if not self.far.started(request.request_id):
-                    self.start(state)
                 return None, False  # asked again next step; the others are scheduled meanwhile
             ends, full_ok, resident, shorter, stored = (answer.ends, answer.usable, answer.resident,
                                                         answer.shorter, answer.stored)
@@ -92,11 +81,9 @@ class PromptLookup:
             ends, full_ok, window_ok, resident = self._ask(state)
             stored, host = [f and w for f, w in zip(full_ok, window_ok, strict=True)], resident
             asked = [not r for r in resident]
-        state.stored, state.resident = stored, resident
-        if self.events is not None:
-            self.events.looked_up(request, state.names, ends, stored, resident, asked)
-        state.saved_until, state.next_save_block = state.planned_until, 0  # what is stored may have changed
-        state.forget_load()
+        state.found(stored, resident)
+        if self.findings is not None:
+            self.findings.append((request, state.names, ends, stored, resident, asked))
         if not self.can_load:
             return 0, False
         # the full-attention prefix, then the longest part of it whose end every window group can supply
@@ -128,9 +115,7 @@ class PromptLookup:
         """Per chunk of the prompt's full blocks: its end block, are its full-attention records loadable
         now, are its sliding-window records (True for a model without such groups), and does the workers'
         memory hold it all? One batched store call."""
-        self._check_engine_hashing(state.request)
-        names = state.names
-        chunks = names.chunks(prompt_full_blocks(state.request, self.geometry.block_size))
+        names, chunks = state.names, state.chunks
         failed = [name in self.failed for _, name in chunks]
         resident = [name in self.resident and not bad for (_, name), bad in zip(chunks, failed, strict=True)]
         full_ok, window_ok = list(resident), list(resident)
@@ -149,6 +134,17 @@ class PromptLookup:
                 window_ok[i] = all(found[offset : offset + len(window_keys)])
                 offset += len(window_keys)
         return [end for end, _ in chunks], full_ok, window_ok, resident
+
+    def announce(self) -> None:
+        """Hand the findings of the lookups since the last call to the KV events tracker (a stored chunk is
+        announced where it was found, one found gone withdrawn): at the start of each step's plan, ahead of
+        its saves, and when vLLM takes the step's events. Not on the lookup's way: vLLM publishes events once
+        per step anyway."""
+        if not self.findings or self.events is None:
+            return
+        findings, self.findings = self.findings, []
+        for finding in findings:
+            self.events.looked_up(*finding)
 
     def _windows_ok(self, ends: list[int], window_ok: list[bool], end: int) -> bool:
         """Can every sliding-window group supply a hit ending at block `end` (or one block before it)?
