@@ -10,7 +10,8 @@ cheaply: there every record of a chunk is asked, since their hits are read in th
 
 A prompt that extends a stored one (a question after a precomputed document) finds the document's
 partial last chunk by probing the shorter endings inside the first chunk that is missing, as the
-synchronous lookup did (`KVSchedulerSide._shorter_chunk`).
+synchronous lookup does (`PromptLookup._shorter_chunk`). Those of the first chunk are asked with the chunks
+when that chunk is asked of the far tiers at all: a new prompt (a miss) then costs one round trip.
 
 The threads: a few daemon threads take probes in arrival order. A tier that hangs holds a thread until
 its own timeout; the request's deadline (`vllm_tiercache.kvcache.lookup.far`) does not wait for it, and a
@@ -63,6 +64,8 @@ class Probe:
     where: list[Where] = field(default_factory=list)
     shorter: tuple[int, bytes, Where] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    #: the far tiers' answers for the shorter endings inside the first chunk, asked with the chunks (or None)
+    _first_shorter_far: list[bool] | None = field(default=None, repr=False)
 
     def run(self, store: Store) -> None:
         """Ask the tiers (on a probe thread): the near ones for every record of the chunks not resident,
@@ -80,23 +83,33 @@ class Probe:
                 else:
                     far.append(i)
                 offset += len(ks)
+            # a first chunk asked of the far tiers may be missing (most first sights of a prompt are misses):
+            # its shorter endings ride along in the same call, so such a miss costs one round trip, not two
+            first_shorter = self._shorter_named(0) if far and far[0] == 0 else []
             if far:
-                found = store.contains_many([names.probe_key(self.chunks[i][1]) for i in far], shared_only=True,
-                                            bounded=False, reach="far")
-                for i, hit in zip(far, found, strict=True):
+                keys = [names.probe_key(self.chunks[i][1]) for i in far]
+                keys += [names.probe_key(h) for _, h in first_shorter]
+                found = store.contains_many(keys, shared_only=True, bounded=False, reach="far")
+                for i, hit in zip(far, found[: len(far)], strict=True):
                     if hit:
                         where[i] = Where.FAR
+                self._first_shorter_far = found[len(far):]
         self.found = where
         self.where = up_to_first_missing(where)
         cut = len(self.where) - self.where.count(Where.MISSING)
         if cut < len(self.chunks):
             self.shorter = self._shorter(store, cut)
 
-    def _shorter(self, store: Store, index: int) -> tuple[int, bytes, Where] | None:
-        """The longest stored chunk that starts where chunk ``index`` starts and ends before it does."""
+    def _shorter_named(self, index: int) -> list[tuple[int, bytes]]:
+        """(end block, name) of each shorter ending inside chunk ``index``, longest first."""
         end = self.chunks[index][0]
         start = self.names.naming.geometry.chunk_start(end)
-        named = [(e, self.names.name(e)) for e in range(end - 1, start, -1)]
+        return [(e, self.names.name(e)) for e in range(end - 1, start, -1)]
+
+    def _shorter(self, store: Store, index: int) -> tuple[int, bytes, Where] | None:
+        """The longest stored chunk that starts where chunk ``index`` starts and ends before it does: a near
+        one (every record there) first, else the longest a far tier holds the probe record of."""
+        named = self._shorter_named(index)
         if not named:
             return None
         near = store.contains_many([self.names.probe_key(h) for _, h in named], shared_only=True, bounded=False,
@@ -105,8 +118,11 @@ class Probe:
             if hit and all(store.contains_many(self.names.record_keys(h), shared_only=True, bounded=False,
                                                reach="near")):
                 return e, h, Where.NEAR
-        far = store.contains_many([self.names.probe_key(h) for _, h in named], shared_only=True, bounded=False,
-                                  reach="far")
+        if index == 0 and self._first_shorter_far is not None:
+            far = self._first_shorter_far  # asked with the chunks
+        else:
+            far = store.contains_many([self.names.probe_key(h) for _, h in named], shared_only=True,
+                                      bounded=False, reach="far")
         for (e, h), hit in zip(named, far, strict=True):
             if hit:
                 return e, h, Where.FAR

@@ -169,9 +169,9 @@ def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> 
             side.on_new_request(request)
             probe_done(side, "m")
             assert side.get_num_new_matched_tokens(request, 0) == (0, False)
-            # three chunks, one record each (the synchronous lookup asked every layer: 6), then the three shorter
-            # endings inside the first chunk (a stored prompt shorter than one chunk)
-            assert asked == [3, 3]
+            # one call, one round trip: three chunks, one record each (the synchronous lookup asked every layer: 6),
+            # and the three shorter endings inside the first chunk (a stored prompt shorter than one chunk)
+            assert asked == [6]
             assert empty_step(side).prefetches == []
         finally:
             side.shutdown()
@@ -485,6 +485,38 @@ def test_a_reset_during_a_prefetch_claims_nothing_of_the_old_generation(redis_ti
             plan = side.build_connector_meta(step([("g", 0)], [], {"g": PROMPT_TOKENS}))  # type: ignore[arg-type]
             saved = [save.chunk_hash for save in plan.requests[0].saves]
             assert saved and not set(saved) & set(full)  # saved under the new generation's names
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_prompt_extending_a_stored_one_finds_its_partial_chunk_in_one_round_trip(redis_tier) -> None:
+    """A stored prompt of two blocks (its partial chunk ends at block 2), then a longer prompt that starts
+    with it (a question after a document): the far tier is asked once, for the chunks and the shorter endings
+    inside the first one together, and the partial chunk is fetched and hit."""
+    request = make_request("d", tokens(PROMPT_TOKENS, seed=14))
+    partial = request.block_hashes[1]
+    store_chunks(redis_tier, [partial])
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        asked: list[int] = []
+        far = store.far_tiers[0]
+        real = far.contains_many
+
+        def counting(keys):  # type: ignore[no-untyped-def]
+            asked.append(len(keys))
+            return real(keys)
+
+        far.contains_many = counting  # type: ignore[method-assign]
+        try:
+            side.on_new_request(request)
+            probe_done(side, "d")
+            assert asked == [6]  # 3 chunks + the 3 shorter endings inside the first: one round trip
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == [partial]
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(request, 0) == (2 * BLOCK, False)
+            assert side._requests["d"].load_chunks == [(2, True)]
         finally:
             worker.close()
             side.shutdown()
