@@ -187,10 +187,6 @@ class KVSchedulerSide:
         """Several KV cache groups, or any sliding-window group: loads are whole-request loads vLLM waits for."""
         return self.lookup.whole_request_loads
 
-    @whole_request_loads.setter
-    def whole_request_loads(self, value: bool) -> None:
-        self.lookup.whole_request_loads = value
-
     @property
     def far(self) -> FarLookups | None:
         """The lookups and fetches of far tiers off this thread (None: lookups on it)."""

@@ -31,6 +31,7 @@ from tests.kv.test_kv_scheduler import make_request, make_side, step, tokens
 from tests.support.real_scheduler import hashed_request, schedule_new
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
+from vllm_tiercache.kvcache.groups import FULL, SLIDING, KVGroup, KVGroups
 from vllm_tiercache.kvcache.naming import generation_chunk_hash
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
@@ -232,8 +233,10 @@ def test_a_load_planned_before_the_reset_is_not_loaded(tmp_path: Path) -> None:
 def test_a_promised_whole_request_load_is_renamed_never_dropped(tmp_path: Path) -> None:
     """vLLM waits for a whole-request load it was promised: the plan still goes to the workers, under
     the new generation's names (found only if this generation saved them; else vLLM recomputes)."""
-    side = make_side(tmp_path)
-    side.whole_request_loads = True
+    # a hybrid model (full-attention and sliding-window layers): its hits are whole-request loads
+    groups = KVGroups((KVGroup(0, FULL, 32, (0,)), KVGroup(1, SLIDING, 32, (1,), window=64)))
+    side = make_side(tmp_path, kv_groups=groups)
+    assert side.whole_request_loads
     try:
         request = make_request("w", tokens(200))
         side.update_connector_output(TieredKVWorkerMetadata(added={request.block_hashes[3]}))
@@ -243,9 +246,8 @@ def test_a_promised_whole_request_load_is_renamed_never_dropped(tmp_path: Path) 
         meta = side.build_connector_meta(step([], [], {}))
         (plan,) = meta.requests
         assert plan.whole_request
-        assert [load.chunk_hash for load in plan.loads] == [
-            generation_chunk_hash(request.block_hashes[3], side.generation.salt)
-        ]
+        renamed = generation_chunk_hash(request.block_hashes[3], side.generation.salt)
+        assert [load.chunk_hash for load in plan.loads] == [renamed, renamed]  # each KV cache group's records
     finally:
         side.store.close()
 

@@ -20,6 +20,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from vllm_tiercache.kvcache.groups import KVGroups
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, adapter_chunk_hash
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
@@ -55,14 +56,16 @@ def make_request(req_id: str, tokens: list[int], lora_request: LoRARequest | Non
 
 
 class BlockTable:
-    """Stand-in for vLLM's KVCacheManager.get_block_ids: request i owns blocks 1000*i ..."""
+    """Stand-in for vLLM's KVCacheManager.get_block_ids: request i owns blocks 1000*i ... in each of ``groups``
+    KV cache groups (the same ids: vLLM's block ids are unique within a group only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: int = 1) -> None:
         self.owner: dict[str, int] = {}
+        self.groups = groups
 
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         base = 1000 * (self.owner.setdefault(req_id, len(self.owner)) + 1)
-        return (list(range(base, base + 64)),)
+        return tuple(list(range(base, base + 64)) for _ in range(self.groups))
 
 
 def step(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled: dict[str, int]) -> SimpleNamespace:
@@ -76,14 +79,15 @@ def step(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled: d
     )
 
 
-def make_side(tmp_path, **options: bool) -> KVSchedulerSide:
-    """A scheduler side over a real disk store; `options` override the kv_both defaults."""
+def make_side(tmp_path, kv_groups: KVGroups | None = None, **options: bool) -> KVSchedulerSide:
+    """A scheduler side over a real disk store; `options` override the kv_both defaults; ``kv_groups``: the
+    model's KV cache groups (default: one full-attention group of every layer)."""
     store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}]})
     settings = {"can_load": True, "can_save": True, "save_partial_chunks": True, "save_decode": False, **options}
     naming = KVNaming(namespace="t", identities=(IDENTITY,), geometry=ChunkGeometry(BLOCK, CHUNK), hash_algo="sha256",
-                      save_partial_chunks=settings.pop("save_partial_chunks"))
+                      save_partial_chunks=settings.pop("save_partial_chunks"), kv_groups=kv_groups)
     scheduler = KVSchedulerSide(store=store, naming=naming, **settings)
-    scheduler.bind_kv_cache_manager(BlockTable())  # type: ignore[arg-type]
+    scheduler.bind_kv_cache_manager(BlockTable(len(naming.groups.groups)))  # type: ignore[arg-type]
     return scheduler
 
 
