@@ -238,3 +238,14 @@ def test_exempt_puts_write_down_orphans_too(tmp_path, how):
     with build_store(_write_through(tmp_path)) as store:
         store.put_many([_child("x", "never-put", 5)], **how)
         assert _held(store, _k("x")) == [True, True]
+
+
+def test_the_records_left_after_the_dead_keep_their_reused_shares(tmp_path):
+    """The dead records leave the put before the tier's own rule: the others keep their own reused share
+    (a record reusing its prompt is admitted at once, one that did not waits for min_seen)."""
+    with build_store(_config(tmp_path)) as store:  # disk: seen, min_seen 2, reused_prompt_share 0.5
+        store.put_many([_child("x", "never-put", 1), _child("y", "x", 2), (_k("fresh"), _t(3), None),
+                        (_k("reused"), _t(4), None)], reused_shares=[0.9, 0.9, 0.0, 0.9])
+        assert [_held(store, _k(n)) for n in ("x", "y", "fresh", "reused")] == [
+            [True, False], [True, False], [True, False], [True, True]]
+        assert _counter(store, "disk", "refused") == 2 and _counter(store, "disk", "writes_refused") == 1
