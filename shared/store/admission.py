@@ -26,14 +26,23 @@ KV event journal) and ``urgent`` puts (a prefill/decode hand-off, which another 
 
 Counters, per slower tier: ``writes_admitted`` (records handed to it: admitted puts and write-downs),
 ``writes_refused`` (records a put kept in memory only).
+
+Dead on arrival (`drop_orphans`, before any rule above, exempt puts excepted): a record whose meta names
+a parent (`vllm_tiercache.shared.eviction.lineage`: a KV block's record names the block before it) that
+is neither earlier in the same put nor held by any tier, and every record below it in that put, is
+written to memory only, counted ``refused`` on each slower tier. A lookup stops at the first block it
+misses, so such a record cannot be found while its parent is missing: writing it down would cost a
+disk write and evict a record that can be found. The memory tier keeps it (its `prefix` policy evicts
+it first) in case the parent is put again soon.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.eviction.sketch import FrequencySketch
 from vllm_tiercache.shared.store.admission_config import AdmissionConfig
 from vllm_tiercache.shared.store.api import Record, StoreKey, Tier
@@ -183,3 +192,42 @@ class AdmissionGate:
         if self.active:
             with self._lock:
                 self._refused.pop(digest, None)
+
+
+def drop_orphans(items: Sequence[Any], reused_shares: Sequence[float | None] | None,
+                 held: Callable[[list[StoreKey]], list[bool]], slower: Sequence[Tier]
+                 ) -> tuple[list[Any], list[float | None] | None]:
+    """The items of a put worth writing down, and their ``reused_shares``: without the records whose parent
+    is neither an earlier item nor ``held`` (a batched lookup of the parents' digests), nor those below
+    them in this put (module docstring); the ones left out are counted ``refused`` on every slower tier.
+
+    One lookup per put, of the parents outside it (a connector's put is a chain: one parent, the block
+    before the chunks it saves), so the cost per record is a set lookup.
+    """
+    seen: set[bytes] = set()
+    outside: dict[bytes, None] = {}  # parents named before they are put (in order, once)
+    for key, _, meta in items:
+        parent = parent_of(meta)
+        if parent is not None and parent not in seen and parent != key.digest:
+            outside[parent] = None
+        seen.add(key.digest)
+    dead_parents: set[bytes] = set()
+    if outside:
+        asked = list(outside)
+        dead_parents = {p for p, found in zip(asked, held([StoreKey("", p) for p in asked]), strict=True)
+                        if not found}
+    in_put: dict[bytes, bool] = {}  # digest -> dead (an orphan, or below one)
+    kept: list[Any] = []
+    shares: list[float | None] = []
+    for j, item in enumerate(items):
+        parent = parent_of(item[2])
+        dead = parent is not None and parent != item[0].digest and (
+            in_put[parent] if parent in in_put else parent in dead_parents)
+        in_put[item[0].digest] = dead
+        if not dead:
+            kept.append(item)
+            shares.append(reused_shares[j] if reused_shares is not None else None)
+    if len(kept) < len(items):
+        for tier in slower:
+            tier.counters.add(refused=len(items) - len(kept))
+    return kept, (shares if reused_shares is not None else None)

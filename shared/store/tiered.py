@@ -50,7 +50,7 @@ import torch
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.admission import AdmissionGate
+from vllm_tiercache.shared.store.admission import AdmissionGate, drop_orphans
 from vllm_tiercache.shared.store.api import (
     InProcessTier,
     PayloadAllocator,
@@ -351,13 +351,22 @@ class TieredStore:
         if len(self.tiers) == 1:
             self._put_sync(self.tiers[0], mine)
             return
-        groups = self._admission.on_put(mine, exempt=always_admit or urgent, reused_shares=reused_shares)
+        down = mine
+        if not (always_admit or urgent):  # dead on arrival: memory only (`admission.drop_orphans`)
+            down, reused_shares = drop_orphans(mine, reused_shares, self._held_near, self.tiers[1:])
+        groups = (self._admission.on_put(down, exempt=always_admit or urgent, reused_shares=reused_shares)
+                  if down else [])
         for _, admitted in groups:  # before the fastest tier, which may evict one of them right away
             self._write_behind.hold(admitted)
         self._put_sync(self.tiers[0], mine)
         for tiers, admitted in groups:
             if not self._writer.submit(tiers, admitted, on_done=self._write_behind.release, urgent=urgent):
                 self._write_behind.release(admitted)
+
+    def _held_near(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Which keys a near tier or the write-behind buffer holds; all of them when the store has a far
+        tier (a parent held only there is not asked for: a network round trip on every put)."""
+        return [True] * len(keys) if self.far_tiers else self.contains_many(keys, reach="near", bounded=False)
 
     def _put_sync(self, tier: Tier, items: list[Item]) -> None:
         start = time.perf_counter()

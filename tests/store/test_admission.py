@@ -8,12 +8,16 @@ refused per tier; a restart finds on disk exactly what was admitted.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
+from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
+from vllm_tiercache.shared.store.tags import TAGS_KEY
 
 
 def _k(i: int | str) -> StoreKey:
@@ -183,3 +187,65 @@ def test_reuse_admits_nothing_when_off(tmp_path):
     with build_store(_config(tmp_path, disk={"policy": "seen", "min_seen": 2, "reused_prompt_share": None})) as store:
         store.put_many([(_k(1), _t(1), None)], reused_shares=[1.0])
         assert _held(store, _k(1)) == [True, False]
+
+
+# ------------------------------------------------------------------ dead on arrival: a parent held nowhere
+def _child(i: int | str, parent: int | str, seed: int = 0) -> tuple[StoreKey, torch.Tensor, dict]:
+    return _k(i), _t(seed), {PARENT_KEY: _k(parent).digest}
+
+
+def _write_through(tmp_path) -> StoreConfig:
+    return _config(tmp_path, disk={"policy": "always"})
+
+
+def test_a_chain_whose_parent_is_held_nowhere_stays_in_memory(tmp_path):
+    """A put naming a parent no tier holds: that record and the ones below it in the put are written to
+    memory only (a lookup stops at the missing parent), counted refused on the disk; a chain put whole,
+    or continuing a parent some tier holds, is written down as before."""
+    with build_store(_write_through(tmp_path)) as store:
+        store.put_many([(_k("root"), _t(1), None), _child("a", "root", 2), _child("b", "a", 3)])
+        assert [_held(store, _k(n)) for n in ("root", "a", "b")] == [[True, True]] * 3
+        store.put_many([_child("c", "b", 4)])  # its parent is held: written down
+        assert _held(store, _k("c")) == [True, True]
+        store.put_many([_child("x", "never-put", 5), _child("y", "x", 6), (_k("z"), _t(7), None)])
+        assert [_held(store, _k(n)) for n in ("x", "y", "z")] == [[True, False], [True, False], [True, True]]
+        assert _counter(store, "disk", "refused") == 2 and _counter(store, "disk", "puts") == 5
+
+
+def test_a_parent_held_by_one_tier_is_enough_by_none_is_not(tmp_path):
+    """A parent the disk lost but memory holds, or memory lost but the disk holds, still lets its child
+    down (the store looks a prefix up block by block in every tier); one both lost does not."""
+    with build_store(_write_through(tmp_path)) as store:
+        store.put_many([(_k("p"), _t(0), None)] + [(_k(n), _t(i), {TAGS_KEY: [f"tag-{n}"]})
+                                                   for i, n in enumerate(("q", "r"), 1)])
+        assert store.flush(10)
+        memory, disk = store.tiers
+        named = lambda name: lambda r: r.text == _k(name).text  # noqa: E731
+        assert disk.delete_stored(named("p"))[0] == 1 and disk.delete_stored(named("r"))[0] == 1
+        assert memory.drop_tagged({"tag-q": time.time() + 1, "tag-r": time.time() + 1}) == 2
+        assert [_held(store, _k(n)) for n in ("p", "q", "r")] == [[True, False], [False, True], [False, False]]
+        store.put_many([_child("p-child", "p", 3)])
+        store.put_many([_child("q-child", "q", 4)])
+        store.put_many([_child("r-child", "r", 5)])
+        assert [_held(store, _k(n)) for n in ("p-child", "q-child", "r-child")] == [
+            [True, True], [True, True], [True, False]]
+        assert _counter(store, "disk", "refused") == 1
+
+
+@pytest.mark.parametrize("how", [{"always_admit": True}, {"urgent": True}])
+def test_exempt_puts_write_down_orphans_too(tmp_path, how):
+    """Precomputed corpora and hand-offs another engine waits for are written as they are asked."""
+    with build_store(_write_through(tmp_path)) as store:
+        store.put_many([_child("x", "never-put", 5)], **how)
+        assert _held(store, _k("x")) == [True, True]
+
+
+def test_the_records_left_after_the_dead_keep_their_reused_shares(tmp_path):
+    """The dead records leave the put before the tier's own rule: the others keep their own reused share
+    (a record reusing its prompt is admitted at once, one that did not waits for min_seen)."""
+    with build_store(_config(tmp_path)) as store:  # disk: seen, min_seen 2, reused_prompt_share 0.5
+        store.put_many([_child("x", "never-put", 1), _child("y", "x", 2), (_k("fresh"), _t(3), None),
+                        (_k("reused"), _t(4), None)], reused_shares=[0.9, 0.9, 0.0, 0.9])
+        assert [_held(store, _k(n)) for n in ("x", "y", "fresh", "reused")] == [
+            [True, False], [True, False], [True, False], [True, True]]
+        assert _counter(store, "disk", "refused") == 2 and _counter(store, "disk", "writes_refused") == 1

@@ -7,6 +7,10 @@ Beside them: a plain LRU (no store code, the reference the tier's lru must match
 (`optimum`: Belady with bypass). Each policy's cell shows, in brackets, the share of the gap from LRU to
 the optimum it closes. A second table is each policy's cost per put against LRU's (`cost`).
 
+``--disk-share S`` also replays each policy through a real store of memory + disk (`tiers`): at each
+capacity, the share S of it on disk and the rest in memory; a second table prints the hits each tier
+served against the same plain LRU and optimum at the combined capacity.
+
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
 ``--reuse`` prints, instead of the sweep, which features of a block an online policy could see separate
@@ -28,8 +32,9 @@ from vllm_tiercache.tools.bench.trace.cost import cost_rows
 from vllm_tiercache.tools.bench.trace.generate import generate_trace
 from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, write_trace
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
-from vllm_tiercache.tools.bench.trace.replay import plain_lru_hits, replay_memory_tier, store_traffic
+from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, replay_memory_tier, store_traffic
 from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
+from vllm_tiercache.tools.bench.trace.tiers import TierSplit, replay_memory_disk
 from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -56,6 +61,17 @@ def capacity_list(text: str) -> list[int]:
     return [parse_tokens(p) for p in parts]
 
 
+def _share(text: str) -> float:
+    """``--disk-share``: a fraction strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"invalid share {text!r}: a fraction between 0 and 1, such as 0.75")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="a Mooncake-format trace (JSON lines with hash_ids)")
     parser.add_argument("--capacities", type=capacity_list, default=capacity_list("1M,3M,10M"),
@@ -67,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int_at_least(1), default=None, help="replay only the first N requests")
     parser.add_argument("--policies", nargs="+", choices=memory_tier_policies(), default=list(memory_tier_policies()),
                         help="memory tier policies to replay (default: all)")
+    parser.add_argument("--disk-share", type=_share, default=None, metavar="S",
+                        help="also replay a store of memory + disk, the share S (0 < S < 1) of each capacity on "
+                             "disk, the rest in memory (e.g. 0.75; default: memory alone)")
     parser.add_argument("--generate", type=int_at_least(1), metavar="N", default=None,
                         help="first write a generated trace of N requests to TRACE")
     parser.add_argument("--seed", type=int, default=0, help="the generated trace's seed (default 0)")
@@ -92,7 +111,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     traffic = store_traffic(requests, args.gpu_blocks)
     asked = sum(len(t.blocks) for t in traffic)
     rows = []
-    with _progress(len(traffic) * len(args.capacities) * len(args.policies)) as bar:
+    passes = len(args.capacities) * len(args.policies) * (2 if args.disk_share is not None else 1)
+    with _progress(len(traffic) * passes) as bar:
         for tokens in args.capacities:
             blocks = tokens // BLOCK_TOKENS
             row: dict[str, Any] = {"capacity_tokens": tokens, "capacity_blocks": blocks,
@@ -102,11 +122,44 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 result = replay_memory_tier(traffic, policy, blocks * args.record_bytes, args.record_bytes, bar.update)
                 row["policies"][policy] = result.ratio
                 row["seconds"][policy] = round(result.seconds, 2)
+            if args.disk_share is not None:
+                row["memory_disk"] = _memory_disk(traffic, args, blocks, bar.update)
             row["optimum"] = belady_hits([t.blocks for t in traffic], blocks) / max(1, asked)
             rows.append(row)
     return {"trace": str(args.trace), "requests": len(requests), "blocks_asked": asked,
             "distinct_blocks": len({b for t in traffic for b in t.blocks}), "gpu_blocks": args.gpu_blocks,
             "record_bytes": args.record_bytes, "rows": rows}
+
+
+def _memory_disk(traffic: list[Asked], args: argparse.Namespace, blocks: int, progress: Any) -> dict[str, Any]:
+    """Each policy in memory, the disk tier behind it: the split and, per policy, each tier's share of hits."""
+    split = TierSplit.of(blocks, args.disk_share)
+    out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks, "policies": {}}
+    for policy in args.policies:
+        result = replay_memory_disk(traffic, policy, split, args.record_bytes, progress)
+        out["policies"][policy] = {"memory": result.ratio(result.memory), "disk": result.ratio(result.disk),
+                                   "total": result.ratio(result.found), "seconds": round(result.seconds, 2)}
+    return out
+
+
+def format_memory_disk(result: dict[str, Any], policies: list[str], disk_share: float) -> str:
+    """The memory + disk table: per capacity and memory policy, memory hits + disk hits = total."""
+    header = ["capacity", "memory/disk blocks", "LRU (plain)",
+              *(f"{policy_entry(p).label} ({p}): mem + disk = total" for p in policies), "optimum"]
+    lines = []
+    for row in result["rows"]:
+        pair = row["memory_disk"]
+        cells = [format_tokens(row["capacity_tokens"]), f"{pair['memory_blocks']}/{pair['disk_blocks']}",
+                 f"{row['lru_reference']:.3f}"]
+        for p in policies:
+            r = pair["policies"][p]
+            cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} = {r['total']:.3f}")
+        lines.append([*cells, f"{row['optimum']:.3f}"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
+    text.append(f"(memory {1 - disk_share:g} and disk {disk_share:g} of each capacity; the disk tier evicts by its "
+                "own rules whatever the memory policy; LRU (plain) and optimum at the combined capacity)")
+    return "\n".join(text)
 
 
 def gap_closed(value: float, lru: float, optimum: float) -> float:
@@ -177,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         _plot(result, args.policies, args.plot)
     beaten = [(row["capacity_tokens"], p) for row in result["rows"] for p, v in row["policies"].items()
               if v > row["optimum"] + 1e-9]
+    beaten += [(row["capacity_tokens"], f"{p} + disk") for row in result["rows"]
+               for p, v in row.get("memory_disk", {}).get("policies", {}).items() if v["total"] > row["optimum"] + 1e-9]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -184,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
               f"store ({result['distinct_blocks']} distinct), vLLM prefix cache {args.gpu_blocks} blocks, "
               f"{args.record_bytes} B per block ==")
         print(format_table(result, args.policies))
+        if args.disk_share is not None:
+            print(f"\n== memory + disk: a real store, memory {1 - args.disk_share:g} / disk {args.disk_share:g} "
+                  "of each capacity, hit ratio per tier ==")
+            print(format_memory_disk(result, args.policies, args.disk_share))
         if result["costs"]:
             print("\n== policy cost per put (insert naming its parent, evict one when full) ==")
             for row in result["costs"]:

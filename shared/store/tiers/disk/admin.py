@@ -60,39 +60,57 @@ class DiskAdmin:
         the index's write transaction (the same cross-process lock writers and eviction take), so a
         writer never sees its fresh record accounted twice or unaccounted. A reader that already opened a
         file keeps reading it (POSIX unlink), a later reader gets a miss. Entries whose key text is
-        unknown (an index rebuilt from record headers stores none) get ``""`` as key text.
+        unknown (an index rebuilt from record headers stores none) get ``""`` as key text. A match's
+        descendants (records whose parent chain leads to it) go with it and are counted.
         """
         return self._delete_matching(lambda txn, digest, entry: predicate(entry.text, entry.size, entry.atime_ns / 1e9),
                                      dry_run=dry_run, batch=batch)
 
     def _delete_matching(self, match: Callable[[lmdb.Transaction, bytes, IndexEntry], bool], *,
                          dry_run: bool, batch: int = 1000) -> tuple[int, int]:
-        """`delete_where` over ``match(txn, digest, entry)``; a real run also drops orphan tags entries."""
+        """`delete_where` over ``match(txn, digest, entry)``, each match with its descendants (counted in
+        the result, dry run too); a real run also drops orphan tags entries and parent links.
+
+        Why descendants go too: a record is found only by a prefix lookup that found its parent first,
+        so a child left behind would be dead weight that only LRU would clear, and the bytes reported
+        freed would understate what the deletion makes unreachable (eviction does the same: `capacity`).
+        """
         matches: list[bytes] = []
         matched_bytes = 0
         with self.index.env.begin() as txn:
             for digest, entry in self.index.scan(txn):
                 if match(txn, digest, entry):
                     matches.append(digest)
-                    matched_bytes += entry.size
-        if dry_run:  # no write transaction: a dry run never blocks writers
-            return len(matches), matched_bytes
+            if dry_run:  # no write transaction: a dry run never blocks writers
+                counted: set[bytes] = set()
+                for digest in matches:
+                    for gone in (digest, *self.index.descendants(txn, digest, keep=counted.__contains__)):
+                        if gone not in counted:
+                            counted.add(gone)
+                            entry = self.index.get(txn, gone)
+                            matched_bytes += entry.size if entry is not None else 0
+                return len(counted), matched_bytes
         removed = removed_bytes = 0
         for lo in range(0, len(matches), batch):
             with self.index.env.begin(write=True) as txn:
                 for digest in matches[lo:lo + batch]:
                     entry = self.index.get(txn, digest)
                     if entry is None:
-                        continue  # evicted or removed by another process meanwhile
+                        continue  # evicted or removed by another process meanwhile (or taken as a descendant)
                     if not match(txn, digest, entry):
                         continue  # rewritten or read since the scan (e.g. atime refreshed)
-                    removed += 1
-                    removed_bytes += entry.size
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.paths.path(digest))
-                    self.index.delete(txn, digest)
+                    for gone in (digest, *self.index.descendants(txn, digest)):
+                        gone_entry = self.index.get(txn, gone)
+                        if gone_entry is None:
+                            continue
+                        removed += 1
+                        removed_bytes += gone_entry.size
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.paths.path(gone))
+                        self.index.delete(txn, gone)
         with self.index.env.begin(write=True) as txn:
             self.index.drop_orphan_tags(txn)
+            self.index.drop_orphan_links(txn)
         return removed, removed_bytes
 
     def iter_stored(self) -> Iterator[StoredRecord]:

@@ -14,6 +14,7 @@ import time
 
 import lmdb
 
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
@@ -103,7 +104,7 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
     Why: the index commits without an fsync, so an OS crash can leave it unreadable; the record files
     (fsynced) are the truth it is rebuilt from. A file whose header is damaged is deleted; another build's
     record is kept and indexed by its file name, so that LRU ages it out. Rebuilt entries have no key text;
-    their tags come back from the headers.
+    their tags and parent links (`DiskIndex.descendants`) come back from the headers.
     """
     now = time.time_ns()
     count = 0
@@ -114,9 +115,9 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
                     head = f.read(records.MAX_HEADER + records.FIXED_SIZE)
                     size = os.fstat(f.fileno()).st_size
                 header = records.decode_header(head)
-                key, tags = header.key, tags_of(header.meta)
+                key, tags, parent = header.key, tags_of(header.meta), parent_of(header.meta)
             except records.OtherFormatError:  # another build's record: kept, and indexed by its
-                key, tags = key_named_by(path), ()  # file name so that LRU ages it out
+                key, tags, parent = key_named_by(path), (), None  # file name so that LRU ages it out
                 if key is None:
                     continue
             except (OSError, records.RecordError):
@@ -125,6 +126,6 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
                 continue
             if path.stem != key.hex():
                 continue
-            index.put(txn, key, size, "", now, tags)
+            index.put(txn, key, size, "", now, tags, parent)
             count += 1
     return count

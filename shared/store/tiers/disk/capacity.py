@@ -1,4 +1,5 @@
-"""The disk tier's byte budget: least recently used records are unlinked until the directory fits.
+"""The disk tier's byte budget: least recently used records, with their descendants, are unlinked until
+the directory fits.
 
 Why a module of its own: eviction is the one place where records disappear without being asked to; it
 runs inside the caller's index write transaction (the cross-process lock under which files are renamed
@@ -21,36 +22,71 @@ from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths
 
 def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, paths: RecordPaths,
                         pin_budget: int = 0) -> int:
-    """Unlink least recently used records until the total fits ``capacity``; returns how many.
+    """Unlink least recently used records, each with its descendants, until the total fits ``capacity``;
+    returns how many records went (descendants included).
 
     ``txn`` must be a write transaction of ``index`` (its entries go with the files). Records of the tags
     pinned now (the index's control entries, read in this very transaction, so every process sharing the
     directory agrees), up to ``pin_budget`` bytes, are skipped while unpinned records remain; a skipped
     record is moved to the recent end of the LRU order, so that the next eviction does not walk past
     the pinned corpus again (a pinned record is in use by definition).
+
+    Why descendants go too: a record is found only by a prefix lookup that found its parent first (the
+    connector stops at the first miss), so a child kept after its parent is dead weight, and the parent,
+    read before its children by every lookup, is the least recently used of its chain. Taking the
+    subtree (`DiskIndex.descendants`: O(log n) per record taken) frees that room now instead of after the
+    children age out. A pinned descendant within the budget stays, with what is below it (the pin rule
+    above: the operator's word outranks reachability).
     """
     total = index.total(txn)
     if total <= capacity:
         return 0
     pinned = pinned_tags(index, txn) if pin_budget > 0 else frozenset()
-    victims: list[bytes] = []
+    victims: dict[bytes, None] = {}  # in eviction order; a dict so that a descendant met later is skipped
     skipped: list[tuple[bytes, int]] = []
+    kept: set[bytes] = set()  # pinned records spared, each counted once against the budget
     protected = 0
+
+    def spared(digest: bytes, size: int) -> bool:
+        """Whether the pin rule keeps ``digest`` (counted against the budget the first time)."""
+        nonlocal protected
+        if digest in kept:
+            return True
+        if pinned and protected + size <= pin_budget and not pinned.isdisjoint(index.get_tags(txn, digest)):
+            protected += size
+            kept.add(digest)
+            skipped.append((digest, size))
+            return True
+        return False
+
+    def size_of(digest: bytes) -> int:
+        entry = index.get(txn, digest)
+        return entry.size if entry is not None else 0
+
+    def take(digest: bytes, size: int) -> None:
+        """``digest`` goes, and every descendant the pin rule does not keep."""
+        nonlocal total
+        victims[digest] = None
+        total -= size
+        for below in index.descendants(txn, digest, keep=lambda d: d in victims or spared(d, size_of(d))):
+            victims[below] = None
+            total -= size_of(below)
+
     for digest in index.oldest(txn):
         if total <= capacity:
             break
-        entry = index.get(txn, digest)
-        size = entry.size if entry is not None else 0
-        if pinned and protected + size <= pin_budget and not pinned.isdisjoint(index.get_tags(txn, digest)):
-            protected += size
-            skipped.append((digest, size))
+        if digest in victims or digest in kept:
             continue
-        victims.append(digest)
-        total -= size
+        size = size_of(digest)
+        if spared(digest, size):
+            continue
+        take(digest, size)
     for digest, size in skipped:
+        if digest in victims:
+            continue
         if total > capacity:  # nothing unpinned was left: pinned records go too, oldest first
-            victims.append(digest)
-            total -= size
+            kept.discard(digest)
+            take(digest, size)
         else:
             index.touch(txn, digest, time.time_ns())
     for digest in victims:

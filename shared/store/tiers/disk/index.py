@@ -17,7 +17,19 @@ Databases of the environment:
   evicts leaves its tags entry behind, an orphan that readers skip (no ``entries`` entry) and
   `DiskIndex.drop_orphan_tags` removes;
 - ``control``: the store's shared control entries (`vllm_tiercache.shared.store.control`: invalidations
-  by tag, pins), name -> value.
+  by tag, pins), name -> value;
+- ``parents``: digest -> the parent digest its record's meta names (`vllm_tiercache.shared.eviction.lineage`:
+  a KV block's record names the record of the block before it), only for records that name one;
+- ``children``: parent digest -> child digest, one duplicate per child (``dupsort``): the inverse of
+  ``parents``, so that eviction finds a victim's descendants in O(log n) each (`capacity`). A record's
+  parent follows from its key (the key names a block with every block before it), so a link never
+  changes; it is written with the entry and removed with it (`delete`), in the same transaction.
+
+Versions: the two lineage dbs came after the others. An index from a build without them opens as it is
+(LMDB creates the missing dbs); its records are roots (no parent known) until rewritten, said once in a
+log line when the marker ``lineage_version`` is first written to ``meta``. An older build still sharing the
+directory deletes entries without their links: readers check a link against ``parents`` and ``entries``
+(`descendants`) and `drop_orphan_links` removes what it left.
 
 Every method takes the caller's transaction: the tier's write transaction is also the cross-process lock
 under which record files are renamed into place and unlinked, so the two must share one transaction.
@@ -32,7 +44,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import lmdb
@@ -45,6 +57,8 @@ _ENTRY = struct.Struct("<QQ")  # size, atime_ns ; followed by the key text (utf-
 _ATIME = struct.Struct(">Q")  # big endian, so LMDB's byte order is time order
 _TOTAL = b"total_bytes"
 _U64 = struct.Struct("<Q")
+_LINEAGE = b"lineage_version"  # in ``meta``: the lineage dbs are kept (absent: an index of an older build)
+LINEAGE_VERSION = 1
 
 _ENV_LOCK = threading.Lock()
 _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount]; LMDB forbids opening one env twice
@@ -110,11 +124,25 @@ class DiskIndex:
                 self.meta = self.env.open_db(b"meta", txn=txn)
                 self.tags = self.env.open_db(b"tags", txn=txn)
                 self.control = self.env.open_db(b"control", txn=txn)
+                self.parents = self.env.open_db(b"parents", txn=txn)
+                self.children = self.env.open_db(b"children", txn=txn, dupsort=True)
+                self._mark_lineage(txn)
             with self.env.begin() as txn:
                 self.total(txn)
         except lmdb.Error:
             _release_env(index_dir)
             raise
+
+    def _mark_lineage(self, txn: lmdb.Transaction) -> None:
+        """Write the lineage marker into ``meta`` once; say so when records were indexed without links."""
+        if txn.get(_LINEAGE, db=self.meta) is not None:
+            return
+        count = self.count(txn)
+        if count:
+            log.warning("tiercache disk tier: index %s was written by a build without parent links; its %d "
+                        "records are roots (evicted by recency alone, descendants not followed) until "
+                        "rewritten; records written from now on are linked to their parents", self.dir, count)
+        txn.put(_LINEAGE, _U64.pack(LINEAGE_VERSION), db=self.meta)
 
     @classmethod
     def open(cls, index_dir: str) -> tuple[DiskIndex, bool]:
@@ -163,6 +191,41 @@ class DiskIndex:
         for digest, raw in txn.cursor(db=self.tags):
             yield bytes(digest), decode_tags(raw)
 
+    def parent(self, txn: lmdb.Transaction, digest: bytes) -> bytes | None:
+        """The parent digest of a record (None: a root, or not indexed with a link)."""
+        raw = txn.get(digest, db=self.parents)
+        return None if raw is None else bytes(raw)
+
+    def descendants(self, txn: lmdb.Transaction, digest: bytes,
+                    keep: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """The indexed records below ``digest`` (children first, breadth first), each once.
+
+        Why: a record is found only by a prefix lookup that found its parent first, so once a record goes
+        its descendants are dead weight. A link is followed only while the child is indexed and names this
+        parent (an older build may have deleted a child without its link). ``keep(child)``: a child the
+        caller keeps (a pinned record): it is left out, and so is everything below it.
+        """
+        out: list[bytes] = []
+        seen = {digest}
+        frontier = [digest]
+        while frontier:
+            nxt: list[bytes] = []
+            for parent in frontier:
+                cursor = txn.cursor(db=self.children)
+                if not cursor.set_key(parent):
+                    continue
+                for raw in cursor.iternext_dup(keys=False, values=True):
+                    child = bytes(raw)
+                    if child in seen or txn.get(child, db=self.entries) is None or self.parent(txn, child) != parent:
+                        continue
+                    seen.add(child)
+                    if keep is not None and keep(child):
+                        continue
+                    out.append(child)
+                    nxt.append(child)
+            frontier = nxt
+        return out
+
     def oldest(self, txn: lmdb.Transaction) -> Iterator[bytes]:
         """Digests by last access, least recent first (the eviction order)."""
         for akey in txn.cursor(db=self.by_atime).iternext(keys=True, values=False):
@@ -170,8 +233,14 @@ class DiskIndex:
 
     # ----------------------------------------------------------------------------------------- writing
     def put(self, txn: lmdb.Transaction, digest: bytes, size: int, text: str, now_ns: int,
-            tags: tuple[str, ...] | list[str] = ()) -> None:
-        """Index a record (replacing its old entry and tags), accessed at ``now_ns``; keeps the total in step."""
+            tags: tuple[str, ...] | list[str] = (), parent: bytes | None = None) -> None:
+        """Index a record (replacing its old entry and tags), accessed at ``now_ns``; keeps the total in step.
+
+        ``parent``: the digest its meta names (`lineage.parent_of`); None keeps the link it has, if any (an
+        entry adopted or rebuilt without its meta: a key's parent never changes).
+        """
+        if parent is not None and parent != digest:
+            self._link(txn, digest, parent)
         if tags:
             txn.put(digest, encode_tags(tags), db=self.tags)
         else:
@@ -205,12 +274,39 @@ class DiskIndex:
         txn.delete(digest, db=self.tags)
         txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, self.total(txn) - old.size)), db=self.meta)
+        self._unlink(txn, digest)
+
+    def _link(self, txn: lmdb.Transaction, digest: bytes, parent: bytes) -> None:
+        """Record ``parent`` as the parent of ``digest`` (both directions; a different old link is replaced)."""
+        old = self.parent(txn, digest)
+        if old == parent:
+            return
+        if old is not None:
+            txn.delete(old, digest, db=self.children)
+        txn.put(digest, parent, db=self.parents)
+        txn.put(parent, digest, db=self.children)
+
+    def _unlink(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        """Forget the link of ``digest`` to its parent. Its own children keep theirs: they name it, and
+        whoever removes it decides about them (eviction and admin deletes take them along: `descendants`)."""
+        old = self.parent(txn, digest)
+        if old is not None:
+            txn.delete(old, digest, db=self.children)
+            txn.delete(digest, db=self.parents)
 
     def drop_orphan_tags(self, txn: lmdb.Transaction) -> int:
         """Remove tags entries whose record is no longer indexed (an older build evicted it); returns how many."""
         orphans = [digest for digest, _ in self.scan_tags(txn) if txn.get(digest, db=self.entries) is None]
         for digest in orphans:
             txn.delete(digest, db=self.tags)
+        return len(orphans)
+
+    def drop_orphan_links(self, txn: lmdb.Transaction) -> int:
+        """Remove parent links of records no longer indexed (an older build deleted them); returns how many."""
+        orphans = [bytes(d) for d in txn.cursor(db=self.parents).iternext(keys=True, values=False)
+                   if txn.get(d, db=self.entries) is None]
+        for digest in orphans:
+            self._unlink(txn, digest)
         return len(orphans)
 
     # ----------------------------------------------------------------------------------------- control

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import lmdb
 import torch
 
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
@@ -40,6 +41,7 @@ class WrittenFile(NamedTuple):
     size: int
     text: str
     tags: tuple[str, ...] = ()
+    parent: bytes | None = None  # the parent digest its meta names (`lineage`): indexed with it
 
 
 class RecordWriter:
@@ -68,7 +70,7 @@ class RecordWriter:
                 continue
             w = self.write_temp(key, enc)
             if w is not None:
-                written.append(w._replace(tags=tags_of(meta)))
+                written.append(w._replace(tags=tags_of(meta), parent=parent_of(meta)))
         if refused:
             self.counters.add(refused=refused)
         if written:
@@ -116,7 +118,7 @@ class RecordWriter:
                 now = time.time_ns()
                 for w in written:
                     os.replace(w.tmp, w.final)
-                    self.index.put(txn, w.digest, w.size, w.text, now, w.tags)
+                    self.index.put(txn, w.digest, w.size, w.text, now, w.tags, w.parent)
                     puts += 1
                     nbytes += w.size
                 evicted = evict_over_capacity(self.index, txn, self.capacity, self.paths, self.pin_budget)

@@ -1,0 +1,127 @@
+"""Replaying a trace's store traffic through a real store of a memory tier and a disk tier (`build_store`).
+
+Why beside `replay`: the memory tier alone answers "which blocks to keep in memory"; an operator sizes
+the pair, and the disk tier decides by its own rules (an LRU over its cross-process LMDB index, a record
+evicted with its descendants: `vllm_tiercache.shared.store.tiers.disk.capacity`). Same traffic rules as
+`replay` (`contains_many` of the store, `get_many` of the leading run found, `put_many` of the rest, each
+block a record naming its parent), through the store's real read path: a disk hit is promoted into memory.
+
+Two settings differ from a serving store, so that the replay is deterministic and says what the
+policies do rather than how the threads race: the slower tier's writes are waited for after every
+request (`TieredStore.flush`: the write queue never drops), and a disk read refreshes its record's access
+time at every read instead of at most once a minute (`bookkeeping.ATIME_REFRESH_NS`: a replay runs in
+seconds what the trace spread over 17 minutes, so the minute would turn the disk's LRU into FIFO).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vllm_tiercache.tools.bench.trace.replay import Asked
+
+
+@dataclass
+class TierSplit:
+    """A combined capacity split between the two tiers, in blocks."""
+
+    memory_blocks: int
+    disk_blocks: int
+
+    @classmethod
+    def of(cls, blocks: int, disk_share: float) -> TierSplit:
+        """``disk_share`` of ``blocks`` on disk (at least one block each), the rest in memory."""
+        disk = min(blocks - 1, max(1, round(blocks * disk_share)))
+        return cls(max(1, blocks - disk), max(1, disk))
+
+
+@dataclass
+class TiersResult:
+    """Blocks found (the leading runs), of the blocks asked, and how many of them each tier served (the
+    tiers' own hit counters: ``memory + disk == found`` checks that the store was asked what we think)."""
+
+    found: int
+    memory: int
+    disk: int
+    asked: int
+    seconds: float
+
+    def ratio(self, found: int) -> float:
+        return found / self.asked if self.asked else 0.0
+
+
+def disk_record_bytes(record_bytes: int, largest_block: int) -> int:
+    """The file size of one block's record on disk (payload, header, the parent's digest, the key text of the
+    largest block id): the disk tier's capacity is in file bytes, the memory tier's in payload bytes."""
+    import torch
+
+    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
+    from vllm_tiercache.shared.store import records
+    from vllm_tiercache.shared.store.api import StoreKey
+
+    key = StoreKey(f"trace|{largest_block}")
+    return records.encode(key, torch.empty(record_bytes, dtype=torch.uint8), {PARENT_KEY: key.digest}).nbytes
+
+
+def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: TierSplit, record_bytes: int,
+                       progress: Callable[[int], None] | None = None) -> TiersResult:
+    """``traffic`` through a real store: memory (``memory_policy``) then disk, in a fresh temp directory."""
+    import torch
+
+    import vllm_tiercache.shared.store.tiers.disk.bookkeeping as bookkeeping
+    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
+    from vllm_tiercache.shared.store import build_store
+    from vllm_tiercache.shared.store.api import StoreKey
+
+    largest = max((b for t in traffic for b in t.blocks), default=0)
+    disk_bytes = split.disk_blocks * disk_record_bytes(record_bytes, largest)
+    record = torch.empty(record_bytes, dtype=torch.uint8)
+    keys: dict[int, StoreKey] = {}
+
+    def key(block: int) -> StoreKey:
+        k = keys.get(block)
+        if k is None:
+            k = keys[block] = StoreKey(f"trace|{block}")
+        return k
+
+    refresh = bookkeeping.ATIME_REFRESH_NS
+    bookkeeping.ATIME_REFRESH_NS = 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="tiercache-trace-") as directory:
+            store = build_store({"tiers": [
+                {"kind": "memory", "capacity": split.memory_blocks * record_bytes, "policy": memory_policy},
+                {"kind": "disk", "path": directory, "capacity": disk_bytes, "fsync": False}]})
+            memory_tier, disk_tier = store.tiers
+            try:
+                asked = found = 0
+                started = time.perf_counter()
+                for done, request in enumerate(traffic, 1):
+                    blocks = [key(b) for b in request.blocks]
+                    asked += len(blocks)
+                    present = store.contains_many(blocks)
+                    hit = present.index(False) if False in present else len(present)
+                    found += hit
+                    if hit:
+                        store.get_many(blocks[:hit])
+                    parent = blocks[hit - 1] if hit else (key(request.parent) if request.parent is not None
+                                                          else None)
+                    items = []
+                    for k in blocks[hit:]:
+                        items.append((k, record, {PARENT_KEY: parent.digest} if parent is not None else None))
+                        parent = k
+                    if items:
+                        store.put_many(items, owned=True)
+                    store.flush()
+                    if progress is not None and done % 256 == 0:
+                        progress(256)
+                if progress is not None:
+                    progress(len(traffic) % 256)
+                seconds = time.perf_counter() - started
+                return TiersResult(found, int(memory_tier.counters.get("hits")), int(disk_tier.counters.get("hits")),
+                                   asked, seconds)
+            finally:
+                store.close()
+    finally:
+        bookkeeping.ATIME_REFRESH_NS = refresh
