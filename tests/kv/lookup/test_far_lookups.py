@@ -9,10 +9,11 @@ table are the stand-ins of tests/kv/test_kv_scheduler.py; the worker's report is
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from vllm_tiercache.shared.residency import ResidencyReporter
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import Store
 from vllm_tiercache.tools.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 pytestmark = [pytest.mark.redis]
 
@@ -98,6 +102,38 @@ def probe_done(side: KVSchedulerSide, req_id: str) -> None:
     assert side.far._tickets[req_id].probe.done.wait(60.0)
 
 
+@contextlib.contextmanager
+def far_scene(tier: dict[str, Any], req_id: str, seed: int = 0, memory: str = "64MiB",
+              staging_bytes: int = 1 << 30) -> Iterator[tuple[Request, list[bytes], Store, KVSchedulerSide, Worker]]:
+    """A prompt whose two full chunks another engine stored in ``tier`` alone, and the scheduler side and a
+    worker over a store of a memory tier (``memory``) and that tier: (request, its full chunks, store, side,
+    worker)."""
+    request = make_request(req_id, tokens(PROMPT_TOKENS, seed=seed))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(tier, full)
+    with store_with(tier, memory=memory) as store:
+        side, worker = far_side(store), Worker(store, staging_bytes=staging_bytes)
+        try:
+            yield request, full, store, side, worker
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def far_calls(store: Store) -> list[int]:
+    """The number of keys of each call the store's far tier answers from now on (the real tier answers)."""
+    asked: list[int] = []
+    far = store.far_tiers[0]
+    real = far.contains_many
+
+    def counting(keys):  # type: ignore[no-untyped-def]
+        asked.append(len(keys))
+        return real(keys)
+
+    far.contains_many = counting  # type: ignore[method-assign]
+    return asked
+
+
 def empty_step(side: KVSchedulerSide) -> TieredKVMetadata:
     return side.build_connector_meta(step([], [], {}))  # type: ignore[arg-type]
 
@@ -119,35 +155,27 @@ def far_tier(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_memory(far_tier) -> None:
-    request = make_request("a", tokens(PROMPT_TOKENS))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(far_tier, full)
-    with store_with(far_tier) as store:
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.on_new_request(request)
-            # the answer is not known yet: vLLM schedules the others and asks again next step
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)
-            probe_done(side, "a")
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == full and meta.near_loads
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # still on its way
-            report = worker.play(meta, side)
-            assert report.prefetched == dict.fromkeys(full, 1) and not report.prefetch_failed
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-            assert side._requests["a"].load_chunks == [(4, True), (8, True)]  # both from host memory
-            side.update_state_after_alloc(request, 8 * BLOCK)
-            plan = side.build_connector_meta(step([("a", 8 * BLOCK)], [], {"a": 74}))  # type: ignore[arg-type]
-            assert plan.near_loads and [load.chunk_hash for load in plan.requests[0].loads] == full
-            assert not plan.prefetches  # fetched once
-            assert plan.release == full  # no other request waits for them: dropped after this step's loads
-            # what the forward reads is in host memory: staged for the load
-            keys = [NAMING.record_key(c, layer) for c in full for layer in range(IDENTITY.num_layers)]
-            assert all(record is not None for record in worker.staging.get_many(keys))
-            assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
-        finally:
-            worker.close()
-            side.shutdown()
+    with far_scene(far_tier, "a") as (request, full, _store, side, worker):
+        side.on_new_request(request)
+        # the answer is not known yet: vLLM schedules the others and asks again next step
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        probe_done(side, "a")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full and meta.near_loads
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # still on its way
+        report = worker.play(meta, side)
+        assert report.prefetched == dict.fromkeys(full, 1) and not report.prefetch_failed
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert side._requests["a"].load_chunks == [(4, True), (8, True)]  # both from host memory
+        side.update_state_after_alloc(request, 8 * BLOCK)
+        plan = side.build_connector_meta(step([("a", 8 * BLOCK)], [], {"a": 74}))  # type: ignore[arg-type]
+        assert plan.near_loads and [load.chunk_hash for load in plan.requests[0].loads] == full
+        assert not plan.prefetches  # fetched once
+        assert plan.release == full  # no other request waits for them: dropped after this step's loads
+        # what the forward reads is in host memory: staged for the load
+        keys = [NAMING.record_key(c, layer) for c in full for layer in range(IDENTITY.num_layers)]
+        assert all(record is not None for record in worker.staging.get_many(keys))
+        assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
 
 
 def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> None:
@@ -156,15 +184,7 @@ def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> 
     request = make_request("m", tokens(PROMPT_TOKENS, seed=1))
     with store_with(redis_tier) as store:
         side = far_side(store)
-        asked: list[int] = []
-        far = store.far_tiers[0]
-        real = far.contains_many
-
-        def counting(keys):  # type: ignore[no-untyped-def]
-            asked.append(len(keys))
-            return real(keys)
-
-        far.contains_many = counting  # type: ignore[method-assign]
+        asked = far_calls(store)
         try:
             side.on_new_request(request)
             probe_done(side, "m")
@@ -275,62 +295,41 @@ def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(re
 def test_a_prefetched_chunk_dropped_before_its_request_runs_is_recomputed_and_counted(redis_tier) -> None:
     """Staged chunks wait for their load; one dropped before it (its time passed: the scheduler hears it from
     the worker) is not claimed, and counted."""
-    request = make_request("e", tokens(PROMPT_TOKENS, seed=5))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier, memory="64KiB") as store:  # a chunk is 128 KiB: only the staging keeps it
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.on_new_request(request)
-            probe_done(side, "e")
-            worker.play(empty_step(side), side)
-            worker.staging._drop(full[1])  # as its time passing drops it
-            worker.report(side)
-            assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
-            assert side.take_counters() == {"prefetches_evicted": 1}
-            # asked again later (no free blocks yet): answered at once, from what host memory holds then
-            assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
-        finally:
-            worker.close()
-            side.shutdown()
+    # a chunk is 128 KiB: only the staging keeps it
+    with far_scene(redis_tier, "e", seed=5, memory="64KiB") as (request, full, _store, side, worker):
+        side.on_new_request(request)
+        probe_done(side, "e")
+        worker.play(empty_step(side), side)
+        worker.staging._drop(full[1])  # as its time passing drops it
+        worker.report(side)
+        assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+        assert side.take_counters() == {"prefetches_evicted": 1}
+        # asked again later (no free blocks yet): answered at once, from what host memory holds then
+        assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
 
 
 def test_a_memory_tier_smaller_than_the_prefix_still_serves_it_from_the_staging(redis_tier) -> None:
     """The memory tier cannot hold a chunk: the staging keeps the fetched records for their load."""
-    request = make_request("k", tokens(PROMPT_TOKENS, seed=9))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier, memory="64KiB") as store:
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.on_new_request(request)
-            probe_done(side, "k")
-            report = worker.play(empty_step(side), side)
-            assert not report.added and report.prefetched == dict.fromkeys(full, 1)
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-        finally:
-            worker.close()
-            side.shutdown()
+    with far_scene(redis_tier, "k", seed=9, memory="64KiB") as (request, full, _store, side, worker):
+        side.on_new_request(request)
+        probe_done(side, "k")
+        report = worker.play(empty_step(side), side)
+        assert not report.added and report.prefetched == dict.fromkeys(full, 1)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
 
 
 def test_a_staging_budget_too_tight_fails_the_prefetch_and_the_request_runs_as_a_miss(redis_tier) -> None:
     """Host memory too tight for the fetched chunks: the worker says so at once, and the request does not wait
     for its deadline."""
-    request = make_request("t", tokens(PROMPT_TOKENS, seed=6))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier, memory="64KiB") as store:
-        side, worker = far_side(store), Worker(store, staging_bytes=RECORD.numel())  # half a chunk
-        try:
-            side.on_new_request(request)
-            probe_done(side, "t")
-            report = worker.play(empty_step(side), side)
-            assert report.prefetch_failed == set(full) and not report.prefetched
-            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
-            assert worker.counters.prefetch_failures == 2
-        finally:
-            worker.close()
-            side.shutdown()
+    half_a_chunk = RECORD.numel()
+    with far_scene(redis_tier, "t", seed=6, memory="64KiB", staging_bytes=half_a_chunk) as (request, full, _store,
+                                                                                            side, worker):
+        side.on_new_request(request)
+        probe_done(side, "t")
+        report = worker.play(empty_step(side), side)
+        assert report.prefetch_failed == set(full) and not report.prefetched
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert worker.counters.prefetch_failures == 2
 
 
 @pytest.fixture
@@ -406,88 +405,64 @@ def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_
 def test_a_chunk_of_the_workers_memory_is_staged_before_it_is_claimed(redis_tier) -> None:
     """The memory tier may evict a chunk between the answer and the load, and its residency report comes a
     step late: a resident chunk is staged too (a memory read for the worker), and claimed once staged."""
-    request = make_request("m2", tokens(PROMPT_TOKENS, seed=11))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.update_connector_output(TieredKVWorkerMetadata(added=set(full)))  # the workers' memory holds them
-            side.on_new_request(request)
-            probe_done(side, "m2")
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == full
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # not claimed before staged
-            worker.play(meta, side)
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-        finally:
-            worker.close()
-            side.shutdown()
+    with far_scene(redis_tier, "m2", seed=11) as (request, full, _store, side, worker):
+        side.update_connector_output(TieredKVWorkerMetadata(added=set(full)))  # the workers' memory holds them
+        side.on_new_request(request)
+        probe_done(side, "m2")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # not claimed before staged
+        worker.play(meta, side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
 
 
 def test_a_request_preempted_after_its_load_is_probed_and_fetched_anew(redis_tier) -> None:
     """Its loaded chunks were released from host memory after their load, and vLLM freed its KV: asked again,
     it is probed and fetched anew (not recomputed), and vLLM's prefix cache holding the whole prompt spares it
     the wait."""
-    request = make_request("pre", tokens(PROMPT_TOKENS, seed=12))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.on_new_request(request)
-            probe_done(side, "pre")
-            worker.play(empty_step(side), side)
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-            side.update_state_after_alloc(request, 8 * BLOCK)
-            plan = side.build_connector_meta(step([("pre", 8 * BLOCK)], [], {"pre": 74}))  # type: ignore[arg-type]
-            assert plan.release == full and not side.far.staged  # type: ignore[union-attr]
-            worker.staging.release(plan.release)
-            request.num_preemptions += 1  # as vLLM's _preempt_request does, with its blocks freed
-            request.num_computed_tokens = 0
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # a new probe, off the thread
-            probe_done(side, "pre")
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == full  # fetched again
-            worker.play(meta, side)
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-            assert side._requests["pre"].load_chunks == [(4, True), (8, True)]
-            # preempted once more while vLLM's prefix cache still holds the prompt: answered at once
-            side.bind_kv_cache_manager(HoldingTable(PROMPT_TOKENS))  # type: ignore[arg-type]
-            request.num_preemptions += 1
-            assert side.get_num_new_matched_tokens(request, 10 * BLOCK) == (0, False)
-        finally:
-            worker.close()
-            side.shutdown()
+    with far_scene(redis_tier, "pre", seed=12) as (request, full, _store, side, worker):
+        side.on_new_request(request)
+        probe_done(side, "pre")
+        worker.play(empty_step(side), side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        side.update_state_after_alloc(request, 8 * BLOCK)
+        plan = side.build_connector_meta(step([("pre", 8 * BLOCK)], [], {"pre": 74}))  # type: ignore[arg-type]
+        assert plan.release == full and not side.far.staged  # type: ignore[union-attr]
+        worker.staging.release(plan.release)
+        request.num_preemptions += 1  # as vLLM's _preempt_request does, with its blocks freed
+        request.num_computed_tokens = 0
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # a new probe, off the thread
+        probe_done(side, "pre")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full  # fetched again
+        worker.play(meta, side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert side._requests["pre"].load_chunks == [(4, True), (8, True)]
+        # preempted once more while vLLM's prefix cache still holds the prompt: answered at once
+        side.bind_kv_cache_manager(HoldingTable(PROMPT_TOKENS))  # type: ignore[arg-type]
+        request.num_preemptions += 1
+        assert side.get_num_new_matched_tokens(request, 10 * BLOCK) == (0, False)
 
 
 def test_a_reset_during_a_prefetch_claims_nothing_of_the_old_generation(redis_tier) -> None:
     """vLLM resets the connector cache (weights changed in place) while a request's chunks are on their way:
     what lands is of the old names and is never claimed; the request is probed anew in the new generation,
     where nothing is stored yet, and computes its prompt."""
-    request = make_request("g", tokens(PROMPT_TOKENS, seed=13))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
-        side, worker = far_side(store), Worker(store)
-        try:
-            side.on_new_request(request)
-            probe_done(side, "g")
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == full
-            assert side.reset_cache()
-            worker.play(meta, side)  # the old generation's chunks land after the reset
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # probed anew
-            probe_done(side, "g")
-            assert empty_step(side).prefetches == []  # the new names are stored nowhere
-            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
-            side.update_state_after_alloc(request, 0)
-            plan = side.build_connector_meta(step([("g", 0)], [], {"g": PROMPT_TOKENS}))  # type: ignore[arg-type]
-            saved = [save.chunk_hash for save in plan.requests[0].saves]
-            assert saved and not set(saved) & set(full)  # saved under the new generation's names
-        finally:
-            worker.close()
-            side.shutdown()
+    with far_scene(redis_tier, "g", seed=13) as (request, full, _store, side, worker):
+        side.on_new_request(request)
+        probe_done(side, "g")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full
+        assert side.reset_cache()
+        worker.play(meta, side)  # the old generation's chunks land after the reset
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # probed anew
+        probe_done(side, "g")
+        assert empty_step(side).prefetches == []  # the new names are stored nowhere
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        side.update_state_after_alloc(request, 0)
+        plan = side.build_connector_meta(step([("g", 0)], [], {"g": PROMPT_TOKENS}))  # type: ignore[arg-type]
+        saved = [save.chunk_hash for save in plan.requests[0].saves]
+        assert saved and not set(saved) & set(full)  # saved under the new generation's names
 
 
 def test_a_prompt_extending_a_stored_one_finds_its_partial_chunk_in_one_round_trip(redis_tier) -> None:
@@ -499,15 +474,7 @@ def test_a_prompt_extending_a_stored_one_finds_its_partial_chunk_in_one_round_tr
     store_chunks(redis_tier, [partial])
     with store_with(redis_tier) as store:
         side, worker = far_side(store), Worker(store)
-        asked: list[int] = []
-        far = store.far_tiers[0]
-        real = far.contains_many
-
-        def counting(keys):  # type: ignore[no-untyped-def]
-            asked.append(len(keys))
-            return real(keys)
-
-        far.contains_many = counting  # type: ignore[method-assign]
+        asked = far_calls(store)
         try:
             side.on_new_request(request)
             probe_done(side, "d")
