@@ -121,9 +121,12 @@ def test_evict_older_than_removes_only_old_records(tmp_path: Path, redis_url: st
     config = _config(tmp_path, redis_url)
     old, new = _keys("a", "m1", 2, "old"), _keys("a", "m1", 2, "new")
     _fill(config, old)
-    time.sleep(3.2)
+    old_written = time.time()
+    time.sleep(4.0)
     _fill(config, new)
-    result = evict(config, older_than_s=2.0)
+    # the cut between the two writes, as an age from now (a loaded machine may take seconds to get here;
+    # Redis counts idle time in whole seconds)
+    result = evict(config, older_than_s=time.time() - (old_written + 2.0))
     assert [t["records"] for t in result["tiers"]] == [len(old), len(old)]
     assert _present(config, old) == {"disk": [False] * len(old), "redis": [False] * len(old)}
     assert _present(config, new) == {"disk": [True] * len(new), "redis": [True] * len(new)}
