@@ -54,11 +54,10 @@ def test_stats_evict_and_pin_work_on_the_object_tier(s3_bucket, capsys):
     _fill(config, old)
     old_written = time.time()
     time.sleep(4.0)
-    new_started = time.time()
     new = _keys("m3", 2, "new")
     _fill(config, new)
     # the cut between the two writes, as an age from now: a loaded machine may take seconds to get here, and S3
-    # times are whole seconds (a new record's time is at least new_started - 1, 1 s past the cut)
+    # times are whole seconds (a new record's time is at least 3 s past old_written, 1 s past the cut)
     older_than_s = time.time() - (old_written + 2.0)
     assert evict(config, older_than_s=older_than_s)["tiers"][0]["records"] == 2
     assert _present(config, old) == [False, False] and _present(config, new) == [True, True]
