@@ -63,6 +63,8 @@ class Zygote:
         self.proc = subprocess.Popen(_worker_cmd("zygote"), cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, bufsize=0)
         self._pending = b""
+        #: a worker's lines read before its ``pid`` line (a child may run before the zygote reports it)
+        self._early: list[str] = []
         assert self._line() == "zygote ready"
 
     def _line(self, timeout_s: float = 180.0) -> str:
@@ -99,12 +101,14 @@ class Zygote:
                 pid = int(line.split()[1])
             elif line == "ready":
                 ready = True
+            else:
+                self._early.append(line)
             assert not line.startswith(("worker failed", "exit")), line
         return pid
 
     def wait_exit(self, pid: int) -> tuple[int, list[str]]:
         """Lines the worker printed until the zygote reaped it, and its wait status."""
-        lines = []
+        lines, self._early = self._early, []
         while True:
             line = self._line()
             if line.startswith(f"exit {pid} "):

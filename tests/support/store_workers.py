@@ -330,7 +330,8 @@ def zygote(_opts: dict[str, Any]) -> None:
             finally:
                 sys.stdout.flush()
                 os._exit(code)
-        _say(f"pid {pid}")
+        # A leading newline here too: the child may run first and leave a half line before this one.
+        _say(f"\npid {pid}")
         _, status = os.waitpid(pid, 0)
         # A leading newline ends whatever half line a killed child left, so ``exit`` always starts a line.
         _say(f"\nexit {pid} {status}")
