@@ -150,6 +150,7 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
         finished = _run_requests(llm.llm_engine, requests, timings)
         hit_ids = [rid for rid, _, _ in requests if rid.startswith("hit-")]
         cached = [int(finished[rid].num_cached_tokens or 0) for rid in hit_ids]
+        far_counters = _far_counters(core)
     finally:
         llm.llm_engine.engine_core.shutdown()
     sched, step = timings["busy_sched"], timings["busy_step"]
@@ -157,12 +158,20 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     ttft = [first_token[rid] - arrived[rid] for rid in hit_ids]
     queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid in hit_ids]
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
-            "hit_tokens": sum(cached), "hit_tokens_each": cached,
+            "hit_tokens": sum(cached), "hit_tokens_each": cached, "far_counters": far_counters,
             "hit_queued_p50_ms": _percentile(queued, 0.5) * 1e3,
             "hit_ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "hit_ttft_max_ms": max(ttft) * 1e3,
             "sched_p50_ms": _percentile(sched, 0.5) * 1e3, "sched_p99_ms": _percentile(sched, 0.99) * 1e3,
             "step_p50_ms": _percentile(step, 0.5) * 1e3, "step_p99_ms": _percentile(step, 0.99) * 1e3,
             "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
+
+
+def _far_counters(core: Any) -> dict[str, int]:
+    """The scheduler side's far-lookup counters (lookups_late, prefetches_late, prefetches_evicted), for the
+    JSON report: why a stored prompt got fewer hit tokens than it has. Empty without far lookups."""
+    side = getattr(getattr(core.scheduler, "connector", None), "_scheduler", None)
+    far = getattr(side, "far", None)
+    return dict(far.counters) if far is not None else {}
 
 
 def _first_scheduled(scheduled: dict[str, float], rid: str) -> float:
