@@ -18,7 +18,8 @@ from vllm_tiercache.tools.bench.kv import sched
 def _row(arm: str, ttft_p50: float, hit_tokens: int) -> dict:
     return {"arm": arm, "steps": 10, "idle_steps": 0, "hit_tokens": hit_tokens, "sched_p50_ms": 0.2,
             "sched_p99_ms": 1.0, "sched_max_ms": 1.0, "step_p50_ms": 3.0, "step_p99_ms": 50.0,
-            "hit_queued_p50_ms": ttft_p50 - 5.0, "hit_ttft_p50_ms": ttft_p50, "hit_ttft_max_ms": ttft_p50 + 7.0}
+            "hit_not_ready": 0, "hit_queued_p50_ms": ttft_p50 - 5.0, "hit_ttft_p50_ms": ttft_p50,
+            "hit_ttft_max_ms": ttft_p50 + 7.0}
 
 
 def _report(*arms: dict) -> dict:
@@ -33,9 +34,9 @@ def test_the_table_names_the_rtt_and_gives_each_arms_hit_ttft_over_far0s() -> No
     assert "8 stored prompts of 1024 tokens arriving after 4 decoding prompts of 2048 tokens" in lines[1]
     assert "2048 tokens per step" in lines[1] and "object 20 ms away (far0: 0 ms)" in lines[1]
     assert "queued p50" in lines[2] and "TTFT p50" in lines[2] and "TTFT max" in lines[2]
-    assert "TTFT p50/far0" in lines[2] and "sched p99/vllm" in lines[2]
+    assert "TTFT p50/far0" in lines[2] and "sched p99/vllm" in lines[2] and "not ready" in lines[2]
     rows = {line.split()[0]: line.split() for line in lines[3:6]}
-    assert rows["vllm"][-4:] == ["895.0m", "900.0m", "907.0m", "3.00"]
+    assert rows["vllm"][-5:] == ["0", "895.0m", "900.0m", "907.0m", "3.00"]
     assert rows["far"][-4:] == ["325.0m", "330.0m", "337.0m", "1.10"]
     assert rows["far0"][-1] == "1.00" and rows["far0"][3] == "7936"
 
@@ -70,6 +71,7 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     assert report["background_len"] == 512 and report["step_tokens"] == 512, report
     rows = {row["arm"]: row for row in report["arms"]}
     assert list(rows) == ["vllm", "far0"], report
+    assert rows["vllm"]["hit_not_ready"] == 0 and rows["vllm"]["far_counters"] == {}, rows
     assert rows["vllm"]["hit_tokens"] == 0, rows  # no connector: full prefills
     # the far tier gave each stored prompt all its chunks but the last block's worth vLLM recomputes
     assert rows["far0"]["hit_tokens_each"] == [512 - 2 * 16] * 2, rows
