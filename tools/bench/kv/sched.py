@@ -31,10 +31,12 @@ Per step that ran a forward, two figures: the scheduler's own time (``Scheduler.
 time. Each arm's p50 and p99, and the ratio of its p99 to vLLM alone's; and the scheduler's longest time of
 any step, the steps vLLM runs while every request waits included (``idle``). For the stored prompts: their
 hit tokens (vLLM's ``num_cached_tokens``), how often vLLM reached one in its queue while the connector's
-answer was still pending (``not ready``: it waited a step on the store's lookup or fetch), the p50 of their
-wait from arrival to first scheduled, their TTFT (from ``add_request`` to the engine step that returns
-their first token, timed here around the engine's step loop) as p50 and max, and each arm's TTFT p50 over
-``far0``'s. Every arm pins ``VLLM_CPU_NUM_OF_RESERVED_CPU`` alike.
+answer was still pending (``not ready``: it waited a step on the store's lookup or fetch; ``at turn``: of
+these, the ones once every background prompt was scheduled, the store not hidden), the p50 of their time
+from arrival to the connector's first answer (JSON) and to first scheduled (``queued``), their
+TTFT (from ``add_request`` to the engine step that returns their first token, timed here around the
+engine's step loop) as p50 and max, and each arm's TTFT p50 over ``far0``'s. Every arm pins
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` alike.
 """
 
 from __future__ import annotations
@@ -145,47 +147,69 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             return {}
         core = llm.llm_engine.engine_core.engine_core
         timings = _time_steps(core)
-        not_ready = _count_unready_answers(core)
+        not_ready, answered = _count_unready_answers(core)
         requests = [(f"background-{i}", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                                           temperature=0.0)) for i, p in enumerate(background)]
         requests += [(f"hit-{i}", p, SamplingParams(max_tokens=1, temperature=0.0)) for i, p in enumerate(hits)]
         finished = _run_requests(llm.llm_engine, requests, timings)
         hit_ids = [rid for rid, _, _ in requests if rid.startswith("hit-")]
         cached = [int(finished[rid].num_cached_tokens or 0) for rid in hit_ids]
-        far_counters = _far_counters(core)
+        far_counters = {**_far_counters(core), **_prefetch_counters()}
+        from vllm_tiercache.shared import store as store_module
+
+        store_stats = [store.stats() for store in list(store_module._STORES.values())]
     finally:
         llm.llm_engine.engine_core.shutdown()
     sched, step = timings["busy_sched"], timings["busy_step"]
     arrived, first_token, scheduled = timings["arrival"], timings["first_token"], timings["first_scheduled"]
     ttft = [first_token[rid] - arrived[rid] for rid in hit_ids]
     queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid in hit_ids]
+    background_queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid, _, _ in requests
+                         if rid.startswith("background-")]
+    background_scheduled = max((_first_scheduled(scheduled, rid) for rid, _, _ in requests
+                                if rid.startswith("background-")), default=0.0)
+    answers = {rid: _first_scheduled(answered, rid) - arrived[rid] for rid, _, _ in requests
+               if any(name == rid or name.startswith(f"{rid}-") for name in answered)}
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
             "hit_tokens": sum(cached), "hit_tokens_each": cached, "far_counters": far_counters,
-            "hit_not_ready": sum(n for rid, n in not_ready.items() if rid.startswith("hit-")),
+            "store_stats": store_stats,
+            "hit_not_ready": sum(len(at) for rid, at in not_ready.items() if rid.startswith("hit-")),
+            # ... once every background prompt was scheduled: the stored prompts' turn, waiting on the store
+            "hit_not_ready_at_turn": sum(1 for rid, at in not_ready.items() if rid.startswith("hit-")
+                                         for t in at if t > background_scheduled),
+            "background_first_scheduled_ms": (min(background_queued, default=0.0)) * 1e3,
+            "background_all_scheduled_ms": (max(background_queued, default=0.0)) * 1e3,
             "hit_queued_p50_ms": _percentile(queued, 0.5) * 1e3,
+            "hit_answered_p50_ms": _percentile([answers[rid] for rid in hit_ids if rid in answers], 0.5) * 1e3,
+            "background_answered_max_ms": max((t for rid, t in answers.items() if rid.startswith("background-")),
+                                              default=0.0) * 1e3,
             "hit_ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "hit_ttft_max_ms": max(ttft) * 1e3,
             "sched_p50_ms": _percentile(sched, 0.5) * 1e3, "sched_p99_ms": _percentile(sched, 0.99) * 1e3,
             "step_p50_ms": _percentile(step, 0.5) * 1e3, "step_p99_ms": _percentile(step, 0.99) * 1e3,
             "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
 
 
-def _count_unready_answers(core: Any) -> dict[str, int]:
+def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Wrap the scheduler's connector's ``get_num_new_matched_tokens`` on the instance: per request (vLLM's
-    id), how often vLLM reached it in its queue and the answer was None (lookup or prefetch still pending:
-    the request waits a step on the store). Empty without a connector."""
-    counts: dict[str, int] = {}
+    id), when vLLM reached it in its queue and the answer was None (lookup or prefetch still pending: the
+    request waits a step on the store), and when the first answer that was not None came. Empty
+    without a connector."""
+    counts: dict[str, list[float]] = {}
+    answered: dict[str, float] = {}
     connector = getattr(core.scheduler, "connector", None)
     if connector is None:
-        return counts
+        return counts, answered
     real = connector.get_num_new_matched_tokens
 
     def ask(request: Any, *a: Any, **k: Any) -> Any:
         answer = real(request, *a, **k)
         if answer[0] is None:
-            counts[request.request_id] = counts.get(request.request_id, 0) + 1
+            counts.setdefault(request.request_id, []).append(time.perf_counter())
+        else:
+            answered.setdefault(request.request_id, time.perf_counter())
         return answer
     connector.get_num_new_matched_tokens = ask
-    return counts
+    return counts, answered
 
 
 def _far_counters(core: Any) -> dict[str, int]:
@@ -194,6 +218,21 @@ def _far_counters(core: Any) -> dict[str, int]:
     side = getattr(getattr(core.scheduler, "connector", None), "_scheduler", None)
     far = getattr(side, "far", None)
     return dict(far.counters) if far is not None else {}
+
+
+def _prefetch_counters() -> dict[str, int]:
+    """This process's worker's prefetch counters (prefetched_chunks, prefetch_failures, load_errors) since
+    its start: the ones not yet taken plus the totals. Empty without a connector."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+    except Exception:  # no connector in this process (the vllm arm)
+        return {}
+    if worker is None:
+        return {}
+    names = ("prefetched_chunks", "prefetch_failures", "load_errors")
+    return {name: int(getattr(worker.counters, name, 0)) + int(worker.totals.get(name, 0)) for name in names}
 
 
 def _first_scheduled(scheduled: dict[str, float], rid: str) -> float:
@@ -308,7 +347,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"{report['store']} {rtt} away (far0: 0 ms)",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
              f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s} "
-             f"{'not ready':>10s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} {'TTFT p50/far0':>14s}"]
+             f"{'not ready':>10s} {'at turn':>8s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
+             f"{'TTFT p50/far0':>14s}"]
     for row in report["arms"]:
         ratio = f"{row['hit_ttft_p50_ms'] / far0['hit_ttft_p50_ms']:14.2f}" if far0 else f"{'-':>14s}"
         lines.append(f"  {row['arm']:6s} {row['steps']:6d} {row['idle_steps']:5d} {row['hit_tokens']:8d} "
@@ -316,13 +356,14 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{row['step_p50_ms']:8.2f}m "
                      f"{row['step_p99_ms']:8.2f}m {row['sched_p99_ms'] / base['sched_p99_ms']:15.2f} "
                      f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f} "
-                     f"{row.get('hit_not_ready', 0):10d} {row['hit_queued_p50_ms']:10.1f}m "
+                     f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} "
+                     f"{row['hit_queued_p50_ms']:10.1f}m "
                      f"{row['hit_ttft_p50_ms']:8.1f}m {row['hit_ttft_max_ms']:8.1f}m {ratio}")
     lines.append("  (ms; over the steps that ran a forward: sched, Scheduler.schedule + update_from_output; step, the "
                  "engine step's wall time; idle: steps while every request waited, max: the scheduler's longest "
                  "of all steps; the stored prompts': hit tok, vLLM's cached tokens summed; not ready, the times vLLM "
                  "reached one in its queue and the connector's answer was still pending (it waited a step on the "
-                 "store); queued, from arrival to "
+                 "store), at turn: of these, once every background prompt was scheduled; queued, from arrival to "
                  "first scheduled; TTFT, from arrival to the step that returned the first token)")
     return "\n".join(lines)
 

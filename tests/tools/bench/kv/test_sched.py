@@ -18,7 +18,8 @@ from vllm_tiercache.tools.bench.kv import sched
 def _row(arm: str, ttft_p50: float, hit_tokens: int) -> dict:
     return {"arm": arm, "steps": 10, "idle_steps": 0, "hit_tokens": hit_tokens, "sched_p50_ms": 0.2,
             "sched_p99_ms": 1.0, "sched_max_ms": 1.0, "step_p50_ms": 3.0, "step_p99_ms": 50.0,
-            "hit_not_ready": 0, "hit_queued_p50_ms": ttft_p50 - 5.0, "hit_ttft_p50_ms": ttft_p50,
+            "hit_not_ready": 0, "hit_not_ready_at_turn": 0, "hit_queued_p50_ms": ttft_p50 - 5.0,
+            "hit_ttft_p50_ms": ttft_p50,
             "hit_ttft_max_ms": ttft_p50 + 7.0}
 
 
@@ -35,8 +36,9 @@ def test_the_table_names_the_rtt_and_gives_each_arms_hit_ttft_over_far0s() -> No
     assert "2048 tokens per step" in lines[1] and "object 20 ms away (far0: 0 ms)" in lines[1]
     assert "queued p50" in lines[2] and "TTFT p50" in lines[2] and "TTFT max" in lines[2]
     assert "TTFT p50/far0" in lines[2] and "sched p99/vllm" in lines[2] and "not ready" in lines[2]
+    assert "at turn" in lines[2]
     rows = {line.split()[0]: line.split() for line in lines[3:6]}
-    assert rows["vllm"][-5:] == ["0", "895.0m", "900.0m", "907.0m", "3.00"]
+    assert rows["vllm"][-6:] == ["0", "0", "895.0m", "900.0m", "907.0m", "3.00"]
     assert rows["far"][-4:] == ["325.0m", "330.0m", "337.0m", "1.10"]
     assert rows["far0"][-1] == "1.00" and rows["far0"][3] == "7936"
 
@@ -75,6 +77,7 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     assert rows["vllm"]["hit_tokens"] == 0, rows  # no connector: full prefills
     # the far tier gave each stored prompt all its chunks but the last block's worth vLLM recomputes
     assert rows["far0"]["hit_tokens_each"] == [512 - 2 * 16] * 2, rows
+    assert rows["far0"]["hit_answered_p50_ms"] > 0 and rows["far0"]["background_all_scheduled_ms"] > 0, rows
     for row in rows.values():  # queued behind the background's one-step prefill, then their own step
         assert 0 < row["hit_queued_p50_ms"] <= row["hit_ttft_p50_ms"] <= row["hit_ttft_max_ms"], row
     table = sched.format_table(report)
