@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hits", type=int_at_least(1, 256), default=8,
                         help="stored prompts that arrive together (default %(default)s)")
     parser.add_argument("--background", type=int_at_least(0, 256), default=4,
-                        help="short prompts decoding beside them (default %(default)s)")
+                        help="prompts that arrive first and decode beside them, short unless --background-len "
+                             "(default %(default)s)")
     parser.add_argument("--prompt-len", type=int_at_least(64, 32768), default=1024,
                         help="tokens per stored prompt (default %(default)s)")
     parser.add_argument("--background-len", type=int_at_least(1, 32768), default=None,
