@@ -148,7 +148,7 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             return {}
         core = llm.llm_engine.engine_core.engine_core
         timings = _time_steps(core)
-        not_ready, answered = _count_unready_answers(core)
+        not_ready, answered, answered_tokens = _count_unready_answers(core)
         requests = [(f"background-{i}", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                                           temperature=0.0)) for i, p in enumerate(background)]
         requests += [(f"hit-{i}", p, SamplingParams(max_tokens=1, temperature=0.0)) for i, p in enumerate(hits)]
@@ -172,7 +172,11 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     answers = {rid: _first_scheduled(answered, rid) - arrived[rid] for rid, _, _ in requests
                if any(name == rid or name.startswith(f"{rid}-") for name in answered)}
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
-            "hit_tokens": sum(cached), "hit_tokens_each": cached, "far_counters": far_counters,
+            "hit_tokens": sum(cached), "hit_tokens_each": cached,
+            # the connector's first answer per stored prompt (tokens past vLLM's own prefix cache)
+            "hit_answer_tokens_each": [next((n for name, n in answered_tokens.items()
+                                             if name == rid or name.startswith(f"{rid}-")), None) for rid in hit_ids],
+            "far_counters": far_counters,
             "store_stats": store_stats,
             "hit_not_ready": sum(len(at) for rid, at in not_ready.items() if rid.startswith("hit-")),
             # ... once every background prompt was scheduled: the stored prompts' turn, waiting on the store
@@ -190,16 +194,18 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
 
 
-def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float]]:
+def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float], dict[str, int]]:
     """Wrap the scheduler's connector's ``get_num_new_matched_tokens`` on the instance: per request (vLLM's
     id), when vLLM reached it in its queue and the answer was None (lookup or prefetch still pending: the
-    request waits a step on the store), and when the first answer that was not None came. Empty
-    without a connector."""
+    request waits a step on the store), when the first answer that was not None came, and the tokens it
+    promised. Empty without a connector."""
     counts: dict[str, list[float]] = {}
     answered: dict[str, float] = {}
+    answered_tokens: dict[str, int] = {}
+
     connector = getattr(core.scheduler, "connector", None)
     if connector is None:
-        return counts, answered
+        return counts, answered, answered_tokens
     real = connector.get_num_new_matched_tokens
 
     def ask(request: Any, *a: Any, **k: Any) -> Any:
@@ -208,9 +214,10 @@ def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str,
             counts.setdefault(request.request_id, []).append(time.perf_counter())
         else:
             answered.setdefault(request.request_id, time.perf_counter())
+            answered_tokens.setdefault(request.request_id, int(answer[0]))
         return answer
     connector.get_num_new_matched_tokens = ask
-    return counts, answered
+    return counts, answered, answered_tokens
 
 
 def _far_counters(core: Any) -> dict[str, int]:
