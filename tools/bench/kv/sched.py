@@ -9,20 +9,33 @@ the same arrivals.
 How: ``--hits`` prompts of ``--prompt-len`` tokens are stored in the far tier first (a writer engine, in a
 process of its own), then each arm runs in a fresh process with one in-process engine
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker here) on the same arrivals: ``--background``
-short prompts that decode ``--new-tokens`` tokens each and the stored prompts, all at once, so that steps
-run while the stored prompts' lookups and fetches are pending. The far tier (``--store``: a private Redis or
-SeaweedFS) is reached through a delaying proxy (``--store-rtt-ms``, `vllm_tiercache.tools.bench.rtt_proxy`).
-The arms:
+prompts that decode ``--new-tokens`` tokens each, then the stored prompts, all at once, so that steps run
+while the stored prompts' lookups and fetches are pending. The background prompts are short (two blocks)
+unless ``--background-len`` makes them long: then they are cold prefills ahead of the stored prompts in
+vLLM's queue, and the engine's token budget (``max_num_batched_tokens``) is the longer of the two prompt
+lengths, one long prefill per step, so the stored prompts wait behind the background's prefills (the hits'
+``queued`` column: from arrival to the step that first schedules them). Each arm draws background tokens of
+its own (the connector stores what it computes: the next arm would otherwise hit them). The far tier
+(``--store``: a private Redis or SeaweedFS) is reached through a delaying proxy (``--store-rtt-ms``,
+`vllm_tiercache.tools.bench.rtt_proxy`). The arms (``--arms``, ``vllm`` always among them):
 
-- ``vllm``: vLLM alone (no connector): the baseline;
+- ``vllm``: vLLM alone (no connector): the baseline, every stored prompt a full prefill;
 - ``sync``: the connector with ``lookup_deadline_ms: 0``: lookups on the scheduling thread (bounded by
   ``lookup_budget_ms``), far records read in the forward;
-- ``far``: the connector as it ships: lookups and fetches off both.
+- ``far``: the connector as it ships: lookups and fetches off both;
+- ``far0``: as ``far``, the same far tier reached directly (no proxy, no delay): what ``far``'s hits would
+  take if the store cost no round trip. ``far``'s TTFT over ``far0``'s near 1 is a store the prefetch hid.
 
 Per step that ran a forward, two figures: the scheduler's own time (``Scheduler.schedule`` plus
 ``update_from_output``, the scheduling thread's work outside the forward) and the whole engine step's wall
 time. Each arm's p50 and p99, and the ratio of its p99 to vLLM alone's; and the scheduler's longest time of
-any step, the steps vLLM runs while every request waits included (``idle``). Every arm pins
+any step, the steps vLLM runs while every request waits included (``idle``). For the stored prompts: their
+hit tokens (vLLM's ``num_cached_tokens``), how often vLLM reached one in its queue while the connector's
+answer was still pending (``not ready``: it waited a step on the store's lookup or fetch; ``at turn``: of
+these, the ones once every background prompt was scheduled, the store not hidden), the p50 of their time
+from arrival to the connector's first answer (JSON) and to first scheduled (``queued``), their
+TTFT (from ``add_request`` to the engine step that returns their first token, timed here around the
+engine's step loop) as p50 and max, and each arm's TTFT p50 over ``far0``'s. Every arm pins
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` alike.
 """
 
@@ -46,7 +59,7 @@ from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
 from vllm_tiercache.tools.cli import int_at_least
 
-ARMS = ("vllm", "sync", "far")
+ARMS = ("vllm", "sync", "far", "far0")
 CHUNK_SIZE = 256
 
 
@@ -57,9 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hits", type=int_at_least(1, 256), default=8,
                         help="stored prompts that arrive together (default %(default)s)")
     parser.add_argument("--background", type=int_at_least(0, 256), default=4,
-                        help="short prompts decoding beside them (default %(default)s)")
+                        help="prompts that arrive first and decode beside them, short unless --background-len "
+                             "(default %(default)s)")
     parser.add_argument("--prompt-len", type=int_at_least(64, 32768), default=1024,
                         help="tokens per stored prompt (default %(default)s)")
+    parser.add_argument("--background-len", type=int_at_least(1, 32768), default=None,
+                        help="tokens per background prompt: long ones are cold prefills the stored prompts "
+                             "queue behind (default: two blocks)")
+    parser.add_argument("--arms", type=arm_list, default=ARMS,
+                        help=f"comma-separated arms, vllm among them (default {','.join(ARMS)})")
     parser.add_argument("--new-tokens", type=int_at_least(1, 4096), default=64,
                         help="tokens each background prompt generates (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 hits, 1 background, 512 tokens, 16 new")
@@ -68,11 +87,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arm-config", help=argparse.SUPPRESS)
 
 
-def _prompts(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
-    """(the stored prompts, the background prompts): the same in every process."""
+def arm_list(text: str) -> tuple[str, ...]:
+    """argparse ``type=`` of ``--arms``: known arms, each once, ``vllm`` (the baseline) among them."""
+    arms = tuple(name.strip() for name in text.split(","))
+    if any(name not in ARMS for name in arms) or len(set(arms)) != len(arms) or "vllm" not in arms:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: comma-separated arms of "
+                                         f"{', '.join(ARMS)}, each once, vllm among them")
+    return arms
+
+
+def _background_len(args: argparse.Namespace) -> int:
+    return args.background_len or 2 * BLOCK_SIZE
+
+
+def _step_tokens(args: argparse.Namespace, max_len: int) -> int:
+    """The engine's token budget per step: one long prefill when the background is long, else room for all."""
+    return max(args.prompt_len, args.background_len) if args.background_len else max(max_len, 2048)
+
+
+def _prompts(args: argparse.Namespace, arm: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(the stored prompts, the same in every process; the background prompts, the arm's own)."""
     rng = random.Random(20261128)
     hits = [[rng.randrange(*TOKEN_RANGE) for _ in range(args.prompt_len)] for _ in range(args.hits)]
-    background = [[rng.randrange(*TOKEN_RANGE) for _ in range(2 * BLOCK_SIZE)] for _ in range(args.background)]
+    rng = random.Random(f"20261128-{arm}")
+    background = [[rng.randrange(*TOKEN_RANGE) for _ in range(_background_len(args))]
+                  for _ in range(args.background)]
     return hits, background
 
 
@@ -89,15 +128,15 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    hits, background = _prompts(args)
+    hits, background = _prompts(args, args.arm)
     kv = None
     if args.arm != "vllm":
         extra = {"namespace": config["namespace"], "chunk_size": CHUNK_SIZE, "tiers": config["tiers"],
                  **({"lookup_deadline_ms": 0.0} if args.arm == "sync" else {})}
         kv = KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both", kv_connector_extra_config=extra)
-    max_len = args.prompt_len + args.new_tokens + BLOCK_SIZE
+    max_len = max(args.prompt_len, _background_len(args)) + args.new_tokens + BLOCK_SIZE
     llm = LLM(model=config["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
-              max_model_len=max_len, max_num_batched_tokens=max(max_len, 2048),
+              max_model_len=max_len, max_num_batched_tokens=_step_tokens(args, max_len),
               max_num_seqs=args.hits + args.background, enable_prefix_caching=True, seed=0, kv_transfer_config=kv)
     try:
         if args.arm == "store":
@@ -109,25 +148,131 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             return {}
         core = llm.llm_engine.engine_core.engine_core
         timings = _time_steps(core)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in background + hits]
-        params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0)] * len(background) + [
-            SamplingParams(max_tokens=1, temperature=0.0)] * len(hits)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        cached = [int(out.num_cached_tokens or 0) for out in outputs[len(background):]]
+        not_ready, answered, answered_tokens = _count_unready_answers(core)
+        requests = [(f"background-{i}", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
+                                                          temperature=0.0)) for i, p in enumerate(background)]
+        requests += [(f"hit-{i}", p, SamplingParams(max_tokens=1, temperature=0.0)) for i, p in enumerate(hits)]
+        finished = _run_requests(llm.llm_engine, requests, timings)
+        hit_ids = [rid for rid, _, _ in requests if rid.startswith("hit-")]
+        cached = [int(finished[rid].num_cached_tokens or 0) for rid in hit_ids]
+        far_counters = {**_far_counters(core), **_prefetch_counters()}
+        from vllm_tiercache.shared import store as store_module
+
+        store_stats = [store.stats() for store in list(store_module._STORES.values())]
     finally:
         llm.llm_engine.engine_core.shutdown()
     sched, step = timings["busy_sched"], timings["busy_step"]
+    arrived, first_token, scheduled = timings["arrival"], timings["first_token"], timings["first_scheduled"]
+    ttft = [first_token[rid] - arrived[rid] for rid in hit_ids]
+    queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid in hit_ids]
+    background_queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid, _, _ in requests
+                         if rid.startswith("background-")]
+    background_scheduled = max((_first_scheduled(scheduled, rid) for rid, _, _ in requests
+                                if rid.startswith("background-")), default=0.0)
+    answers = {rid: _first_scheduled(answered, rid) - arrived[rid] for rid, _, _ in requests
+               if any(name == rid or name.startswith(f"{rid}-") for name in answered)}
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
-            "hit_tokens": sum(cached),
+            "hit_tokens": sum(cached), "hit_tokens_each": cached,
+            # the connector's first answer per stored prompt (tokens past vLLM's own prefix cache)
+            "hit_answer_tokens_each": [next((n for name, n in answered_tokens.items()
+                                             if name == rid or name.startswith(f"{rid}-")), None) for rid in hit_ids],
+            "far_counters": far_counters,
+            "store_stats": store_stats,
+            "hit_not_ready": sum(len(at) for rid, at in not_ready.items() if rid.startswith("hit-")),
+            # ... once every background prompt was scheduled: the stored prompts' turn, waiting on the store
+            "hit_not_ready_at_turn": sum(1 for rid, at in not_ready.items() if rid.startswith("hit-")
+                                         for t in at if t > background_scheduled),
+            "background_first_scheduled_ms": (min(background_queued, default=0.0)) * 1e3,
+            "background_all_scheduled_ms": (max(background_queued, default=0.0)) * 1e3,
+            "hit_queued_p50_ms": _percentile(queued, 0.5) * 1e3,
+            "hit_answered_p50_ms": _percentile([answers[rid] for rid in hit_ids if rid in answers], 0.5) * 1e3,
+            "background_answered_max_ms": max((t for rid, t in answers.items() if rid.startswith("background-")),
+                                              default=0.0) * 1e3,
+            "hit_ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "hit_ttft_max_ms": max(ttft) * 1e3,
             "sched_p50_ms": _percentile(sched, 0.5) * 1e3, "sched_p99_ms": _percentile(sched, 0.99) * 1e3,
             "step_p50_ms": _percentile(step, 0.5) * 1e3, "step_p99_ms": _percentile(step, 0.99) * 1e3,
             "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
 
 
-def _time_steps(core: Any) -> dict[str, list[float]]:
+def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float], dict[str, int]]:
+    """Wrap the scheduler's connector's ``get_num_new_matched_tokens`` on the instance: per request (vLLM's
+    id), when vLLM reached it in its queue and the answer was None (lookup or prefetch still pending: the
+    request waits a step on the store), when the first answer that was not None came, and the tokens it
+    promised. Empty without a connector."""
+    counts: dict[str, list[float]] = {}
+    answered: dict[str, float] = {}
+    answered_tokens: dict[str, int] = {}
+
+    connector = getattr(core.scheduler, "connector", None)
+    if connector is None:
+        return counts, answered, answered_tokens
+    real = connector.get_num_new_matched_tokens
+
+    def ask(request: Any, *a: Any, **k: Any) -> Any:
+        answer = real(request, *a, **k)
+        if answer[0] is None:
+            counts.setdefault(request.request_id, []).append(time.perf_counter())
+        else:
+            answered.setdefault(request.request_id, time.perf_counter())
+            answered_tokens.setdefault(request.request_id, int(answer[0]))
+        return answer
+    connector.get_num_new_matched_tokens = ask
+    return counts, answered, answered_tokens
+
+
+def _far_counters(core: Any) -> dict[str, int]:
+    """The scheduler side's far-lookup counters (lookups_late, prefetches_late, prefetches_evicted), for the
+    JSON report: why a stored prompt got fewer hit tokens than it has. Empty without far lookups."""
+    side = getattr(getattr(core.scheduler, "connector", None), "_scheduler", None)
+    far = getattr(side, "far", None)
+    return dict(far.counters) if far is not None else {}
+
+
+def _prefetch_counters() -> dict[str, int]:
+    """This process's worker's prefetch counters (prefetched_chunks, prefetch_failures, load_errors) since
+    its start: the ones not yet taken plus the totals. Empty without a connector."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+    except Exception:  # no connector in this process (the vllm arm)
+        return {}
+    if worker is None:
+        return {}
+    names = ("prefetched_chunks", "prefetch_failures", "load_errors")
+    return {name: int(getattr(worker.counters, name, 0)) + int(worker.totals.get(name, 0)) for name in names}
+
+
+def _first_scheduled(scheduled: dict[str, float], rid: str) -> float:
+    """When a schedule first gave request ``rid`` tokens: the engine core knows it by ``rid`` plus the
+    suffix vLLM's input processor adds (``-<8 hex>``)."""
+    return min(when for name, when in scheduled.items() if name == rid or name.startswith(f"{rid}-"))
+
+
+def _run_requests(engine: Any, requests: list[tuple[str, Any, Any]], timings: dict[str, Any]) -> dict[str, Any]:
+    """Add ``requests`` (id, prompt, params) in order, then step the engine until all finish: each one's
+    arrival (its ``add_request``) and the time the step that returned its first token ended go to
+    ``timings``; the finished outputs by id are returned."""
+    finished: dict[str, Any] = {}
+    for rid, prompt, params in requests:
+        timings["arrival"][rid] = time.perf_counter()
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids:
+                timings["first_token"].setdefault(out.request_id, now)
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def _time_steps(core: Any) -> dict[str, Any]:
     """Wrap the engine core's step and its scheduler's two calls on the instance: per step, the scheduler's
-    own seconds and the step's wall seconds."""
-    timings: dict[str, list[float]] = {"sched": [], "step": [], "busy_sched": [], "busy_step": []}
+    own seconds and the step's wall seconds; per request, when a schedule first gave it tokens."""
+    timings: dict[str, Any] = {"sched": [], "step": [], "busy_sched": [], "busy_step": [],
+                               "arrival": {}, "first_token": {}, "first_scheduled": {}}
     spent, busy = [0.0], [False]
     scheduler = core.scheduler
 
@@ -142,6 +287,9 @@ def _time_steps(core: Any) -> dict[str, list[float]]:
                 spent[0] += time.perf_counter() - started
             if name == "schedule":
                 busy[0] = bool(getattr(out, "total_num_scheduled_tokens", 0))
+                now = time.perf_counter()
+                for rid in getattr(out, "num_scheduled_tokens", None) or {}:
+                    timings["first_scheduled"].setdefault(rid, now)
             return out
         setattr(scheduler, name, call)
 
@@ -187,7 +335,8 @@ def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any],
 def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           *(["--background-len", str(args.background_len)] if args.background_len else [])]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     print(f"tiercache-bench: arm {arm}", file=sys.stderr)
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env)
@@ -196,21 +345,34 @@ def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> 
 
 def format_table(report: dict[str, Any]) -> str:
     base = next(row for row in report["arms"] if row["arm"] == "vllm")
+    far0 = next((row for row in report["arms"] if row["arm"] == "far0"), None)
     header = store_rtt_header(report["store_rtt_ms"], f"the {report['store']} tier")
+    rtt = f"{report['store_rtt_ms']:g} ms"
     lines = [*([header] if header else []),
-             f"the scheduler's time per engine step: {report['hits']} stored prompts of {report['prompt_len']} "
-             f"tokens arriving with {report['background']} decoding prompts; far tier {report['store']}",
+             f"the scheduler's time per engine step and the stored prompts' TTFT: {report['hits']} stored prompts "
+             f"of {report['prompt_len']} tokens arriving after {report['background']} decoding prompts of "
+             f"{report['background_len']} tokens; {report['step_tokens']} tokens per step; far tier "
+             f"{report['store']} {rtt} away (far0: 0 ms)",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
-             f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s}"]
+             f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s} "
+             f"{'not ready':>10s} {'at turn':>8s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
+             f"{'TTFT p50/far0':>14s}"]
     for row in report["arms"]:
+        ratio = f"{row['hit_ttft_p50_ms'] / far0['hit_ttft_p50_ms']:14.2f}" if far0 else f"{'-':>14s}"
         lines.append(f"  {row['arm']:6s} {row['steps']:6d} {row['idle_steps']:5d} {row['hit_tokens']:8d} "
                      f"{row['sched_p50_ms']:9.2f}m {row['sched_p99_ms']:9.2f}m {row['sched_max_ms']:7.1f}m "
                      f"{row['step_p50_ms']:8.2f}m "
                      f"{row['step_p99_ms']:8.2f}m {row['sched_p99_ms'] / base['sched_p99_ms']:15.2f} "
-                     f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f}")
+                     f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f} "
+                     f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} "
+                     f"{row['hit_queued_p50_ms']:10.1f}m "
+                     f"{row['hit_ttft_p50_ms']:8.1f}m {row['hit_ttft_max_ms']:8.1f}m {ratio}")
     lines.append("  (ms; over the steps that ran a forward: sched, Scheduler.schedule + update_from_output; step, the "
                  "engine step's wall time; idle: steps while every request waited, max: the scheduler's longest "
-                 "of all steps)")
+                 "of all steps; the stored prompts': hit tok, vLLM's cached tokens summed; not ready, the times vLLM "
+                 "reached one in its queue and the connector's answer was still pending (it waited a step on the "
+                 "store), at turn: of these, once every background prompt was scheduled; queued, from arrival to "
+                 "first scheduled; TTFT, from arrival to the step that returned the first token)")
     return "\n".join(lines)
 
 
@@ -236,10 +398,14 @@ def run(args: argparse.Namespace) -> int:
     with _far_tier("redis-server" if args.store == "redis" else "weed", args.store_rtt_ms) as (direct, far):
         memory = {"kind": "memory", "capacity": "2GiB"}
         _run_process(args, "store", {"model": model, "namespace": namespace, "tiers": [memory, direct]})
-        for arm in ARMS:
-            arms.append(_run_process(args, arm, {"model": model, "namespace": namespace, "tiers": [memory, far]}))
+        for arm in args.arms:
+            tiers = [memory, direct if arm == "far0" else far]
+            arms.append(_run_process(args, arm, {"model": model, "namespace": namespace, "tiers": tiers}))
     report = {"store": args.store, "store_rtt_ms": args.store_rtt_ms, "hits": args.hits,
-              "background": args.background, "prompt_len": args.prompt_len, "arms": arms,
+              "background": args.background, "background_len": _background_len(args),
+              "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
+                                          + BLOCK_SIZE),
+              "prompt_len": args.prompt_len, "arms": arms,
               "median_sched_ms": {row["arm"]: row["sched_p50_ms"] for row in arms}}
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

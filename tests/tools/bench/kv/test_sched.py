@@ -1,0 +1,84 @@
+"""`tiercache bench kv-sched`: the stored prompts' TTFT behind long background prefills (``--background-len``),
+the undelayed far arm ``far0`` and the ratio to it, ``--arms``; a quick real run of two arms. No timings are
+asserted beyond their order."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.support.zygote_client import run_job
+from tests.tools.test_cli_errors import assert_one_line_error, tiercache_here
+from vllm_tiercache.tools.bench.kv import sched
+
+
+def _row(arm: str, ttft_p50: float, hit_tokens: int) -> dict:
+    return {"arm": arm, "steps": 10, "idle_steps": 0, "hit_tokens": hit_tokens, "sched_p50_ms": 0.2,
+            "sched_p99_ms": 1.0, "sched_max_ms": 1.0, "step_p50_ms": 3.0, "step_p99_ms": 50.0,
+            "hit_not_ready": 0, "hit_not_ready_at_turn": 0, "hit_queued_p50_ms": ttft_p50 - 5.0,
+            "hit_ttft_p50_ms": ttft_p50,
+            "hit_ttft_max_ms": ttft_p50 + 7.0}
+
+
+def _report(*arms: dict) -> dict:
+    return {"store": "object", "store_rtt_ms": 20.0, "hits": 8, "background": 4, "background_len": 2048,
+            "step_tokens": 2048, "prompt_len": 1024, "arms": list(arms)}
+
+
+def test_the_table_names_the_rtt_and_gives_each_arms_hit_ttft_over_far0s() -> None:
+    table = sched.format_table(_report(_row("vllm", 900.0, 0), _row("far", 330.0, 7936), _row("far0", 300.0, 7936)))
+    lines = table.splitlines()
+    assert lines[0].startswith("store RTT +20 ms: the object tier behind a proxy"), lines[0]
+    assert "8 stored prompts of 1024 tokens arriving after 4 decoding prompts of 2048 tokens" in lines[1]
+    assert "2048 tokens per step" in lines[1] and "object 20 ms away (far0: 0 ms)" in lines[1]
+    assert "queued p50" in lines[2] and "TTFT p50" in lines[2] and "TTFT max" in lines[2]
+    assert "TTFT p50/far0" in lines[2] and "sched p99/vllm" in lines[2] and "not ready" in lines[2]
+    assert "at turn" in lines[2]
+    rows = {line.split()[0]: line.split() for line in lines[3:6]}
+    assert rows["vllm"][-6:] == ["0", "0", "895.0m", "900.0m", "907.0m", "3.00"]
+    assert rows["far"][-4:] == ["325.0m", "330.0m", "337.0m", "1.10"]
+    assert rows["far0"][-1] == "1.00" and rows["far0"][3] == "7936"
+
+
+def test_without_far0_the_ratio_is_a_dash() -> None:
+    table = sched.format_table(_report(_row("vllm", 900.0, 0), _row("far", 330.0, 7936)))
+    assert [line.split()[-1] for line in table.splitlines()[3:5]] == ["-", "-"]
+
+
+def test_arms_are_checked() -> None:
+    assert sched.arm_list("vllm,far0") == ("vllm", "far0")
+    assert sched.ARMS == ("vllm", "sync", "far", "far0")
+
+
+@pytest.mark.parametrize(("flag", "value", "piece"), [
+    ("--arms", "far,far0", "vllm among them"),
+    ("--arms", "vllm,fast", "invalid value 'vllm,fast'"),
+    ("--arms", "vllm,far,far", "each once"),
+    ("--background-len", "0", "from 1 to 32768"),
+])
+def test_bad_arms_and_background_lengths_are_one_line_errors(flag: str, value: str, piece: str) -> None:
+    assert_one_line_error(tiercache_here("bench", "kv-sched", flag, value), flag, piece)
+
+
+@pytest.mark.engine
+def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
+    done = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--quick", "--store",
+                    "redis", "--background-len", "512", "--arms", "vllm,far0", "--json"],
+                   env=dict(os.environ), cwd=os.getcwd(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["background_len"] == 512 and report["step_tokens"] == 512, report
+    rows = {row["arm"]: row for row in report["arms"]}
+    assert list(rows) == ["vllm", "far0"], report
+    assert rows["vllm"]["hit_not_ready"] == 0 and rows["vllm"]["far_counters"] == {}, rows
+    assert rows["vllm"]["hit_tokens"] == 0, rows  # no connector: full prefills
+    # the far tier gave each stored prompt all its chunks but the last block's worth vLLM recomputes
+    assert rows["far0"]["hit_tokens_each"] == [512 - 2 * 16] * 2, rows
+    assert rows["far0"]["hit_answered_p50_ms"] > 0 and rows["far0"]["background_all_scheduled_ms"] > 0, rows
+    for row in rows.values():  # queued behind the background's one-step prefill, then their own step
+        assert 0 < row["hit_queued_p50_ms"] <= row["hit_ttft_p50_ms"] <= row["hit_ttft_max_ms"], row
+    table = sched.format_table(report)
+    assert "TTFT p50/far0" in table
