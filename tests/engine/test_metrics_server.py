@@ -105,19 +105,31 @@ def cached_tokens(answer: dict[str, Any]) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def _written_behind(disk: Path, redis_url: str) -> None:
-    """Until the disk and Redis hold records and neither changed for a second: a server answers before its
-    write-behind wrote the answer's records, and nothing else tells when it did (the limit ends a hang)."""
-    import redis
+def _kv_records(disk: Path, redis_url: str) -> tuple[int, int]:
+    """How many KV records the disk tier and Redis hold (read as `tiercache stats` reads them)."""
+    from vllm_tiercache.shared.store import build_store
 
-    with redis.Redis.from_url(redis_url) as client:
-        def held() -> tuple[int, int]:
-            return sum(f.stat().st_size for f in disk.rglob("*.rec")), int(client.dbsize())
+    counts = []
+    for tier in ({"kind": "disk", "path": str(disk), "capacity": "1GiB"}, {"kind": "redis", "url": redis_url}):
+        with build_store({"namespace": "metrics", "tiers": [tier]}) as store:
+            counts.append(sum("|kv|" in record.text for record in store.tiers[0].iter_stored()))
+    return counts[0], counts[1]
 
-        deadline = time.monotonic() + 120
-        while not all(held()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        until_quiet(held, 1.0, 120)
+
+def _written_behind(disk: Path, redis_url: str, kv_records: int) -> None:
+    """Until the disk and Redis hold at least ``kv_records`` KV records, and neither changed for a second: a
+    server answers before its write-behind wrote the answer's records (the limit ends a hang)."""
+    deadline = time.monotonic() + 120
+    while min(_kv_records(disk, redis_url)) < kv_records and time.monotonic() < deadline:
+        time.sleep(0.2)
+    until_quiet(lambda: _kv_records(disk, redis_url), 1.0, 120)
+
+
+def _prompt_kv_records(answer: dict) -> int:
+    """The KV records a prompt leaves stored: one per layer (the tiny BLIP-2's 2) of each 64-token chunk of its
+    full 32-token blocks, the last chunk maybe partial."""
+    full_blocks = answer["usage"]["prompt_tokens"] // 32
+    return -(-full_blocks // 2) * 2
 
 
 def delete_kv_records(disk: Path) -> int:
@@ -172,10 +184,11 @@ def test_metrics_list_every_series_from_the_start_and_count_disk_and_redis(
 
         first = chat(server, 1, TEXT_A)  # KV and encoder output saved: disk, Redis (memory: the image only)
         assert cached_tokens(first) == 0, first["usage"]
-        _written_behind(disk, redis_url)  # the background writes of the slower tiers, landed
+        # the background writes of the slower tiers, landed
+        _written_behind(disk, redis_url, _prompt_kv_records(first))
         from_disk = chat(server, 1, TEXT_A)
         assert cached_tokens(from_disk) > 0, (from_disk["usage"], server.log_tail())
-        _written_behind(disk, redis_url)
+        _written_behind(disk, redis_url, _prompt_kv_records(first))
         assert delete_kv_records(disk) > 0
         from_redis = chat(server, 1, TEXT_A)
         assert cached_tokens(from_redis) == cached_tokens(from_disk), from_redis["usage"]
