@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_tiercache.tools.bench.trace.gpu_pool import GpuPrefixCache
 from vllm_tiercache.tools.bench.trace.mooncake import TraceRequest
@@ -53,43 +54,57 @@ def replay_memory_tier(traffic: Sequence[Asked], policy: str, capacity_bytes: in
     """``traffic`` through a real `MemoryTier` of ``capacity_bytes`` with ``policy``."""
     import torch
 
-    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
-    from vllm_tiercache.shared.store.api import StoreKey
     from vllm_tiercache.shared.store.tiers.memory.config import MemoryTierConfig
     from vllm_tiercache.shared.store.tiers.memory.tier import MemoryTier
 
     tier = MemoryTier(MemoryTierConfig(capacity=capacity_bytes, policy=policy))
     record = torch.empty(record_bytes, dtype=torch.uint8)  # the tier keeps the object: one serves every block
-    keys: dict[int, StoreKey] = {}
-
-    def key(block: int) -> StoreKey:
-        k = keys.get(block)
-        if k is None:
-            k = keys[block] = StoreKey(f"trace|{block}")
-        return k
-
+    key = BlockKeys()
     found = asked = 0
     started = time.perf_counter()
     for done, request in enumerate(traffic, 1):
-        blocks = [key(b) for b in request.blocks]
-        asked += len(blocks)
-        present = tier.contains_many(blocks)
-        hit = present.index(False) if False in present else len(present)
-        found += hit
-        if hit:
-            tier.get_many(blocks[:hit])
-        parent = blocks[hit - 1] if hit else (key(request.parent) if request.parent is not None else None)
-        items = []
-        for k in blocks[hit:]:
-            items.append((k, record, {PARENT_KEY: parent.digest} if parent is not None else None))
-            parent = k
-        if items:
-            tier.put_many(items)
+        found += serve(tier, request, key, record, tier.put_many)
+        asked += len(request.blocks)
         if progress is not None and done % 256 == 0:
             progress(256)
     if progress is not None:
         progress(len(traffic) % 256)
     return ReplayResult(found, asked, time.perf_counter() - started)
+
+
+class BlockKeys:
+    """A trace block's store key, made once per block (``trace|<id>``)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, Any] = {}
+
+    def __call__(self, block: int) -> Any:
+        key = self._keys.get(block)
+        if key is None:
+            from vllm_tiercache.shared.store.api import StoreKey
+
+            key = self._keys[block] = StoreKey(f"trace|{block}")
+        return key
+
+
+def serve(cache: Any, request: Asked, key: BlockKeys, record: Any, put: Callable[[list[Any]], None]) -> int:
+    """One request's traffic through ``cache`` (a tier or a store): the leading run of its blocks found, read;
+    the rest put with ``put``, each record naming the block before it as its parent. Returns the blocks found."""
+    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
+
+    blocks = [key(b) for b in request.blocks]
+    present = cache.contains_many(blocks)
+    hit = present.index(False) if False in present else len(present)
+    if hit:
+        cache.get_many(blocks[:hit])
+    parent = blocks[hit - 1] if hit else (key(request.parent) if request.parent is not None else None)
+    items = []
+    for k in blocks[hit:]:
+        items.append((k, record, {PARENT_KEY: parent.digest} if parent is not None else None))
+        parent = k
+    if items:
+        put(items)
+    return hit
 
 
 def plain_lru_hits(traffic: Sequence[Asked], capacity: int) -> int:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_tiercache.tools.bench.trace.replay import Asked
+from vllm_tiercache.tools.bench.trace.replay import Asked, BlockKeys, serve
 
 
 @dataclass
@@ -71,20 +71,12 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
     import torch
 
     import vllm_tiercache.shared.store.tiers.disk.bookkeeping as bookkeeping
-    from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
     from vllm_tiercache.shared.store import build_store
-    from vllm_tiercache.shared.store.api import StoreKey
 
     largest = max((b for t in traffic for b in t.blocks), default=0)
     disk_bytes = split.disk_blocks * disk_record_bytes(record_bytes, largest)
     record = torch.empty(record_bytes, dtype=torch.uint8)
-    keys: dict[int, StoreKey] = {}
-
-    def key(block: int) -> StoreKey:
-        k = keys.get(block)
-        if k is None:
-            k = keys[block] = StoreKey(f"trace|{block}")
-        return k
+    key = BlockKeys()
 
     refresh = bookkeeping.ATIME_REFRESH_NS
     bookkeeping.ATIME_REFRESH_NS = 0
@@ -98,21 +90,8 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
                 asked = found = 0
                 started = time.perf_counter()
                 for done, request in enumerate(traffic, 1):
-                    blocks = [key(b) for b in request.blocks]
-                    asked += len(blocks)
-                    present = store.contains_many(blocks)
-                    hit = present.index(False) if False in present else len(present)
-                    found += hit
-                    if hit:
-                        store.get_many(blocks[:hit])
-                    parent = blocks[hit - 1] if hit else (key(request.parent) if request.parent is not None
-                                                          else None)
-                    items = []
-                    for k in blocks[hit:]:
-                        items.append((k, record, {PARENT_KEY: parent.digest} if parent is not None else None))
-                        parent = k
-                    if items:
-                        store.put_many(items, owned=True)
+                    found += serve(store, request, key, record, lambda items: store.put_many(items, owned=True))
+                    asked += len(request.blocks)
                     store.flush()
                     if progress is not None and done % 256 == 0:
                         progress(256)
