@@ -274,8 +274,8 @@ def half_line(_opts: dict[str, Any]) -> None:
 def object_writer(opts: dict[str, Any]) -> None:
     """A precompute-like producer on a store whose one tier is the object tier ``opts["tier"]`` (credentials
     from this process's environment): writes ``count`` records from ``start`` (tagged ``tag``) in batches,
-    flushing after each, then one last sweep of its janitor; reports puts, drops and evictions. Patient, as a
-    job's store is."""
+    flushing after each (with ``until_put``, more until ``count`` were put), then one last sweep of its
+    janitor; reports puts, drops and evictions. Patient, as a job's store is."""
     from vllm_tiercache.shared.store import build_store
 
     # patient, as a precompute job's store (`write_patience_s`): a loaded machine's slow second of SeaweedFS is
@@ -285,12 +285,17 @@ def object_writer(opts: dict[str, Any]) -> None:
     tier = store.tiers[0]
     start, count, batch = int(opts.get("start", 0)), int(opts["count"]), int(opts.get("batch", 4))
     meta_tags = {"tags": [opts["tag"]]} if opts.get("tag") else {}
+    # ``until_put``: new records until ``count`` were put, not only tried (a record no grant holds is dropped,
+    # and a loaded machine's slow sweeps drop many), within ``limit_s``
+    until_put, limit = bool(opts.get("until_put")), time.monotonic() + float(opts.get("limit_s", 300.0))
     _say("ready")
-    for i in range(start, start + count, batch):
-        ids = range(i, min(i + batch, start + count))
+    i = start
+    while i < start + count or (until_put and tier.counters.get("puts") < count and time.monotonic() < limit):
+        ids = range(i, i + batch) if until_put else range(i, min(i + batch, start + count))
         store.put_many([(fault_key(j), expected_tensor(j), {**expected_meta(j), **meta_tags}) for j in ids],
                        owned=True, always_admit=True)
         store.flush()
+        i += batch
     stats = store.stats()["tiers"][tier.name]
     store.close()
     _emit({"puts": stats["puts"], "dropped": stats["dropped_writes"], "evictions": stats["evictions"],

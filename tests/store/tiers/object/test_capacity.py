@@ -118,12 +118,12 @@ def test_four_writer_processes_stay_bounded_and_a_pinned_corpus_keeps_every_hit(
     tier = tier_of(s3_bucket, **fields)
     tier.put_many([(fault_key(i), expected_tensor(i), expected_meta_of[i]) for i in corpus])
     tier.write_control(pin_changes(["corpus:v1"], None, True))
-    # each writer writes 2.6 MiB or so: ten times capacity in all
+    # each writer puts 2.6 MiB or so (writing on past what its grants dropped): ten times capacity in all
     per_writer = 160
     tier_item = s3_bucket.tier_config(**fields)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.support.store_workers", "object_writer",
-         json.dumps({"tier": tier_item, "start": w * per_writer, "count": per_writer, "batch": batch})],
+         json.dumps({"tier": tier_item, "start": w * 10_000, "count": per_writer, "batch": batch, "until_put": True})],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(writers)]
     peak = 0
     while any(p.poll() is None for p in procs):
