@@ -175,7 +175,8 @@ class FarLookups:
         return bool(ticket.probe.chunks) and local_blocks < ticket.probe.chunks[-1][0]
 
     def forget(self, req_id: str) -> None:
-        """The request is over (finished or aborted); its prefetches, if any, still land."""
+        """The request is over (finished or aborted), or is to be probed anew (preempted); its prefetches, if
+        any, still land."""
         self._tickets.pop(req_id, None)
         self._unfetched.discard(req_id)
 

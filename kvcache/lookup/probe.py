@@ -64,8 +64,8 @@ class Probe:
     where: list[Where] = field(default_factory=list)
     shorter: tuple[int, bytes, Where] | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    #: the far tiers' answers for the shorter endings inside the first chunk, asked with the chunks (or None)
-    _first_shorter_far: list[bool] | None = field(default=None, repr=False)
+    #: the shorter endings inside the first chunk and the far tiers' answers for them, asked with the chunks
+    _first_shorter: tuple[list[tuple[int, bytes]], list[bool]] | None = field(default=None, repr=False)
 
     def run(self, store: Store) -> None:
         """Ask the tiers (on a probe thread): the near ones for every record of the chunks not resident,
@@ -93,7 +93,8 @@ class Probe:
                 for i, hit in zip(far, found[: len(far)], strict=True):
                     if hit:
                         where[i] = Where.FAR
-                self._first_shorter_far = found[len(far):]
+                if first_shorter:
+                    self._first_shorter = first_shorter, found[len(far):]
         self.found = where
         self.where = up_to_first_missing(where)
         cut = len(self.where) - self.where.count(Where.MISSING)
@@ -109,7 +110,8 @@ class Probe:
     def _shorter(self, store: Store, index: int) -> tuple[int, bytes, Where] | None:
         """The longest stored chunk that starts where chunk ``index`` starts and ends before it does: a near
         one (every record there) first, else the longest a far tier holds the probe record of."""
-        named = self._shorter_named(index)
+        asked_far = self._first_shorter if index == 0 else None
+        named = asked_far[0] if asked_far is not None else self._shorter_named(index)
         if not named:
             return None
         near = store.contains_many([self.names.probe_key(h) for _, h in named], shared_only=True, bounded=False,
@@ -118,8 +120,8 @@ class Probe:
             if hit and all(store.contains_many(self.names.record_keys(h), shared_only=True, bounded=False,
                                                reach="near")):
                 return e, h, Where.NEAR
-        if index == 0 and self._first_shorter_far is not None:
-            far = self._first_shorter_far  # asked with the chunks
+        if asked_far is not None:
+            far = asked_far[1]  # asked with the chunks
         else:
             far = store.contains_many([self.names.probe_key(h) for _, h in named], shared_only=True,
                                       bounded=False, reach="far")

@@ -59,9 +59,15 @@ def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, 
             return True
         return False
 
+    sizes: dict[bytes, int] = {}
+
     def size_of(digest: bytes) -> int:
-        entry = index.get(txn, digest)
-        return entry.size if entry is not None else 0
+        """The record's size from the index, read once per eviction (the pin rule and the total both ask)."""
+        size = sizes.get(digest)
+        if size is None:
+            entry = index.get(txn, digest)
+            size = sizes[digest] = entry.size if entry is not None else 0
+        return size
 
     def take(digest: bytes, size: int) -> None:
         """``digest`` goes, and every descendant the pin rule does not keep."""
