@@ -165,17 +165,16 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     arrived, first_token, scheduled = timings["arrival"], timings["first_token"], timings["first_scheduled"]
     ttft = [first_token[rid] - arrived[rid] for rid in hit_ids]
     queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid in hit_ids]
-    background_queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid, _, _ in requests
-                         if rid.startswith("background-")]
-    background_scheduled = max((_first_scheduled(scheduled, rid) for rid, _, _ in requests
-                                if rid.startswith("background-")), default=0.0)
+    background_first = {rid: _first_scheduled(scheduled, rid) for rid, _, _ in requests
+                        if rid.startswith("background-")}
+    background_queued = [when - arrived[rid] for rid, when in background_first.items()]
+    background_scheduled = max(background_first.values(), default=0.0)
     answers = {rid: _first_scheduled(answered, rid) - arrived[rid] for rid, _, _ in requests
-               if any(name == rid or name.startswith(f"{rid}-") for name in answered)}
+               if _of_request(answered, rid)}
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
             "hit_tokens": sum(cached), "hit_tokens_each": cached,
             # the connector's first answer per stored prompt (tokens past vLLM's own prefix cache)
-            "hit_answer_tokens_each": [next((n for name, n in answered_tokens.items()
-                                             if name == rid or name.startswith(f"{rid}-")), None) for rid in hit_ids],
+            "hit_answer_tokens_each": [next(iter(_of_request(answered_tokens, rid)), None) for rid in hit_ids],
             "far_counters": far_counters,
             "store_stats": store_stats,
             "hit_not_ready": sum(len(at) for rid, at in not_ready.items() if rid.startswith("hit-")),
@@ -243,10 +242,15 @@ def _prefetch_counters() -> dict[str, int]:
     return {name: int(getattr(worker.counters, name, 0)) + int(worker.totals.get(name, 0)) for name in names}
 
 
+def _of_request(by_id: dict[str, Any], rid: str) -> list[Any]:
+    """The values of ``by_id`` (keyed by the engine core's request ids) that belong to request ``rid``: the
+    core knows it by ``rid`` plus the suffix vLLM's input processor adds (``-<8 hex>``)."""
+    return [value for name, value in by_id.items() if name == rid or name.startswith(f"{rid}-")]
+
+
 def _first_scheduled(scheduled: dict[str, float], rid: str) -> float:
-    """When a schedule first gave request ``rid`` tokens: the engine core knows it by ``rid`` plus the
-    suffix vLLM's input processor adds (``-<8 hex>``)."""
-    return min(when for name, when in scheduled.items() if name == rid or name.startswith(f"{rid}-"))
+    """When a schedule first gave request ``rid`` tokens."""
+    return min(_of_request(scheduled, rid))
 
 
 def _run_requests(engine: Any, requests: list[tuple[str, Any, Any]], timings: dict[str, Any]) -> dict[str, Any]:
