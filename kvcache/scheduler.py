@@ -123,7 +123,7 @@ class KVSchedulerSide:
         (`vllm_tiercache.kvcache.events.tracker`; nothing runs otherwise). `require_cache_salt`: `UnsaltedRequests`.
         `lookup_deadline_s`: > 0 where the store has a far tier, lookups and loads never wait on the network
         here or in a forward pass (`vllm_tiercache.kvcache.lookup.far`), and a request waits at most this
-        long after its arrival for them; 0: lookups on this thread, bounded by the store's lookup budget."""
+        long for them once its turn came; 0: lookups on this thread, bounded by the store's lookup budget."""
         self.store = store
         self.naming = naming
         self.can_load = can_load

@@ -13,13 +13,19 @@ the answer never waits on the network:
    while the request waits for its lookup or its turn. A chunk already on its way for another request is
    not asked again, nor one the workers' memory or vLLM's own prefix cache holds.
 3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
-   (``lookup_deadline_ms`` after its arrival), whichever comes first: the hit is the prefix of chunks
+   (``lookup_deadline_ms`` after its turn: vLLM's first ask), whichever comes first: the hit is the prefix of chunks
    the workers hold staged (a chunk of their memory tier is staged too: the memory tier may evict it
    before the load, and its residency report comes a step late) or a near tier holds, and its load in
    the forward pass reads those only (``near_loads``). What the deadline cut
    short is a miss, counted (``lookups_late``, ``prefetches_late``); so is a prefetched chunk dropped from host memory
    before its request ran (``prefetches_evicted``: its staging time passed, or room was needed), or
    one gone between the answer and the load (a failed load, recomputed by vLLM).
+
+Why the deadline runs from the request's turn and not its arrival: it bounds how long a request that could
+run waits on the store. A request queued behind other users' prefills waits for its turn anyway; its probe
+and fetch started at its arrival and use that time, and a fetch still in flight when its turn comes (the
+fetches were slowed by those prefills on the same cores) is worth the deadline's wait. From its arrival,
+such a request reached its turn past its deadline and dropped chunks a moment from staged: a recompute.
 
 Never more than one probe per request and preemption: after its answer a request that is asked again (no
 free blocks yet) is answered at once from what is staged then, so there is no livelock. A request vLLM
@@ -57,7 +63,8 @@ class FarTicket:
     """One request's lookup: its probe, its deadline, and the chunks it waits for."""
 
     probe: Probe
-    deadline: float
+    #: when its wait on the store ends: ``lookup_deadline_ms`` after vLLM first asks (None: not asked yet)
+    deadline: float | None = None
     #: vLLM's ``cache_salt`` of the request (a sealing store opens its records with its subkey)
     tenant: str | None = field(default=None, repr=False)
     #: names of the far chunks fetched for it, and whether its answer has been given (later asks are at once)
@@ -91,7 +98,7 @@ class FarLookups:
                  local_blocks: Callable[[Request], int] | None = None, ranks: int = 1,
                  failed: dict[bytes, None] | None = None) -> None:
         """``local_blocks``: how many of a waiting request's blocks vLLM's own prefix cache holds now (never
-        fetched again); ``deadline_s``: how long after its arrival a request waits at most for the far tiers;
+        fetched again); ``deadline_s``: how long a request waits at most for the far tiers once its turn came;
         ``ranks``: the workers that each stage their own records of a chunk; ``failed``: the scheduler side's
         chunks a load or a prefetch could not use (never claimed, nor fetched, until saved anew)."""
         self.failed = failed if failed is not None else {}
@@ -104,8 +111,9 @@ class FarLookups:
         self.deadline_s = deadline_s
         self._probes = ProbeThreads(store)
         self._tickets: dict[str, FarTicket] = {}
-        #: the requests whose chunks are not named for a fetch yet (`take_prefetches` looks at these alone)
-        self._unfetched: set[str] = set()
+        #: the requests whose chunks are not named for a fetch yet (`take_prefetches` looks at these alone), in
+        #: arrival order: vLLM's queue order, so the first in line is fetched first
+        self._unfetched: dict[str, None] = {}
         #: chunk name -> when its prefetch was asked (one fetch per chunk at a time, across requests)
         self._in_flight: dict[bytes, float] = {}
         #: chunks a worker reported fetched, for the evicted-before-it-ran count
@@ -122,9 +130,9 @@ class FarLookups:
         resident = [name in self.resident and name not in self.failed for _, name in chunks]
         probe = Probe(state.request, state.names, chunks, resident)
         self._tickets[state.request.request_id] = FarTicket(
-            probe, time.monotonic() + self.deadline_s, tenant=getattr(state.request, "cache_salt", None),
+            probe, tenant=getattr(state.request, "cache_salt", None),
             preemptions=getattr(state.request, "num_preemptions", 0))
-        self._unfetched.add(state.request.request_id)
+        self._unfetched[state.request.request_id] = None
         self._probes.submit(probe)
 
     def answer(self, state: RequestState, local_blocks: int) -> FarAnswer | None:
@@ -136,11 +144,14 @@ class FarLookups:
         elif ticket is not None:
             return self._answer_ticket(ticket, local_blocks)
         self.start(state)  # at its first ask (vLLM told of no arrival) or after a preemption: asked next step
+        self._tickets[state.request.request_id].deadline = time.monotonic() + self.deadline_s
         return None
 
     def _answer_ticket(self, ticket: FarTicket, local_blocks: int) -> FarAnswer | None:
         """`answer` for a request whose probe was started."""
         now = time.monotonic()
+        if ticket.deadline is None:  # its turn: from now on it waits on the store
+            ticket.deadline = now + self.deadline_s
         late = now >= ticket.deadline
         probe = ticket.probe
         if not ticket.answered:
@@ -149,7 +160,7 @@ class FarLookups:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
-                self._unfetched.discard(probe.request.request_id)
+                self._unfetched.pop(probe.request.request_id, None)
                 return self._answer(ticket, local_blocks, probe_in=False)
             if not ticket.prefetching:
                 self._prefetch(ticket, local_blocks)
@@ -178,12 +189,12 @@ class FarLookups:
         """The request is over (finished or aborted), or is to be probed anew (preempted); its prefetches, if
         any, still land."""
         self._tickets.pop(req_id, None)
-        self._unfetched.discard(req_id)
+        self._unfetched.pop(req_id, None)
 
     def _prefetch(self, ticket: FarTicket, local_blocks: int) -> None:
         """Name the far chunks of the request's probed prefix for the workers to fetch (once per ticket)."""
         ticket.prefetching = True
-        self._unfetched.discard(ticket.probe.request.request_id)
+        self._unfetched.pop(ticket.probe.request.request_id, None)
         probe = ticket.probe
         # the workers' memory tier's chunks too: staged, they cannot be evicted between this answer and the load
         # (a memory hit for the prefetcher; the residency report of an eviction comes a step late)

@@ -266,6 +266,41 @@ def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its
             side.shutdown()
 
 
+def test_a_request_whose_turn_comes_after_its_deadline_from_arrival_still_waits_for_its_fetch(redis_tier) -> None:
+    """Queued behind other users' prefills, a request reaches its turn later than ``lookup_deadline_ms`` after its
+    arrival, its fetch still in flight (slowed by those prefills on the same cores): it waits for the fetch then,
+    and is a whole hit, not a miss. Its wait on the store counts from its turn."""
+    with far_scene(redis_tier, "q", seed=11) as (request, full, _store, side, worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
+        side.on_new_request(request)
+        probe_done(side, "q")
+        meta = empty_step(side)
+        assert sorted(p.chunk_hash for p in meta.prefetches) == sorted(full)
+        threading.Event().wait(0.5)  # queued: its deadline counted from its arrival has passed
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # its turn: the fetch is in flight
+        worker.play(meta, side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert side.take_counters() == {}
+
+
+def test_chunks_are_named_for_a_fetch_in_the_requests_arrival_order(redis_tier) -> None:
+    """vLLM serves its queue first come first served: the first in line is fetched first, whatever order the
+    probes came back in."""
+    requests = [make_request(f"o{i}", tokens(PROMPT_TOKENS, seed=40 + i)) for i in range(6)]
+    store_chunks(redis_tier, [r.block_hashes[end] for r in requests for end in (3, 7)])
+    with store_with(redis_tier) as store:
+        side = far_side(store)
+        try:
+            for request in requests:
+                side.on_new_request(request)
+            for request in reversed(requests):
+                probe_done(side, request.request_id)
+            named = [p.chunk_hash for p in empty_step(side).prefetches]
+            assert named == [r.block_hashes[end] for r in requests for end in (3, 7)]
+        finally:
+            side.shutdown()
+
+
 def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(redis_tier) -> None:
     first, second = make_request("x", tokens(PROMPT_TOKENS, seed=4)), make_request("y", tokens(PROMPT_TOKENS, seed=4))
     full = [first.block_hashes[3], first.block_hashes[7]]
