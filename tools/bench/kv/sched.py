@@ -148,14 +148,15 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             return {}
         core = llm.llm_engine.engine_core.engine_core
         timings = _time_steps(core)
-        not_ready, answered, answered_tokens = _count_unready_answers(core)
+        not_ready, answered, answered_tokens, allocated_tokens = _count_unready_answers(core)
+        far_totals = _count_far(core)
         requests = [(f"background-{i}", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                                           temperature=0.0)) for i, p in enumerate(background)]
         requests += [(f"hit-{i}", p, SamplingParams(max_tokens=1, temperature=0.0)) for i, p in enumerate(hits)]
         finished = _run_requests(llm.llm_engine, requests, timings)
         hit_ids = [rid for rid, _, _ in requests if rid.startswith("hit-")]
         cached = [int(finished[rid].num_cached_tokens or 0) for rid in hit_ids]
-        far_counters = {**_far_counters(core), **_prefetch_counters()}
+        far_counters = {**far_totals, **_prefetch_counters()}
         from vllm_tiercache.shared import store as store_module
 
         store_stats = [store.stats() for store in list(store_module._STORES.values())]
@@ -173,8 +174,10 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
                if _of_request(answered, rid)}
     return {"arm": args.arm, "steps": len(step), "idle_steps": len(timings["step"]) - len(step),
             "hit_tokens": sum(cached), "hit_tokens_each": cached,
-            # the connector's first answer per stored prompt (tokens past vLLM's own prefix cache)
+            # per stored prompt, the connector's answers that were not None and the external tokens vLLM
+            # allocated for (tokens past vLLM's own prefix cache), in order
             "hit_answer_tokens_each": [next(iter(_of_request(answered_tokens, rid)), None) for rid in hit_ids],
+            "hit_allocated_tokens_each": [next(iter(_of_request(allocated_tokens, rid)), None) for rid in hit_ids],
             "far_counters": far_counters,
             "store_stats": store_stats,
             "hit_not_ready": sum(len(at) for rid, at in not_ready.items() if rid.startswith("hit-")),
@@ -193,38 +196,59 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
 
 
-def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float], dict[str, int]]:
-    """Wrap the scheduler's connector's ``get_num_new_matched_tokens`` on the instance: per request (vLLM's
-    id), when vLLM reached it in its queue and the answer was None (lookup or prefetch still pending: the
-    request waits a step on the store), when the first answer that was not None came, and the tokens it
-    promised. Empty without a connector."""
+def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[int]],
+                                               dict[str, list[int]]]:
+    """Wrap the scheduler's connector's ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` on the
+    instance: per request (vLLM's id), when vLLM reached it in its queue and the answer was None (lookup or
+    prefetch still pending: the request waits a step on the store), when the first answer that was not None
+    came, the tokens each such answer promised, and the external tokens of each allocation (a request whose
+    blocks did not fit is asked again, and may be answered less). Empty without a connector."""
     counts: dict[str, list[float]] = {}
     answered: dict[str, float] = {}
-    answered_tokens: dict[str, int] = {}
+    answered_tokens: dict[str, list[int]] = {}
+    allocated_tokens: dict[str, list[int]] = {}
 
     connector = getattr(core.scheduler, "connector", None)
     if connector is None:
-        return counts, answered, answered_tokens
-    real = connector.get_num_new_matched_tokens
+        return counts, answered, answered_tokens, allocated_tokens
+    real_ask, real_alloc = connector.get_num_new_matched_tokens, connector.update_state_after_alloc
 
     def ask(request: Any, *a: Any, **k: Any) -> Any:
-        answer = real(request, *a, **k)
+        answer = real_ask(request, *a, **k)
         if answer[0] is None:
             counts.setdefault(request.request_id, []).append(time.perf_counter())
         else:
             answered.setdefault(request.request_id, time.perf_counter())
-            answered_tokens.setdefault(request.request_id, int(answer[0]))
+            answered_tokens.setdefault(request.request_id, []).append(int(answer[0]))
         return answer
-    connector.get_num_new_matched_tokens = ask
-    return counts, answered, answered_tokens
+
+    def allocated(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        allocated_tokens.setdefault(request.request_id, []).append(int(num_external_tokens))
+        return real_alloc(request, blocks, num_external_tokens)
+    connector.get_num_new_matched_tokens, connector.update_state_after_alloc = ask, allocated
+    return counts, answered, answered_tokens, allocated_tokens
 
 
-def _far_counters(core: Any) -> dict[str, int]:
-    """The scheduler side's far-lookup counters (lookups_late, prefetches_late, prefetches_evicted), for the
-    JSON report: why a stored prompt got fewer hit tokens than it has. Empty without far lookups."""
+def _count_far(core: Any) -> dict[str, int]:
+    """The scheduler side's far-lookup counters (lookups_late, prefetches_late, prefetches_evicted) summed over
+    the run, for the JSON report: why a stored prompt got fewer hit tokens than it has. The connector hands
+    them to vLLM's stats each step (``take_counters`` zeroes them), so each take is added up here. Empty
+    without far lookups."""
+    totals: dict[str, int] = {}
     side = getattr(getattr(core.scheduler, "connector", None), "_scheduler", None)
     far = getattr(side, "far", None)
-    return dict(far.counters) if far is not None else {}
+    if far is None:
+        return totals
+    real = far.take_counters
+
+    def take() -> dict[str, int]:
+        taken = real()
+        for name, value in taken.items():
+            totals[name] = totals.get(name, 0) + value
+        return taken
+    far.take_counters = take
+    totals.update({name: 0 for name in far.counters})
+    return totals
 
 
 def _prefetch_counters() -> dict[str, int]:
@@ -359,7 +383,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"{report['store']} {rtt} away (far0: 0 ms)",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
              f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s} "
-             f"{'not ready':>10s} {'at turn':>8s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
+             f"{'not ready':>10s} {'at turn':>8s} {'late':>5s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
              f"{'TTFT p50/far0':>14s}"]
     for row in report["arms"]:
         ratio = f"{row['hit_ttft_p50_ms'] / far0['hit_ttft_p50_ms']:14.2f}" if far0 else f"{'-':>14s}"
@@ -368,16 +392,23 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{row['step_p50_ms']:8.2f}m "
                      f"{row['step_p99_ms']:8.2f}m {row['sched_p99_ms'] / base['sched_p99_ms']:15.2f} "
                      f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f} "
-                     f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} "
+                     f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} {_late(row):5d} "
                      f"{row['hit_queued_p50_ms']:10.1f}m "
                      f"{row['hit_ttft_p50_ms']:8.1f}m {row['hit_ttft_max_ms']:8.1f}m {ratio}")
     lines.append("  (ms; over the steps that ran a forward: sched, Scheduler.schedule + update_from_output; step, the "
                  "engine step's wall time; idle: steps while every request waited, max: the scheduler's longest "
                  "of all steps; the stored prompts': hit tok, vLLM's cached tokens summed; not ready, the times vLLM "
                  "reached one in its queue and the connector's answer was still pending (it waited a step on the "
-                 "store), at turn: of these, once every background prompt was scheduled; queued, from arrival to "
-                 "first scheduled; TTFT, from arrival to the step that returned the first token)")
+                 "store), at turn: of these, once every background prompt was scheduled; late: lookups and chunk "
+                 "fetches cut short by lookup_deadline_ms (their chunks computed), over all requests; queued, from "
+                 "arrival to first scheduled; TTFT, from arrival to the step that returned the first token)")
     return "\n".join(lines)
+
+
+def _late(row: dict[str, Any]) -> int:
+    """The arm's lookups and chunk fetches its deadline cut short (0 without far lookups)."""
+    counters = row.get("far_counters", {})
+    return int(counters.get("lookups_late", 0)) + int(counters.get("prefetches_late", 0))
 
 
 def run(args: argparse.Namespace) -> int:

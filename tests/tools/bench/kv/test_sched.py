@@ -77,6 +77,9 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     assert rows["vllm"]["hit_tokens"] == 0, rows  # no connector: full prefills
     # the far tier gave each stored prompt all its chunks but the last block's worth vLLM recomputes
     assert rows["far0"]["hit_tokens_each"] == [512 - 2 * 16] * 2, rows
+    assert rows["far0"]["hit_allocated_tokens_each"] == [[512 - 2 * 16]] * 2, rows  # answered and allocated once
+    # the deadline counters, summed over the run (the engine takes them each step)
+    assert {"lookups_late", "prefetches_late", "prefetches_evicted"} <= set(rows["far0"]["far_counters"]), rows
     assert rows["far0"]["hit_answered_p50_ms"] > 0 and rows["far0"]["background_all_scheduled_ms"] > 0, rows
     for row in rows.values():  # queued behind the background's one-step prefill, then their own step
         assert 0 < row["hit_queued_p50_ms"] <= row["hit_ttft_p50_ms"] <= row["hit_ttft_max_ms"], row
