@@ -323,6 +323,8 @@ class TieredStore:
 
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
+        if self._demotion is not None:  # a tier exclusive of memory drops what memory now holds
+            self._demotion.promoted(self.tiers[found_tier], [key for key, _, _ in items])
         self._put_sync(self.tiers[0], items)
         if found_tier > 1:
             self._writer.submit(self.tiers[1:found_tier], items)
