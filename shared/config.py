@@ -131,6 +131,12 @@ def _parse_tiers(raw: Any, _handler: Any) -> tuple[Any, ...]:
         if item.get("kind") not in kinds:
             raise _err(f"tiers[{i}].kind", item.get("kind"), ", ".join(kinds))
         tiers.append(registry.config_class(item["kind"]).from_raw(item, f"tiers[{i}]"))
+    front_config = tiers[0]  # a config class's own declaration (a ClassVar), not a tier's
+    for i, t in enumerate(tiers[1:], 1):  # an exclusive tier is written only what the front tier evicts
+        admission = getattr(t, "admission", None)
+        if admission is not None and admission.evicted and not getattr(front_config, "HANDS_OVER_EVICTIONS", False):
+            raise _err(f"tiers[{i}].admission.policy", admission.policy,
+                       "always or seen (evicted needs a memory tier first: it is written what memory evicts)")
     seen_paths: set[str] = set()
     for i, t in enumerate(tiers):
         if isinstance(getattr(t, "path", None), str):  # a directory the tier owns (disk, gds)

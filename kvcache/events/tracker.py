@@ -6,14 +6,15 @@ process learns anyway:
 - **memory tier** (``CPU``): the workers' residency reports (`TieredKVWorkerMetadata`: a chunk every layer
   of which every rank's memory tier holds, or one it dropped), applied in the same step vLLM publishes.
 - **shared tiers** (``DISK`` for disk/GDS, ``STORAGE`` for a store whose shared tiers are all remote):
-  a chunk whose save was planned is asked of the shared tiers (at most ``confirm_per_step`` chunks per
-  step, only while some are waiting: their last-written record, then every record of every rank of those
-  that have it) until they hold it, or until ``confirm_timeout_s`` passes (a write-behind dropped it). A
-  lookup that finds a chunk stored announces it too (after a restart, the disk's chunks are announced as
-  requests find them), and one that finds an announced chunk gone withdraws it. Records another process
-  drops (`tiercache evict`, a disk LRU of another engine, a corrupt record deleted by a reader) are found
-  by a sweep: every ``sweep_interval_s``, ``sweep_chunks`` announced chunks in turn are asked again (by
-  one record each).
+  a chunk whose save was planned, or that the memory tier reported dropped while not announced there (a
+  tier exclusive of memory, admission ``evicted``, is written it then), is asked of the shared tiers (at
+  most ``confirm_per_step`` chunks per step, only while some are waiting: their last-written record, then
+  every record of every rank of those that have it) until they hold it, or until ``confirm_timeout_s``
+  passes (a write-behind dropped it). A lookup that finds a chunk stored announces it too (after a
+  restart, the disk's chunks are announced as requests find them), and one that finds an announced chunk
+  gone withdraws it. Records another process drops (`tiercache evict`, a disk LRU of another engine, a
+  corrupt record deleted by a reader) are found by a sweep: every ``sweep_interval_s``, ``sweep_chunks``
+  announced chunks in turn are asked again (by one record each).
 - every chunk whose save is planned is journaled (`vllm_tiercache.kvcache.events.journal`, written on its
   own thread), and at start the chunks the journal lists and the shared tiers still hold are announced
   with the first step (`vllm_tiercache.kvcache.events.discovery`: checked on a thread started with the
@@ -158,6 +159,11 @@ class TierEventTracker:
         self.ledger.stored_many(added, self.memory_medium)
         for name in evicted:
             self.ledger.removed(name, self.memory_medium)
+            if self.shared_medium is not None and self.ledger.knows(name) and name not in self._unconfirmed \
+                    and not self.ledger.holds(name, self.shared_medium):
+                # a shared tier exclusive of memory (admission evicted) is written the chunk now: the report
+                # comes once its records landed, so it is asked for again (found at once: announced there)
+                self._unconfirmed[name] = self.clock() + self.confirm_timeout_s
 
     def failed(self, names: Iterable[bytes]) -> None:
         """Chunks a load could not use: servable from nowhere until saved again."""

@@ -126,7 +126,9 @@ def describe_tiers(config: StoreConfig) -> str:
         if isinstance(policy, str):
             words.append(policy)
         admission = getattr(tier_config, "admission", None)
-        if admission is not None and not admission.always:  # write-through is the default: not worth a word
+        if admission is not None and admission.evicted:
+            words.append("admits memory's evictions")
+        elif admission is not None and not admission.always:  # write-through is the default: not worth a word
             words.append(f"admits seen>={admission.min_seen}" + (
                 f" or reused>={admission.reused_prompt_share:g}" if admission.reused_prompt_share is not None else ""))
         parts.append(" ".join(words))

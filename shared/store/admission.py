@@ -24,6 +24,10 @@ any put). A record the memory tier evicts first is forgotten here; its count sta
 Exempt (always admitted to every tier): puts with ``always_admit`` (precomputed and pinned records, the
 KV event journal) and ``urgent`` puts (a prefill/decode hand-off, which another engine waits for).
 
+A tier whose admission is ``evicted`` takes no put (exempt ones aside): it is written what the memory
+tier evicts (`demote_to`; the store's `vllm_tiercache.shared.store.writes.demotion` does it), so it holds
+what memory does not. Its puts are not counted refused: they reach it later, on eviction.
+
 Counters, per slower tier: ``writes_admitted`` (records handed to it: admitted puts and write-downs),
 ``writes_refused`` (records a put kept in memory only).
 
@@ -59,13 +63,18 @@ class AdmissionGate:
 
     def __init__(self, slower: Sequence[Tier], rules: Sequence[AdmissionConfig | None]) -> None:
         self.slower = list(slower)
-        self._min_seen = [0 if rule is None or rule.always else rule.min_seen for rule in rules]
+        #: bit i set: slower[i] is written the memory tier's evictions instead of puts (admission ``evicted``)
+        self._demote = sum(1 << i for i, rule in enumerate(rules) if rule is not None and rule.evicted)
+        #: the tiers the memory tier's evictions are written down to (the store's demotion)
+        self.demote_to = [tier for i, tier in enumerate(self.slower) if self._demote >> i & 1]
+        counted = [rule if rule is not None and rule.policy == "seen" else None for rule in rules]
+        self._min_seen = [0 if rule is None else rule.min_seen for rule in counted]
         #: slower[i] admits a put whose request reused at least this share of its prompt (None: never)
-        self._reused_share = [None if rule is None or rule.always else rule.reused_prompt_share for rule in rules]
+        self._reused_share = [None if rule is None else rule.reused_prompt_share for rule in counted]
         #: slower[i]'s sketch, as an index into ``_sketches`` (one sketch per window size); None: always
         self._sketch_of: list[int | None] = []
         sketches: dict[int, FrequencySketch] = {}
-        for rule, threshold in zip(rules, self._min_seen, strict=True):
+        for rule, threshold in zip(counted, self._min_seen, strict=True):
             if not threshold:
                 self._sketch_of.append(None)
                 continue
@@ -75,12 +84,14 @@ class AdmissionGate:
                 sketches[window] = FrequencySketch(window, sample_factor=1)
             self._sketch_of.append(list(sketches).index(window))
         self._sketches = list(sketches.values())
-        self._limit = _REMEMBERED_PER_WINDOW * max((rule.window_records for rule in rules if rule), default=0)
+        self._limit = _REMEMBERED_PER_WINDOW * max((rule.window_records for rule in counted if rule), default=0)
         #: digest -> bit i set: slower[i] refused the record, which the fastest tier still holds
         self._refused: dict[bytes, int] = {}
         self._lock = threading.Lock()
         #: False when every slower tier admits everything: puts skip the gate
-        self.active = any(self._min_seen)
+        self.active = any(self._min_seen) or bool(self._demote)
+        #: False when no tier counts uses (``seen``): reads skip the gate
+        self._counting = any(self._min_seen)
 
     def _count(self, keys: Sequence[StoreKey]) -> list[list[int]]:
         """Count one access of each key; its frequency in each sketch (by sketch index), lock held."""
@@ -104,8 +115,13 @@ class AdmissionGate:
         """The writes a put makes to the slower tiers: (tiers, items) groups; counts each tier's admitted
         and refused records. ``exempt``: every tier takes every item. ``reused_shares``: per item, the share
         of its prompt the putting request reused (None: no request)."""
+        if not exempt and not self._counting:  # only ``evicted`` tiers differ: the others take every put
+            through = [tier for i, tier in enumerate(self.slower) if not self._demote >> i & 1]
+            for tier in through:
+                tier.counters.add(writes_admitted=len(items))
+            return [(through, list(items))] if through else []
         if exempt or not self.active:
-            if self.active:  # written everywhere now: nothing left to write down on its next use
+            if self._counting:  # written everywhere now: nothing left to write down on its next use
                 with self._lock:
                     for item in items:
                         self._refused.pop(item[0].digest, None)
@@ -142,7 +158,7 @@ class AdmissionGate:
         """Count one access of each key a read returned; the write-downs that admits: (tiers, items) groups
         of the records the fastest tier served (``fastest``: key index -> its item (key, tensor, meta))
         that some tier refused and now admits."""
-        if not self.active or not keys:
+        if not self._counting or not keys:
             return []
         groups: dict[int, list[Any]] = {}
         with self._lock:
@@ -174,9 +190,10 @@ class AdmissionGate:
         """(tiers, items) per set of refusing tiers (bit i: slower[i] refused), counted per tier."""
         out = []
         for refused, items in by_refused.items():
-            tiers = [tier for i, tier in enumerate(self.slower) if not refused >> i & 1]
+            tiers = [tier for i, tier in enumerate(self.slower) if not (refused | self._demote) >> i & 1]
             for i, tier in enumerate(self.slower):
-                tier.counters.add(**{"writes_refused" if refused >> i & 1 else "writes_admitted": len(items)})
+                if not self._demote >> i & 1:  # an ``evicted`` tier is written later, on eviction
+                    tier.counters.add(**{"writes_refused" if refused >> i & 1 else "writes_admitted": len(items)})
             if tiers:
                 out.append((tiers, items))
         return out
@@ -189,7 +206,7 @@ class AdmissionGate:
 
     def forget(self, digest: bytes) -> None:
         """The fastest tier dropped the record: nothing is left to write down (its count stays)."""
-        if self.active:
+        if self._counting:
             with self._lock:
                 self._refused.pop(digest, None)
 

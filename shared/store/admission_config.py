@@ -15,7 +15,10 @@ sketch W-TinyLFU uses, `vllm_tiercache.shared.eviction.sketch.FrequencySketch`, 
 after ``window_records`` accesses; or, with ``reused_prompt_share``, at once when the put comes from a
 request whose prompt was mostly reused: a conversation's next turn and a question on a cached document
 extend a prefix that is being asked again, and their new chunks are the next turn's prefix). Measured:
-docs/benchmarks.md, "Admission to the slower tiers".
+docs/benchmarks.md, "Admission to the slower tiers". ``evicted`` makes the tier exclusive of the memory
+tier (a put is not written through; what the memory tier evicts is written down, and a clean close writes
+down the rest): memory and that tier then hold different records, so together they hold their sum, not
+about the slower one's alone (docs/benchmarks-kv.md, issue 56); the price is durability, below.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pydantic import ConfigDict, Field, Strict
 
 from vllm_tiercache.shared.store.tier_config import Allowed, ConfigError, did_you_mean, invalid, validate
 
-AdmissionPolicy = Literal["always", "seen"]
+AdmissionPolicy = Literal["always", "seen", "evicted"]
 ADMISSION_POLICIES: tuple[str, ...] = get_args(AdmissionPolicy)
 #: The sketch's counters have 4 bits: a count never exceeds 15, so neither may the threshold.
 MAX_MIN_SEEN = 15
@@ -51,8 +54,14 @@ class AdmissionConfig:
         "always: every put is written to this tier too (write-through; what a restart or another machine "
         "relies on). seen: a record reaches this tier once it was asked for min_seen times in this process "
         "(the put that stored it counts, then each hit): until then it lives in the memory tier only, and "
-        "the hit that admits it writes the memory copy down in the background. Records a precompute job, a "
-        "pin or a prefill/decode hand-off writes are always admitted.")),
+        "the hit that admits it writes the memory copy down in the background. evicted (exclusive of the "
+        "memory tier): a put is not written to this tier; a record reaches it when the memory tier evicts it "
+        "(or refuses it on arrival), through the background writer, and a clean close writes down what "
+        "memory still holds. Memory and this tier then hold different records, so the pair holds their sum "
+        "(write-through holds about this tier alone: memory keeps copies of it). The trade: a record lives "
+        "in this process's memory only until it is evicted, so a crash (not a clean close) loses it, and "
+        "other processes and machines do not see it there. Records a precompute job, a "
+        "pin or a prefill/decode hand-off writes are always admitted (written through).")),
         Allowed(", ".join(ADMISSION_POLICIES))] = "always"
     min_seen: Annotated[int, Strict(), Field(ge=2, le=MAX_MIN_SEEN, description=(
         "seen: how many accesses (the storing put, then hits) admit a record; counted in a 4-bit frequency "
@@ -76,6 +85,11 @@ class AdmissionConfig:
     @property
     def always(self) -> bool:
         return self.policy == "always"
+
+    @property
+    def evicted(self) -> bool:
+        """Exclusive of the memory tier: written down on memory's evictions, not on puts."""
+        return self.policy == "evicted"
 
 
 #: The section's keys, in declaration order (what an unknown key's message lists).

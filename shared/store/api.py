@@ -341,6 +341,22 @@ class InProcessTier(ReportsEvictions):
     leaves out the keys it holds."""
 
 
+class HandsOverEvictions(ABC):
+    """Can hand the records it lets go of for room to a sink, whole (key, tensor, meta), and list what it
+    holds: what an exclusive slower tier (admission ``evicted``) is written (`vllm_tiercache.shared.store.
+    writes.demotion`). Memory: its evictions and the records it refuses on arrival, never an invalidation."""
+
+    @abstractmethod
+    def set_eviction_sink(self, sink: Callable[[list[tuple[StoreKey, torch.Tensor, dict[str, Any]]]], None] | None
+                          ) -> None:
+        """Call ``sink(items)`` with the records each put let go of for room, before the eviction listeners
+        hear of them (None: no sink)."""
+
+    @abstractmethod
+    def held_items(self) -> list[tuple[StoreKey, torch.Tensor, dict[str, Any]]]:
+        """Every record held now, least recently written first (a clean close writes them down)."""
+
+
 class FileTier:
     """Keeps its records in files (disk, GDS): a KV hit served from such tiers alone is what vLLM counts as a
     disk hit (`CacheHitSource.DISK`, `vllm_tiercache.kvcache.scheduler`). A declaration with no members."""

@@ -54,7 +54,8 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "lookups_past_budget": "Scheduler lookups this network tier did not answer within lookup_budget_ms (misses).",
     "lookups_skipped": "Scheduler lookups that skipped this network tier: its previous call was still outstanding.",
     "writes_admitted": "Records the store's admission handed to this slower tier (puts, and write-downs of records "
-                       "kept in memory until they were used again).",
+                       "kept in memory until they were used again, or, with admission evicted, until memory "
+                       "evicted them).",
     "sealed_rejected": "Sealed records that did not open (unknown or retired key id, bad tag, truncated or edited, "
                        "another tenant's, or plaintext in a sealing store); read as misses, the damaged ones deleted.",
     "throttled": "Answers that asked the writer to slow down (S3 503 SlowDown or 429, Redis OOM or LOADING): a "

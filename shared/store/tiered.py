@@ -3,7 +3,8 @@
 Read path: ask tiers in order, each only for the keys still missing (one batched call per tier); a hit
 in a slower tier is promoted into the faster ones. Write path: the fastest tier synchronously, slower
 tiers through the bounded background writer, so a put costs one memory copy, never an fsync or a
-network round trip.
+network round trip. A slower tier whose admission is ``evicted`` is exclusive of memory instead: it is
+written what memory evicts, and on a clean close what memory still holds (`writes.demotion`).
 
 Write-behind stays readable: a record queued for the slower tiers stays in the write-behind buffer
 (`vllm_tiercache.shared.store.writes.behind`) until the writer has written it, and reads consult it right
@@ -74,6 +75,7 @@ from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
 from vllm_tiercache.shared.store.writes.background import BackgroundWriter, Item
 from vllm_tiercache.shared.store.writes.behind import WriteBehindBuffer
+from vllm_tiercache.shared.store.writes.demotion import Demotion
 from vllm_tiercache.shared.store.writes.patience import put_patiently
 from vllm_tiercache.shared.threads import background_thread
 
@@ -177,6 +179,8 @@ class TieredStore:
         self._admission = AdmissionGate(self.tiers[1:], rules or [None] * (len(self.tiers) - 1))
         if self._admission.active and isinstance(self.tiers[0], ReportsEvictions):
             self.tiers[0].add_eviction_listener(self._admission.forget)
+        #: memory's evictions written down to the tiers exclusive of it (admission ``evicted``); None: none are
+        self._demotion = Demotion.of(self.tiers, self._admission.demote_to, self._write_down)
 
     # ------------------------------------------------------------------------------------------ reads
     def _tiers(self, shared_only: bool, reach: Reach = "all") -> list[tuple[int, Tier]]:
@@ -319,6 +323,8 @@ class TieredStore:
 
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
+        if self._demotion is not None:  # a tier exclusive of memory drops what memory now holds
+            self._demotion.promoted(self.tiers[found_tier], [key for key, _, _ in items])
         self._put_sync(self.tiers[0], items)
         if found_tier > 1:
             self._writer.submit(self.tiers[1:found_tier], items)
@@ -518,6 +524,8 @@ class TieredStore:
         self.control.close()
         for lookup in self._bounded.values():
             lookup.close()
+        if self._demotion is not None:  # a clean close: what only memory holds is written down first
+            self._demotion.write_down_held()
         if not self._writer.close(timeout):
             log.warning("tiercache: closing with %d slower-tier writes not flushed", self._writer.pending)
         for tier in self.tiers:

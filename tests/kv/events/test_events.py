@@ -44,6 +44,7 @@ from vllm_tiercache.kvcache.events.ledger import MEDIUM_DISK, MEDIUM_MEMORY, MED
 from vllm_tiercache.kvcache.events.tracker import shared_medium
 from vllm_tiercache.kvcache.off_step import OffStepJob
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
+from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.tools.redis_server import RedisServer
 from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec
 
@@ -295,6 +296,35 @@ def test_evictions_withdraw_each_tier_on_its_own(tiny_llama: Path, tmp_path: Pat
     engine.report(TieredKVWorkerMetadata(failed={names[0]}))
     removed = engine.events(BlockRemoved)
     assert [(e.medium, len(e.block_hashes)) for e in removed] == [(MEDIUM_MEMORY, 4)]
+
+
+def test_a_chunk_memory_demotes_to_an_exclusive_disk_is_announced_there(tiny_llama: Path, tmp_path: Path) -> None:
+    """A disk exclusive of memory (admission ``evicted``) is written a chunk only when memory evicts it, long
+    after its save's confirmation gave up: the memory tier's eviction report asks the disk again."""
+    disk = {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "256MiB", "admission": {"policy": "evicted"}}
+    engine = Published(_config(tiny_llama, None, shared_tier=disk))
+    tracker = engine.connector._scheduler.events  # type: ignore[union-attr]
+    tracker.confirm_timeout_s = 0.0  # the save's confirmation gives up at its first "not there"
+    out, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(5), BLOCK))
+    names = _play_saves(engine.connector, meta)
+    engine.finish(out, TieredKVWorkerMetadata(added=set(names)))
+    engine.report(TieredKVWorkerMetadata())
+    published = engine.events(BlockStored)
+    assert len([e for e in published if e.medium == MEDIUM_MEMORY]) == 3
+    assert [e for e in published if e.medium == MEDIUM_DISK] == []  # in memory only: nothing to announce there
+    store = engine.connector._store
+    store.put_many([(StoreKey(f"ev|filler|{i}"), torch.zeros(256 * 1024), None) for i in range(80)])  # 80 MiB
+    assert store.flush(10.0)
+    naming = engine.connector._scheduler.naming  # type: ignore[union-attr]
+    keys = [naming.record_key(name, layer, 0) for name in names for layer in naming.groups.groups[0].layers]
+    assert store.tiers[0].contains_many(keys) == [False] * len(keys)  # evicted: demoted to disk
+    assert store.tiers[1].contains_many(keys) == [True] * len(keys)
+    engine.report(TieredKVWorkerMetadata(evicted=set(names)))  # the workers' report of that eviction
+    engine.report(TieredKVWorkerMetadata())
+    published = engine.events()
+    removed = [e for e in published if isinstance(e, BlockRemoved)]
+    assert {e.medium for e in removed} == {MEDIUM_MEMORY} and sum(len(e.block_hashes) for e in removed) == 12
+    assert len([e for e in published if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK]) == 3
 
 
 def _store_config(tmp_path: Path) -> dict[str, Any]:

@@ -140,8 +140,9 @@ def test_reuse_analysis_shares_per_feature(tmp_path) -> None:
 
 
 def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> None:
-    """`--disk-share`: a real store of memory + disk per policy; the hits the tiers count add up to the
-    blocks found, the pair stays under the optimum at the combined capacity, and the table names the split."""
+    """`--disk-share`: a real store of memory + disk per policy, write-through and exclusive; the hits the
+    tiers count add up to the blocks found, the pair stays under the optimum at the combined capacity, the
+    exclusive pair finds at least what the write-through one finds, and the table names the split."""
     trace = tmp_path / "gen.jsonl"
     write_trace(trace, generate_trace(300, seed=3))
     proc = _cli(str(trace), "--capacities", "10k,40k", "--policies", "lru", "prefix", "--cost-puts", "0",
@@ -151,13 +152,18 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
         pair = row["memory_disk"]
         assert pair["memory_blocks"] + pair["disk_blocks"] == row["capacity_blocks"]
         assert pair["disk_blocks"] == round(0.75 * row["capacity_blocks"])
-        for policy in ("lru", "prefix"):
-            r = pair["policies"][policy]
-            assert r["memory"] + r["disk"] == pytest.approx(r["total"]), r
-            assert 0 < r["disk"] and r["total"] <= row["optimum"] + 1e-9, (row, r)
+        assert pair["policies"] == pair["arrangements"]["write-through"]
+        for arrangement in ("write-through", "exclusive"):
+            for policy in ("lru", "prefix"):
+                r = pair["arrangements"][arrangement][policy]
+                assert r["memory"] + r["disk"] == pytest.approx(r["total"]), r
+                assert 0 < r["disk"] and r["total"] <= row["optimum"] + 1e-9, (row, r)
+        for policy in ("lru", "prefix"):  # the pair holds memory + disk, not about the disk alone
+            assert pair["arrangements"]["exclusive"][policy]["total"] >= pair["policies"][policy]["total"], pair
     table = _cli(str(trace), "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0", "--disk-share", "0.5")
     assert table.returncode == 0, table.stderr[-3000:]
     assert "memory 0.5 / disk 0.5 of each capacity" in table.stdout and "mem + disk = total" in table.stdout
+    assert "(prefix) write-through:" in table.stdout and "(prefix) exclusive:" in table.stdout
     bad = _cli(str(trace), "--disk-share", "1")
     assert bad.returncode == 2 and "--disk-share" in bad.stderr
 

@@ -8,8 +8,9 @@ Beside them: a plain LRU (no store code, the reference the tier's lru must match
 the optimum it closes. A second table is each policy's cost per put against LRU's (`cost`).
 
 ``--disk-share S`` also replays each policy through a real store of memory + disk (`tiers`): at each
-capacity, the share S of it on disk and the rest in memory; a second table prints the hits each tier
-served against the same plain LRU and optimum at the combined capacity.
+capacity, the share S of it on disk and the rest in memory, once write-through (every put on disk too)
+and once exclusive (the disk written memory's evictions: admission ``evicted``); a second table prints
+the hits each tier served against the same plain LRU and optimum at the combined capacity.
 
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
@@ -34,7 +35,7 @@ from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, 
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
 from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, replay_memory_tier, store_traffic
 from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
-from vllm_tiercache.tools.bench.trace.tiers import TierSplit, replay_memory_disk
+from vllm_tiercache.tools.bench.trace.tiers import ARRANGEMENTS, TierSplit, replay_memory_disk
 from vllm_tiercache.tools.cli import UsageError, int_at_least
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -111,7 +112,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     traffic = store_traffic(requests, args.gpu_blocks)
     asked = sum(len(t.blocks) for t in traffic)
     rows = []
-    passes = len(args.capacities) * len(args.policies) * (2 if args.disk_share is not None else 1)
+    passes = len(args.capacities) * len(args.policies) * (1 + len(ARRANGEMENTS) if args.disk_share is not None else 1)
     with _progress(len(traffic) * passes) as bar:
         for tokens in args.capacities:
             blocks = tokens // BLOCK_TOKENS
@@ -132,33 +133,41 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _memory_disk(traffic: list[Asked], args: argparse.Namespace, blocks: int, progress: Any) -> dict[str, Any]:
-    """Each policy in memory, the disk tier behind it: the split and, per policy, each tier's share of hits."""
+    """Each policy in memory, the disk tier behind it, in each arrangement (`ARRANGEMENTS`): the split and,
+    per arrangement and policy, each tier's share of hits (``policies``: write-through, as before)."""
     split = TierSplit.of(blocks, args.disk_share)
-    out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks, "policies": {}}
-    for policy in args.policies:
-        result = replay_memory_disk(traffic, policy, split, args.record_bytes, progress)
-        out["policies"][policy] = {"memory": result.ratio(result.memory), "disk": result.ratio(result.disk),
-                                   "total": result.ratio(result.found), "seconds": round(result.seconds, 2)}
+    out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks,
+                           "arrangements": {}}
+    for arrangement in ARRANGEMENTS:
+        cells = out["arrangements"][arrangement] = {}
+        for policy in args.policies:
+            result = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement)
+            cells[policy] = {"memory": result.ratio(result.memory), "disk": result.ratio(result.disk),
+                             "total": result.ratio(result.found), "seconds": round(result.seconds, 2)}
+    out["policies"] = out["arrangements"]["write-through"]
     return out
 
 
 def format_memory_disk(result: dict[str, Any], policies: list[str], disk_share: float) -> str:
     """The memory + disk table: per capacity and memory policy, memory hits + disk hits = total."""
     header = ["capacity", "memory/disk blocks", "LRU (plain)",
-              *(f"{policy_entry(p).label} ({p}): mem + disk = total" for p in policies), "optimum"]
+              *(f"{policy_entry(p).label} ({p}) {a}: mem + disk = total" for p in policies for a in ARRANGEMENTS),
+              "optimum"]
     lines = []
     for row in result["rows"]:
         pair = row["memory_disk"]
         cells = [format_tokens(row["capacity_tokens"]), f"{pair['memory_blocks']}/{pair['disk_blocks']}",
                  f"{row['lru_reference']:.3f}"]
         for p in policies:
-            r = pair["policies"][p]
-            cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} = {r['total']:.3f}")
+            for arrangement in ARRANGEMENTS:
+                r = pair["arrangements"][arrangement][p]
+                cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} = {r['total']:.3f}")
         lines.append([*cells, f"{row['optimum']:.3f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
     text.append(f"(memory {1 - disk_share:g} and disk {disk_share:g} of each capacity; the disk tier evicts by its "
-                "own rules whatever the memory policy; LRU (plain) and optimum at the combined capacity)")
+                "own rules whatever the memory policy; write-through: every put on disk too; exclusive: the disk "
+                "written memory's evictions (admission evicted); LRU (plain) and optimum at the combined capacity)")
     return "\n".join(text)
 
 
@@ -230,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
         _plot(result, args.policies, args.plot)
     beaten = [(row["capacity_tokens"], p) for row in result["rows"] for p, v in row["policies"].items()
               if v > row["optimum"] + 1e-9]
-    beaten += [(row["capacity_tokens"], f"{p} + disk") for row in result["rows"]
-               for p, v in row.get("memory_disk", {}).get("policies", {}).items() if v["total"] > row["optimum"] + 1e-9]
+    beaten += [(row["capacity_tokens"], f"{p} + disk {a}") for row in result["rows"]
+               for a, cells in row.get("memory_disk", {}).get("arrangements", {}).items()
+               for p, v in cells.items() if v["total"] > row["optimum"] + 1e-9]
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -6,6 +6,11 @@ evicted with its descendants: `vllm_tiercache.shared.store.tiers.disk.capacity`)
 `replay` (`contains_many` of the store, `get_many` of the leading run found, `put_many` of the rest, each
 block a record naming its parent), through the store's real read path: a disk hit is promoted into memory.
 
+Two arrangements of the pair (`ARRANGEMENTS`): ``write-through`` (the disk's default admission, ``always``:
+every put is written to disk too, so memory holds copies of what disk holds) and ``exclusive`` (the disk's
+admission ``evicted``: a put stays in memory, and memory's evictions are written down to disk,
+`vllm_tiercache.shared.store.writes.demotion`).
+
 Two settings differ from a serving store, so that the replay is deterministic and says what the
 policies do rather than how the threads race: the slower tier's writes are waited for after every
 request (`TieredStore.flush`: the write queue never drops), and a disk read refreshes its record's access
@@ -21,6 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_tiercache.tools.bench.trace.replay import Asked, BlockKeys, serve
+
+#: arrangement -> the disk tier's admission section
+ARRANGEMENTS: dict[str, dict[str, str]] = {"write-through": {"policy": "always"}, "exclusive": {"policy": "evicted"}}
 
 
 @dataclass
@@ -66,8 +74,10 @@ def disk_record_bytes(record_bytes: int, largest_block: int) -> int:
 
 
 def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: TierSplit, record_bytes: int,
-                       progress: Callable[[int], None] | None = None) -> TiersResult:
-    """``traffic`` through a real store: memory (``memory_policy``) then disk, in a fresh temp directory."""
+                       progress: Callable[[int], None] | None = None, arrangement: str = "write-through"
+                       ) -> TiersResult:
+    """``traffic`` through a real store: memory (``memory_policy``) then disk, in a fresh temp directory,
+    the disk admitting as ``arrangement`` says (`ARRANGEMENTS`)."""
     import torch
 
     import vllm_tiercache.shared.store.tiers.disk.bookkeeping as bookkeeping
@@ -84,7 +94,8 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
         with tempfile.TemporaryDirectory(prefix="tiercache-trace-") as directory:
             store = build_store({"tiers": [
                 {"kind": "memory", "capacity": split.memory_blocks * record_bytes, "policy": memory_policy},
-                {"kind": "disk", "path": directory, "capacity": disk_bytes, "fsync": False}]})
+                {"kind": "disk", "path": directory, "capacity": disk_bytes, "fsync": False,
+                 "admission": ARRANGEMENTS[arrangement]}]})
             memory_tier, disk_tier = store.tiers
             try:
                 asked = found = 0

@@ -55,6 +55,9 @@ class MemoryTierConfig:
 
     __pydantic_config__ = ConfigDict(extra="forbid")
     POLICIES: ClassVar[tuple[str, ...]] = get_args(MemoryPolicy)
+    #: the tier hands the records it evicts to the store (`HandsOverEvictions`): a slower tier behind it may
+    #: be exclusive of it (admission ``evicted``)
+    HANDS_OVER_EVICTIONS: ClassVar[bool] = True
 
     capacity: Annotated[Capacity, EnvDefault("TIERCACHE_MEMORY_CAPACITY"), Field(
         description="Bytes the tier may hold: an int or a size string such as \"8GiB\". Default: "

@@ -17,6 +17,11 @@ are in its meta; the tier indexes tagged records by tag and remembers when each 
 `drop_tagged` (an invalidation the store's control poller saw) drops exactly the records of a tag written
 before the invalidation, and eviction skips the records of pinned tags (`set_pinned_tags`), up to
 ``pin_budget`` of the capacity, while unpinned records remain.
+
+Records let go of for room (evicted, or refused on arrival) are handed whole to the eviction sink, when
+the store set one (`HandsOverEvictions`): an exclusive slower tier is written them (admission
+``evicted``, `vllm_tiercache.shared.store.writes.demotion`). Invalidated records are not: they are gone
+everywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vllm_tiercache.shared.eviction import make_policy
 from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store.api import (
     DropsTagged,
+    HandsOverEvictions,
     HonorsPins,
     InProcessTier,
     Record,
@@ -47,7 +53,7 @@ from vllm_tiercache.shared.store.tiers.memory.config import MemoryTierConfig
 _PER_PROCESS = "a memory tier lives inside each serving process; another process cannot list or delete its records"
 
 
-class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
+class MemoryTier(InProcessTier, DropsTagged, HonorsPins, HandsOverEvictions):
     """Bounded in bytes; a record larger than the capacity is refused (counted as `refused`)."""
 
     kind = "memory"
@@ -59,7 +65,8 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
         self.capacity = config.capacity
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        self._items: dict[bytes, tuple[Record, int]] = {}
+        #: digest -> (record, bytes counted, its key: what the eviction sink is handed)
+        self._items: dict[bytes, tuple[Record, int, StoreKey]] = {}
         #: tag -> digests of the records carrying it; digest -> when it was written (tagged records only)
         self._tagged: dict[str, set[bytes]] = {}
         self._written: dict[bytes, float] = {}
@@ -69,10 +76,20 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
         self.policy = make_policy(config.policy, self.capacity, "memory.policy")
         self._bytes = 0
         self._evict_listeners: list[Callable[[bytes], None]] = []
+        self._sink: Callable[[list[tuple[StoreKey, torch.Tensor, dict[str, Any]]]], None] | None = None
 
     def add_eviction_listener(self, listener: Callable[[bytes], None]) -> None:
         """Call `listener(digest)` after a record leaves this tier (the KV connector's residency reports)."""
         self._evict_listeners.append(listener)
+
+    def set_eviction_sink(self, sink: Callable[[list[tuple[StoreKey, torch.Tensor, dict[str, Any]]]], None] | None
+                          ) -> None:
+        """Hand the records a put lets go of for room to ``sink`` (module docstring)."""
+        self._sink = sink
+
+    def held_items(self) -> list[tuple[StoreKey, torch.Tensor, dict[str, Any]]]:
+        with self._lock:
+            return [(key, record.tensor, record.meta) for record, _, key in self._items.values()]
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         with self._lock:
@@ -93,18 +110,21 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
         evicted = refused = admission_refused = puts = written = 0
         evicted_digests: list[bytes] = []
+        let_go: list[tuple[StoreKey, torch.Tensor, dict[str, Any]]] = []  # for the sink: evicted or refused
         with self._lock:
             for key, tensor, meta in items:
                 size = tensor.numel() * tensor.element_size()
                 if size > self.capacity:
                     refused += 1
+                    if self._sink is not None:
+                        let_go.append((key, tensor, dict(meta or {})))
                     continue
                 old = self._items.pop(key.digest, None)
                 if old is not None:  # rewritten: the policy updates it in place (a prefix keeps its children)
                     self._bytes -= old[1]
                     self._untag(key.digest, old[0])
                 record = Record(tensor, dict(meta or {}))
-                self._items[key.digest] = (record, size)
+                self._items[key.digest] = (record, size, key)
                 self._tag(key.digest, record)
                 self.policy.insert(key.digest, size, parent_of(meta))
                 self._bytes += size
@@ -115,6 +135,8 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
                     gone = self._items.pop(digest)
                     self._bytes -= gone[1]
                     self._untag(digest, gone[0])
+                    if self._sink is not None:
+                        let_go.append((gone[2], gone[0].tensor, gone[0].meta))
                     if digest == key.digest and old is None:
                         # Refused on arrival: never resident, nobody to tell, and not a put either.
                         refused += 1
@@ -127,6 +149,8 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
         self.counters.add(puts=puts, bytes_written=written, evictions=evicted, refused=refused)
         if admission_refused:  # only W-TinyLFU refuses by admission; LRU tiers keep the common key set
             self.counters.add(admission_refused=admission_refused)
+        if let_go and self._sink is not None:  # before the listeners: the store holds them back until written
+            self._sink(let_go)
         for digest in evicted_digests:
             for listener in self._evict_listeners:
                 listener(digest)
@@ -210,7 +234,7 @@ class MemoryTier(InProcessTier, DropsTagged, HonorsPins):
                 for digest in list(self._tagged.get(tag, ())):
                     if self._written.get(digest, before) >= before:
                         continue
-                    record, size = self._items.pop(digest)
+                    record, size, _ = self._items.pop(digest)
                     self._bytes -= size
                     self.policy.remove(digest)
                     self._untag(digest, record)

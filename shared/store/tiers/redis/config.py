@@ -98,8 +98,9 @@ class RedisTierConfig:
                     "too).")] = "lru"
     pin_budget: PinBudget = 0.0
     admission: Annotated[AdmissionConfig, Field(description=(
-        "Which puts are written to this tier: {\"policy\": \"always\"} (default) or {\"policy\": \"seen\", "
-        "\"min_seen\": 2}; see its table below (default: write-through)."))] = WRITE_THROUGH
+        "Which puts are written to this tier: {\"policy\": \"always\"} (default), {\"policy\": \"seen\", "
+        "\"min_seen\": 2} or {\"policy\": \"evicted\"} (exclusive of the memory tier); see its table below "
+        "(default: write-through)."))] = WRITE_THROUGH
     kind: Annotated[Literal["redis"], Field(description="The tier kind.")] = "redis"
 
     @property

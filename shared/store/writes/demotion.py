@@ -1,0 +1,105 @@
+"""Demotion: the memory tier's evictions written down to the slower tiers whose admission is ``evicted``.
+
+Why: with write-through (admission ``always``) every put lands in memory and on disk, so memory holds
+copies of what the disk holds and the pair holds about the disk's capacity of distinct records; replaying
+Mooncake's trace, memory 1/4 + disk 3/4 served less than a memory tier alone of the combined size
+(docs/benchmarks-kv.md, issue 56). An ``evicted`` tier is exclusive of memory instead: a put stays in
+memory, and what memory lets go of for room (evicted, or refused on arrival) is written down, so the two
+hold different records and together hold their sum. A hit in such a tier is promoted into memory and
+dropped from that tier (`promoted`, when the tier `DropsRecords`): memory writes it down again when it
+evicts it, so keeping it would hold a copy of what memory holds. Measured on Mooncake's trace (memory 1/4,
+disk 3/4; docs/benchmarks-kv.md, 2026-11-29): kept, 0.144 / 0.297 at 1M / 3M tokens; dropped, 0.147 /
+0.314 (write-through 0.118 / 0.258, plain LRU over the combined capacity 0.139 / 0.309). The price: one
+index transaction and unlinks per promoting read, and a promoted record lives in memory only until
+evicted again (a crash loses it; a clean close writes it down).
+
+How: the memory tier hands each put's let-go records to `Demotion.on_let_go` (`HandsOverEvictions`),
+on the putting thread, before its eviction listeners hear of them; they go to the store's write-down
+(the write-behind buffer, then the background writer), so they stay readable until written, and an
+eviction reaches listeners (residency reports, KV events) only once the record is on the slower tier:
+a record demoted is never announced gone while the store holds it. A full write queue drops them, as any
+write-down (counted ``dropped_writes``): the record is then lost, as a dropped write-through would be.
+
+`Demotion.write_down_held` runs on a clean close, before the writer's last flush: what memory still holds
+and the tier lacks is written down, least recently written first, ahead of the bounded queue (none is
+dropped for a full queue; memory already holds the tensors), so a clean restart finds everything.
+A crash loses what only memory held: the trade the config's docstring states.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from vllm_tiercache.shared.store.api import DropsRecords, HandsOverEvictions, StoreKey, Tier
+from vllm_tiercache.shared.store.writes.background import Item
+
+log = logging.getLogger(__name__)
+
+#: The store's write-down: (tiers, items) groups, each held readable until written; ``urgent=True``: never
+#: dropped for a full queue.
+WriteDown = Callable[..., None]
+#: Records per write-down job on close (one `contains_many` per tier, then one job).
+CLOSE_BATCH = 256
+
+
+class Demotion:
+    """Writes the memory tier's let-go records down to ``tiers`` (see the module docstring)."""
+
+    @classmethod
+    def of(cls, tiers: Sequence[Tier], demote_to: Sequence[Tier], write_down: WriteDown) -> Demotion | None:
+        """A store's demotion: None when no tier's admission is ``evicted``. Such a tier is written nothing
+        on puts, so a store whose fastest tier cannot hand over its evictions would never write it: refused."""
+        if not demote_to:
+            return None
+        front = tiers[0]
+        if not isinstance(front, HandsOverEvictions):
+            raise ValueError(f"admission evicted needs a memory tier first (tiers[0] is {front.kind}): the "
+                             f"{demote_to[0].name} tier would be written only by its evictions")
+        return cls(front, demote_to, write_down)
+
+    def __init__(self, memory: HandsOverEvictions, tiers: Sequence[Tier], write_down: WriteDown) -> None:
+        self.memory = memory
+        self.tiers = list(tiers)
+        self._write_down = write_down
+        memory.set_eviction_sink(self.on_let_go)
+
+    def on_let_go(self, items: list[Item]) -> None:
+        """The memory tier let go of ``items`` for room: written down (counted admitted on each tier)."""
+        for tier in self.tiers:
+            tier.counters.add(writes_admitted=len(items))
+        self._write_down([(self.tiers, items)])
+
+    def promoted(self, tier: Tier, keys: list[StoreKey]) -> None:
+        """``tier`` served ``keys``, about to be promoted into memory: dropped from it when it is one of the
+        demotion's tiers (module docstring). Before memory takes them: a record memory refuses at once is
+        then written down again after the drop, never dropped after its write-down."""
+        if tier in self.tiers and isinstance(tier, DropsRecords):
+            try:
+                tier.drop_many(keys)
+            except Exception as exc:  # a copy left behind costs capacity, never a hit
+                tier.counters.add(errors=1)
+                log.warning("tiercache: dropping promoted records from %s failed: %s", tier.name, exc)
+
+    def write_down_held(self) -> int:
+        """Write down what memory holds and a demotion tier lacks (a clean close); how many records.
+
+        The memory tier stops handing over evictions first: after this nothing more is written down."""
+        self.memory.set_eviction_sink(None)
+        held = self.memory.held_items()
+        queued = 0
+        for start in range(0, len(held), CLOSE_BATCH):
+            batch = held[start:start + CLOSE_BATCH]
+            groups = []
+            for tier in self.tiers:
+                try:
+                    has = tier.contains_many([key for key, _, _ in batch])
+                except Exception:  # a tier that does not answer now: write it all (a rewrite is harmless)
+                    has = [False] * len(batch)
+                missing = [item for item, found in zip(batch, has, strict=True) if not found]
+                if missing:
+                    tier.counters.add(writes_admitted=len(missing))
+                    groups.append(([tier], missing))
+                    queued += len(missing)
+            self._write_down(groups, urgent=True)  # more than the queue holds: none dropped on a clean close
+        return queued
