@@ -310,6 +310,8 @@ class KVSchedulerSide:
                 self.far.forget(req_id)
         if self.far is not None and self.far.staged:
             meta.release = self.far.consume([load.chunk_hash for plan in meta.requests for load in plan.loads])
+        if self.far is not None and not scheduler_output.num_scheduled_tokens:
+            self.far.idle()  # every request waits: not a busy loop against the threads they wait for
         return meta
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...]:

@@ -56,6 +56,12 @@ log = logging.getLogger(__name__)
 
 #: A prefetch the workers never reported (a worker restarted) is forgotten after this long, and may be asked again.
 FORGET_PREFETCH_S = 60.0
+#: How long a step that scheduled nothing while requests wait on far tiers holds the scheduling thread, unless a
+#: probe comes in first. Why: vLLM steps again at once when every waiting request's answer is None, and that
+#: loop held the interpreter, starving the probe and fetch threads it waits for (in-process, a far0 arm ran
+#: 456 such steps, and a cold prompt's first lookup took 300 ms against 23 ms alone). A new request waits at most
+#: this long more; a far tier answers in a round trip or more anyway.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -285,6 +291,12 @@ class FarLookups:
             self.staged.discard(name)
             self._staged_by.pop(name, None)
         return released
+
+    def idle(self) -> None:
+        """The step scheduled nothing: while some request waits for its answer, give the probe and fetch
+        threads the interpreter for up to `IDLE_WAIT_S` (a probe coming in ends the wait)."""
+        if any(not ticket.answered for ticket in self._tickets.values()):
+            self._probes.wait_for_one(IDLE_WAIT_S)
 
     def take_counters(self) -> dict[str, int]:
         out = {name: value for name, value in self.counters.items() if value}

@@ -137,9 +137,16 @@ class ProbeThreads:
     def __init__(self, store: Store, threads: int = PROBE_THREADS) -> None:
         self.store = store
         self._threads: WorkerThreads[Probe] = WorkerThreads(self._run, "tiercache-kv-lookup", threads)
+        #: set each time a probe is in (`wait_for_one`)
+        self._finished = threading.Event()
 
     def submit(self, probe: Probe) -> None:
         self._threads.put(probe)
+
+    def wait_for_one(self, timeout: float) -> None:
+        """Wait until a probe comes in (any, since the last wait) or ``timeout`` passes."""
+        self._finished.wait(timeout)
+        self._finished.clear()
 
     def _run(self, probe: Probe) -> None:
         try:
@@ -150,6 +157,7 @@ class ProbeThreads:
             probe.where = up_to_first_missing(probe.found)
         finally:
             probe.done.set()
+            self._finished.set()
 
     def close(self) -> None:
         self._threads.close()

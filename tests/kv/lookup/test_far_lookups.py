@@ -21,6 +21,7 @@ import torch
 from tests.kv.test_kv_scheduler import BLOCK, CHUNK, IDENTITY, BlockTable, make_request, step, tokens
 from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
 from vllm_tiercache.kvcache.load.staging import Staging
+from vllm_tiercache.kvcache.lookup.far import IDLE_WAIT_S
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
 from vllm_tiercache.kvcache.scheduler import KVSchedulerSide
@@ -299,6 +300,35 @@ def test_chunks_are_named_for_a_fetch_in_the_requests_arrival_order(redis_tier) 
             assert named == [r.block_hashes[end] for r in requests for end in (3, 7)]
         finally:
             side.shutdown()
+
+
+def test_a_step_that_scheduled_nothing_while_a_request_waits_yields_to_the_threads_it_waits_for(redis_tier) -> None:
+    """vLLM steps again at once while every waiting request's answer is None: such a step gives the probe and
+    fetch threads the interpreter for a moment, instead of a busy loop against them; other steps never wait."""
+    with far_scene(redis_tier, "i", seed=12) as (request, _full, _store, side, worker):
+        assert side.far is not None
+        waits: list[float] = []
+        real = side.far._probes.wait_for_one
+
+        def waiting(timeout: float) -> None:
+            waits.append(timeout)
+            real(timeout)
+        side.far._probes.wait_for_one = waiting  # type: ignore[method-assign]
+        empty_step(side)
+        assert waits == []  # no request waits on the store
+        side.on_new_request(request)
+        meta = empty_step(side)
+        assert waits == [IDLE_WAIT_S]
+        side.build_connector_meta(step([], [], {"other": 16}))  # a step that computes
+        assert waits == [IDLE_WAIT_S]
+        probe_done(side, "i")
+        if not meta.prefetches:  # the probe came in after that step: the next one names its chunks
+            meta = empty_step(side)
+        worker.play(meta, side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        before = len(waits)
+        empty_step(side)
+        assert len(waits) == before  # answered: no step waits for it any more
 
 
 def test_an_aborted_requests_prefetch_lands_for_the_next_request_fetched_once(redis_tier) -> None:
