@@ -323,9 +323,9 @@ class TieredStore:
 
     def _promote(self, found_tier: int, items: list[Item]) -> None:
         """Copy hits into faster tiers: the fastest synchronously, the ones in between in background."""
+        self._put_sync(self.tiers[0], items)
         if self._demotion is not None:  # a tier exclusive of memory drops what memory now holds
             self._demotion.promoted(self.tiers[found_tier], [key for key, _, _ in items])
-        self._put_sync(self.tiers[0], items)
         if found_tier > 1:
             self._writer.submit(self.tiers[1:found_tier], items)
 
@@ -385,9 +385,9 @@ class TieredStore:
         tier.counters.add(write_seconds=time.perf_counter() - start)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued slower-tier writes are done; False when ``timeout`` passed first. A patient
-        store (``write_patience_s``) waits that much longer: its writes may be waiting out a tier."""
-        return self._writer.flush(timeout)
+        """Wait until queued slower-tier writes (and drops, `writes.demotion`) are done; False when ``timeout``
+        passed first. A patient store (``write_patience_s``) waits longer: its writes may be waiting out a tier."""
+        return self._writer.flush(timeout) and (self._demotion is None or self._demotion.flush(timeout))
 
     @property
     def write_patience_s(self) -> float:

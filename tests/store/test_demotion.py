@@ -7,6 +7,8 @@ record is on disk; exempt puts are still written through; capacities hold on bot
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -134,3 +136,23 @@ def test_an_exclusive_tier_behind_a_tier_that_cannot_hand_over_evictions_is_refu
         StoreConfig.load({"tiers": [
             {"kind": "disk", "path": str(tmp_path / "a"), "capacity": "1MiB"},
             {"kind": "disk", "path": str(tmp_path / "b"), "capacity": "1MiB", "admission": {"policy": "evicted"}}]})
+
+
+def test_a_promoted_record_is_dropped_from_disk_off_the_reading_thread(tmp_path):
+    """A disk read may be a KV load inside vLLM's forward pass: the drop (an index transaction, file unlinks)
+    runs on the demotion's own thread, never on the reader's."""
+    keys = [_k(i) for i in range(6)]
+    with build_store(_config(tmp_path)) as store:
+        store.put_many([(k, _t(i), None) for i, k in enumerate(keys)])
+        assert store.flush(10)
+        disk = store.tiers[1]
+        dropped_on: list[str] = []
+        real = disk.drop_many
+
+        def dropping(drop_keys):  # type: ignore[no-untyped-def]
+            dropped_on.append(threading.current_thread().name)
+            return real(drop_keys)
+        disk.drop_many = dropping
+        assert torch.equal(store.get(keys[0]).tensor, _t(0))  # from disk, promoted
+        assert _held(store, [keys[0]]) == [[True], [False]]
+        assert dropped_on and all(name.startswith("tiercache-demotion-drop") for name in dropped_on), dropped_on

@@ -11,7 +11,10 @@ evicts it, so keeping it would hold a copy of what memory holds. Measured on Moo
 disk 3/4; docs/benchmarks-kv.md, 2026-11-29): kept, 0.144 / 0.297 at 1M / 3M tokens; dropped, 0.147 /
 0.314 (write-through 0.118 / 0.258, plain LRU over the combined capacity 0.139 / 0.309). The price: one
 index transaction and unlinks per promoting read, and a promoted record lives in memory only until
-evicted again (a crash loses it; a clean close writes it down).
+evicted again (a crash loses it; a clean close writes it down). The drop runs on a thread of its own, never
+on the reading thread: a disk read may be a KV load inside vLLM's forward pass, and an index transaction
+(an fsync where the tier syncs) would stall every user's step. It drops only what memory still holds then:
+a record memory refused or evicted meanwhile was written down again, and stays.
 
 How: the memory tier hands each put's let-go records to `Demotion.on_let_go` (`HandsOverEvictions`),
 on the putting thread, before its eviction listeners hear of them; they go to the store's write-down
@@ -30,9 +33,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from vllm_tiercache.shared.store.api import DropsRecords, HandsOverEvictions, StoreKey, Tier
 from vllm_tiercache.shared.store.writes.background import Item
+from vllm_tiercache.shared.threads import widen_affinity
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,18 @@ class Demotion:
                              f"{demote_to[0].name} tier would be written only by its evictions")
         return cls(front, demote_to, write_down)
 
-    def __init__(self, memory: HandsOverEvictions, tiers: Sequence[Tier], write_down: WriteDown) -> None:
-        self.memory = memory
+    def __init__(self, memory: Tier, tiers: Sequence[Tier], write_down: WriteDown) -> None:
+        """``memory``: the store's fastest tier, which hands over what it lets go of (`HandsOverEvictions`)."""
+        if not isinstance(memory, HandsOverEvictions):
+            raise TypeError(f"{memory.kind} tier cannot hand over its evictions")
+        self.memory, self._handover = memory, memory
         self.tiers = list(tiers)
         self._write_down = write_down
-        memory.set_eviction_sink(self.on_let_go)
+        self._handover.set_eviction_sink(self.on_let_go)
+        #: the promoted records' drops, one at a time in order (`promoted`), and the last one asked
+        self._dropper = ThreadPoolExecutor(1, thread_name_prefix="tiercache-demotion-drop",
+                                           initializer=lambda: widen_affinity(beside_forward=True))
+        self._last_drop: Future[None] | None = None
 
     def on_let_go(self, items: list[Item]) -> None:
         """The memory tier let go of ``items`` for room: written down (counted admitted on each tier)."""
@@ -71,22 +83,35 @@ class Demotion:
         self._write_down([(self.tiers, items)])
 
     def promoted(self, tier: Tier, keys: list[StoreKey]) -> None:
-        """``tier`` served ``keys``, about to be promoted into memory: dropped from it when it is one of the
-        demotion's tiers (module docstring). Before memory takes them: a record memory refuses at once is
-        then written down again after the drop, never dropped after its write-down."""
+        """``tier`` served ``keys``, just promoted into memory: dropped from it, in the background, when it is
+        one of the demotion's tiers and memory still holds them then (module docstring)."""
         if tier in self.tiers and isinstance(tier, DropsRecords):
-            try:
-                tier.drop_many(keys)
-            except Exception as exc:  # a copy left behind costs capacity, never a hit
-                tier.counters.add(errors=1)
-                log.warning("tiercache: dropping promoted records from %s failed: %s", tier.name, exc)
+            self._last_drop = self._dropper.submit(self._drop, tier, keys)
+
+    def _drop(self, tier: DropsRecords, keys: list[StoreKey]) -> None:
+        """Drop from ``tier`` the ``keys`` memory holds now (the others were written down again meanwhile)."""
+        held = [key for key, found in zip(keys, self.memory.contains_many(keys), strict=True) if found]
+        if not held:
+            return
+        try:
+            tier.drop_many(held)
+        except Exception as exc:  # a copy left behind costs capacity, never a hit
+            tier.counters.add(errors=1)
+            log.warning("tiercache: dropping promoted records from %s failed: %s", tier.name, exc)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the drops asked so far; False when ``timeout`` passed first."""
+        last = self._last_drop
+        return last is None or not wait([last], timeout).not_done
 
     def write_down_held(self) -> int:
         """Write down what memory holds and a demotion tier lacks (a clean close); how many records.
 
-        The memory tier stops handing over evictions first: after this nothing more is written down."""
-        self.memory.set_eviction_sink(None)
-        held = self.memory.held_items()
+        The memory tier stops handing over evictions first: after this nothing more is written down; the
+        drops still queued run first."""
+        self._handover.set_eviction_sink(None)
+        self._dropper.shutdown(wait=True)
+        held = self._handover.held_items()
         queued = 0
         for start in range(0, len(held), CLOSE_BATCH):
             batch = held[start:start + CLOSE_BATCH]
