@@ -96,7 +96,8 @@ class KVConnectorOptions:
         "host memory (prefetch_buffer) before its turn, so neither the scheduler nor a forward pass waits on "
         "the network (not for models with several KV cache groups). The "
         "request waits for that at most this long once its turn came (vLLM first asks for it; its time "
-        "queued behind others does not count), in ms, without holding up the others; "
+        "queued behind others does not count) or since the last of its chunks landed (a slow but steady "
+        "fetch is not cut, a stalled one is), in ms, without holding up the others; "
         "what has not come by then is computed (lookups_late, prefetches_late). 0: look far tiers up on the "
         "scheduling thread, bounded by lookup_budget_ms, and read their hits in the forward pass.")),
         Allowed(f"a number of milliseconds, at least 0, at most {MAX_LOOKUP_DEADLINE_MS:g}",

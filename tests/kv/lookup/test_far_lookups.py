@@ -284,6 +284,27 @@ def test_a_request_whose_turn_comes_after_its_deadline_from_arrival_still_waits_
         assert side.take_counters() == {}
 
 
+def test_a_chunk_that_lands_restarts_the_deadline_so_a_slow_and_steady_fetch_is_not_cut(redis_tier) -> None:
+    """The deadline is for a store that stalls: each of the request's chunks that lands gives the next one a
+    deadline's time again (a hung store lands none: the test above)."""
+    with far_scene(redis_tier, "w", seed=13) as (request, full, _store, side, worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
+        side.on_new_request(request)
+        probe_done(side, "w")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # its turn: both in flight
+        first, second = meta.prefetches
+        worker.prefetcher.submit([first])  # the first lands; the second is slow
+        assert worker.prefetcher.drain(60.0)
+        worker.report(side)
+        threading.Event().wait(0.5)  # past the deadline counted from its turn
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # a chunk landed: it waits on
+        worker.play(TieredKVMetadata(prefetches=[second]), side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert side.take_counters() == {}
+
+
 def test_chunks_are_named_for_a_fetch_in_the_requests_arrival_order(redis_tier) -> None:
     """vLLM serves its queue first come first served: the first in line is fetched first, whatever order the
     probes came back in."""
@@ -317,14 +338,14 @@ def test_a_step_that_scheduled_nothing_while_a_request_waits_yields_to_the_threa
         empty_step(side)
         assert waits == []  # no request waits on the store
         side.on_new_request(request)
-        meta = empty_step(side)
+        named = empty_step(side).prefetches
         assert waits == [IDLE_WAIT_S]
-        side.build_connector_meta(step([], [], {"other": 16}))  # a step that computes
+        named += side.build_connector_meta(step([], [], {"other": 16})).prefetches  # a step that computes
         assert waits == [IDLE_WAIT_S]
         probe_done(side, "i")
-        if not meta.prefetches:  # the probe came in after that step: the next one names its chunks
-            meta = empty_step(side)
-        worker.play(meta, side)
+        if not named:  # the probe came in after those steps: the next one names its chunks
+            named = empty_step(side).prefetches
+        worker.play(TieredKVMetadata(prefetches=named), side)
         assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
         before = len(waits)
         empty_step(side)
