@@ -7,8 +7,11 @@ memory (its empty ``used_memory``, each key's allocation, the key names, the dic
 in blocks is converted with a measurement, not a formula: the server's ``used_memory`` grown by
 `SAMPLE_RECORDS` records of the replay's size and key shape, written through the Redis tier itself (three
 Redis keys per record: head, payload part, key text; `vllm_tiercache.shared.store.tiers.redis.records`).
-``maxmemory`` = the empty server's ``used_memory`` + blocks x the bytes one record took. Approximate:
-jemalloc's size classes and the dict's rehashing make a record's cost vary a little with the count held.
+``maxmemory`` = the server's ``used_memory`` when it holds no record but a store is connected to it (its
+clients' connections and buffers count: measured once, about 120 KiB, the room of 65 records) + blocks x
+the bytes one record took. Approximate: jemalloc's size classes and the dict's rehashing make a record's
+cost vary a little with the count held, and a client's query buffer grows while a large pipeline
+arrives (a request's put), during which Redis evicts to make room for it.
 
 What Redis evicts is keys, not records: under ``allkeys-lru`` a record's head may stay while its payload
 part went. The tier's lookup (``EXISTS`` of the head) then says "held", and its read finds a head
@@ -34,10 +37,8 @@ class SharedTier:
     def __init__(self, server: Any, record_bytes: int, largest_block: int) -> None:
         self.server = server
         self.item: dict[str, Any] = {"kind": "redis", "url": server.url, "timeout_s": 30.0}
-        with server.client() as client:
-            client.flushall()
-            self.empty_bytes = int(client.info("memory")["used_memory"])
-        self.record_cost = _measure_record_cost(self.item, server, record_bytes, largest_block, self.empty_bytes)
+        #: ``used_memory`` of the server holding no record, a store connected; bytes per record
+        self.empty_bytes, self.record_cost = _measure(self.item, server, record_bytes, largest_block)
 
     def bound(self, blocks: int) -> dict[str, Any]:
         """Empty the server, zero its stats, and let it hold about ``blocks`` records; the tier's config item."""
@@ -54,10 +55,11 @@ class SharedTier:
                     "used_memory": int(client.info("memory")["used_memory"])}
 
 
-def _measure_record_cost(item: dict[str, Any], server: Any, record_bytes: int, largest_block: int,
-                         empty_bytes: int) -> int:
-    """Bytes of ``used_memory`` one record of the replay's shape takes (keys ``trace|<id>`` as long as the
-    trace's largest id, a parent digest in its meta), written by the Redis tier behind a tiny memory tier."""
+def _measure(item: dict[str, Any], server: Any, record_bytes: int, largest_block: int) -> tuple[int, int]:
+    """(``used_memory`` of the server holding nothing while a store is connected, bytes of ``used_memory`` one
+    record of the replay's shape takes: keys ``trace|<id>`` as long as the trace's largest id, a parent digest
+    in its meta), written by the Redis tier behind a tiny memory tier, and read back (the reading connection
+    open too)."""
     import torch
 
     from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
@@ -73,16 +75,18 @@ def _measure_record_cost(item: dict[str, Any], server: Any, record_bytes: int, l
         for lo in range(0, len(items), 100):
             store.put_many(items[lo:lo + 100], owned=True)
             store.flush()
+        store.get_many(keys[-64:])  # memory holds the last one: Redis is read too
         with server.client() as client:
             used = int(client.info("memory")["used_memory"])
             held = int(client.dbsize())
             client.flushall()
+            empty = int(client.info("memory")["used_memory"])
     finally:
         store.close()
     if held < 3 * SAMPLE_RECORDS:  # the measurement is only as good as the records it counted
         raise RuntimeError(f"measuring Redis's cost per record: {held} keys held after {SAMPLE_RECORDS} records "
                            "(three keys each expected)")
-    return max(1, round((used - empty_bytes) / SAMPLE_RECORDS))
+    return empty, max(1, round((used - empty) / SAMPLE_RECORDS))
 
 
 @contextmanager

@@ -20,7 +20,10 @@ from vllm_tiercache.tools.bench.trace.tiers import ARRANGEMENTS, TierSplit, repl
 def memory_disk_redis(traffic: list[Asked], args: argparse.Namespace, blocks: int, progress: Any,
                       shared: SharedTier) -> dict[str, Any]:
     """Each policy in memory, the disk tier behind it in each arrangement, Redis behind both: the split and,
-    per arrangement and policy, each tier's share of the hits, the total, and Redis's partial records."""
+    per arrangement and policy, each tier's share of the hits, the total served, what the lookups found
+    (``found``), and the blocks found and not served (``lost``: Redis evicted them, or part of them,
+    ``partial``, between the lookup and the read; a client's replies count in Redis's used memory, so
+    even a read can make it evict)."""
     split = TierSplit.of_three(blocks, args.disk_share, args.shared_share)
     out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks,
                            "redis_blocks": split.shared_blocks, "redis_record_cost": shared.record_cost,
@@ -31,7 +34,9 @@ def memory_disk_redis(traffic: list[Asked], args: argparse.Namespace, blocks: in
             r = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement, shared)
             cells[policy] = {"memory": r.ratio(r.memory), "disk": r.ratio(r.disk), "redis": r.ratio(r.redis),
                              "total": r.ratio(r.memory + r.disk + r.redis), "found": r.ratio(r.found),
-                             "partial": r.partial, **(r.redis_stats or {}), "seconds": round(r.seconds, 2)}
+                             "lost": r.found - r.memory - r.disk - r.redis, "partial": r.partial,
+                             "redis_misses": r.redis_misses,
+                             **(r.redis_stats or {}), "seconds": round(r.seconds, 2)}
     return out
 
 
@@ -51,8 +56,8 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
             for arrangement in ARRANGEMENTS:
                 r = three["arrangements"][arrangement][p]
                 cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} + {r['redis']:.3f} = {r['total']:.3f}")
-                partial.append(f"{_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['partial']} partial, "
-                               f"{r['evicted_keys']} keys evicted")
+                partial.append(f"{_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['lost']} lost "
+                               f"({r['partial']} partial), {r['evicted_keys']} keys evicted")
         lines.append([*cells, f"{row['optimum']:.3f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
@@ -61,7 +66,8 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
                 f"each capacity; Redis written through in both arrangements, evicting by its own {MAXMEMORY_POLICY} "
                 "under a maxmemory measured per record; a Redis hit is promoted into memory and disk; LRU (plain) "
                 "and optimum at the combined capacity)")
-    text.append("Redis's records the lookup found and the read did not (a head whose payload Redis evicted): "
+    text.append("Blocks the lookup found and the read did not, all Redis's (partial: a head whose payload Redis "
+                "evicted; the rest evicted whole in between), and the keys Redis evicted: "
                 + "; ".join(partial))
     return "\n".join(text)
 

@@ -74,6 +74,7 @@ class TiersResult:
     seconds: float
     redis: int = 0
     partial: int = 0
+    redis_misses: int = 0
     redis_stats: dict[str, int] | None = None
 
     def ratio(self, found: int) -> float:
@@ -137,6 +138,7 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
                     redis_tier = store.tiers[2]
                     result.redis = int(redis_tier.counters.get("hits"))
                     result.partial = int(redis_tier.counters.get("corrupt"))
+                    result.redis_misses = int(redis_tier.counters.get("misses"))
                     result.redis_stats = shared.stats()
                 return result
             finally:
