@@ -92,7 +92,18 @@ def _measure(item: dict[str, Any], server: Any, record_bytes: int, largest_block
 @contextmanager
 def shared_tier(record_bytes: int, largest_block: int) -> Iterator[SharedTier]:
     """A private redis-server (`RedisServer`: loopback, no persistence) evicting by `MAXMEMORY_POLICY`."""
-    from vllm_tiercache.tools.redis_server import RedisServer
+    from vllm_tiercache.tools.cli import UsageError
+    from vllm_tiercache.tools.redis_server import RedisServer, RedisServerError
 
-    with RedisServer(extra_args=["--maxmemory-policy", MAXMEMORY_POLICY]) as server:
+    try:  # missing or failing to start: a one-line error naming the flag, not a traceback
+        server = RedisServer(extra_args=["--maxmemory-policy", MAXMEMORY_POLICY])
+    except RedisServerError as exc:
+        raise UsageError(f"--shared-share: {exc}") from None
+    try:
+        try:
+            server.start()
+        except RedisServerError as exc:
+            raise UsageError(f"--shared-share: {exc}") from None
         yield SharedTier(server, record_bytes, largest_block)
+    finally:
+        server.close()
