@@ -167,3 +167,43 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
     bad = _cli(str(trace), "--disk-share", "1")
     assert bad.returncode == 2 and "--disk-share" in bad.stderr
 
+
+
+@pytest.mark.redis
+def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> None:
+    """`--shared-share`: a real store of memory + disk + Redis (a redis-server the bench starts, bounded by
+    a maxmemory measured per record): the blocks the lookups found and no tier served are exactly the Redis
+    tier's misses (Redis evicted them, or their payload, between the lookup and the read); with memory and
+    disk small, Redis serves hits; Redis's own eviction ran (it was bounded); nothing beats the optimum at
+    the combined capacity."""
+    trace = tmp_path / "gen.jsonl"
+    write_trace(trace, generate_trace(300, seed=3))
+    proc = _cli(str(trace), "--capacities", "40k,100k", "--policies", "lru", "prefix", "--cost-puts", "0",
+                "--disk-share", "0.5", "--shared-share", "0.6", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    for row in result["rows"]:
+        three = row["memory_disk_redis"]
+        assert "memory_disk" not in row  # the three tiers replace the pair
+        assert three["memory_blocks"] + three["disk_blocks"] + three["redis_blocks"] == row["capacity_blocks"]
+        assert three["redis_blocks"] == round(0.6 * row["capacity_blocks"])
+        assert 1024 < three["redis_record_cost"] < 4096, three  # a 1 KiB payload, three keys, Redis's overhead
+        cells = [three["arrangements"][a][p] for a in ("write-through", "exclusive") for p in ("lru", "prefix")]
+        for r in cells:
+            # found and not served (lost): each one asked of Redis last and missed there; no tier counted a
+            # hit the replay did not see, none was read twice
+            assert r["lost"] == r["redis_misses"], r
+            assert 0 <= r["partial"] <= r["lost"], r  # lost: Redis's, a head without its part counted among them
+            assert r["memory"] > 0 and r["evicted_keys"] > 0, r  # Redis held less than the trace: it evicted
+            assert r["total"] <= row["optimum"] + 1e-9, (row, r)
+        # Redis is most of the capacity: it serves hits (its eviction is sampled, so not asserted per cell)
+        assert sum(r["redis"] for r in cells) > 0, cells
+    table = _cli(str(trace), "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0",
+                 "--disk-share", "0.5", "--shared-share", "0.5")
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "memory 0.25 / disk 0.25 / Redis 0.5 of each capacity" in table.stdout
+    assert "mem + disk + redis = total" in table.stdout and "(prefix) exclusive:" in table.stdout
+    for flags, name in ((["--shared-share", "0.5"], "--disk-share"), (["--disk-share", "0.5", "--shared-share", "0"],
+                                                                         "--shared-share")):
+        bad = _cli(str(trace), *flags)
+        assert bad.returncode == 2 and name in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -11,6 +11,9 @@ the optimum it closes. A second table is each policy's cost per put against LRU'
 capacity, the share S of it on disk and the rest in memory, once write-through (every put on disk too)
 and once exclusive (the disk written memory's evictions: admission ``evicted``); a second table prints
 the hits each tier served against the same plain LRU and optimum at the combined capacity.
+``--shared-share R`` (with ``--disk-share S``) replays memory + disk + a shared Redis tier instead
+(`three_tiers`): R of each capacity in a private redis-server the bench starts and bounds (`shared_tier`),
+S of the rest on disk, the rest in memory; the table prints memory + disk + Redis hits.
 
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
@@ -25,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,8 @@ from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, 
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
 from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, replay_memory_tier, store_traffic
 from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
+from vllm_tiercache.tools.bench.trace.shared_tier import shared_tier
+from vllm_tiercache.tools.bench.trace.three_tiers import format_memory_disk_redis, memory_disk_redis
 from vllm_tiercache.tools.bench.trace.tiers import ARRANGEMENTS, TierSplit, replay_memory_disk
 from vllm_tiercache.tools.cli import UsageError, int_at_least
 
@@ -87,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-share", type=_share, default=None, metavar="S",
                         help="also replay a store of memory + disk, the share S (0 < S < 1) of each capacity on "
                              "disk, the rest in memory (e.g. 0.75; default: memory alone)")
+    parser.add_argument("--shared-share", type=_share, default=None, metavar="R",
+                        help="with --disk-share S: replay memory + disk + a shared Redis tier instead (a "
+                             "redis-server started here), the share R (0 < R < 1) of each capacity in Redis, S "
+                             "of the rest on disk, the rest in memory (e.g. 0.5)")
     parser.add_argument("--generate", type=int_at_least(1), metavar="N", default=None,
                         help="first write a generated trace of N requests to TRACE")
     parser.add_argument("--seed", type=int, default=0, help="the generated trace's seed (default 0)")
@@ -113,7 +123,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     asked = sum(len(t.blocks) for t in traffic)
     rows = []
     passes = len(args.capacities) * len(args.policies) * (1 + len(ARRANGEMENTS) if args.disk_share is not None else 1)
-    with _progress(len(traffic) * passes) as bar:
+    largest = max((b for t in traffic for b in t.blocks), default=0)
+    server = shared_tier(args.record_bytes, largest) if args.shared_share is not None else nullcontext()
+    with _progress(len(traffic) * passes) as bar, server as shared:
         for tokens in args.capacities:
             blocks = tokens // BLOCK_TOKENS
             row: dict[str, Any] = {"capacity_tokens": tokens, "capacity_blocks": blocks,
@@ -123,7 +135,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 result = replay_memory_tier(traffic, policy, blocks * args.record_bytes, args.record_bytes, bar.update)
                 row["policies"][policy] = result.ratio
                 row["seconds"][policy] = round(result.seconds, 2)
-            if args.disk_share is not None:
+            if shared is not None:
+                row["memory_disk_redis"] = memory_disk_redis(traffic, args, blocks, bar.update, shared)
+            elif args.disk_share is not None:
                 row["memory_disk"] = _memory_disk(traffic, args, blocks, bar.update)
             row["optimum"] = belady_hits([t.blocks for t in traffic], blocks) / max(1, asked)
             rows.append(row)
@@ -223,6 +237,8 @@ def _plot(result: dict[str, Any], policies: list[str], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shared_share is not None and args.disk_share is None:
+        raise UsageError("--shared-share needs --disk-share (the split of the rest between memory and disk)")
     if args.generate is not None:
         try:
             write_trace(args.trace, generate_trace(args.generate, seed=args.seed))
@@ -242,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
     beaten += [(row["capacity_tokens"], f"{p} + disk {a}") for row in result["rows"]
                for a, cells in row.get("memory_disk", {}).get("arrangements", {}).items()
                for p, v in cells.items() if v["total"] > row["optimum"] + 1e-9]
+    beaten += [(row["capacity_tokens"], f"{p} + disk {a} + redis") for row in result["rows"]
+               for a, cells in row.get("memory_disk_redis", {}).get("arrangements", {}).items()
+               for p, v in cells.items() if v["total"] > row["optimum"] + 1e-9]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -249,7 +268,12 @@ def run(args: argparse.Namespace) -> int:
               f"store ({result['distinct_blocks']} distinct), vLLM prefix cache {args.gpu_blocks} blocks, "
               f"{args.record_bytes} B per block ==")
         print(format_table(result, args.policies))
-        if args.disk_share is not None:
+        if args.shared_share is not None:
+            rest = 1 - args.shared_share
+            print(f"\n== memory + disk + Redis: a real store, memory {rest * (1 - args.disk_share):.3g} / disk "
+                  f"{rest * args.disk_share:.3g} / Redis {args.shared_share:g} of each capacity, hit ratio per tier ==")
+            print(format_memory_disk_redis(result, args.policies, args.disk_share, args.shared_share))
+        elif args.disk_share is not None:
             print(f"\n== memory + disk: a real store, memory {1 - args.disk_share:g} / disk {args.disk_share:g} "
                   "of each capacity, hit ratio per tier ==")
             print(format_memory_disk(result, args.policies, args.disk_share))

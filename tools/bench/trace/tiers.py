@@ -1,4 +1,5 @@
-"""Replaying a trace's store traffic through a real store of a memory tier and a disk tier (`build_store`).
+"""Replaying a trace's store traffic through a real store of a memory tier and a disk tier (`build_store`),
+and optionally a shared Redis tier behind them (`shared_tier`: a private redis-server bounded to its share).
 
 Why beside `replay`: the memory tier alone answers "which blocks to keep in memory"; an operator sizes
 the pair, and the disk tier decides by its own rules (an LRU over its cross-process LMDB index, a record
@@ -10,6 +11,11 @@ Two arrangements of the pair (`ARRANGEMENTS`): ``write-through`` (the disk's def
 every put is written to disk too, so memory holds copies of what disk holds) and ``exclusive`` (the disk's
 admission ``evicted``: a put stays in memory, and memory's evictions are written down to disk,
 `vllm_tiercache.shared.store.writes.demotion`).
+
+With a Redis tier behind (``--shared-share``), Redis is written through in both arrangements (a shared tier
+is there for the other instances: every put reaches it), and evicts by its own ``maxmemory-policy``. The
+store's read path promotes a Redis hit into memory (at once) and into the disk (through the background
+writer, whatever the disk's admission: an exclusive disk then holds a copy of what memory holds).
 
 Two settings differ from a serving store, so that the replay is deterministic and says what the
 policies do rather than how the threads race: the slower tier's writes are waited for after every
@@ -26,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_tiercache.tools.bench.trace.replay import Asked, BlockKeys, serve
+from vllm_tiercache.tools.bench.trace.shared_tier import SharedTier
 
 #: arrangement -> the disk tier's admission section
 ARRANGEMENTS: dict[str, dict[str, str]] = {"write-through": {"policy": "always"}, "exclusive": {"policy": "evicted"}}
@@ -33,10 +40,11 @@ ARRANGEMENTS: dict[str, dict[str, str]] = {"write-through": {"policy": "always"}
 
 @dataclass
 class TierSplit:
-    """A combined capacity split between the two tiers, in blocks."""
+    """A combined capacity split between the tiers, in blocks (``shared_blocks``: Redis's; 0: no Redis)."""
 
     memory_blocks: int
     disk_blocks: int
+    shared_blocks: int = 0
 
     @classmethod
     def of(cls, blocks: int, disk_share: float) -> TierSplit:
@@ -44,17 +52,30 @@ class TierSplit:
         disk = min(blocks - 1, max(1, round(blocks * disk_share)))
         return cls(max(1, blocks - disk), max(1, disk))
 
+    @classmethod
+    def of_three(cls, blocks: int, disk_share: float, shared_share: float) -> TierSplit:
+        """``shared_share`` of ``blocks`` in Redis, the rest split as `of` says (at least one block each)."""
+        shared = min(blocks - 2, max(1, round(blocks * shared_share)))
+        pair = cls.of(max(2, blocks - shared), disk_share)
+        return cls(pair.memory_blocks, pair.disk_blocks, max(1, shared))
+
 
 @dataclass
 class TiersResult:
-    """Blocks found (the leading runs), of the blocks asked, and how many of them each tier served (the
-    tiers' own hit counters: ``memory + disk == found`` checks that the store was asked what we think)."""
+    """Blocks found (the leading runs the lookups said are held), of the blocks asked, and how many of them
+    each tier served (the tiers' own hit counters: ``memory + disk (+ redis) == found`` checks that the store
+    was asked what we think; with Redis, ``partial`` is what its lookup found and its read did not: a record
+    Redis evicted part of, `shared_tier`); ``redis_stats``: the server's evictions."""
 
     found: int
     memory: int
     disk: int
     asked: int
     seconds: float
+    redis: int = 0
+    partial: int = 0
+    redis_misses: int = 0
+    redis_stats: dict[str, int] | None = None
 
     def ratio(self, found: int) -> float:
         return found / self.asked if self.asked else 0.0
@@ -74,10 +95,11 @@ def disk_record_bytes(record_bytes: int, largest_block: int) -> int:
 
 
 def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: TierSplit, record_bytes: int,
-                       progress: Callable[[int], None] | None = None, arrangement: str = "write-through"
-                       ) -> TiersResult:
+                       progress: Callable[[int], None] | None = None, arrangement: str = "write-through",
+                       shared: SharedTier | None = None) -> TiersResult:
     """``traffic`` through a real store: memory (``memory_policy``) then disk, in a fresh temp directory,
-    the disk admitting as ``arrangement`` says (`ARRANGEMENTS`)."""
+    the disk admitting as ``arrangement`` says (`ARRANGEMENTS`); then, given ``shared``, its Redis server
+    emptied and bounded to ``split.shared_blocks`` records."""
     import torch
 
     import vllm_tiercache.shared.store.tiers.disk.bookkeeping as bookkeeping
@@ -95,8 +117,9 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
             store = build_store({"tiers": [
                 {"kind": "memory", "capacity": split.memory_blocks * record_bytes, "policy": memory_policy},
                 {"kind": "disk", "path": directory, "capacity": disk_bytes, "fsync": False,
-                 "admission": ARRANGEMENTS[arrangement]}]})
-            memory_tier, disk_tier = store.tiers
+                 "admission": ARRANGEMENTS[arrangement]},
+                *([shared.bound(split.shared_blocks)] if shared is not None else [])]})
+            memory_tier, disk_tier = store.tiers[:2]
             try:
                 asked = found = 0
                 started = time.perf_counter()
@@ -109,8 +132,15 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
                 if progress is not None:
                     progress(len(traffic) % 256)
                 seconds = time.perf_counter() - started
-                return TiersResult(found, int(memory_tier.counters.get("hits")), int(disk_tier.counters.get("hits")),
-                                   asked, seconds)
+                result = TiersResult(found, int(memory_tier.counters.get("hits")),
+                                     int(disk_tier.counters.get("hits")), asked, seconds)
+                if shared is not None:
+                    redis_tier = store.tiers[2]
+                    result.redis = int(redis_tier.counters.get("hits"))
+                    result.partial = int(redis_tier.counters.get("corrupt"))
+                    result.redis_misses = int(redis_tier.counters.get("misses"))
+                    result.redis_stats = shared.stats()
+                return result
             finally:
                 store.close()
     finally:
