@@ -178,7 +178,7 @@ def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> N
     the combined capacity."""
     trace = tmp_path / "gen.jsonl"
     write_trace(trace, generate_trace(300, seed=3))
-    proc = _cli(str(trace), "--capacities", "40k,100k", "--policies", "lru", "prefix", "--cost-puts", "0",
+    proc = _cli(str(trace), "--capacities", "40k,100k", "--policies", "prefix", "--cost-puts", "0",
                 "--disk-share", "0.5", "--shared-share", "0.6", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -188,7 +188,7 @@ def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> N
         assert three["memory_blocks"] + three["disk_blocks"] + three["redis_blocks"] == row["capacity_blocks"]
         assert three["redis_blocks"] == round(0.6 * row["capacity_blocks"])
         assert 1024 < three["redis_record_cost"] < 4096, three  # a 1 KiB payload, three keys, Redis's overhead
-        cells = [three["arrangements"][a][p] for a in ("write-through", "exclusive") for p in ("lru", "prefix")]
+        cells = [three["arrangements"][a]["prefix"] for a in ("write-through", "exclusive")]
         for r in cells:
             # found and not served (lost): each one asked of Redis last and missed there; no tier counted a
             # hit the replay did not see, none was read twice
