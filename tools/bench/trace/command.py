@@ -35,7 +35,7 @@ from typing import Any
 from vllm_tiercache.shared.eviction import memory_tier_policies, policy_entry
 from vllm_tiercache.tools.bench.trace.cost import cost_rows
 from vllm_tiercache.tools.bench.trace.generate import generate_trace
-from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, read_trace, write_trace
+from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, format_tokens, read_trace, write_trace
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
 from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, replay_memory_tier, store_traffic
 from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
@@ -188,13 +188,6 @@ def format_memory_disk(result: dict[str, Any], policies: list[str], disk_share: 
 def gap_closed(value: float, lru: float, optimum: float) -> float:
     """The share of the gap from LRU to the optimum that ``value`` closes (0 when there is no gap)."""
     return (value - lru) / (optimum - lru) if optimum > lru else 0.0
-
-
-def format_tokens(tokens: int) -> str:
-    for suffix, scale in (("G", 1_000_000_000), ("M", 1_000_000), ("k", 1_000)):
-        if tokens >= scale:
-            return f"{tokens / scale:g}{suffix}"
-    return str(tokens)
 
 
 def format_table(result: dict[str, Any], policies: list[str]) -> str:

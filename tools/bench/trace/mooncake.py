@@ -51,6 +51,14 @@ def _request(obj: object) -> TraceRequest:
     return TraceRequest(float(obj["timestamp"]), int(obj["input_length"]), int(obj["output_length"]), tuple(ids))
 
 
+def format_tokens(tokens: int) -> str:
+    """A token count as the trace's capacities are written (``1M``, ``300k``)."""
+    for suffix, scale in (("G", 1_000_000_000), ("M", 1_000_000), ("k", 1_000)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{suffix}"
+    return str(tokens)
+
+
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """The first ``limit`` requests (all when None) of the trace at ``path``; blank lines are skipped.
 

@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from vllm_tiercache.shared.eviction import policy_entry
+from vllm_tiercache.tools.bench.trace.mooncake import format_tokens
 from vllm_tiercache.tools.bench.trace.replay import Asked
 from vllm_tiercache.tools.bench.trace.shared_tier import MAXMEMORY_POLICY, SharedTier
 from vllm_tiercache.tools.bench.trace.tiers import ARRANGEMENTS, TierSplit, replay_memory_disk
@@ -49,14 +50,14 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
     lines, partial = [], []
     for row in result["rows"]:
         three = row["memory_disk_redis"]
-        cells = [_tokens(row["capacity_tokens"]),
+        cells = [format_tokens(row["capacity_tokens"]),
                  f"{three['memory_blocks']}/{three['disk_blocks']}/{three['redis_blocks']}",
                  f"{row['lru_reference']:.3f}"]
         for p in policies:
             for arrangement in ARRANGEMENTS:
                 r = three["arrangements"][arrangement][p]
                 cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} + {r['redis']:.3f} = {r['total']:.3f}")
-                partial.append(f"{_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['lost']} lost "
+                partial.append(f"{format_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['lost']} lost "
                                f"({r['partial']} partial), {r['evicted_keys']} keys evicted")
         lines.append([*cells, f"{row['optimum']:.3f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
@@ -72,7 +73,3 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
     return "\n".join(text)
 
 
-def _tokens(tokens: int) -> str:
-    from vllm_tiercache.tools.bench.trace.command import format_tokens
-
-    return format_tokens(tokens)
