@@ -71,5 +71,3 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
                 "evicted; the rest evicted whole in between), and the keys Redis evicted: "
                 + "; ".join(partial))
     return "\n".join(text)
-
-
