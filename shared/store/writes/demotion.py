@@ -53,21 +53,19 @@ class Demotion:
 
     @classmethod
     def of(cls, tiers: Sequence[Tier], demote_to: Sequence[Tier], write_down: WriteDown) -> Demotion | None:
-        """A store's demotion: None when no tier's admission is ``evicted``. Such a tier is written nothing
-        on puts, so a store whose fastest tier cannot hand over its evictions would never write it: refused."""
-        if not demote_to:
-            return None
-        front = tiers[0]
-        if not isinstance(front, HandsOverEvictions):
-            raise ValueError(f"admission evicted needs a memory tier first (tiers[0] is {front.kind}): the "
-                             f"{demote_to[0].name} tier would be written only by its evictions")
-        return cls(front, demote_to, write_down)
+        """A store's demotion from its fastest tier: None when no tier's admission is ``evicted``."""
+        return cls(tiers[0], demote_to, write_down) if demote_to else None
 
     def __init__(self, memory: Tier, tiers: Sequence[Tier], write_down: WriteDown) -> None:
-        """``memory``: the store's fastest tier, which hands over what it lets go of (`HandsOverEvictions`)."""
+        """``memory``: the store's fastest tier. An ``evicted`` tier is written nothing on puts, so a fastest
+        tier that cannot hand over its evictions (`HandsOverEvictions`) would never write it: refused (the
+        config refuses it first, at start)."""
         if not isinstance(memory, HandsOverEvictions):
-            raise TypeError(f"{memory.kind} tier cannot hand over its evictions")
-        self.memory, self._handover = memory, memory
+            raise ValueError(f"admission evicted needs a memory tier first (tiers[0] is {memory.kind}): the "
+                             f"{tiers[0].name} tier would be written only by its evictions")
+        #: the same tier, as a tier (asked what it holds) and as what hands over its evictions
+        self.memory: Tier = memory
+        self._handover: HandsOverEvictions = memory
         self.tiers = list(tiers)
         self._write_down = write_down
         self._handover.set_eviction_sink(self.on_let_go)
