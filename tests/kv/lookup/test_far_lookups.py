@@ -267,6 +267,38 @@ def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its
             side.shutdown()
 
 
+@pytest.mark.serial  # pauses a redis-server
+def test_a_store_that_hangs_after_a_chunk_landed_leaves_the_request_that_chunk_at_the_deadline_after_it(
+        hanging_redis: RedisServer, hang_tier: dict[str, Any]) -> None:
+    """A chunk that lands restarts the deadline, but a store that then hangs lands no more: the request runs
+    a deadline after the last chunk landed, with that chunk, and the rest is counted late."""
+    request = make_request("m", tokens(PROMPT_TOKENS, seed=14))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(hang_tier, full)
+    with store_with(hang_tier) as store:
+        side, worker = far_side(store, deadline_s=0.3), Worker(store)
+        try:
+            side.on_new_request(request)
+            probe_done(side, "m")
+            first, second = empty_step(side).prefetches
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # its turn: both in flight
+            worker.play(TieredKVMetadata(prefetches=[first]), side)
+            hanging_redis.pause()
+            worker.prefetcher.submit([second])  # its reads wait on the stopped server
+            answer = side.get_num_new_matched_tokens(request, 0)
+            while answer[0] is None:
+                threading.Event().wait(0.01)
+                worker.report(side)
+                answer = side.get_num_new_matched_tokens(request, 0)
+            assert answer == (4 * BLOCK, False)
+            assert side.take_counters() == {"prefetches_late": 1}
+        finally:
+            hanging_redis.resume()
+            assert worker.prefetcher.drain(60.0)
+            worker.close()
+            side.shutdown()
+
+
 def test_a_request_whose_turn_comes_after_its_deadline_from_arrival_still_waits_for_its_fetch(redis_tier) -> None:
     """Queued behind other users' prefills, a request reaches its turn later than ``lookup_deadline_ms`` after its
     arrival, its fetch still in flight (slowed by those prefills on the same cores): it waits for the fetch then,
