@@ -26,17 +26,20 @@ its own (the connector stores what it computes: the next arm would otherwise hit
 - ``far0``: as ``far``, the same far tier reached directly (no proxy, no delay): what ``far``'s hits would
   take if the store cost no round trip. ``far``'s TTFT over ``far0``'s near 1 is a store the prefetch hid.
 
-Per step that ran a forward, two figures: the scheduler's own time (``Scheduler.schedule`` plus
-``update_from_output``, the scheduling thread's work outside the forward) and the whole engine step's wall
-time. Each arm's p50 and p99, and the ratio of its p99 to vLLM alone's; and the scheduler's longest time of
-any step, the steps vLLM runs while every request waits included (``idle``). For the stored prompts: their
-hit tokens (vLLM's ``num_cached_tokens``), how often vLLM reached one in its queue while the connector's
-answer was still pending (``not ready``: it waited a step on the store's lookup or fetch; ``at turn``: of
-these, the ones once every background prompt was scheduled, the store not hidden), the p50 of their time
-from arrival to the connector's first answer (JSON) and to first scheduled (``queued``), their
-TTFT (from ``add_request`` to the engine step that returns their first token, timed here around the
-engine's step loop) as p50 and max, and each arm's TTFT p50 over ``far0``'s. Every arm pins
-``VLLM_CPU_NUM_OF_RESERVED_CPU`` alike.
+Each arm's engine runs vLLM's worker in the scheduler's process (``--executor uni``, vLLM's layout for one GPU:
+the worker's prefetch threads share the scheduler's interpreter lock) or in a process of its own (``--executor
+mp``, what `vllm serve` runs on vllm-cpu: only the lookups' threads are beside the scheduler). Per step that
+ran a forward, three figures: the scheduler's time (``Scheduler.schedule`` plus ``update_from_output``, the
+scheduling thread's work outside the forward), the scheduling thread's own CPU time in those calls
+(`step_timing`: the wall time less its waits for a core or the lock), and the whole engine step's wall time.
+Each arm's p50 and p99, and the ratio of its p99s to vLLM alone's; and the scheduler's longest time of any
+step, the steps vLLM runs while every request waits included (``idle``). For the stored prompts: their hit
+tokens (vLLM's ``num_cached_tokens``), how often vLLM reached one in its queue while the connector's answer
+was still pending (``not ready``: it waited a step on the store's lookup or fetch; ``at turn``: of these, the
+ones once every background prompt was scheduled, the store not hidden), the p50 of their time from arrival to
+the connector's first answer (JSON) and to first scheduled (``queued``), their TTFT (from ``add_request`` to
+the engine step that returns their first token, timed here around the engine's step loop) as p50 and max, and
+each arm's TTFT p50 over ``far0``'s. Every arm pins ``VLLM_CPU_NUM_OF_RESERVED_CPU`` alike.
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ from typing import Any
 
 from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE
+from vllm_tiercache.tools.bench.kv.step_timing import percentile, step_figures, time_steps
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
 from vllm_tiercache.tools.cli import int_at_least
 
 ARMS = ("vllm", "sync", "far", "far0")
+#: ``--executor``: vLLM's executors that place the worker in the scheduler's process (uni) or beside it (mp)
+EXECUTORS = ("uni", "mp")
 CHUNK_SIZE = 256
 
 
@@ -81,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated arms, vllm among them (default {','.join(ARMS)})")
     parser.add_argument("--new-tokens", type=int_at_least(1, 4096), default=64,
                         help="tokens each background prompt generates (default %(default)s)")
+    parser.add_argument("--executor", choices=EXECUTORS, default="uni",
+                        help="where vLLM's worker runs beside the scheduler: uni, in the scheduler's process (vLLM's "
+                             "layout for one GPU); mp, in a process of its own (what `vllm serve` runs on vllm-cpu, "
+                             "and with tensor parallelism) (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 hits, 1 background, 512 tokens, 16 new")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--arm", choices=(*ARMS, "store"), help=argparse.SUPPRESS)
@@ -115,11 +125,6 @@ def _prompts(args: argparse.Namespace, arm: str) -> tuple[list[list[int]], list[
     return hits, background
 
 
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else 0.0
-
-
 def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     """One arm in this process: an in-process engine, the arrivals, the per-step times."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -137,7 +142,9 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     max_len = max(args.prompt_len, _background_len(args)) + args.new_tokens + BLOCK_SIZE
     llm = LLM(model=config["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
               max_model_len=max_len, max_num_batched_tokens=_step_tokens(args, max_len),
-              max_num_seqs=args.hits + args.background, enable_prefix_caching=True, seed=0, kv_transfer_config=kv)
+              max_num_seqs=args.hits + args.background, enable_prefix_caching=True, seed=0, kv_transfer_config=kv,
+              # the writer saves in this process, so that its flush below covers every save
+              distributed_executor_backend="uni" if args.arm == "store" else args.executor)
     try:
         if args.arm == "store":
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in hits], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -147,7 +154,7 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
                 store.flush(300.0)
             return {}
         core = llm.llm_engine.engine_core.engine_core
-        timings = _time_steps(core)
+        timings = time_steps(core)
         not_ready, answered, answered_tokens, allocated_tokens = _count_unready_answers(core)
         far_totals = _count_far(core)
         requests = [(f"background-{i}", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
@@ -162,7 +169,7 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
         store_stats = [store.stats() for store in list(store_module._STORES.values())]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    sched, step = timings["busy_sched"], timings["busy_step"]
+    step = timings["busy_step"]
     arrived, first_token, scheduled = timings["arrival"], timings["first_token"], timings["first_scheduled"]
     ttft = [first_token[rid] - arrived[rid] for rid in hit_ids]
     queued = [_first_scheduled(scheduled, rid) - arrived[rid] for rid in hit_ids]
@@ -186,14 +193,12 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
                                          for t in at if t > background_scheduled),
             "background_first_scheduled_ms": (min(background_queued, default=0.0)) * 1e3,
             "background_all_scheduled_ms": (max(background_queued, default=0.0)) * 1e3,
-            "hit_queued_p50_ms": _percentile(queued, 0.5) * 1e3,
-            "hit_answered_p50_ms": _percentile([answers[rid] for rid in hit_ids if rid in answers], 0.5) * 1e3,
+            "hit_queued_p50_ms": percentile(queued, 0.5) * 1e3,
+            "hit_answered_p50_ms": percentile([answers[rid] for rid in hit_ids if rid in answers], 0.5) * 1e3,
             "background_answered_max_ms": max((t for rid, t in answers.items() if rid.startswith("background-")),
                                               default=0.0) * 1e3,
-            "hit_ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "hit_ttft_max_ms": max(ttft) * 1e3,
-            "sched_p50_ms": _percentile(sched, 0.5) * 1e3, "sched_p99_ms": _percentile(sched, 0.99) * 1e3,
-            "step_p50_ms": _percentile(step, 0.5) * 1e3, "step_p99_ms": _percentile(step, 0.99) * 1e3,
-            "sched_max_ms": max(timings["sched"], default=0.0) * 1e3}
+            "hit_ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "hit_ttft_max_ms": max(ttft) * 1e3,
+            "executor": args.executor, **step_figures(timings, min(arrived.values()))}
 
 
 def _count_unready_answers(core: Any) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[int]],
@@ -253,7 +258,8 @@ def _count_far(core: Any) -> dict[str, int]:
 
 def _prefetch_counters() -> dict[str, int]:
     """This process's worker's prefetch counters (prefetched_chunks, prefetch_failures, load_errors) since
-    its start: the ones not yet taken plus the totals. Empty without a connector."""
+    its start: the ones not yet taken plus the totals. Empty without a connector, and with ``--executor mp``
+    (the worker is in another process)."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -296,51 +302,6 @@ def _run_requests(engine: Any, requests: list[tuple[str, Any, Any]], timings: di
     return finished
 
 
-def _time_steps(core: Any) -> dict[str, Any]:
-    """Wrap the engine core's step and its scheduler's two calls on the instance: per step, the scheduler's
-    own seconds and the step's wall seconds; per request, when a schedule first gave it tokens."""
-    timings: dict[str, Any] = {"sched": [], "step": [], "busy_sched": [], "busy_step": [],
-                               "arrival": {}, "first_token": {}, "first_scheduled": {}}
-    spent, busy = [0.0], [False]
-    scheduler = core.scheduler
-
-    def timed_scheduler(name: str) -> None:
-        real = getattr(scheduler, name)
-
-        def call(*a: Any, **k: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                out = real(*a, **k)
-            finally:
-                spent[0] += time.perf_counter() - started
-            if name == "schedule":
-                busy[0] = bool(getattr(out, "total_num_scheduled_tokens", 0))
-                now = time.perf_counter()
-                for rid in getattr(out, "num_scheduled_tokens", None) or {}:
-                    timings["first_scheduled"].setdefault(rid, now)
-            return out
-        setattr(scheduler, name, call)
-
-    timed_scheduler("schedule")
-    timed_scheduler("update_from_output")
-    step_name = "step_fn" if hasattr(core, "step_fn") else "step"
-    real_step = getattr(core, step_name)
-
-    def step(*a: Any, **k: Any) -> Any:
-        spent[0], busy[0] = 0.0, False
-        started = time.perf_counter()
-        try:
-            return real_step(*a, **k)
-        finally:
-            timings["step"].append(time.perf_counter() - started)
-            timings["sched"].append(spent[0])
-            if busy[0]:  # a step that ran a forward (the others: vLLM's loop while every request waits)
-                timings["busy_step"].append(timings["step"][-1])
-                timings["busy_sched"].append(spent[0])
-    setattr(core, step_name, step)
-    return timings
-
-
 @contextlib.contextmanager
 def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(the far tier item, direct; the same through the delaying proxy), on a private server."""
@@ -363,7 +324,7 @@ def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any],
 def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--executor", args.executor,
            *(["--background-len", str(args.background_len)] if args.background_len else [])]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     print(f"tiercache-bench: arm {arm}", file=sys.stderr)
@@ -380,29 +341,45 @@ def format_table(report: dict[str, Any]) -> str:
              f"the scheduler's time per engine step and the stored prompts' TTFT: {report['hits']} stored prompts "
              f"of {report['prompt_len']} tokens arriving after {report['background']} decoding prompts of "
              f"{report['background_len']} tokens; {report['step_tokens']} tokens per step; far tier "
-             f"{report['store']} {rtt} away (far0: 0 ms)",
+             f"{report['store']} {rtt} away (far0: 0 ms); {_layout(report)}",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
-             f"{'max':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} {'step p99/vllm':>14s} "
+             f"{'max':>8s} {'cpu p99':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} "
+             f"{'cpu p99/vllm':>13s} {'step p99/vllm':>14s} "
              f"{'not ready':>10s} {'at turn':>8s} {'late':>5s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
              f"{'TTFT p50/far0':>14s}"]
     for row in report["arms"]:
         ratio = f"{row['hit_ttft_p50_ms'] / far0['hit_ttft_p50_ms']:14.2f}" if far0 else f"{'-':>14s}"
         lines.append(f"  {row['arm']:6s} {row['steps']:6d} {row['idle_steps']:5d} {row['hit_tokens']:8d} "
                      f"{row['sched_p50_ms']:9.2f}m {row['sched_p99_ms']:9.2f}m {row['sched_max_ms']:7.1f}m "
-                     f"{row['step_p50_ms']:8.2f}m "
+                     f"{_cpu_p99(row):7.2f}m {row['step_p50_ms']:8.2f}m "
                      f"{row['step_p99_ms']:8.2f}m {row['sched_p99_ms'] / base['sched_p99_ms']:15.2f} "
+                     f"{_cpu_p99(row) / max(_cpu_p99(base), 1e-9):13.2f} "
                      f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f} "
                      f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} {_late(row):5d} "
                      f"{row['hit_queued_p50_ms']:10.1f}m "
                      f"{row['hit_ttft_p50_ms']:8.1f}m {row['hit_ttft_max_ms']:8.1f}m {ratio}")
     lines.append("  (ms; over the steps that ran a forward: sched, Scheduler.schedule + update_from_output; step, the "
-                 "engine step's wall time; idle: steps while every request waited, max: the scheduler's longest "
-                 "of all steps; the stored prompts': hit tok, vLLM's cached tokens summed; not ready, the times vLLM "
+                 "engine step's wall time; cpu, the scheduling thread's own CPU time in those calls (its work, ours "
+                 "included; sched minus cpu is its waits for a core or the interpreter lock); idle: steps while "
+                 "every request waited, max: the scheduler's longest of all steps; the stored prompts': hit tok, "
+                 "vLLM's cached tokens summed; not ready, the times vLLM "
                  "reached one in its queue and the connector's answer was still pending (it waited a step on the "
                  "store), at turn: of these, once every background prompt was scheduled; late: lookups and chunk "
                  "fetches cut short by lookup_deadline_ms (their chunks computed), over all requests; queued, from "
                  "arrival to first scheduled; TTFT, from arrival to the step that returned the first token)")
     return "\n".join(lines)
+
+
+def _layout(report: dict[str, Any]) -> str:
+    """Where the report's engines ran vLLM's worker (``--executor``)."""
+    if report.get("executor") == "mp":
+        return "vLLM's worker in a process of its own (--executor mp)"
+    return "vLLM's worker in the scheduler's process (--executor uni)"
+
+
+def _cpu_p99(row: dict[str, Any]) -> float:
+    """The arm's scheduling-thread CPU p99 (ms); a report written before the column read its wall time."""
+    return float(row.get("sched_cpu_p99_ms", row["sched_p99_ms"]))
 
 
 def _late(row: dict[str, Any]) -> int:
@@ -440,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
               "background": args.background, "background_len": _background_len(args),
               "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
                                           + BLOCK_SIZE),
-              "prompt_len": args.prompt_len, "arms": arms,
+              "prompt_len": args.prompt_len, "executor": args.executor, "arms": arms,
               "median_sched_ms": {row["arm"]: row["sched_p50_ms"] for row in arms}}
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

@@ -43,6 +43,15 @@ def test_the_table_names_the_rtt_and_gives_each_arms_hit_ttft_over_far0s() -> No
     assert rows["far0"][-1] == "1.00" and rows["far0"][3] == "7936"
 
 
+def test_the_scheduling_threads_own_cpu_p99_is_set_beside_its_wall_time() -> None:
+    far = {**_row("far", 330.0, 7936), "sched_p99_ms": 3.0, "sched_cpu_p99_ms": 1.1}
+    vllm = {**_row("vllm", 900.0, 0), "sched_cpu_p99_ms": 1.0}
+    lines = sched.format_table({**_report(vllm, far), "executor": "mp"}).splitlines()
+    assert "--executor mp" in lines[1] and "cpu p99" in lines[2] and "cpu p99/vllm" in lines[2], lines
+    far_row = lines[4].split()  # arm steps idle hit-tok sched-p50 sched-p99 max cpu-p99 step-p50 step-p99 ratios...
+    assert far_row[7] == "1.10m" and far_row[10:12] == ["3.00", "1.10"], far_row
+
+
 def test_without_far0_the_ratio_is_a_dash() -> None:
     table = sched.format_table(_report(_row("vllm", 900.0, 0), _row("far", 330.0, 7936)))
     assert [line.split()[-1] for line in table.splitlines()[3:5]] == ["-", "-"]
@@ -71,6 +80,7 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["background_len"] == 512 and report["step_tokens"] == 512, report
+    assert report["executor"] == "uni" and all(row["executor"] == "uni" for row in report["arms"]), report
     rows = {row["arm"]: row for row in report["arms"]}
     assert list(rows) == ["vllm", "far0"], report
     assert rows["vllm"]["hit_not_ready"] == 0 and rows["vllm"]["far_counters"] == {}, rows
@@ -83,5 +93,9 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     assert rows["far0"]["hit_answered_p50_ms"] > 0 and rows["far0"]["background_all_scheduled_ms"] > 0, rows
     for row in rows.values():  # queued behind the background's one-step prefill, then their own step
         assert 0 < row["hit_queued_p50_ms"] <= row["hit_ttft_p50_ms"] <= row["hit_ttft_max_ms"], row
+    for row in rows.values():  # the scheduling thread's own CPU is within its wall time, step by step
+        assert row["worst_sched_steps"] and row["sched_cpu_p99_ms"] > 0, row
+        # (two clocks read a few instructions apart: a few microseconds either way)
+        assert all(0 < s["thread_cpu_ms"] <= s["wall_ms"] + 0.05 for s in row["worst_sched_steps"]), row
     table = sched.format_table(report)
-    assert "TTFT p50/far0" in table
+    assert "TTFT p50/far0" in table and "--executor uni" in table
