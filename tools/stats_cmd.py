@@ -37,8 +37,8 @@ from vllm_tiercache.tools.cli import UsageError
 from vllm_tiercache.tools.jobs import admin_config, load_store_arg
 
 #: Tier counters shown per stats file (all are in the JSON output).
-_SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "dropped_writes",
-          "writes_admitted", "writes_refused")
+_SHOWN = ("hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "partial",
+          "dropped_writes", "writes_admitted", "writes_refused")
 #: What a tier that only its own process can list (`TierAdminUnsupported`) shows instead of contents.
 _PER_PROCESS_NOTE = "per process: empty in this process; see the stats files"
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: Every tier reports these keys (tiers that cannot have an event report 0).
 COUNTER_NAMES = (
     "hits", "misses", "puts", "bytes_read", "bytes_written", "evictions", "corrupt", "other_format",
-    "dropped_writes",
+    "partial", "dropped_writes",
     "refused", "errors", "read_seconds", "write_seconds", "lookups_past_budget", "lookups_skipped",
     "writes_admitted", "writes_refused", "sealed_rejected", "throttled", "write_retries", "write_wait_seconds",
 )
@@ -45,6 +45,8 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "evictions": "Records this tier evicted to stay within its capacity.",
     "corrupt": "Records found damaged (checksum, size, key digest) and deleted; read as misses.",
     "other_format": "Records of another record format version (another build's), read as misses.",
+    "partial": "Records found with a piece gone (Redis evicted or expired one of a record's keys, not the whole "
+               "record): read as misses, the rest deleted; not damage.",
     "dropped_writes": "Records not written to this tier: background queue full, or the tier failed or was down.",
     "refused": "Records this tier refused (larger than its capacity, or refused on arrival by admission).",
     "admission_refused": "W-TinyLFU admission refusals (memory tier with policy wtinylfu).",

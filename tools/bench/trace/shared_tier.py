@@ -14,9 +14,10 @@ cost vary a little with the count held, and a client's query buffer grows while 
 arrives (a request's put), during which Redis evicts to make room for it.
 
 What Redis evicts is keys, not records: under ``allkeys-lru`` a record's head may stay while its payload
-part went. The tier's lookup (``EXISTS`` of the head) then says "held", and its read finds a head
-without its part: a miss, counted as ``corrupt`` and the pieces deleted. `SharedTier.stats` reports those
-(``partial``) beside the keys Redis evicted.
+part went. The tier's lookup asks for both (one ``EXISTS`` of head and part 0) and says "not held"; a read
+that finds a head without its part (evicted since the lookup) is a miss counted ``partial``, not damage,
+and the pieces are deleted. The replay reports those (``partial``, and ``corrupt``: none expected) beside
+the keys Redis evicted (`SharedTier.stats`).
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ def memory_disk_redis(traffic: list[Asked], args: argparse.Namespace, blocks: in
                       shared: SharedTier) -> dict[str, Any]:
     """Each policy in memory, the disk tier behind it in each arrangement, Redis behind both: the split and,
     per arrangement and policy, each tier's share of the hits, the total served, what the lookups found
-    (``found``), and the blocks found and not served (``lost``: Redis evicted them, or part of them,
-    ``partial``, between the lookup and the read; a client's replies count in Redis's used memory, so
-    even a read can make it evict)."""
+    (``found``), and the blocks found and not served (``lost``: Redis evicted them, or part of them, between
+    the lookup and the read; a client's replies count in Redis's used memory, so even a read can make it
+    evict); ``partial``: the records the Redis tier's reads found with a piece evicted (its ``partial``
+    counter; a lookup asks for the head and the first part, so mostly a record's reads before any lookup
+    found it, or a part evicted since), ``corrupt``: damaged ones (none expected)."""
     split = TierSplit.of_three(blocks, args.disk_share, args.shared_share)
     out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks,
                            "redis_blocks": split.shared_blocks, "redis_record_cost": shared.record_cost,
@@ -36,6 +38,7 @@ def memory_disk_redis(traffic: list[Asked], args: argparse.Namespace, blocks: in
             cells[policy] = {"memory": r.ratio(r.memory), "disk": r.ratio(r.disk), "redis": r.ratio(r.redis),
                              "total": r.ratio(r.memory + r.disk + r.redis), "found": r.ratio(r.found),
                              "lost": r.found - r.memory - r.disk - r.redis, "partial": r.partial,
+                             "corrupt": r.corrupt,
                              "redis_misses": r.redis_misses,
                              **(r.redis_stats or {}), "seconds": round(r.seconds, 2)}
     return out
@@ -57,8 +60,9 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
             for arrangement in ARRANGEMENTS:
                 r = three["arrangements"][arrangement][p]
                 cells.append(f"{r['memory']:.3f} + {r['disk']:.3f} + {r['redis']:.3f} = {r['total']:.3f}")
-                partial.append(f"{format_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['lost']} lost "
-                               f"({r['partial']} partial), {r['evicted_keys']} keys evicted")
+                partial.append(f"{format_tokens(row['capacity_tokens'])} {p} {arrangement}: {r['lost']} lost, "
+                               f"{r['partial']} partial, {r.get('corrupt', 0)} corrupt, "
+                               f"{r['evicted_keys']} keys evicted")
         lines.append([*cells, f"{row['optimum']:.3f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
@@ -67,7 +71,8 @@ def format_memory_disk_redis(result: dict[str, Any], policies: list[str], disk_s
                 f"each capacity; Redis written through in both arrangements, evicting by its own {MAXMEMORY_POLICY} "
                 "under a maxmemory measured per record; a Redis hit is promoted into memory and disk; LRU (plain) "
                 "and optimum at the combined capacity)")
-    text.append("Blocks the lookup found and the read did not, all Redis's (partial: a head whose payload Redis "
-                "evicted; the rest evicted whole in between), and the keys Redis evicted: "
+    text.append("Blocks the lookup found and the read did not (lost: all Redis's, evicted in between), records "
+                "Redis's reads found with a piece evicted (partial: misses, not damage), damaged ones (corrupt), "
+                "and the keys Redis evicted: "
                 + "; ".join(partial))
     return "\n".join(text)

@@ -64,8 +64,9 @@ class TierSplit:
 class TiersResult:
     """Blocks found (the leading runs the lookups said are held), of the blocks asked, and how many of them
     each tier served (the tiers' own hit counters: ``memory + disk (+ redis) == found`` checks that the store
-    was asked what we think; with Redis, ``partial`` is what its lookup found and its read did not: a record
-    Redis evicted part of, `shared_tier`); ``redis_stats``: the server's evictions."""
+    was asked what we think; with Redis, ``partial`` is the records its reads found with a piece evicted
+    (the tier's ``partial`` counter: Redis evicted part of a record, `shared_tier`) and ``corrupt`` the
+    damaged ones (none expected); ``redis_stats``: the server's evictions."""
 
     found: int
     memory: int
@@ -74,6 +75,7 @@ class TiersResult:
     seconds: float
     redis: int = 0
     partial: int = 0
+    corrupt: int = 0
     redis_misses: int = 0
     redis_stats: dict[str, int] | None = None
 
@@ -137,7 +139,8 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
                 if shared is not None:
                     redis_tier = store.tiers[2]
                     result.redis = int(redis_tier.counters.get("hits"))
-                    result.partial = int(redis_tier.counters.get("corrupt"))
+                    result.partial = int(redis_tier.counters.get("partial"))
+                    result.corrupt = int(redis_tier.counters.get("corrupt"))
                     result.redis_misses = int(redis_tier.counters.get("misses"))
                     result.redis_stats = shared.stats()
                 return result

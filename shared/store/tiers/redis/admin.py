@@ -15,7 +15,12 @@ from typing import Any
 
 from vllm_tiercache.shared.store.api import StoredRecord
 from vllm_tiercache.shared.store.tags import decode_tags
-from vllm_tiercache.shared.store.tiers.redis.records import RecordNames, head_part_count, head_record_size
+from vllm_tiercache.shared.store.tiers.redis.records import (
+    RecordNames,
+    head_part_count,
+    head_record_size,
+    head_ttl_lead_ms,
+)
 
 #: Heads listed or deleted per pipelined round trip.
 ADMIN_BATCH = 500
@@ -157,16 +162,20 @@ class RedisAdmin:
 
     def hold_tagged(self, tags: Collection[str], hold: bool, ttl_ms: int | None) -> int:
         """PERSIST (``hold``) every piece of each record carrying one of ``tags``, or give it ``ttl_ms``
-        back (nothing to give when the tier has no ``ttl_s``); returns how many records."""
+        back (nothing to give when the tier has no ``ttl_s``), its head a little less, as a put writes it
+        (`records.head_ttl_lead_ms`: expiry takes the head first); returns how many records."""
         wanted = set(tags)
         if not hold and ttl_ms is None:
             return 0
         self._client_or_raise()
         held = [h for h, _, _, _, t in self.scan_records() if not wanted.isdisjoint(t)]
-        if hold:
+        if hold or ttl_ms is None:
             self._for_each_piece(held, lambda pipe, piece: pipe.persist(piece))
         else:
-            self._for_each_piece(held, lambda pipe, piece: pipe.pexpire(piece, ttl_ms))
+            head_ttl_ms = ttl_ms - head_ttl_lead_ms(ttl_ms)
+            names = self.names
+            self._for_each_piece(held, lambda pipe, piece: pipe.pexpire(
+                piece, head_ttl_ms if names.is_head(piece) else ttl_ms))
         return len(held)
 
     def read_control(self) -> dict[str, bytes]:

@@ -13,6 +13,12 @@ record in one slot)::
 Why split: Redis values are capped (512 MB) and huge values block the server; parts keep each command
 bounded. Why apart from the tier: these are pure functions of bytes, tested without a server; the tier
 decides what a decoding failure costs (a miss, the record deleted, a counter).
+
+A record is several keys, and Redis evicts (``allkeys-*``, ``volatile-*``) and expires keys, not records: a
+head may outlive a part. That is no damage, and `MissingPiece` tells it apart from `records.RecordError`'s
+other causes (a checksum, a part count, sizes that do not add up), so the tier counts it ``partial``, not
+``corrupt``, and logs nothing. Every head is written with a TTL `head_ttl_lead_ms` shorter than its other
+pieces, so that expiry takes the head first (a clean miss, for this build and an older one).
 """
 
 from __future__ import annotations
@@ -28,6 +34,23 @@ from vllm_tiercache.shared.store.api import Record, StoreKey
 PART_COUNT = struct.Struct("<I")
 #: The smallest ``part_size`` a config allows (`redis_config.MIN_PART_SIZE`): bounds a head's part count.
 _MIN_PART_BYTES = 1024
+#: How much sooner a record's head expires than its other pieces (at most a tenth of the TTL): the pieces
+#: of one record are written in order, head last, so with one TTL each part would expire a little before
+#: its head (by the time the put took to arrive), a window in which a lookup of the head alone says "held".
+HEAD_TTL_LEAD_MS = 1000
+
+
+class MissingPiece(records.RecordError):
+    """A piece of the record is gone (evicted or expired by Redis, or a write that did not finish) while
+    its head is there: a miss counted ``partial``, never damage.
+
+    A `records.RecordError`, so that code catching damage still catches it as a miss."""
+
+
+def head_ttl_lead_ms(ttl_ms: int) -> int:
+    """How many ms sooner than its other pieces a head written with ``ttl_ms`` expires (`HEAD_TTL_LEAD_MS`,
+    at most a tenth of the TTL, so a short TTL keeps its head alive most of it)."""
+    return min(HEAD_TTL_LEAD_MS, ttl_ms // 10)
 
 
 class RecordNames:
@@ -141,11 +164,14 @@ def decode_first(head: bytes, part0: bytes | None, key: StoreKey) -> Record | Mu
     """Decode a record from its head and first part: the record when it has one part (its tensor is built
     over ``part0``, no copy), else what `decode_rest` needs once the other parts are read.
 
-    Raises `records.OtherFormatError` for another build's record, `records.RecordError` for damage (a head
-    without its first part, a part count its header cannot have, a header or payload that does not check).
+    Raises `records.OtherFormatError` for another build's record, `MissingPiece` for a head without its
+    first part (Redis evicted or expired it), `records.RecordError` for damage (a head too short to say its
+    part count, a part count its header cannot have, a header or payload that does not check).
     """
-    if len(head) < PART_COUNT.size or part0 is None:
-        raise records.RecordError("head without its first part (expired or partial write)")
+    if len(head) < PART_COUNT.size:
+        raise records.RecordError(f"head of {len(head)} bytes, too short for its part count")
+    if part0 is None:
+        raise MissingPiece("head without its first part (evicted or expired by the server, or a partial write)")
     nparts = PART_COUNT.unpack_from(head)[0]
     prefix = memoryview(head)[PART_COUNT.size:]
     if nparts == 1:
@@ -153,6 +179,10 @@ def decode_first(head: bytes, part0: bytes | None, key: StoreKey) -> Record | Mu
     header = records.decode_header(prefix, key)
     if nparts < 1 or nparts > header.nbytes // _MIN_PART_BYTES + 2:
         raise records.RecordError(f"bad part count {nparts}")
+    # every part but the last is as long as the first (`payload_parts`, in every build): a part count that
+    # is not what the first part makes of the payload's size is damage, not a later part evicted
+    if not part0 or part_count(header.nbytes, len(part0)) != nparts:
+        raise records.RecordError(f"bad part count {nparts} for {header.nbytes} bytes in parts of {len(part0)}")
     return MultiPart(header, nparts, part0, prefix)
 
 
@@ -160,11 +190,12 @@ def decode_rest(first: MultiPart, rest: Sequence[Any], key: StoreKey) -> Record:
     """Decode a multi-part record from `decode_first`'s answer and its parts 1..n-1: the parts are copied
     once into one buffer, checksummed as they are copied (the one copy a get makes).
 
-    Raises `records.RecordError` (or ValueError) for a missing part or parts that do not add up.
+    Raises `MissingPiece` for a missing part (evicted or expired), `records.RecordError` (or ValueError) for
+    parts that do not add up.
     """
     pieces = [first.part0, *rest]
     if any(p is None for p in pieces):
-        raise records.RecordError("missing part (expired or partial write)")
+        raise MissingPiece("missing part (evicted or expired by the server, or a partial write)")
     total = sum(len(p) for p in pieces)
     if total != first.header.nbytes:
         raise records.RecordError(f"parts hold {total} bytes, header says {first.header.nbytes}")

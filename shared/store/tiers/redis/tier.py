@@ -5,6 +5,11 @@ layout). The head is written last on the same connection, so a reader never sees
 parts. A batch of lookups or gets is one pipelined round trip (plus one more only for records with more
 than one part).
 
+Redis evicts and expires keys, not records (`records`): a lookup asks for the head and the first part in
+one ``EXISTS`` per record and says "held" only when both are there, and a read that finds a piece gone
+counts the record ``partial`` (a miss, its remaining pieces deleted, nothing logged), keeping ``corrupt``
+for damage. The head expires a little before the other pieces (`records.head_ttl_lead_ms`).
+
 Copies of the payload. A put: the tier copies nothing itself; it hands redis-py each part as a
 memoryview slice of the tensor the store gave it (the store's private copy, or with ``owned=True`` the
 caller's own tensor: `TieredStore.put_many`). The tier's connections pack a command that carries a payload
@@ -63,11 +68,13 @@ from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig
 from vllm_tiercache.shared.store.tiers.redis.errors import BUG, DOWN, ERROR, THROTTLED, ShardDownError, classify
 from vllm_tiercache.shared.store.tiers.redis.health import TierHealth
 from vllm_tiercache.shared.store.tiers.redis.records import (
+    MissingPiece,
     MultiPart,
     RecordNames,
     decode_first,
     decode_rest,
     head_record_size,
+    head_ttl_lead_ms,
     head_value,
     part_count,
     payload_parts,
@@ -150,18 +157,24 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
 
     # ------------------------------------------------------------------------------------------ reads
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether each record is held: its head and its first part both there (one ``EXISTS`` of the two per
+        record, pipelined; the two share a hash slot, so one command on a cluster too).
+
+        Why both: Redis evicts keys, not records; a head whose payload was evicted would be a promised hit
+        that the read cannot give (a recompute after a wait on the network). A later part of a multi-part
+        record evicted is found only by the read (counted ``partial``)."""
         if not keys:
             return []
         names = self._names
 
         def queue(pipe: Any) -> None:
             for k in keys:
-                pipe.exists(names.head(k))
+                pipe.exists(names.head(k), names.part(k, 0))
 
         res = self._calls.pipeline("contains", queue)
         if res is None:
             return [False] * len(keys)
-        return [not isinstance(r, Exception) and bool(r) for r in res]
+        return [not isinstance(r, Exception) and r == 2 for r in res]
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
         if not keys:
@@ -173,6 +186,7 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
             return out
         more: list[tuple[int, MultiPart]] = []  # index, what its first round trip read
         corrupt: list[StoreKey] = []
+        partial: list[StoreKey] = []
         for i, key in enumerate(keys):
             head, part0 = res[2 * i], res[2 * i + 1]
             if head is None or isinstance(head, Exception) or isinstance(part0, Exception):
@@ -181,6 +195,9 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
                 first = decode_first(head, part0, key)
             except records.OtherFormatError:  # another build's record: a miss, left for that build
                 self.counters.add(other_format=1)
+                continue
+            except MissingPiece:  # Redis evicted or expired its first part: a miss, not damage
+                partial.append(key)
                 continue
             except records.RecordError as exc:
                 corrupt.append(key)
@@ -191,16 +208,18 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
             else:
                 out[i] = first
         if more:
-            self._get_rest(keys, more, out, corrupt)
-        if corrupt:
-            self.counters.add(corrupt=len(corrupt))
-            self._delete_pieces(corrupt)
+            self._get_rest(keys, more, out, corrupt, partial)
+        if corrupt or partial:
+            self.counters.add(corrupt=len(corrupt), partial=len(partial))
+            # a partial record's other pieces would be kept by no reader (and listed by `tiercache stats`)
+            self._delete_pieces([*corrupt, *partial])
         return out
 
     def _get_rest(self, keys: Sequence[StoreKey], more: list[tuple[int, MultiPart]], out: list[Record | None],
-                  corrupt: list[StoreKey]) -> None:
+                  corrupt: list[StoreKey], partial: list[StoreKey]) -> None:
         """Second round trip for multi-part records: fetch parts 1..n-1 and join them into one buffer
-        (the one copy a get makes; a one-part record's tensor is built over its reply, no copy)."""
+        (the one copy a get makes; a one-part record's tensor is built over its reply, no copy). A record
+        with a part gone goes to ``partial``, one whose parts do not check to ``corrupt``."""
         names = self._names
 
         def queue(pipe: Any) -> None:
@@ -219,6 +238,8 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
                 continue  # its node failed a command: a miss, not damage
             try:
                 out[i] = decode_rest(first, rest, keys[i])
+            except MissingPiece:  # Redis evicted or expired one of its parts: a miss, not damage
+                partial.append(keys[i])
             except (records.RecordError, ValueError) as exc:
                 corrupt.append(keys[i])
                 self._calls.failures.other_error(f"decode ({exc})", exc)
@@ -229,7 +250,8 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
             self._delete_pieces(keys)
 
     def _delete_pieces(self, corrupt: Sequence[StoreKey]) -> None:
-        """Drop every piece of corrupt records: head and key text first (readers then miss), then parts.
+        """Drop every piece of corrupt or partial records: head and key text first (readers then miss), then
+        parts.
 
         The head's part count cannot be trusted (it may be the damage, or another record's head), so
         parts are deleted in runs of `DELETE_RUN` until a run deletes fewer than it names (parts are
@@ -279,6 +301,8 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
         if not items:
             return None
         ttl_ms = int(self.config.ttl_s * 1000) if self.config.ttl_s else None
+        # the head expires first: expiry leaves a clean miss, not a head without its parts
+        head_ttl_ms = ttl_ms - head_ttl_lead_ms(ttl_ms) if ttl_ms else None
         part_size = self.config.part_size
         names = self._names
         pins = self._pins
@@ -290,14 +314,15 @@ class RedisTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, ExpiresReco
         def queue(pipe: Any) -> None:
             for key, enc, tags in encoded:
                 # a pinned record is written without a TTL (`vllm_tiercache.shared.store.pins`)
-                px = None if pins and not pins.isdisjoint(tags) else ttl_ms
+                pinned = bool(pins) and not pins.isdisjoint(tags)
+                px = None if pinned else ttl_ms
                 parts = payload_parts(enc.payload, part_size)
                 for p, part in enumerate(parts):
                     pipe.set(names.part(key, p), part, px=px)
                 pipe.set(names.text(key), key_text_bytes(key.text), px=px)
                 if tags:
                     pipe.set(names.tags(key), encode_tags(tags), px=px)
-                pipe.set(names.head(key), head_value(len(parts), enc.prefix), px=px)
+                pipe.set(names.head(key), head_value(len(parts), enc.prefix), px=None if pinned else head_ttl_ms)
 
         available = self._calls.available()
         res = self._calls.pipeline("put", queue) if available else None

@@ -26,6 +26,7 @@ from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig
 from vllm_tiercache.shared.store.tiers.redis.errors import TIER_LOGGER_NAME, FailureLog, ShardDownError
 from vllm_tiercache.shared.store.tiers.redis.health import MIN_PROBE_INTERVAL_S, SLOT_MAP_REFRESH_S, TierHealth
 from vllm_tiercache.shared.store.tiers.redis.records import (
+    MissingPiece,
     MultiPart,
     RecordNames,
     decode_first,
@@ -107,12 +108,17 @@ def _flip(data: bytes, at: int) -> bytes:
     lambda head, p0: (head, p0[:-4]),  # truncated payload
     lambda head, p0: (struct.pack("<I", 0) + head[4:], p0),  # part count 0
     lambda head, p0: (struct.pack("<I", 10_000) + head[4:], p0),  # more parts than its size allows
-], ids=["short-head", "no-part0", "magic", "header-sum", "payload-sum", "truncated", "zero-parts", "many-parts"])
+    # one part more than the first part's length makes of the size: damage, not a part evicted
+    lambda head, p0: (struct.pack("<I", 2) + head[4:], p0),
+], ids=["short-head", "no-part0", "magic", "header-sum", "payload-sum", "truncated", "zero-parts", "many-parts",
+        "one-part-more"])
 def test_damaged_first_round_trip_is_a_record_error(damage: Callable[[bytes, bytes], tuple[bytes, Any]]) -> None:
     head, parts = _stored(_encoded(100), 1 << 20)
     bad_head, bad_part0 = damage(head, parts[0])
-    with pytest.raises(records.RecordError):
+    with pytest.raises(records.RecordError) as raised:
         decode_first(bad_head, bad_part0, KEY)
+    # a piece gone (Redis evicted or expired it) is told apart from damage: counted partial, not corrupt
+    assert isinstance(raised.value, MissingPiece) == (bad_part0 is None)
 
 
 def test_another_records_head_is_a_record_error() -> None:
@@ -138,8 +144,10 @@ def test_damaged_parts_are_a_record_error(damage: Callable[[list[bytes]], list[A
     head, parts = _stored(_encoded(1000), 1024)
     first = decode_first(head, parts[0], KEY)
     assert isinstance(first, MultiPart)
-    with pytest.raises(records.RecordError):
-        decode_rest(first, damage(parts[1:]), KEY)
+    rest = damage(parts[1:])
+    with pytest.raises(records.RecordError) as raised:
+        decode_rest(first, rest, KEY)
+    assert isinstance(raised.value, MissingPiece) == (None in rest)
 
 
 def test_unreadable_heads_have_no_size() -> None:
