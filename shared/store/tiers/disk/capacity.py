@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import lmdb
 
@@ -94,7 +93,7 @@ def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, 
             kept.discard(digest)
             take(digest, size)
         else:
-            index.touch(txn, digest, time.time_ns())
+            index.touch(txn, digest, index.clock())
     for digest in victims:
         index.delete(txn, digest)
         with contextlib.suppress(FileNotFoundError):
