@@ -24,11 +24,11 @@ process of this one configured ``lru``, sharing the directory orders sensibly ag
   in ``ghosts`` by last access and bounded (at least `MIN_GHOSTS`, at most as many as there are entries): a
   record written again counts as a returning one. With an exclusive disk (admission ``evicted``) that is
   the common case: a disk hit is promoted and dropped from the disk, and written down again later.
-- **Children before parents**: touching a record raises its parent's key above its own, walking up while
-  keys rise (a prefix lookup reads the parent first, so a parent is worth at least its child; with a memory
-  tier in front, the disk sees the child's reads and not the parent's). The lowest key is then a leaf's: a
-  chain goes tail first, as in the memory policy, and eviction's "descendants go along" (`capacity`) takes
-  more than its victim only where the order was written otherwise (recency, pins).
+- **Parents at least as high as children**: touching a record raises its parent's key to its own, walking
+  up while keys rise (a prefix lookup reads the parent first, so a parent is worth at least its child;
+  with a memory tier in front, the disk sees the child's reads and not the parent's). The lowest key is
+  then a leaf's, or a chain's whose records are worth the same (eviction's "descendants go along",
+  `capacity`, then takes what is worth no more than its victim).
 
 Layout (`lrfu` db): digest -> u64 last access ns, f64 log2 of C as of then, u64 the key written with it. The
 key stays in ``entries``' access-time field, which an older build reads, and deletes its ``atime`` entry by:
@@ -149,13 +149,16 @@ class PrefixOrder:
         return (start, self.index.total(txn), 0) if start < now_ns else (now_ns, 0, 0)
 
     def _raise_parents(self, txn: lmdb.Transaction, digest: bytes, key: int) -> None:
-        """Raise the keys of ``digest``'s indexed ancestors above ``key`` (one ns per generation, so that a
-        chain goes tail first), up to the first already higher."""
+        """Raise the keys of ``digest``'s indexed ancestors to ``key``, up to the first already as high.
+
+        To ``key`` itself, not above it: a chain put in one batch (one time, one weight) has one key, and a
+        touch stops at the first parent, O(1); raising each generation one more would walk the whole chain
+        for every record put, O(n^2) per batch. Equal keys go in digest order, each victim taking its
+        descendants along (`capacity`)."""
         child = digest
         for _ in range(_MAX_RAISE):
             parent = self.index.parent(txn, child)
             entry = self.index.get(txn, parent) if parent is not None else None
-            key = min(_MAX_KEY, key + 1)
             if parent is None or entry is None or entry.atime_ns >= key:
                 return
             last, crf = self._own(txn, parent, entry)

@@ -113,7 +113,7 @@ def test_a_newcomer_chain_goes_before_an_older_chain_read_several_times(tmp_path
     _put_chain(tier, new)
     _put_chain(tier, [_k("one-more")])  # 7 records in 6: one chain's tail must go
     if policy == "prefix":
-        assert _held(tier, read) and tier.contains_many(new) == [True, True, False]  # the newcomer's tail
+        assert _held(tier, read) and not _held(tier, new)  # part of the newcomer chain, with what is below it
     else:
         assert tier.contains_many(read) == [False, False, False] and _held(tier, new)  # the oldest, its chain too
     tier.close()
