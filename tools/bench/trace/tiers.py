@@ -86,15 +86,17 @@ class TiersResult:
 
 class TraceClock:
     """The disk index's clock in a replay: the current request's arrival (ns), one ns later at each call so
-    that touches keep their order (as wall time would)."""
+    that touches keep their order (as wall time would), counted from an epoch as far from 0 as wall time's
+    (a ``prefix`` key lies several half-lives before its last access for a record never seen before)."""
+
+    EPOCH_NS = 1_700_000_000_000_000_000
 
     def __init__(self) -> None:
-        self.now_ns = 0
-        self.last = 0
+        self.now_ns = self.last = self.EPOCH_NS
 
     def at(self, timestamp_ms: float) -> None:
         """The next request arrives at ``timestamp_ms`` (the trace's time)."""
-        self.now_ns = int(timestamp_ms * 1_000_000)
+        self.now_ns = self.EPOCH_NS + int(timestamp_ms * 1_000_000)
 
     def __call__(self) -> int:
         self.last = max(self.last + 1, self.now_ns)
