@@ -250,7 +250,8 @@ def test_cache_keys_of_existing_configs_are_unchanged():
         '{"control_poll_s": 5.0, "lookup_budget_ms": 5.0, "tiers": [{"capacity": 1073741824, "kind": "memory", '
         '"pin_budget": 0.0, "policy": "wtinylfu"}, '
         '{"capacity": 1073741824, "fsync": true, "half_life": 1.0, "kind": "disk", "path": "/tmp/d", '
-        '"pin_budget": 0.0, "policy": "prefix"}, {"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, "password": null, '
+        '"pin_budget": 0.0, "policy": "prefix"}, {"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, '
+        '"password": null, '
         '"pin_budget": 0.0, "policy": "lru", "retry_after_s": 5.0, "ssl": {}, "timeout_s": 2.0, "ttl_s": null, '
         '"url": "redis://h:6379/0"}], "write_queue_size": 64}')
 

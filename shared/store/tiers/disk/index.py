@@ -79,6 +79,8 @@ class Order(Protocol):
 
     def key(self, txn: lmdb.Transaction, digest: bytes, size: int, now_ns: int, old: IndexEntry | None) -> int: ...
 
+    def bump(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry, now_ns: int) -> int: ...
+
     def forget(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry) -> None: ...
 
     def last_access_ns(self, txn: lmdb.Transaction, digest: bytes, entry: IndexEntry) -> int: ...
@@ -273,13 +275,19 @@ class DiskIndex:
         txn.put(_ATIME.pack(key) + digest, b"", db=self.by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self.meta)
 
-    def touch(self, txn: lmdb.Transaction, digest: bytes, now_ns: int) -> bool:
+    def touch(self, txn: lmdb.Transaction, digest: bytes, now_ns: int, access: bool = True) -> bool:
         """An access of a record at ``now_ns``: its key moves (by recency, or as `order` says; size and key
-        text kept); False if not indexed."""
+        text kept); False if not indexed. ``access=False``: moved to at least ``now_ns`` without counting
+        an access (a pinned record an eviction passed over)."""
         old = self.get(txn, digest)
         if old is None:
             return False
-        key = now_ns if self.order is None else self.order.key(txn, digest, old.size, now_ns, old)
+        if self.order is None:
+            key = now_ns
+        elif access:
+            key = self.order.key(txn, digest, old.size, now_ns, old)
+        else:
+            key = self.order.bump(txn, digest, old, now_ns)
         self.rekey(txn, digest, old, key)
         return True
 

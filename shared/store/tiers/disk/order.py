@@ -166,6 +166,14 @@ class PrefixOrder:
             self.index.rekey(txn, parent, entry, key)
             child = parent
 
+    def bump(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry, now_ns: int) -> int:
+        """The key of ``digest`` moved to at least ``now_ns`` without counting an access (a pinned record an
+        eviction passed over: not read, but kept; once unpinned it ages from there with its own count)."""
+        key = max(old.atime_ns, now_ns)
+        last, crf = self._own(txn, digest, old)
+        txn.put(digest, _STATE.pack(last, crf, key), db=self.states)
+        return key
+
     def forget(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry) -> None:
         """``digest`` is no longer indexed: its state stays, as a ghost (the oldest beyond the bound go)."""
         last, crf = self._own(txn, digest, old)
