@@ -16,9 +16,9 @@ process of this one configured ``lru``, sharing the directory orders sensibly ag
 - **Clock**: wall time in ns, shared by every process on the machine (what an older build writes too).
   **Half-life** H: the time the directory took to see ``half_life`` capacities of traffic (bytes put and
   reads that refreshed a record), measured in ``meta`` (``lrfu_window``) so that every process uses one H:
-  the memory policy's "a capacity of traffic", in time. Until the first window closes: its rate so far,
-  extrapolated (at least 1 s; an index written by recency opens it at its oldest record, so its age is a
-  first measure). H changes only when a window closes (half the old H plus half the new).
+  the memory policy's "a capacity of traffic", in time. A window's measure replaces H only when it is off by
+  more than 2x (keys written under one H shift against those written under another). Before the first
+  window closes: the age of an index written by recency, scaled to a window, else one hour.
 - **Newcomers**: the first put of a digest never seen starts at C = ``newcomer`` (0.1, the memory policy's).
 - **Ghosts**: a deleted record (evicted, dropped after promotion to memory, removed) keeps its state, listed
   in ``ghosts`` by last access and bounded (at least `MIN_GHOSTS`, at most as many as there are entries): a
@@ -57,8 +57,9 @@ _MAX_KEY = (1 << 64) - 1
 NEWCOMER = 0.1
 #: ghosts kept at least (the memory policy's history size), else as many as there are entries
 MIN_GHOSTS = 65536
-#: the half-life while the first window is open: at least this (ns)
-_MIN_PROVISIONAL_NS = 1_000_000_000
+#: the half-life until the first window closes, in a directory with no history (ns): longer than any measured
+#: one is likely to be, so that the records of the first fill go first, in the order they came
+_PROVISIONAL_NS = 3600 * 1_000_000_000
 #: the most parents one touch raises (a chain is hundreds of blocks at most; a bound against a damaged index)
 _MAX_RAISE = 4096
 
@@ -127,26 +128,30 @@ class PrefixOrder:
         return 0, -math.inf, self.newcomer
 
     def _advance(self, txn: lmdb.Transaction, now_ns: int, size: int) -> float:
-        """Count ``size`` bytes of traffic in the window; close it after ``window_bytes``; the half-life (ns)."""
+        """Count ``size`` bytes of traffic in the window; close it after ``window_bytes``; the half-life (ns).
+
+        A new measure replaces the half-life only when it is off by more than 2x: keys written under one
+        half-life and compared under another shift against each other (a newcomer's by 3.3 times the
+        change), so the half-life moves only when the traffic's pace really did."""
         raw = txn.get(_WINDOW_KEY, db=self.index.meta)
         start, seen, half_life = _WINDOW.unpack(raw) if raw is not None else self._first_window(txn, now_ns)
         seen += size
         if seen >= self.window_bytes and now_ns > start:
             measured = now_ns - start
-            half_life = measured if half_life == 0 else (half_life + measured) // 2
+            if not half_life // 2 <= measured <= 2 * half_life:
+                half_life = measured
             start, seen = now_ns, 0
         txn.put(_WINDOW_KEY, _WINDOW.pack(start, seen, half_life), db=self.index.meta)
-        if half_life:
-            return float(half_life)
-        # the first window, still open: its rate so far, extrapolated to a whole window
-        return float(max(_MIN_PROVISIONAL_NS, (now_ns - start) * self.window_bytes // max(seen, 1)))
+        return float(half_life or _PROVISIONAL_NS)
 
     def _first_window(self, txn: lmdb.Transaction, now_ns: int) -> tuple[int, int, int]:
-        """The window of an index that has none: opened at its oldest key, with its bytes seen (an index
-        written by recency: its age is the time its contents took to arrive), else now and empty."""
+        """The window of an index that has none, opened now. An index written by recency gives a first
+        half-life: the time its contents took to arrive, scaled to a window; else none yet (`_PROVISIONAL_NS`)."""
         oldest = next(iter(txn.cursor(db=self.index.by_atime).iternext(keys=True, values=False)), None)
-        start = _TIME.unpack_from(oldest)[0] if oldest is not None else now_ns
-        return (start, self.index.total(txn), 0) if start < now_ns else (now_ns, 0, 0)
+        total = self.index.total(txn)
+        if oldest is None or total <= 0 or _TIME.unpack_from(oldest)[0] >= now_ns:
+            return now_ns, 0, 0
+        return now_ns, 0, max(1, (now_ns - _TIME.unpack_from(oldest)[0]) * self.window_bytes // total)
 
     def _raise_parents(self, txn: lmdb.Transaction, digest: bytes, key: int) -> None:
         """Raise the keys of ``digest``'s indexed ancestors to ``key``, up to the first already as high.
