@@ -22,8 +22,8 @@ policies do rather than how the threads race: the slower tier's writes are waite
 request (`TieredStore.flush`: the write queue never drops), a disk read refreshes its record's access
 time at every read instead of at most once a minute (`bookkeeping.ATIME_REFRESH_NS`: a replay runs in
 seconds what the trace spread over 17 minutes, so the minute would turn the disk's LRU into FIFO), and
-the disk index's clock is the trace's (`TraceClock`: the time a server at the trace's pace would see, so
-the ``prefix`` order's half-life, measured in time, is what it would be there, whatever the replay's speed).
+the disk index's clock is the trace's (`TraceClock`: the time a server at the trace's pace would see; the
+``lru`` order's keys, whatever the replay's speed; the ``prefix`` order runs on bytes and needs no clock).
 The disk's policy is ``disk_policy`` (the tier's default, ``prefix``, or ``lru``: the order before it).
 """
 
@@ -87,7 +87,7 @@ class TiersResult:
 class TraceClock:
     """The disk index's clock in a replay: the current request's arrival (ns), one ns later at each call so
     that touches keep their order (as wall time would), counted from an epoch as far from 0 as wall time's
-    (a ``prefix`` key lies several half-lives before its last access for a record never seen before)."""
+    (the ``prefix`` order's byte clock starts at it, and a newcomer's key lies before it)."""
 
     EPOCH_NS = 1_700_000_000_000_000_000
 

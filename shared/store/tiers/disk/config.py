@@ -76,8 +76,8 @@ class DiskTierConfig:
                     "(least recently used). Either way a victim's descendants go with it and pins are kept.")
     ] = "prefix"
     half_life: Annotated[float, Strict(), Field(gt=0.0, le=MAX_HALF_LIFE, allow_inf_nan=False, description=(
-        "With policy prefix: how fast an access's weight halves, in capacities of traffic (the time this "
-        "directory takes to see that many times its capacity in puts and read refreshes, measured as it runs). "
+        "With policy prefix: how fast an access's weight halves, in capacities of traffic (bytes put into and "
+        "read from this directory, by every process sharing it). "
         f"Small is LRU, large is LFU; 1.0 (the default) measured best on the Mooncake trace. At most "
         f"{MAX_HALF_LIFE:g}.")), Allowed(f"a positive number of capacities, at most {MAX_HALF_LIFE:g}, e.g. 1.0")
     ] = 1.0
