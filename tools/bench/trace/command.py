@@ -155,7 +155,7 @@ def _memory_disk(traffic: list[Asked], args: argparse.Namespace, blocks: int, pr
     per arrangement and policy, each tier's share of hits (``policies``: write-through, as before)."""
     split = TierSplit.of(blocks, args.disk_share)
     out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks,
-                           "arrangements": {}}
+                           "disk_policy": args.disk_policy, "arrangements": {}}
     for arrangement in ARRANGEMENTS:
         cells = out["arrangements"][arrangement] = {}
         for policy in args.policies:
