@@ -93,7 +93,7 @@ def test_sizes(text, value):
     # every policy registered for the memory tier (lru, wtinylfu, ...), every registered one (lru, lfu, wtinylfu, ...)
     ({"tiers": [{"kind": "memory", "policy": "arc"}]}, "tiers[0].policy",
      f"allowed: {', '.join(memory_tier_policies())}"),
-    ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru"),
+    ({"tiers": [{"kind": "disk", "policy": "wtinylfu"}]}, "tiers[0].policy", "allowed: lru, prefix"),
     ({"encoder_cache_policy": "no-such"}, "encoder_cache_policy", f"allowed: {', '.join(policy_names())} or null"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url", "rediss+cluster://"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": -1}]}, "tiers[0].ttl_s", "positive"),
@@ -249,8 +249,9 @@ def test_cache_keys_of_existing_configs_are_unchanged():
     assert full.cache_key() == (
         '{"control_poll_s": 5.0, "lookup_budget_ms": 5.0, "tiers": [{"capacity": 1073741824, "kind": "memory", '
         '"pin_budget": 0.0, "policy": "wtinylfu"}, '
-        '{"capacity": 1073741824, "fsync": true, "kind": "disk", "path": "/tmp/d", "pin_budget": 0.0, '
-        '"policy": "lru"}, {"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, "password": null, '
+        '{"capacity": 1073741824, "fsync": true, "half_life": 1.0, "kind": "disk", "path": "/tmp/d", '
+        '"pin_budget": 0.0, "policy": "prefix"}, {"key_prefix": "tiercache:", "kind": "redis", "part_size": 8388608, '
+        '"password": null, '
         '"pin_budget": 0.0, "policy": "lru", "retry_after_s": 5.0, "ssl": {}, "timeout_s": 2.0, "ttl_s": null, '
         '"url": "redis://h:6379/0"}], "write_queue_size": 64}')
 
@@ -352,7 +353,7 @@ def test_each_config_class_parses_its_own_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"tiers\[3\]\.fsync: unknown key for a memory tier; known keys: "
                                           r"kind, capacity, policy, pin_budget$"):
         MemoryTierConfig.from_raw({"kind": "memory", "fsync": True}, "tiers[3]")
-    with pytest.raises(ConfigError, match=r"tiers\[4\]\.policy: invalid value 'wtinylfu'; allowed: lru$"):
+    with pytest.raises(ConfigError, match=r"tiers\[4\]\.policy: invalid value 'wtinylfu'; allowed: lru, prefix$"):
         DiskTierConfig.from_raw({"kind": "disk", "policy": "wtinylfu"}, "tiers[4]")
 
 

@@ -161,9 +161,9 @@ def test_an_exempt_put_of_a_record_held_in_memory_only_is_not_written_down_again
 def test_the_start_up_line_says_what_a_tier_admits(tmp_path):
     from vllm_tiercache.shared.store import describe_tiers
 
-    assert describe_tiers(_config(tmp_path)).endswith("lru admits seen>=2 or reused>=0.5")
+    assert describe_tiers(_config(tmp_path)).endswith("prefix admits seen>=2 or reused>=0.5")
     only_seen = _config(tmp_path, disk={"policy": "seen", "min_seen": 3, "reused_prompt_share": None})
-    assert describe_tiers(only_seen).endswith("lru admits seen>=3")
+    assert describe_tiers(only_seen).endswith("prefix admits seen>=3")
 
 
 @pytest.mark.parametrize(("share", "admitted"), [(0.75, [True, True, False]), (0.5, [True, True, False]),

@@ -118,8 +118,10 @@ def test_eviction_never_drops_pinned_records_on_disk_and_in_memory(tmp_path: Pat
         assert disk.counters.get("evictions") > 100
     unpin(config, ["corpus:v3"])
     with build_store(config) as store:  # unpinned: the corpus is evicted like any record
-        store.put_many([(k, torch.zeros(PAYLOAD), None) for k in _keys("more", 40)])
-        assert store.flush(30.0)
+        more = _keys("more", 120)  # 6x the disk: records never seen before go first for ~3 half-lives (prefix)
+        for lo in range(0, len(more), 10):
+            store.put_many([(k, torch.zeros(PAYLOAD), None) for k in more[lo:lo + 10]])
+            assert store.flush(30.0)
         assert store.tiers[1].contains_many(CORPUS) == [False] * len(CORPUS)
 
 

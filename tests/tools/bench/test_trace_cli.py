@@ -153,6 +153,7 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
         assert pair["memory_blocks"] + pair["disk_blocks"] == row["capacity_blocks"]
         assert pair["disk_blocks"] == round(0.75 * row["capacity_blocks"])
         assert pair["policies"] == pair["arrangements"]["write-through"]
+        assert pair["disk_policy"] == "prefix"  # the disk tier's default order (`--disk-policy`)
         for arrangement in ("write-through", "exclusive"):
             for policy in ("lru", "prefix"):
                 r = pair["arrangements"][arrangement][policy]

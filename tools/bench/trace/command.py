@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tiercache.shared.eviction import memory_tier_policies, policy_entry
+from vllm_tiercache.shared.store.tiers.disk.config import DiskTierConfig
 from vllm_tiercache.tools.bench.trace.cost import cost_rows
 from vllm_tiercache.tools.bench.trace.generate import generate_trace
 from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, format_tokens, read_trace, write_trace
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-share", type=_share, default=None, metavar="S",
                         help="also replay a store of memory + disk, the share S (0 < S < 1) of each capacity on "
                              "disk, the rest in memory (e.g. 0.75; default: memory alone)")
+    parser.add_argument("--disk-policy", choices=DiskTierConfig.POLICIES, default=DiskTierConfig.policy,
+                        help="with --disk-share: the disk tier's eviction policy (default: the tier's, "
+                             f"{DiskTierConfig.policy})")
     parser.add_argument("--shared-share", type=_share, default=None, metavar="R",
                         help="with --disk-share S: replay memory + disk + a shared Redis tier instead (a "
                              "redis-server started here), the share R (0 < R < 1) of each capacity in Redis, S "
@@ -151,11 +155,12 @@ def _memory_disk(traffic: list[Asked], args: argparse.Namespace, blocks: int, pr
     per arrangement and policy, each tier's share of hits (``policies``: write-through, as before)."""
     split = TierSplit.of(blocks, args.disk_share)
     out: dict[str, Any] = {"memory_blocks": split.memory_blocks, "disk_blocks": split.disk_blocks,
-                           "arrangements": {}}
+                           "disk_policy": args.disk_policy, "arrangements": {}}
     for arrangement in ARRANGEMENTS:
         cells = out["arrangements"][arrangement] = {}
         for policy in args.policies:
-            result = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement)
+            result = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement,
+                                        disk_policy=args.disk_policy)
             cells[policy] = {"memory": result.ratio(result.memory), "disk": result.ratio(result.disk),
                              "total": result.ratio(result.found), "seconds": round(result.seconds, 2)}
     out["policies"] = out["arrangements"]["write-through"]
@@ -180,8 +185,9 @@ def format_memory_disk(result: dict[str, Any], policies: list[str], disk_share: 
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
     text.append(f"(memory {1 - disk_share:g} and disk {disk_share:g} of each capacity; the disk tier evicts by its "
-                "own rules whatever the memory policy; write-through: every put on disk too; exclusive: the disk "
-                "written memory's evictions (admission evicted); LRU (plain) and optimum at the combined capacity)")
+                "own policy (--disk-policy) whatever the memory policy; write-through: every put on disk too; "
+                "exclusive: the disk written memory's evictions (admission evicted); LRU (plain) and optimum at the "
+                "combined capacity)")
     return "\n".join(text)
 
 

@@ -25,6 +25,8 @@ class Asked:
 
     blocks: tuple[int, ...]
     parent: int | None
+    #: when the request came (the trace's clock): the disk tier's order decays by it (`tiers.TraceClock`)
+    timestamp_ms: float = 0.0
 
 
 def store_traffic(requests: Sequence[TraceRequest], gpu_blocks: int) -> list[Asked]:
@@ -34,7 +36,7 @@ def store_traffic(requests: Sequence[TraceRequest], gpu_blocks: int) -> list[Ask
     for request in requests:
         hit = pool.serve(request)
         ids = request.hash_ids
-        out.append(Asked(ids[hit:], ids[hit - 1] if hit else None))
+        out.append(Asked(ids[hit:], ids[hit - 1] if hit else None, request.timestamp_ms))
     return out
 
 

@@ -34,7 +34,8 @@ def memory_disk_redis(traffic: list[Asked], args: argparse.Namespace, blocks: in
     for arrangement in ARRANGEMENTS:
         cells = out["arrangements"][arrangement] = {}
         for policy in args.policies:
-            r = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement, shared)
+            r = replay_memory_disk(traffic, policy, split, args.record_bytes, progress, arrangement, shared,
+                                   args.disk_policy)
             cells[policy] = {"memory": r.ratio(r.memory), "disk": r.ratio(r.disk), "redis": r.ratio(r.redis),
                              "total": r.ratio(r.memory + r.disk + r.redis), "found": r.ratio(r.found),
                              "lost": r.found - r.memory - r.disk - r.redis, "partial": r.partial,

@@ -17,11 +17,14 @@ is there for the other instances: every put reaches it), and evicts by its own `
 store's read path promotes a Redis hit into memory (at once) and into the disk (through the background
 writer, whatever the disk's admission: an exclusive disk then holds a copy of what memory holds).
 
-Two settings differ from a serving store, so that the replay is deterministic and says what the
+Three settings differ from a serving store, so that the replay is deterministic and says what the
 policies do rather than how the threads race: the slower tier's writes are waited for after every
-request (`TieredStore.flush`: the write queue never drops), and a disk read refreshes its record's access
+request (`TieredStore.flush`: the write queue never drops), a disk read refreshes its record's access
 time at every read instead of at most once a minute (`bookkeeping.ATIME_REFRESH_NS`: a replay runs in
-seconds what the trace spread over 17 minutes, so the minute would turn the disk's LRU into FIFO).
+seconds what the trace spread over 17 minutes, so the minute would turn the disk's LRU into FIFO), and
+the disk index's clock is the trace's (`TraceClock`: the time a server at the trace's pace would see; the
+``lru`` order's keys, whatever the replay's speed; the ``prefix`` order runs on bytes and needs no clock).
+The disk's policy is ``disk_policy`` (the tier's default, ``prefix``, or ``lru``: the order before it).
 """
 
 from __future__ import annotations
@@ -83,6 +86,25 @@ class TiersResult:
         return found / self.asked if self.asked else 0.0
 
 
+class TraceClock:
+    """The disk index's clock in a replay: the current request's arrival (ns), one ns later at each call so
+    that touches keep their order (as wall time would), counted from an epoch as far from 0 as wall time's
+    (the ``prefix`` order's byte clock starts at it, and a newcomer's key lies before it)."""
+
+    EPOCH_NS = 1_700_000_000_000_000_000
+
+    def __init__(self) -> None:
+        self.now_ns = self.last = self.EPOCH_NS
+
+    def at(self, timestamp_ms: float) -> None:
+        """The next request arrives at ``timestamp_ms`` (the trace's time)."""
+        self.now_ns = self.EPOCH_NS + int(timestamp_ms * 1_000_000)
+
+    def __call__(self) -> int:
+        self.last = max(self.last + 1, self.now_ns)
+        return self.last
+
+
 def disk_record_bytes(record_bytes: int, largest_block: int) -> int:
     """The file size of one block's record on disk (payload, header, the parent's digest, the key text of the
     largest block id): the disk tier's capacity is in file bytes, the memory tier's in payload bytes."""
@@ -98,10 +120,10 @@ def disk_record_bytes(record_bytes: int, largest_block: int) -> int:
 
 def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: TierSplit, record_bytes: int,
                        progress: Callable[[int], None] | None = None, arrangement: str = "write-through",
-                       shared: SharedTier | None = None) -> TiersResult:
-    """``traffic`` through a real store: memory (``memory_policy``) then disk, in a fresh temp directory,
-    the disk admitting as ``arrangement`` says (`ARRANGEMENTS`); then, given ``shared``, its Redis server
-    emptied and bounded to ``split.shared_blocks`` records."""
+                       shared: SharedTier | None = None, disk_policy: str = "prefix") -> TiersResult:
+    """``traffic`` through a real store: memory (``memory_policy``) then disk (``disk_policy``), in a fresh
+    temp directory, the disk admitting as ``arrangement`` says (`ARRANGEMENTS`); then, given ``shared``, its
+    Redis server emptied and bounded to ``split.shared_blocks`` records."""
     import torch
 
     import vllm_tiercache.shared.store.tiers.disk.bookkeeping as bookkeeping
@@ -119,13 +141,15 @@ def replay_memory_disk(traffic: Sequence[Asked], memory_policy: str, split: Tier
             store = build_store({"tiers": [
                 {"kind": "memory", "capacity": split.memory_blocks * record_bytes, "policy": memory_policy},
                 {"kind": "disk", "path": directory, "capacity": disk_bytes, "fsync": False,
-                 "admission": ARRANGEMENTS[arrangement]},
+                 "policy": disk_policy, "admission": ARRANGEMENTS[arrangement]},
                 *([shared.bound(split.shared_blocks)] if shared is not None else [])]})
             memory_tier, disk_tier = store.tiers[:2]
+            clock = disk_tier._index.clock = TraceClock()
             try:
                 asked = found = 0
                 started = time.perf_counter()
                 for done, request in enumerate(traffic, 1):
+                    clock.at(request.timestamp_ms)
                     found += serve(store, request, key, record, lambda items: store.put_many(items, owned=True))
                     asked += len(request.blocks)
                     store.flush()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ class DiskAdmin:
         """(digest, size, last access unix time, key text) of every indexed record (for `tiercache stats`)."""
         with self.index.env.begin() as txn:
             for digest, entry in self.index.scan(txn):
-                yield digest, entry.size, entry.atime_ns / 1e9, entry.text
+                yield digest, entry.size, self.index.last_access_ns(txn, digest, entry) / 1e9, entry.text
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
         """Stored size of each key's record from the index (None: not indexed). No file is read.
@@ -63,8 +62,10 @@ class DiskAdmin:
         unknown (an index rebuilt from record headers stores none) get ``""`` as key text. A match's
         descendants (records whose parent chain leads to it) go with it and are counted.
         """
-        return self._delete_matching(lambda txn, digest, entry: predicate(entry.text, entry.size, entry.atime_ns / 1e9),
-                                     dry_run=dry_run, batch=batch)
+        def match(txn: lmdb.Transaction, digest: bytes, entry: IndexEntry) -> bool:
+            return predicate(entry.text, entry.size, self.index.last_access_ns(txn, digest, entry) / 1e9)
+
+        return self._delete_matching(match, dry_run=dry_run, batch=batch)
 
     def _delete_matching(self, match: Callable[[lmdb.Transaction, bytes, IndexEntry], bool], *,
                          dry_run: bool, batch: int = 1000) -> tuple[int, int]:
@@ -115,18 +116,19 @@ class DiskAdmin:
 
     def iter_stored(self) -> Iterator[StoredRecord]:
         """Every indexed record (the `Tier` admin contract): key text, size, seconds since last access, tags."""
-        now = time.time()
+        now = self.index.clock() / 1e9
         with self.index.env.begin() as txn:
             for digest, entry in self.index.scan(txn):
-                yield StoredRecord(entry.text, entry.size, now - entry.atime_ns / 1e9,
+                yield StoredRecord(entry.text, entry.size, now - self.index.last_access_ns(txn, digest, entry) / 1e9,
                                    self.index.get_tags(txn, digest))
 
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
         """`delete_where` over `StoredRecord`s (the `Tier` admin contract); idle time counted from now."""
-        now = time.time()
+        now = self.index.clock() / 1e9
         return self._delete_matching(
-            lambda txn, digest, entry: predicate(StoredRecord(entry.text, entry.size, now - entry.atime_ns / 1e9,
+            lambda txn, digest, entry: predicate(StoredRecord(entry.text, entry.size,
+                                                              now - self.index.last_access_ns(txn, digest, entry) / 1e9,
                                                               self.index.get_tags(txn, digest))),
             dry_run=dry_run)
 

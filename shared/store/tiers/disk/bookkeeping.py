@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import lmdb
 
@@ -44,7 +43,7 @@ class ReadBookkeeping:
         ``hits``: (digest, file size) of records read; ``gone``: (digest, inode of a corrupt file, or None
         when the file was missing).
         """
-        now = time.time_ns()
+        now = self.index.clock()
         # Hits this process refreshed less than ATIME_REFRESH_NS ago need no index transaction at all.
         hits = [(d, size) for d, size in hits if now - self.refreshed.get(d, 0) > ATIME_REFRESH_NS]
         if not hits and not gone:
@@ -58,7 +57,7 @@ class ReadBookkeeping:
                 stale = []
                 for digest, size in hits:
                     entry = self.index.get(txn, digest)
-                    if entry is None or now - entry.atime_ns > ATIME_REFRESH_NS:
+                    if entry is None or now - self.index.last_access_ns(txn, digest, entry) > ATIME_REFRESH_NS:
                         stale.append((digest, size))
                 dead = [(d, ino) for d, ino in gone if ino is not None or self.index.get(txn, d)]
             if not stale and not dead:
@@ -106,7 +105,7 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
     record is kept and indexed by its file name, so that LRU ages it out. Rebuilt entries have no key text;
     their tags and parent links (`DiskIndex.descendants`) come back from the headers.
     """
-    now = time.time_ns()
+    now = index.clock()
     count = 0
     with index.env.begin(write=True) as txn:
         for path in paths.record_files():

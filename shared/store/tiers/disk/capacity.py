@@ -1,5 +1,5 @@
-"""The disk tier's byte budget: least recently used records, with their descendants, are unlinked until
-the directory fits.
+"""The disk tier's byte budget: the records lowest in the index's order (`order`'s ``prefix``, or least
+recently used), with their descendants, are unlinked until the directory fits.
 
 Why a module of its own: eviction is the one place where records disappear without being asked to; it
 runs inside the caller's index write transaction (the cross-process lock under which files are renamed
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import lmdb
 
@@ -22,14 +21,14 @@ from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths
 
 def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, paths: RecordPaths,
                         pin_budget: int = 0) -> int:
-    """Unlink least recently used records, each with its descendants, until the total fits ``capacity``;
-    returns how many records went (descendants included).
+    """Unlink the records lowest in the index's order (`DiskIndex.oldest`), each with its descendants, until
+    the total fits ``capacity``; returns how many records went (descendants included).
 
     ``txn`` must be a write transaction of ``index`` (its entries go with the files). Records of the tags
     pinned now (the index's control entries, read in this very transaction, so every process sharing the
     directory agrees), up to ``pin_budget`` bytes, are skipped while unpinned records remain; a skipped
-    record is moved to the recent end of the LRU order, so that the next eviction does not walk past
-    the pinned corpus again (a pinned record is in use by definition).
+    record is moved to at least now in the order (without counting an access: `DiskIndex.touch`), so that
+    the next eviction does not walk past the pinned corpus again (a pinned record is in use by definition).
 
     Why descendants go too: a record is found only by a prefix lookup that found its parent first (the
     connector stops at the first miss), so a child kept after its parent is dead weight, and the parent,
@@ -94,7 +93,7 @@ def evict_over_capacity(index: DiskIndex, txn: lmdb.Transaction, capacity: int, 
             kept.discard(digest)
             take(digest, size)
         else:
-            index.touch(txn, digest, time.time_ns())
+            index.touch(txn, digest, index.clock(), access=False)
     for digest in victims:
         index.delete(txn, digest)
         with contextlib.suppress(FileNotFoundError):

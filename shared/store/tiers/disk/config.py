@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field, Strict
 
 from vllm_tiercache.shared.store.admission_config import WRITE_THROUGH, AdmissionConfig, check_admission
 from vllm_tiercache.shared.store.tier_config import (
+    Allowed,
     Bool,
     Capacity,
     EnvDefault,
@@ -33,6 +34,8 @@ from vllm_tiercache.shared.store.tier_config import (
 log = logging.getLogger(__name__)
 
 DEFAULT_DISK_CAPACITY = 20 << 30
+#: the largest ``half_life``, in capacities (beyond it the order is LFU for any traffic a disk sees)
+MAX_HALF_LIFE = 1000.0
 #: (directory, capacity) already warned about in this process: one line per process, not per parse
 _WARNED: set[tuple[str, int]] = set()
 
@@ -48,9 +51,9 @@ class DiskTierConfig:
 
     # the default path depends on the environment: the schema has none, the description says it
     __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra=schema_extra(no_default=("path",)))
-    #: a shared tier keeps LRU in its cross-process index (an in-process frequency sketch cannot see the
-    #: other processes' accesses)
-    POLICIES: ClassVar[tuple[str, ...]] = ("lru",)
+    #: the orders its cross-process index keeps (an in-process frequency sketch cannot see the other
+    #: processes' accesses, so ``wtinylfu`` is not one): recency, or LRFU as a virtual time (`order`)
+    POLICIES: ClassVar[tuple[str, ...]] = ("lru", "prefix")
 
     path: Annotated[Text, AfterValidator(_absolute), Field(
         description="Directory of the tier, owned by it: no two tiers of one store may share it; made "
@@ -66,8 +69,18 @@ class DiskTierConfig:
     ] = DEFAULT_DISK_CAPACITY
     fsync: Annotated[Bool, Field(description="fsync each record file before it is indexed (crash safety).")
                      ] = True
-    policy: Annotated[Literal["lru"], Field(
-        description="Eviction policy: lru only (the order lives in the cross-process index).")] = "lru"
+    policy: Annotated[Literal["lru", "prefix"], Field(
+        description="Eviction policy, kept in the cross-process index: prefix (the default: decayed access "
+                    "counts, LRFU, a record never seen before counting a tenth of an access, a parent ranked at "
+                    "least as high as its children; the memory tier's prefix policy as a virtual time) or lru "
+                    "(least recently used). Either way a victim's descendants go with it and pins are kept.")
+    ] = "prefix"
+    half_life: Annotated[float, Strict(), Field(gt=0.0, le=MAX_HALF_LIFE, allow_inf_nan=False, description=(
+        "With policy prefix: how fast an access's weight halves, in capacities of traffic (bytes put into and "
+        "read from this directory, by every process sharing it). "
+        f"Small is LRU, large is LFU; 1.0 (the default) measured best on the Mooncake trace. At most "
+        f"{MAX_HALF_LIFE:g}.")), Allowed(f"a positive number of capacities, at most {MAX_HALF_LIFE:g}, e.g. 1.0")
+    ] = 1.0
     pin_budget: PinBudget = 0.0
     admission: Annotated[AdmissionConfig, Field(description=(
         "Which puts are written to this tier: {\"policy\": \"always\"} (default), {\"policy\": \"seen\", "

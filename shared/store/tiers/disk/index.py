@@ -1,4 +1,4 @@
-"""The LMDB index of one disk-tier directory: per record its size, last access and key text, in LRU order.
+"""The LMDB index of one disk-tier directory: per record its size, order key and key text, in eviction order.
 
 Why a module of its own: the index is the disk tier's cross-process state, with its own binary layout,
 its own per-process environment cache (LMDB forbids opening one environment twice in a process) and its
@@ -9,8 +9,10 @@ the entry layout below is written and read in one place.
 
 Databases of the environment:
 
-- ``entries``: digest -> u64 size, u64 last access (ns) | key text (bytes, may be empty);
-- ``atime``: big-endian u64 last access (ns) + digest -> b"" (iterates oldest first: the LRU order);
+- ``entries``: digest -> u64 size, u64 order key | key text (bytes, may be empty);
+- ``atime``: big-endian u64 order key + digest -> b"" (iterates lowest first: the eviction order). The key is
+  the last access (ns) under plain recency (policy ``lru``, and every older build), a virtual time under
+  ``prefix`` (`order`: its own dbs ``lrfu`` and ``ghosts``), which reads as recency to an older build;
 - ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes;
 - ``tags``: digest -> the record's tags (`vllm_tiercache.shared.store.tags.encode_tags`), only for records
   that have tags. An older build never opens it: it keeps reading ``entries`` as before, and a record it
@@ -45,7 +47,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import lmdb
 
@@ -72,6 +74,20 @@ class IndexEntry(NamedTuple):
     text: str
 
 
+class Order(Protocol):
+    """An eviction order other than plain recency (`order.PrefixOrder`): the key each touch writes."""
+
+    def key(self, txn: lmdb.Transaction, digest: bytes, size: int, now_ns: int, old: IndexEntry | None) -> int: ...
+
+    def bump(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry, now_ns: int) -> int: ...
+
+    def forget(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry) -> None: ...
+
+    def last_access_ns(self, txn: lmdb.Transaction, digest: bytes, entry: IndexEntry) -> int: ...
+
+    def drop_orphans(self, txn: lmdb.Transaction) -> int: ...
+
+
 def _open_env(index_dir: str) -> lmdb.Environment:
     real = os.path.realpath(index_dir)
     with _ENV_LOCK:
@@ -84,7 +100,7 @@ def _open_env(index_dir: str) -> lmdb.Environment:
         # The directory is made here, owner-only: LMDB would mkdir it with the file mode (0600, no
         # search bit), which only root can then create files in.
         os.makedirs(real, mode=0o700, exist_ok=True)
-        env = lmdb.open(real, map_size=4 << 30, max_dbs=8, subdir=True, sync=False, metasync=False,
+        env = lmdb.open(real, map_size=4 << 30, max_dbs=16, subdir=True, sync=False, metasync=False,
                         readahead=False, max_readers=1024, mode=0o600)
         _ENVS[real] = [env, 1]
         return env
@@ -112,6 +128,10 @@ class DiskIndex:
 
     def __init__(self, index_dir: str) -> None:
         self.dir = index_dir
+        #: the eviction order (None: plain recency, the key of a touch is its time); set by the tier
+        self.order: Order | None = None
+        #: the clock of touches, ns (a replay sets its trace's time: `tools/bench/trace/tiers`)
+        self.clock: Callable[[], int] = time.time_ns
         self.env = _open_env(index_dir)
         try:
             # In a transaction of our own: `open_db` without one begins its write transaction holding the
@@ -227,7 +247,7 @@ class DiskIndex:
         return out
 
     def oldest(self, txn: lmdb.Transaction) -> Iterator[bytes]:
-        """Digests by last access, least recent first (the eviction order)."""
+        """Digests in the eviction order: least recent first, or lowest `order` key first."""
         for akey in txn.cursor(db=self.by_atime).iternext(keys=True, values=False):
             yield bytes(akey[_ATIME.size:])
 
@@ -250,23 +270,42 @@ class DiskIndex:
         if old is not None:
             total -= old.size
             txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
-        txn.put(digest, _ENTRY.pack(size, now_ns) + key_text_bytes(text), db=self.entries)
-        txn.put(_ATIME.pack(now_ns) + digest, b"", db=self.by_atime)
+        key = now_ns if self.order is None else self.order.key(txn, digest, size, now_ns, old)
+        txn.put(digest, _ENTRY.pack(size, key) + key_text_bytes(text), db=self.entries)
+        txn.put(_ATIME.pack(key) + digest, b"", db=self.by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, total + size)), db=self.meta)
 
-    def touch(self, txn: lmdb.Transaction, digest: bytes, now_ns: int) -> bool:
-        """Move a record to ``now_ns`` in the LRU order (size and key text kept); False if not indexed."""
-        raw = txn.get(digest, db=self.entries)
-        if raw is None:
+    def touch(self, txn: lmdb.Transaction, digest: bytes, now_ns: int, access: bool = True) -> bool:
+        """An access of a record at ``now_ns``: its key moves (by recency, or as `order` says; size and key
+        text kept); False if not indexed. ``access=False``: moved to at least ``now_ns`` without counting
+        an access (a pinned record an eviction passed over)."""
+        old = self.get(txn, digest)
+        if old is None:
             return False
-        size, atime = _ENTRY.unpack_from(raw)
-        txn.delete(_ATIME.pack(atime) + digest, db=self.by_atime)
-        txn.put(digest, _ENTRY.pack(size, now_ns) + bytes(raw[_ENTRY.size:]), db=self.entries)
-        txn.put(_ATIME.pack(now_ns) + digest, b"", db=self.by_atime)
+        if self.order is None:
+            key = now_ns
+        elif access:
+            key = self.order.key(txn, digest, old.size, now_ns, old)
+        else:
+            key = self.order.bump(txn, digest, old, now_ns)
+        self.rekey(txn, digest, old, key)
         return True
 
+    def rekey(self, txn: lmdb.Transaction, digest: bytes, old: IndexEntry, key: int) -> None:
+        """Move an indexed record to ``key`` in the eviction order. The key is also the entry's access-time
+        field: an older build deletes the ``atime`` entry that field names, so the two never differ."""
+        raw = txn.get(digest, db=self.entries)
+        txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
+        txn.put(digest, _ENTRY.pack(old.size, key) + bytes(raw[_ENTRY.size:]), db=self.entries)
+        txn.put(_ATIME.pack(key) + digest, b"", db=self.by_atime)
+
+    def last_access_ns(self, txn: lmdb.Transaction, digest: bytes, entry: IndexEntry) -> int:
+        """When the record was last touched (with an `order`, its key is not a time)."""
+        return entry.atime_ns if self.order is None else self.order.last_access_ns(txn, digest, entry)
+
     def delete(self, txn: lmdb.Transaction, digest: bytes) -> None:
-        """Forget a record (no-op when it is not indexed); keeps the total in step."""
+        """Forget a record (no-op when it is not indexed); keeps the total in step; the `order` keeps its
+        history (a ghost)."""
         old = self.get(txn, digest)
         if old is None:
             return
@@ -275,6 +314,8 @@ class DiskIndex:
         txn.delete(_ATIME.pack(old.atime_ns) + digest, db=self.by_atime)
         txn.put(_TOTAL, _U64.pack(max(0, self.total(txn) - old.size)), db=self.meta)
         self._unlink(txn, digest)
+        if self.order is not None:
+            self.order.forget(txn, digest, old)
 
     def _link(self, txn: lmdb.Transaction, digest: bytes, parent: bytes) -> None:
         """Record ``parent`` as the parent of ``digest`` (both directions; a different old link is replaced)."""
@@ -302,11 +343,14 @@ class DiskIndex:
         return len(orphans)
 
     def drop_orphan_links(self, txn: lmdb.Transaction) -> int:
-        """Remove parent links of records no longer indexed (an older build deleted them); returns how many."""
+        """Remove parent links (and `order` states) of records no longer indexed (an older build deleted
+        them); returns how many links."""
         orphans = [bytes(d) for d in txn.cursor(db=self.parents).iternext(keys=True, values=False)
                    if txn.get(d, db=self.entries) is None]
         for digest in orphans:
             self._unlink(txn, digest)
+        if self.order is not None:
+            self.order.drop_orphans(txn)
         return len(orphans)
 
     # ----------------------------------------------------------------------------------------- control

@@ -1,4 +1,4 @@
-"""Disk tier: one record file per key under a directory, with an LMDB index for size and LRU order.
+"""Disk tier: one record file per key under a directory, with an LMDB index for size and eviction order.
 
 Why this shape:
 
@@ -46,6 +46,7 @@ from vllm_tiercache.shared.store.tiers.disk.admin import DiskAdmin
 from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, rebuild_index
 from vllm_tiercache.shared.store.tiers.disk.config import DiskTierConfig
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
+from vllm_tiercache.shared.store.tiers.disk.order import PrefixOrder
 from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths
 from vllm_tiercache.shared.store.tiers.disk.problems import ProblemReporter
 from vllm_tiercache.shared.store.tiers.disk.readahead import ReadAhead
@@ -64,7 +65,8 @@ class DiskTierError(OSError):
 
 
 class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsControl, DropsRecords):
-    """A byte-bounded LRU directory of record files, shared safely by several processes."""
+    """A byte-bounded directory of record files, shared safely by several processes; evicts by the
+    ``prefix`` order (`order`) or by recency."""
 
     kind = "disk"
     shared_across_processes = True
@@ -100,6 +102,8 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsCont
         """Open the LMDB index and the parts that work on it; if the index is unreadable (an OS crash
         without fsync), rebuild it from the files."""
         self._index, rebuilt = DiskIndex.open(self._index_dir)
+        if self.config.policy == "prefix":
+            self._index.order = PrefixOrder(self._index, self.capacity, self.config.half_life)
         self._bookkeeping = ReadBookkeeping(self._index, self._paths, self._problems)
         self._writer = RecordWriter(self._index, self._paths, self.capacity, self.config.fsync, self.counters,
                                     self._problems, int(self.config.pin_budget * self.capacity))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -115,7 +114,7 @@ class RecordWriter:
         evicted = puts = nbytes = 0
         try:
             with self.index.env.begin(write=True) as txn:
-                now = time.time_ns()
+                now = self.index.clock()
                 for w in written:
                     os.replace(w.tmp, w.final)
                     self.index.put(txn, w.digest, w.size, w.text, now, w.tags, w.parent)

@@ -1,5 +1,8 @@
 """Disk tier and prefix chains: a record whose parent goes goes with it (eviction, admin deletes), on one
-directory shared by two tiers, on an index rebuilt from the files, and on an index of an older build."""
+directory shared by two tiers, on an index rebuilt from the files, and on an index of an older build.
+
+The eviction cases run the ``lru`` order, whose victim is the chain's head (the least recently used), so
+that the descendants rule is what they see; the ``prefix`` order's victims are tested in test_order.py."""
 
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def test_evicting_the_oldest_parent_takes_its_chain_and_leaves_the_unrelated(tmp
     and grandchild (unreachable without it), counted as evictions; the unrelated record stays."""
     path = tmp_path / "d"
     capacity = _capacity_for(path, _put_chain_then_unrelated)
-    tier = DiskTier(DiskTierConfig(path=str(path), capacity=capacity))
+    tier = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity))
     try:
         _put_chain_then_unrelated(tier)
         assert _present(tier, (*CHAIN, "unrelated")) == [True] * 4
@@ -82,8 +85,8 @@ def test_two_tiers_on_one_directory_agree(tmp_path):
     the second one runs takes the chain the first one wrote, and both see the same records."""
     path = tmp_path / "d"
     capacity = _capacity_for(path, _put_chain_then_unrelated)
-    writer = DiskTier(DiskTierConfig(path=str(path), capacity=capacity))
-    filler = DiskTier(DiskTierConfig(path=str(path), capacity=capacity))
+    writer = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity))
+    filler = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity))
     try:
         _put(writer, "parent")
         _put(writer, "child", "parent", 1)
@@ -157,7 +160,7 @@ def test_an_index_of_an_older_build_opens_says_so_and_still_evicts(tmp_path, cap
     """Records indexed without links are roots (evicted by recency alone, a warning says so once);
     records written after the upgrade are linked and go with their parents."""
     path = tmp_path / "d"
-    old = DiskTier(DiskTierConfig(path=str(path), capacity=1 << 20))
+    old = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=1 << 20))
     _put(old, "old-a", None, 5)
     _put(old, "old-b", "old-a", 6)  # its link is lost with the lineage dbs: a root to the new build
     old.close()
@@ -165,7 +168,7 @@ def test_an_index_of_an_older_build_opens_says_so_and_still_evicts(tmp_path, cap
     capacity = _capacity_for(tmp_path / "sizing", lambda t: [_put(t, "old-a", None, 5), _put(t, "old-b", "old-a", 6),
                                                            _put_chain_then_unrelated(t)])
     with caplog.at_level(logging.WARNING):
-        tier = DiskTier(DiskTierConfig(path=str(path), capacity=capacity))
+        tier = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity))
     try:
         assert [r.message for r in caplog.records if "without parent links" in r.message] != []
         assert "2 records are roots" in caplog.text
@@ -181,7 +184,7 @@ def test_an_index_of_an_older_build_opens_says_so_and_still_evicts(tmp_path, cap
         tier.close()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        DiskTier(DiskTierConfig(path=str(path), capacity=capacity)).close()
+        DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity)).close()
     assert "without parent links" not in caplog.text  # said once: the marker is written
 
 
@@ -197,7 +200,7 @@ def test_a_pinned_descendant_stays_with_what_is_below_it(tmp_path):
         _put(tier, "sibling", "parent", 3)
 
     capacity = _capacity_for(path, fill)
-    tier = DiskTier(DiskTierConfig(path=str(path), capacity=capacity, pin_budget=0.5))
+    tier = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=capacity, pin_budget=0.5))
     try:
         fill(tier)
         tier.write_control(pin_changes(["doc"], None, True))
