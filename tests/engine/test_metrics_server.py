@@ -167,7 +167,7 @@ def test_metrics_list_every_series_from_the_start_and_count_disk_and_redis(
         server.wait_healthy(timeout_s=300)
         log = (tmp_path / "server.log").read_text()
         assert "TieredKVConnector, TieredECConnector settings checked before the model loads" in log
-        tiers = f"tiers=memory 16.0 KiB prefix > disk {disk} 1.0 GiB lru > redis {redis_url}"
+        tiers = f"tiers=memory 16.0 KiB prefix > disk {disk} 1.0 GiB prefix > redis {redis_url}"
         for connector in ("TieredKVConnector", "TieredECConnector"):  # one start line per connector process
             starts = [line for line in log.splitlines() if f"{connector}: role=" in line]
             assert starts and all(tiers in line for line in starts), (tiers, starts)
