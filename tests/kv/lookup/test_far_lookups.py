@@ -238,14 +238,21 @@ def test_a_store_that_hangs_during_the_lookup_never_holds_a_call_and_the_request
             side.shutdown()
 
 
+def answer_between_reports(side: KVSchedulerSide, worker: Worker, request: Request) -> tuple[int | None, bool]:
+    """vLLM's asks for ``request``, one a step with the worker's report in between, until one is not None."""
+    answer = side.get_num_new_matched_tokens(request, 0)
+    while answer[0] is None:
+        threading.Event().wait(0.01)
+        worker.report(side)
+        answer = side.get_num_new_matched_tokens(request, 0)
+    return answer
+
+
 @pytest.mark.serial  # pauses a redis-server
 def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its_deadline(
         hanging_redis: RedisServer, hang_tier: dict[str, Any]) -> None:
-    request = make_request("p", tokens(PROMPT_TOKENS, seed=3))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(hang_tier, full)
-    with store_with(hang_tier) as store:
-        side, worker = far_side(store, deadline_s=0.3), Worker(store)
+    with far_scene(hang_tier, "p", seed=3) as (request, _full, _store, side, worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
         try:
             side.on_new_request(request)
             probe_done(side, "p")
@@ -253,18 +260,11 @@ def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its
             assert len(meta.prefetches) == 2
             hanging_redis.pause()
             worker.prefetcher.submit(meta.prefetches)  # its reads wait on the stopped server
-            answer = side.get_num_new_matched_tokens(request, 0)
-            while answer[0] is None:
-                threading.Event().wait(0.01)
-                worker.report(side)
-                answer = side.get_num_new_matched_tokens(request, 0)
-            assert answer == (0, False)
+            assert answer_between_reports(side, worker, request) == (0, False)
             assert side.take_counters() == {"prefetches_late": 2}
         finally:
             hanging_redis.resume()
             assert worker.prefetcher.drain(60.0)
-            worker.close()
-            side.shutdown()
 
 
 @pytest.mark.serial  # pauses a redis-server
@@ -272,11 +272,8 @@ def test_a_store_that_hangs_after_a_chunk_landed_leaves_the_request_that_chunk_a
         hanging_redis: RedisServer, hang_tier: dict[str, Any]) -> None:
     """A chunk that lands restarts the deadline, but a store that then hangs lands no more: the request runs
     a deadline after the last chunk landed, with that chunk, and the rest is counted late."""
-    request = make_request("m", tokens(PROMPT_TOKENS, seed=14))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(hang_tier, full)
-    with store_with(hang_tier) as store:
-        side, worker = far_side(store, deadline_s=0.3), Worker(store)
+    with far_scene(hang_tier, "m", seed=14) as (request, _full, _store, side, worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
         try:
             side.on_new_request(request)
             probe_done(side, "m")
@@ -285,18 +282,11 @@ def test_a_store_that_hangs_after_a_chunk_landed_leaves_the_request_that_chunk_a
             worker.play(TieredKVMetadata(prefetches=[first]), side)
             hanging_redis.pause()
             worker.prefetcher.submit([second])  # its reads wait on the stopped server
-            answer = side.get_num_new_matched_tokens(request, 0)
-            while answer[0] is None:
-                threading.Event().wait(0.01)
-                worker.report(side)
-                answer = side.get_num_new_matched_tokens(request, 0)
-            assert answer == (4 * BLOCK, False)
+            assert answer_between_reports(side, worker, request) == (4 * BLOCK, False)
             assert side.take_counters() == {"prefetches_late": 1}
         finally:
             hanging_redis.resume()
             assert worker.prefetcher.drain(60.0)
-            worker.close()
-            side.shutdown()
 
 
 def test_a_request_whose_turn_comes_after_its_deadline_from_arrival_still_waits_for_its_fetch(redis_tier) -> None:
