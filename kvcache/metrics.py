@@ -57,6 +57,9 @@ _COUNTERS = (
     "lookups_late",
     "prefetches_late",
     "prefetches_evicted",
+    # chunks a far lookup found stored past the prefix its answer could load (any of the three above, or a fetch
+    # that failed): the far tiers' hits that went missing
+    "found_unused_chunks",
     # ... and the workers' prefetches (vllm_tiercache.kvcache.load.prefetcher)
     "prefetched_chunks",
     "prefetch_failures",

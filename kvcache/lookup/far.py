@@ -11,7 +11,8 @@ the answer never waits on the network:
    (`ChunkPrefetch`) and every worker reads them into host memory in the background, where they wait
    for their load (`vllm_tiercache.kvcache.load.prefetcher`, `vllm_tiercache.kvcache.load.staging`),
    while the request waits for its lookup or its turn. A chunk already on its way for another request is
-   not asked again, nor one the workers' memory or vLLM's own prefix cache holds.
+   not asked again, nor one the workers' memory or vLLM's own prefix cache holds; one that vLLM's prefix
+   cache dropped while the request queued is asked at the request's turn.
 3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
    (``lookup_deadline_ms`` after its turn, vLLM's first ask, or after the last of its chunks that landed
    since), whichever comes first: the hit is the prefix of chunks
@@ -81,6 +82,8 @@ class FarTicket:
     #: names of the far chunks fetched for it, and whether its answer has been given (later asks are at once)
     waits_for: set[bytes] = field(default_factory=set)
     prefetching: bool = False
+    #: the blocks vLLM's own prefix cache held when its chunks were last named for a fetch (those were not)
+    fetched_past: int = 0
     answered: bool = False
     #: vLLM's count of the request's preemptions when it was probed: a preempted request is probed anew
     preemptions: int = 0
@@ -102,6 +105,14 @@ class FarAnswer:
     #: chunk index -> some tier holds it (not saved again); -> the shared tiers were asked about it (and answered)
     stored: list[bool]
     asked: list[bool]
+
+    def unused(self) -> int:
+        """Chunks of the stored prefix past the loadable one: found in some tier, yet computed (their fetch was
+        late, failed, or dropped from host memory before the answer). Counted once per answer as
+        ``found_unused_chunks``: where a far tier's hits go missing."""
+        stored = next((i for i, ok in enumerate(self.stored) if not ok), len(self.stored))
+        usable = next((i for i, ok in enumerate(self.usable) if not ok), len(self.usable))
+        return max(0, stored - usable)
 
 
 class FarLookups:
@@ -132,7 +143,7 @@ class FarLookups:
         #: chunks a worker reported fetched, for the evicted-before-it-ran count
         self._fetched: set[bytes] = set()
         self._to_send: dict[bytes, ChunkPrefetch] = {}
-        self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0}
+        self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0, "found_unused_chunks": 0}
 
     # ------------------------------------------------------------------------------------- a request
     def start(self, state: RequestState) -> None:
@@ -167,16 +178,17 @@ class FarLookups:
             ticket.deadline = now + self.deadline_s
         late = now >= ticket.deadline
         probe = ticket.probe
-        if not ticket.answered:
+        first = not ticket.answered
+        if first:
             if not probe.done.is_set():
                 if not late:
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
                 self._unfetched.pop(probe.request.request_id, None)
-                return self._answer(ticket, local_blocks, probe_in=False)
-            if not ticket.prefetching:
-                self._prefetch(ticket, local_blocks)
+                return self._answer(ticket, local_blocks, probe_in=False)  # the probe's findings are not in
+            if not ticket.prefetching or local_blocks < ticket.fetched_past:
+                self._prefetch(ticket, local_blocks)  # vLLM evicted some of what it held: fetched after all
             pending = {name for name in ticket.waits_for if name in self._in_flight and not self._held(name)}
             landed = len(ticket.waits_for) - len(pending)
             if pending and landed > ticket.landed:  # chunks landed since the last ask: the store is answering
@@ -187,7 +199,10 @@ class FarLookups:
             self.counters["prefetches_evicted"] += sum(
                 1 for name in ticket.waits_for if name in self._fetched and not self._held(name))
             ticket.answered = True
-        return self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
+        answer = self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
+        if first:
+            self.counters["found_unused_chunks"] += answer.unused()
+        return answer
 
     @staticmethod
     def _preempted(ticket: FarTicket, local_blocks: int) -> bool:
@@ -208,8 +223,12 @@ class FarLookups:
         self._unfetched.pop(req_id, None)
 
     def _prefetch(self, ticket: FarTicket, local_blocks: int) -> None:
-        """Name the far chunks of the request's probed prefix for the workers to fetch (once per ticket)."""
+        """Name the far chunks of the request's probed prefix past vLLM's ``local_blocks`` for the workers to
+        fetch: once when its probe is in, and again at its turn for the chunks vLLM held then and has evicted
+        since. Why again: vLLM's prefix cache turns over while a request queues (in `bench serve`, a KV cache
+        a quarter of the working set), and the chunks it dropped meanwhile were found stored, yet computed."""
         ticket.prefetching = True
+        ticket.fetched_past = local_blocks
         self._unfetched.pop(ticket.probe.request.request_id, None)
         probe = ticket.probe
         # the workers' memory tier's chunks too: staged, they cannot be evicted between this answer and the load
@@ -220,6 +239,8 @@ class FarLookups:
             wanted.append(probe.shorter[:2])
         now = time.monotonic()
         for _, name in wanted:
+            if name in ticket.waits_for:
+                continue
             ticket.waits_for.add(name)
             if self._held(name) or name in self._in_flight:
                 continue

@@ -261,7 +261,7 @@ def test_a_store_that_hangs_during_the_prefetch_leaves_the_request_a_miss_at_its
             hanging_redis.pause()
             worker.prefetcher.submit(meta.prefetches)  # its reads wait on the stopped server
             assert answer_between_reports(side, worker, request) == (0, False)
-            assert side.take_counters() == {"prefetches_late": 2}
+            assert side.take_counters() == {"prefetches_late": 2, "found_unused_chunks": 2}
         finally:
             hanging_redis.resume()
             assert worker.prefetcher.drain(60.0)
@@ -283,7 +283,7 @@ def test_a_store_that_hangs_after_a_chunk_landed_leaves_the_request_that_chunk_a
             hanging_redis.pause()
             worker.prefetcher.submit([second])  # its reads wait on the stopped server
             assert answer_between_reports(side, worker, request) == (4 * BLOCK, False)
-            assert side.take_counters() == {"prefetches_late": 1}
+            assert side.take_counters() == {"prefetches_late": 1, "found_unused_chunks": 1}
         finally:
             hanging_redis.resume()
             assert worker.prefetcher.drain(60.0)
@@ -411,7 +411,7 @@ def test_a_prefetched_chunk_dropped_before_its_request_runs_is_recomputed_and_co
         worker.staging._drop(full[1])  # as its time passing drops it
         worker.report(side)
         assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
-        assert side.take_counters() == {"prefetches_evicted": 1}
+        assert side.take_counters() == {"prefetches_evicted": 1, "found_unused_chunks": 1}
         # asked again later (no free blocks yet): answered at once, from what host memory holds then
         assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
 
@@ -476,6 +476,34 @@ def test_nothing_vllm_holds_is_fetched_and_the_hit_starts_past_it(redis_tier) ->
             worker.play(meta, side)
             assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (4 * BLOCK, False)
             assert side._requests["v"].load_first == 4 and side._requests["v"].load_end == 8
+        finally:
+            worker.close()
+            side.shutdown()
+
+
+def test_a_chunk_vllm_evicted_while_the_request_queued_is_fetched_at_its_turn_not_computed(redis_tier) -> None:
+    """vLLM held the first chunk when the probe came in (not fetched), and its prefix cache dropped it before
+    the request's turn (`bench serve`: a KV cache a quarter of the working set): that chunk is fetched then,
+    and the request waits for it within its deadline, rather than computing what the store holds."""
+    request = make_request("q", tokens(PROMPT_TOKENS, seed=9))
+    full = [request.block_hashes[3], request.block_hashes[7]]
+    store_chunks(redis_tier, full)
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store), Worker(store)
+        side.bind_kv_cache_manager(HoldingTable(4 * BLOCK))  # type: ignore[arg-type]
+        try:
+            side.on_new_request(request)
+            probe_done(side, "q")
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == [full[1]]  # vLLM holds the first one now
+            worker.play(meta, side)
+            # its turn: vLLM's prefix cache holds none of it any more
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+            meta = empty_step(side)
+            assert [p.chunk_hash for p in meta.prefetches] == [full[0]]  # fetched now, once
+            worker.play(meta, side)
+            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+            assert side.take_counters() == {}  # nothing found went unused
         finally:
             worker.close()
             side.shutdown()
