@@ -347,6 +347,7 @@ def _transfer_configs(case: str, family: _Family, ctx: dict[str, Any]
 def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progress
               ) -> tuple[list[dict[str, Any]], dict[tuple[int, int, int], str]]:
     """Start the case's server, run every level on it, stop it; (rows, answers by request)."""
+    from vllm_tiercache.tools.bench.serve.counters import counters_line, level_counters, tiercache_counters
     from vllm_tiercache.tools.demo.report import connector_stats, subtract_stats
     from vllm_tiercache.tools.demo.server import Server
 
@@ -390,6 +391,7 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
             for users, workload in zip(settings["users"], family.workloads, strict=True):
                 time.sleep(1.0 if connected else 0.0)  # the throttled stats files catch up
                 before = connector_stats(stats_dir) if connected else None
+                counted = tiercache_counters(server.metrics()) if connected else {}
                 rss.reset()
                 label = f"{case} x{users} users"
                 results, wall = run_level(server.base_url, SERVED_NAME, workload, users,
@@ -401,6 +403,8 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
                     stats = subtract_stats(connector_stats(stats_dir), before)
                 row = {"case": case, "family": family.name, "users": users, "kv_cache_tokens": kv_tokens,
                        **summarize(results, wall, stats, BLOCK_SIZE, rss.peak())}
+                if connected:
+                    row["counters"] = level_counters(counted, tiercache_counters(server.metrics()))
                 ref = family.reference
                 row["mismatches"] = mismatches(results, ref) if ref else 0
                 row["compared"] = sum(1 for r in results if r.error is None and r.key in ref) if ref else 0
@@ -412,6 +416,8 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
                               f"TTFT p50 {(row['ttft_p50_s'] or 0) * 1e3:.0f}ms, "
                               f"{row['out_tok_per_s'] or 0:.1f} tok/s, cached {row['cached_share']:.0%}{kv}{ec}, "
                               f"mismatches {row['mismatches']}/{row['compared']}")
+                if row.get("counters"):
+                    progress.line(f"{label} counters: {counters_line(row['counters'])}")
         finally:
             rss.stop()
         if indexer is not None:
