@@ -72,6 +72,8 @@ class ChunkPrefetch:
     chunk_hash: bytes
     #: the request's tenant salt (`ChunkLoad.tenant`); never in a repr
     tenant: str | None = field(default=None, repr=False)
+    #: its request's turn came and it waits for this chunk: fetched ahead of the chunks of requests still queued
+    urgent: bool = False
 
 
 @dataclass

@@ -17,6 +17,7 @@ were saving (the figures of a miss that stores, before and after: docs/benchmark
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -63,16 +64,24 @@ def background_thread(target: Callable[[], object], name: str, *, daemon: bool =
     return threading.Thread(target=run, name=name, daemon=daemon)
 
 
+#: `WorkerThreads` priorities: an urgent item goes ahead of every ordinary one; closing comes after both.
+URGENT, ORDINARY, _CLOSING = 0, 1, 2
+
+
 class WorkerThreads(Generic[Item]):
     """A few daemon `background_thread`s that hand every item `put` to ``handle``, in arrival order, several
-    at once: for work that mostly waits on a socket (a far tier's lookups and reads). Started on the first
-    `put`, so a process that never needs them starts none. ``handle`` must not raise: a raise ends its thread."""
+    at once: for work that mostly waits on a socket (a far tier's lookups and reads). An item put ``urgent``
+    goes ahead of the ordinary ones queued (a far chunk whose request is waiting for it now, behind chunks of
+    requests still queued). Started on the first `put`, so a process that never needs them starts none.
+    ``handle`` must not raise: a raise ends its thread."""
 
     def __init__(self, handle: Callable[[Item], object], name: str, count: int) -> None:
         self._handle = handle
         self._name = name
         self._count = count
-        self._queue: queue.Queue[Item | None] = queue.Queue()
+        #: (priority, arrival, item): arrival order within a priority
+        self._queue: queue.PriorityQueue[tuple[int, int, Item | None]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
 
@@ -80,7 +89,7 @@ class WorkerThreads(Generic[Item]):
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
 
-    def put(self, item: Item) -> None:
+    def put(self, item: Item, urgent: bool = False) -> None:
         if not self._threads:
             with self._start_lock:
                 if not self._threads:
@@ -88,16 +97,16 @@ class WorkerThreads(Generic[Item]):
                     for thread in threads:
                         thread.start()
                     self._threads = threads
-        self._queue.put(item)
+        self._queue.put((URGENT if urgent else ORDINARY, next(self._arrivals), item))
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._queue.get()[2]) is not None:
             self._handle(item)
 
     def close(self, timeout: float | None = None) -> None:
         """End the threads after what is queued; with ``timeout``, wait that long for each."""
         for _ in self._threads:
-            self._queue.put(None)
+            self._queue.put((_CLOSING, next(self._arrivals), None))
         if timeout is not None:
             for thread in self._threads:
                 thread.join(timeout=timeout)

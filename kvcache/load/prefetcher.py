@@ -67,6 +67,10 @@ class Prefetcher:
         self.layers: list[int] = []
         self._lock = threading.Condition()
         self._pending: set[bytes] = set()
+        #: of ``_pending``, the chunks a thread is fetching now (a second entry of one, put urgent, is skipped)
+        self._running: set[bytes] = set()
+        #: of ``_pending``, those put again urgent (once: a chunk's entries are at most two)
+        self._hurried: set[bytes] = set()
         self._done: set[bytes] = set()
         self._failed: set[bytes] = set()
         #: failed because a record was missing or unreadable (not for want of room): not claimed until saved anew
@@ -76,12 +80,17 @@ class Prefetcher:
         self.layers = list(layers)
 
     def submit(self, prefetches: list[ChunkPrefetch]) -> None:
-        """Fetch these chunks in the background (those already queued or in flight are not asked again)."""
+        """Fetch these chunks in the background, the urgent ones (their request's turn came) ahead of those
+        queued. A chunk already in flight is not asked again; one still queued is put again ahead when it comes
+        urgent now (its first entry is skipped when it comes up)."""
         with self._lock:
             fresh = [p for p in prefetches if p.chunk_hash not in self._pending]
+            hurried = [p for p in prefetches if p.urgent and p.chunk_hash in self._pending
+                       and p.chunk_hash not in self._running and p.chunk_hash not in self._hurried]
             self._pending.update(p.chunk_hash for p in fresh)
-        for prefetch in fresh:
-            self._threads.put(prefetch)
+            self._hurried.update(p.chunk_hash for p in hurried)
+        for prefetch in [*fresh, *hurried]:
+            self._threads.put(prefetch, urgent=prefetch.urgent)
 
     def take(self) -> PrefetchNews:
         """What happened since the last call."""
@@ -102,6 +111,10 @@ class Prefetcher:
 
     def _run(self, prefetch: ChunkPrefetch) -> None:
         """One chunk's fetch, on a prefetch thread; what came of it, for `take`."""
+        with self._lock:
+            if prefetch.chunk_hash in self._running or prefetch.chunk_hash not in self._pending:
+                return  # the chunk's other entry (put again urgent) is fetching it, or fetched it
+            self._running.add(prefetch.chunk_hash)
         started = time.perf_counter()
         missing = False
         try:
@@ -112,6 +125,8 @@ class Prefetcher:
             ok = False
         with self._lock:
             self._pending.discard(prefetch.chunk_hash)
+            self._running.discard(prefetch.chunk_hash)
+            self._hurried.discard(prefetch.chunk_hash)
             self._done.add(prefetch.chunk_hash)
             if not ok:
                 self._failed.add(prefetch.chunk_hash)

@@ -12,7 +12,9 @@ the answer never waits on the network:
    for their load (`vllm_tiercache.kvcache.load.prefetcher`, `vllm_tiercache.kvcache.load.staging`),
    while the request waits for its lookup or its turn. A chunk already on its way for another request is
    not asked again, nor one the workers' memory or vLLM's own prefix cache holds; one that vLLM's prefix
-   cache dropped while the request queued is asked at the request's turn.
+   cache dropped while the request queued is asked at the request's turn. From its turn on, a request's
+   chunks are fetched ahead of those of requests still queued (``urgent``): the fetches are in arrival
+   order otherwise, and a chunk asked at the turn, or of a request vLLM let pass others, waited behind them.
 3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
    (``lookup_deadline_ms`` after its turn, vLLM's first ask, or after the last of its chunks that landed
    since), whichever comes first: the hit is the prefix of chunks
@@ -84,6 +86,8 @@ class FarTicket:
     prefetching: bool = False
     #: the blocks vLLM's own prefix cache held when its chunks were last named for a fetch (those were not)
     fetched_past: int = 0
+    #: its turn came with chunks still on their way: those were named again, urgent (once)
+    hurried: bool = False
     answered: bool = False
     #: vLLM's count of the request's preemptions when it was probed: a preempted request is probed anew
     preemptions: int = 0
@@ -190,6 +194,11 @@ class FarLookups:
             if not ticket.prefetching or local_blocks < ticket.fetched_past:
                 self._prefetch(ticket, local_blocks)  # vLLM evicted some of what it held: fetched after all
             pending = {name for name in ticket.waits_for if name in self._in_flight and not self._held(name)}
+            if pending and not ticket.hurried:  # its turn: ahead of the fetches of requests still queued
+                ticket.hurried = True
+                position = {name: i for i, (_, name) in enumerate(probe.chunks)}
+                for name in sorted(pending, key=lambda n: position.get(n, len(position))):  # the prompt's order
+                    self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant, urgent=True)
             landed = len(ticket.waits_for) - len(pending)
             if pending and landed > ticket.landed:  # chunks landed since the last ask: the store is answering
                 ticket.landed, ticket.deadline, late = landed, now + self.deadline_s, False
@@ -197,7 +206,7 @@ class FarLookups:
                 return None
             self.counters["prefetches_late"] += len(pending)
             self.counters["prefetches_evicted"] += sum(
-                1 for name in ticket.waits_for if name in self._fetched and not self._held(name))
+                1 for name in ticket.waits_for - pending if name in self._fetched and not self._held(name))
             ticket.answered = True
         answer = self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
         if first:
@@ -245,7 +254,9 @@ class FarLookups:
             if self._held(name) or name in self._in_flight:
                 continue
             self._in_flight[name] = now
-            self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant)
+            # urgent once its turn came (vLLM asked for it): ahead of the chunks of requests still queued
+            self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant,
+                                                urgent=ticket.deadline is not None)
 
     def _answer(self, ticket: FarTicket, local_blocks: int, *, probe_in: bool) -> FarAnswer:
         """Loadable: what the workers' memory holds now, what a near tier holds, and what vLLM holds itself
@@ -284,7 +295,9 @@ class FarLookups:
                 self._prefetch(ticket, self.local_blocks(ticket.probe.request))
         if not self._to_send:
             return []
-        out, self._to_send = list(self._to_send.values()), {}
+        # those that landed or failed since they were named (a chunk named again urgent) are not sent
+        out = [p for p in self._to_send.values() if p.chunk_hash in self._in_flight]
+        self._to_send = {}
         return out
 
     def worker_report(self, prefetched: dict[bytes, int], failed: set[bytes], unstaged: set[bytes]) -> None:

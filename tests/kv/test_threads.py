@@ -31,3 +31,33 @@ def test_our_threads_run_on_the_cores_of_the_process_that_started_the_bound_one(
     assert seen["ours"] == mine  # ours widen to the parent's cores (all of them on a 2-core machine)
     # save-side threads (saver, store writer) keep off the bound cores where the parent has others
     assert seen["beside"] == (mine[1:] or mine)
+
+
+def test_an_urgent_item_goes_ahead_of_the_ordinary_ones_queued_and_closing_comes_after_both() -> None:
+    """One thread, held busy by the first item: what was queued behind it comes in priority, then arrival
+    order, and `close` still runs everything queued before the threads end."""
+    import threading
+
+    from vllm_tiercache.shared.threads import WorkerThreads
+
+    release, started = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def handle(item: str) -> None:
+        if item == "busy":
+            started.set()
+            assert release.wait(30)
+        order.append(item)
+
+    threads: WorkerThreads[str] = WorkerThreads(handle, "t", 1)
+    threads.put("busy")
+    assert started.wait(30)
+    for item in ("queued-1", "queued-2"):
+        threads.put(item)
+    threads.put("urgent-1", urgent=True)
+    threads.put("urgent-2", urgent=True)
+    threads.close()  # queued before the items below: every ordinary and urgent item still runs first
+    release.set()
+    for thread in threads.threads:
+        thread.join(30)
+    assert order == ["busy", "urgent-1", "urgent-2", "queued-1", "queued-2"]

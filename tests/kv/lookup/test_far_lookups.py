@@ -345,6 +345,52 @@ def test_chunks_are_named_for_a_fetch_in_the_requests_arrival_order(redis_tier) 
             side.shutdown()
 
 
+def test_a_request_whose_turn_came_has_its_chunks_fetched_ahead_of_those_still_queued(redis_tier) -> None:
+    """vLLM asks for a request whose chunks wait behind another's in the workers' fetch queue (it let the
+    later one pass: the earlier one did not fit yet): they are named again, urgent, and a worker fetches them
+    next, each once."""
+    early, late = (make_request(f"u{i}", tokens(PROMPT_TOKENS, seed=60 + i)) for i in range(2))
+    store_chunks(redis_tier, [r.block_hashes[end] for r in (early, late) for end in (3, 7)])
+    with store_with(redis_tier) as store:
+        side, fetched, gate = far_side(store), [], threading.Event()
+        real_get_many = store.get_many
+
+        def get_many(keys, **kwargs):  # type: ignore[no-untyped-def]
+            fetched.append(keys[0])
+            assert gate.wait(30)  # the worker's one fetch thread is busy until the test lets it go
+            return real_get_many(keys, **kwargs)
+
+        store.get_many = get_many  # type: ignore[method-assign]
+        worker = Worker(store)
+        worker.prefetcher = Prefetcher(store=store, key=lambda chunk, layer: NAMING.record_key(chunk, layer),
+                                       residency=worker.residency, staging=worker.staging,
+                                       counters=worker.counters, counters_lock=threading.Lock(), threads=1)
+        worker.prefetcher.attach(list(range(IDENTITY.num_layers)))
+        try:
+            for request in (early, late):
+                side.on_new_request(request)
+                probe_done(side, request.request_id)
+            queued = empty_step(side).prefetches
+            assert [p.chunk_hash for p in queued] == [r.block_hashes[e] for r in (early, late) for e in (3, 7)]
+            assert not any(p.urgent for p in queued)
+            worker.prefetcher.submit(queued)  # the first is being fetched, the other three wait
+            assert side.get_num_new_matched_tokens(late, 0) == (None, False)  # its turn: still on their way
+            hurried = empty_step(side).prefetches
+            assert [(p.chunk_hash, p.urgent) for p in hurried] == [(late.block_hashes[3], True),
+                                                                     (late.block_hashes[7], True)]
+            worker.prefetcher.submit(hurried)
+            gate.set()
+            assert worker.prefetcher.drain(60.0)
+            first_layer = [NAMING.record_key(r.block_hashes[e], 0) for r in (early, late) for e in (3, 7)]
+            assert fetched == [first_layer[i] for i in (0, 2, 3, 1)]  # the late request's next, each once
+            worker.report(side)
+            assert side.get_num_new_matched_tokens(late, 0) == (8 * BLOCK, False)
+        finally:
+            gate.set()
+            worker.close()
+            side.shutdown()
+
+
 def test_a_step_that_scheduled_nothing_while_a_request_waits_yields_to_the_threads_it_waits_for(redis_tier) -> None:
     """vLLM steps again at once while every waiting request's answer is None: such a step gives the probe and
     fetch threads the interpreter for a moment, instead of a busy loop against them; other steps never wait."""
