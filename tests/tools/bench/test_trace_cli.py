@@ -54,6 +54,23 @@ def test_the_table_the_plot_and_a_request_limit(tmp_path) -> None:
     assert plot.stat().st_size > 0
 
 
+def test_the_object_tiers_sweeps_each_policy_and_prefix_above_lru(tmp_path) -> None:
+    trace = tmp_path / "gen.jsonl"
+    write_trace(trace, generate_trace(400, seed=3))
+    proc = _cli(str(trace), "--capacities", "8k,30k", "--policies", "lru", "--cost-puts", "0", "--object", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    for row in rows:
+        cells = row["object"]
+        assert set(cells) == {"lru", "prefix"} and all(c["sweeps"] > 0 for c in cells.values())
+        # sweeps evict down to below capacity: lru finds no more than a plain LRU of the whole capacity
+        assert cells["lru"]["ratio"] <= row["lru_reference"] + 0.01 and cells["prefix"]["ratio"] <= row["optimum"]
+        assert cells["prefix"]["ratio"] > cells["lru"]["ratio"], row
+    table = _cli(str(trace), "--capacities", "8k", "--policies", "lru", "--cost-puts", "0", "--object")
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "object lru (sweeps)" in table.stdout and "object prefix (sweeps)" in table.stdout
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read the trace"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\nnot json\n', ":2: not a Mooncake"),

@@ -15,6 +15,9 @@ the hits each tier served against the same plain LRU and optimum at the combined
 (`three_tiers`): R of each capacity in a private redis-server the bench starts and bounds (`shared_tier`),
 S of the rest on disk, the rest in memory; the table prints memory + disk + Redis hits.
 
+``--object`` also replays the object tier's capacity sweeps at each capacity, each of its policies
+(`object_sweep`: the sweep's own ranking on one writer's ledger, no bucket), and measures one sweep's
+ranking of 100,000 listed records.
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
 ``--reuse`` prints, instead of the sweep, which features of a block an online policy could see separate
@@ -101,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --disk-share S: replay memory + disk + a shared Redis tier instead (a "
                              "redis-server started here), the share R (0 < R < 1) of each capacity in Redis, S "
                              "of the rest on disk, the rest in memory (e.g. 0.5)")
+    parser.add_argument("--object", action="store_true",
+                        help="also replay the object tier's capacity sweeps (lru and prefix: each sweep's ranking "
+                             "on one writer's usage ledger, no bucket) at each capacity")
     parser.add_argument("--generate", type=int_at_least(1), metavar="N", default=None,
                         help="first write a generated trace of N requests to TRACE")
     parser.add_argument("--seed", type=int, default=0, help="the generated trace's seed (default 0)")
@@ -127,6 +133,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     asked = sum(len(t.blocks) for t in traffic)
     rows = []
     passes = len(args.capacities) * len(args.policies) * (1 + len(ARRANGEMENTS) if args.disk_share is not None else 1)
+    passes += len(args.capacities) * 2 if args.object else 0
     largest = max((b for t in traffic for b in t.blocks), default=0)
     server = shared_tier(args.record_bytes, largest) if args.shared_share is not None else nullcontext()
     with _progress(len(traffic) * passes) as bar, server as shared:
@@ -143,6 +150,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 row["memory_disk_redis"] = memory_disk_redis(traffic, args, blocks, bar.update, shared)
             elif args.disk_share is not None:
                 row["memory_disk"] = _memory_disk(traffic, args, blocks, bar.update)
+            if args.object:
+                from vllm_tiercache.tools.bench.trace.object_sweep import object_cells
+
+                row["object"] = object_cells(traffic, blocks, bar.update)
             row["optimum"] = belady_hits([t.blocks for t in traffic], blocks) / max(1, asked)
             rows.append(row)
     return {"trace": str(args.trace), "requests": len(requests), "blocks_asked": asked,
@@ -235,6 +246,16 @@ def _plot(result: dict[str, Any], policies: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def _print_object(result: dict[str, Any]) -> None:
+    from vllm_tiercache.tools.bench.trace.object_sweep import format_object_table
+
+    print("\n== the object tier's capacity sweeps, hit ratio per policy ==")
+    print(format_object_table(result))
+    for row in result.get("object_sweep_costs", []):
+        print(f"object {row['policy']:6s} one sweep's ranking of {row['records']} listed records: "
+              f"{row['seconds'] * 1000:.0f} ms CPU")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.shared_share is not None and args.disk_share is None:
         raise UsageError("--shared-share needs --disk-share (the split of the rest between memory and disk)")
@@ -250,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = sweep(args)
     result["costs"] = cost_rows(args.policies, args.cost_puts) if args.cost_puts else []
+    if args.object and args.cost_puts:
+        from vllm_tiercache.tools.bench.trace.object_sweep import sweep_costs
+
+        result["object_sweep_costs"] = sweep_costs()
     if args.plot:
         _plot(result, args.policies, args.plot)
     beaten = [(row["capacity_tokens"], p) for row in result["rows"] for p, v in row["policies"].items()
@@ -260,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
     beaten += [(row["capacity_tokens"], f"{p} + disk {a} + redis") for row in result["rows"]
                for a, cells in row.get("memory_disk_redis", {}).get("arrangements", {}).items()
                for p, v in cells.items() if v["total"] > row["optimum"] + 1e-9]
+    beaten += [(row["capacity_tokens"], f"object {p}") for row in result["rows"]
+               for p, cell in row.get("object", {}).items() if cell["ratio"] > row["optimum"] + 1e-9]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -276,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n== memory + disk: a real store, memory {1 - args.disk_share:g} / disk {args.disk_share:g} "
                   "of each capacity, hit ratio per tier ==")
             print(format_memory_disk(result, args.policies, args.disk_share))
+        if args.object:
+            _print_object(result)
         if result["costs"]:
             print("\n== policy cost per put (insert naming its parent, evict one when full) ==")
             for row in result["costs"]:

@@ -45,6 +45,8 @@ MAX_RETRY_AFTER_S = 3600.0
 MIN_CONCURRENCY, MAX_CONCURRENCY = 1, 256
 #: S3's largest object: a ``range_size`` this large reads every record in one plain GET.
 MAX_RANGE = 5 << 30
+#: the largest ``half_life``, in turnovers (the disk tier's bound: beyond it the order is LFU)
+MAX_HALF_LIFE = 1000.0
 
 
 def _check_bucket(bucket: str) -> str:
@@ -74,8 +76,9 @@ class ObjectTierConfig:
     never from this config."""
 
     __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra=schema_extra(required=("bucket",)))
-    #: a shared tier keeps LRU (its order comes from every writer's usage ledger: `janitor`)
-    POLICIES: ClassVar[tuple[str, ...]] = ("lru",)
+    #: the orders a sweep can rank by from every writer's usage ledger (`janitor`, `order`): an in-process
+    #: frequency sketch (``wtinylfu``) cannot see the other writers' accesses
+    POLICIES: ClassVar[tuple[str, ...]] = ("lru", "prefix")
 
     bucket: Annotated[str, Strict(), AfterValidator(_check_bucket), Allowed(_BUCKET_ALLOWED), Field(
         description="The bucket; it must exist (preflight says so when it does not).")] = ""
@@ -95,8 +98,8 @@ class ObjectTierConfig:
                     "null: the system's and certifi's.")] = None
     capacity: Annotated[Capacity, Field(
         description="Bytes the tier may hold under its prefix, across every writer on every host: the "
-                    "janitor (one writer at a time, elected by a conditional PUT) deletes the least recently "
-                    "used records down to capacity less what the active writers may write before the next "
+                    "janitor (one writer at a time, elected by a conditional PUT) deletes records in the "
+                    "order of policy down to capacity less what the active writers may write before the next "
                     "sweep, and each writer writes only within that grant, so usage stays at most capacity. "
                     "Default 1TiB.")] = DEFAULT_OBJECT_CAPACITY
     sweep_every_s: Annotated[seconds(minimum=0.05, maximum=86400.0), Field(
@@ -126,9 +129,18 @@ class ObjectTierConfig:
     retry_after_s: Annotated[seconds(positive=False, maximum=MAX_RETRY_AFTER_S), Field(
         description="Seconds between two probes (HEAD of the bucket) of a down endpoint by a background "
                     "thread; requests never probe.")] = 5.0
-    policy: Annotated[Literal["lru"], Field(
-        description="Eviction policy: lru only (approximate: each record's last use is its newest of its "
-                    "write and the reads every writer's usage ledger reports).")] = "lru"
+    policy: Annotated[Literal["lru", "prefix"], Field(
+        description="Eviction policy of the janitor's sweeps, ranked from every writer's usage ledger: prefix "
+                    "(the default: decayed access counts, LRFU, a record known only by its write counting a "
+                    "tenth of an access, no parent evicted before its children; the disk tier's prefix order, "
+                    "computed at each sweep) or lru (least recently used). A record's last use is the newest "
+                    "of its write and the reads the ledgers report. Pins are kept either way.")] = "prefix"
+    half_life: Annotated[float, Strict(), Field(gt=0.0, le=MAX_HALF_LIFE, allow_inf_nan=False, description=(
+        "With policy prefix: how fast an access's weight halves, in turnovers of the tier (the time the "
+        "writers take to write one capacity, measured between sweeps: about the time a record takes to age "
+        "out by recency). Small is LRU, large is LFU; on the Mooncake trace 0.5 and 1.0 (the default) "
+        f"measured alike, 2 and 4 lower. At most {MAX_HALF_LIFE:g}.")),
+        Allowed(f"a positive number of turnovers, at most {MAX_HALF_LIFE:g}, e.g. 1.0")] = 1.0
     pin_budget: PinBudget = 0.0
     admission: Annotated[AdmissionConfig, Field(description=(
         "Which puts are written to this tier: {\"policy\": \"always\"} (default), {\"policy\": \"seen\", "

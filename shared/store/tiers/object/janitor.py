@@ -3,23 +3,26 @@
 Design (docs/operations.md, "Capacity across every writer", says it for operators):
 
 - Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read or wrote in
-  the last `LEDGER_WINDOW_S` (the newest `MAX_LEDGER_ENTRIES`), digest -> unix time, and since when it
-  wants to write. One small CBOR object rewritten by its owner only (no two writers ever write one object,
-  so no lost update needs a lock). A ledger rewritten within ``active_s`` (`active_seconds`) whose owner
-  wants to write names an **active writer**.
+  the last `ledger.LEDGER_WINDOW_S` (the newest `ledger.MAX_LEDGER_ENTRIES`), digest -> unix time, access
+  count and parent (`ledger` has the format), and since when it wants to write. One small CBOR object
+  rewritten by its owner only (no two writers ever write one object, so no lost update needs a lock). A
+  ledger rewritten within ``active_s`` (`active_seconds`) whose owner wants to write names an **active
+  writer**.
 - One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT
   (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `evictions.LOCK_STALE_S`
   by the server's own clock (a holder killed mid-sweep) is taken over by a PUT ``If-Match`` its ETag (again
-  exactly one wins). The holder reads every ledger (the active writers, and a last use per record: the
-  newest of its write and the reads), then lists the records (at ``listed_at``), and gives each active
-  writer a **grant**: bytes it may write after ``listed_at``, ``sweep_share`` of capacity (at least two of
-  the largest records listed; at most `MAX_RESERVE` of capacity for all grants together). It deletes the
-  least recently used records until usage is at most ``capacity`` minus the grants (the **low-water mark**),
-  counting for each writer the larger of its new and its previous grant (a writer may not have learned the
-  new one yet). Records of pinned tags are skipped, up to ``pin_budget`` of capacity, while unpinned
-  records remain (as the disk tier does); their tags come from a HEAD of each candidate. The result, with
-  the grants and ``listed_at``, goes to ``sys/usage``, which every writer reads. Ledgers not rewritten
-  within `LEDGER_WINDOW_S` (a writer gone) are deleted.
+  exactly one wins). The holder reads every ledger (the active writers, and per record a last use, the
+  newest of its write and the reads, an access count and a parent), then lists the records (at
+  ``listed_at``), and gives each active writer a **grant**: bytes it may write after ``listed_at``,
+  ``sweep_share`` of capacity (at least two of the largest records listed; at most `MAX_RESERVE` of capacity
+  for all grants together). It deletes records in the order of ``policy`` (`order`: ``prefix``, the default,
+  LRFU keys with no parent before its children; ``lru``, last use) until usage is at most ``capacity`` minus
+  the grants (the **low-water mark**), counting for each writer the larger of its new and its previous grant
+  (a writer may not have learned the new one yet). Records of pinned tags are skipped, up to ``pin_budget``
+  of capacity, while unpinned records remain (as the disk tier does); their tags come from a HEAD of each
+  candidate. The result, with the grants, ``listed_at`` and the half-life it ranked by (writers decay their
+  ledgers' counts by it), goes to ``sys/usage``, which every writer reads. Ledgers not rewritten within
+  `ledger.LEDGER_WINDOW_S` (a writer gone) are deleted.
 - A writer **admits** a record only within its grant: the bytes it wrote after the ``listed_at`` of the last
   sweep it knows of (its writes before then were listed), plus those admitted and not yet written, plus
   the record, at most its grant. Past half of it, its janitor sweeps (or learns of another's sweep, which
@@ -83,16 +86,13 @@ from vllm_tiercache.shared.store.tiers.object.evictions import (
     JanitorLock,
     choose_victims,
     delete_backing_off,
-    last_use,
     server_now,
 )
+from vllm_tiercache.shared.store.tiers.object.ledger import MergedLedgers, UsageLedger, read_ledgers
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
+from vllm_tiercache.shared.store.tiers.object.order import half_life_s, lru_order, prefix_order, sweep_turnover
 from vllm_tiercache.shared.threads import background_thread
 
-#: Reads a ledger keeps (older ones are dropped; a record read longer ago ages by its write time).
-LEDGER_WINDOW_S = 7 * 86400.0
-#: The most entries one ledger holds (the most recent reads win): bounds its size (~40 bytes an entry).
-MAX_LEDGER_ENTRIES = 200_000
 #: All grants together take at most this share of capacity: with many writers each grant is smaller (and
 #: each writer sweeps sooner), so that the low-water mark never falls below half of capacity.
 MAX_RESERVE = 0.5
@@ -154,6 +154,16 @@ class SweepResult:
     listed_at: float = 0.0
     #: changes whenever an eviction deleted records (`existence`: cached lookups hold while it stays)
     generation: str = ""
+    #: the half-life the sweep ranked by (policy ``prefix``: `order.half_life_s`), seconds; writers decay
+    #: their ledgers' counts by it (`ledger`); None under ``lru``
+    half_life_s: float | None = None
+    #: the time one capacity of writes took, seconds (`order.sweep_turnover`): the next sweep's starting point
+    turnover_s: float | None = None
+
+
+def positive(value: Any) -> float | None:
+    """``value`` as a float when it is a positive number (a field of ``sys/usage``), else None."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def new_writer_id() -> str:
@@ -179,7 +189,7 @@ class Janitor:
         self.marks = EvictionMarks(calls, names, self.writer)
         self.active_s = active_seconds(config)
         self._lock = threading.Lock()
-        self._reads: dict[str, float] = {}  # this writer's ledger: digest hex -> unix time of its last read
+        self._ledger = UsageLedger()  # this writer's ledger (last use, count and parent per record)
         self._dirty = False
         #: bytes written after the ``listed_at`` of the last sweep this writer knows of, and (unix time, bytes)
         #: of each of those writes (a sweep that listed the bucket at time T accounts for those before T)
@@ -218,8 +228,7 @@ class Janitor:
         """Records were read now: they go into this writer's ledger at its next flush."""
         now = time.time()
         with self._lock:
-            for h in hex_digests:
-                self._reads[h] = now
+            self._ledger.read(hex_digests, now)
             self._dirty = True
         self.start()
 
@@ -283,13 +292,13 @@ class Janitor:
                         ADMIT_WAIT_TIMEOUTS * self.config.timeout_s, FALLBACK_SHARES)
         return n
 
-    def wrote(self, reserved: int, written: int, hex_digests: Iterable[str]) -> None:
-        """Admitted records were written now (``written`` of the ``reserved`` bytes; the rest failed): they go
-        into the ledger (an object's LastModified has whole seconds only, too coarse to order a batch)."""
+    def wrote(self, reserved: int, written: int, records: Iterable[tuple[str, str | None]]) -> None:
+        """Admitted records were written now (``written`` of the ``reserved`` bytes; the rest failed): each
+        written one (digest hex, parent digest hex or None) goes into the ledger (an object's LastModified has
+        whole seconds only, too coarse to order a batch)."""
         now = time.time()
         with self._lock:
-            for h in hex_digests:
-                self._reads[h] = now
+            self._ledger.wrote(records, now)
             self._dirty = True
             self._reserved = max(0, self._reserved - reserved)
             if written:
@@ -382,15 +391,11 @@ class Janitor:
             if not self._dirty:
                 return True
             started = time.time()
-            horizon = started - LEDGER_WINDOW_S
-            reads = {h: t for h, t in self._reads.items() if t >= horizon}
-            if len(reads) > MAX_LEDGER_ENTRIES:
-                reads = dict(sorted(reads.items(), key=lambda item: item[1])[-MAX_LEDGER_ENTRIES:])
-            self._reads = reads
+            self._ledger.trim(started)
             self._dirty = False
             largest = self._largest
-            body = cbor2.dumps({"writer": self.writer, "writing_at": self._wants_since, "largest": largest,
-                                "reads": {bytes.fromhex(h): t for h, t in reads.items()}})
+            body = self._ledger.encode({"writer": self.writer, "writing_at": self._wants_since,
+                                        "largest": largest})
         done = self.calls.one("ledger", lambda: self.calls.put(self.names.ledger(self.writer), body))
         with self._swept:
             if isinstance(done, Failure):
@@ -407,7 +412,7 @@ class Janitor:
     def merged_reads(self, now: datetime | None = None) -> dict[str, float]:
         """Every writer's reads merged (digest hex -> newest read); deletes ledgers of writers gone.
         Raises what the listing raises (the admin side reports it)."""
-        return read_ledgers(self.calls, self.names, self.active_s, now)[0]
+        return read_ledgers(self.calls, self.names, self.active_s, now).reads
 
     # ---------------------------------------------------------------------------------------- sweep
     def sweep(self) -> SweepResult | None:
@@ -424,13 +429,14 @@ class Janitor:
             if result is not None:
                 body = cbor2.dumps({"entries": result.entries, "bytes": result.bytes_used, "writer": self.writer,
                                     "listed_at": result.listed_at, "low_water": result.low_water,
-                                    "grants": result.grants, "generation": result.generation})
+                                    "grants": result.grants, "generation": result.generation,
+                                    "half_life_s": result.half_life_s, "turnover_s": result.turnover_s})
                 put = self.calls.one("usage", lambda: self.calls.put(self.names.usage, body))
                 self._usage_etag = None if isinstance(put, Failure) else put["ETag"]
         finally:
             self._unlock(lock)
         if result is not None:
-            self._learn(result.listed_at, result.grants)
+            self._learn(result.listed_at, result.grants, result.half_life_s)
             self.last = result
             if result.evicted:
                 self.counters.add(evictions=result.evicted)
@@ -452,22 +458,26 @@ class Janitor:
                 return None
             listed_at = float(usage["listed_at"])
             grants = {str(w): int(g) for w, g in (usage.get("grants") or {}).items()}
+            half_life = positive(usage.get("half_life_s"))  # absent from an lru sweep's, or an older build's
             self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0,
                                     int(usage.get("low_water") or 0), grants, listed_at,
-                                    str(usage.get("generation") or ""))
+                                    str(usage.get("generation") or ""), half_life)
         except Exception:  # damaged: the next sweep rewrites it
             return None
         self._usage_etag = got["ETag"]
-        self._learn(listed_at, grants)
+        self._learn(listed_at, grants, half_life)
         return age
 
-    def _learn(self, listed_at: float, grants: dict[str, int]) -> None:
+    def _learn(self, listed_at: float, grants: dict[str, int], half_life: float | None) -> None:
         """A sweep listed the bucket at ``listed_at`` and granted ``grants``: this writer's writes before then
         are accounted for (another host's clock may differ by its skew: the bound is approximate by that
-        much), and its grant is the one the sweep gave it (none when it was not active then)."""
+        much), and its grant is the one the sweep gave it (none when it was not active then); its ledger's
+        counts decay by the sweep's ``half_life`` (None: an ``lru`` sweep, the last one known is kept)."""
         with self._swept:
             if listed_at < self._epoch:
                 return  # an older sweep than one already learned
+            if half_life is not None:
+                self._ledger.half_life_s = half_life
             self._epoch = listed_at
             while self._writes and self._writes[0][0] < listed_at:
                 self._written -= self._writes.popleft()[1]
@@ -505,12 +515,13 @@ class Janitor:
         return self.marks.bracket(self.lock, delete)
 
     def _sweep_locked(self) -> SweepResult | None:
-        """Read the ledgers (last uses, active writers), then list the records, grant each active writer its
-        share and evict the least recently used records down to the low-water mark. The ledgers are read
+        """Read the ledgers (uses, active writers), then list the records, grant each active writer its share
+        and evict records in the order of ``policy`` (`order`) down to the low-water mark. The ledgers are read
         first: a writer whose ledger this sweep finds stale stopped admitting before it lists."""
         now = datetime.now(tz=timezone.utc)
         ledgers = self.calls.one("ledgers", lambda: read_ledgers(self.calls, self.names, self.active_s, now))
-        reads, active, largest = ({}, {self.writer}, self._largest) if isinstance(ledgers, Failure) else ledgers
+        if isinstance(ledgers, Failure):  # every record known by its write alone
+            ledgers = MergedLedgers(active={self.writer}, largest=self._largest)
         previous_usage = self.marks.previous_usage()
         try:
             previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
@@ -520,8 +531,8 @@ class Janitor:
         listed = self.calls.one("sweep", lambda: list(self.calls.list_names(self.names.records)))
         if isinstance(listed, Failure):
             return None
-        records: list[tuple[float, str, int]] = []  # (last use, name, bytes)
-        total = 0
+        candidates = []
+        total, active, largest = 0, ledgers.active, ledgers.largest
         for obj in listed:
             hex_digest = self.names.digest_of(obj["Key"])
             if hex_digest is None:
@@ -529,7 +540,9 @@ class Janitor:
             size = int(obj["Size"])
             total += size
             largest = max(largest, size)
-            records.append((last_use(obj["LastModified"].timestamp(), reads.get(hex_digest)), obj["Key"], size))
+            candidates.append(ledgers.candidate(hex_digest, obj["Key"], size, obj["LastModified"].timestamp()))
+        turnover = sweep_turnover(previous_usage, total, listed_at, self.config.capacity, candidates)
+        half_life = half_life_s(turnover, self.config.half_life) if self.config.policy == "prefix" else None
         capacity = self.config.capacity
         share = grant_size(capacity, self.config.sweep_share, len(active), largest)
         # a writer may still write within its previous grant: room for the larger of the two, within MAX_RESERVE
@@ -540,7 +553,7 @@ class Janitor:
         evicted: list[tuple[str, int]] = []
         victims: list[tuple[str, int]] = []
         if total > low_water:
-            records.sort()
+            records = lru_order(candidates) if half_life is None else prefix_order(candidates, half_life)
             pins = self._pins()
             budget = self.config.pin_budget * capacity if pins else 0
             victims, _ = choose_victims(self.calls, records, total, low_water, pins, budget)
@@ -557,41 +570,6 @@ class Janitor:
         if victims:
             generation, before = uuid.uuid4().hex, generation
             self.marks.record_evicted(before, generation, [name for name, _ in victims])
-        return SweepResult(len(records) - len(evicted), total, len(evicted), sum(s for _, s in evicted),
-                           low_water, dict.fromkeys(sorted(active), share), listed_at, generation)
+        return SweepResult(len(candidates) - len(evicted), total, len(evicted), sum(s for _, s in evicted), low_water,
+                           dict.fromkeys(sorted(active), share), listed_at, generation, half_life, turnover)
 
-
-def read_ledgers(calls: ObjectCalls, names: ObjectNames, active_s: float, now: datetime | None = None
-                 ) -> tuple[dict[str, float], set[str], int]:
-    """Every writer's reads merged (digest hex -> newest read), the active writers (a ledger rewritten
-    within ``active_s``, `active_seconds`, whose owner asked to write within it; one that cannot be read
-    counts as active: a grant too many costs room, a grant too few the bound) and the largest record they
-    asked to write;
-    deletes ledgers of writers gone."""
-    now = now or datetime.now(tz=timezone.utc)
-    merged: dict[str, float] = {}
-    active: set[str] = set()
-    largest = 0
-    for obj in calls.list_names(names.ledgers):
-        age = (now - obj["LastModified"]).total_seconds()
-        if age > LEDGER_WINDOW_S:
-            calls.one("ledger clean-up", lambda name=obj["Key"]: calls.delete(name))
-            continue
-        writer = obj["Key"][len(names.ledgers):]
-        raw = calls.one("ledger", lambda name=obj["Key"]: calls.get(name))
-        try:
-            ledger = cbor2.loads(raw) if not isinstance(raw, Failure) else None
-            writing_at = ledger.get("writing_at") if ledger is not None else now.timestamp()
-            if age <= active_s and writing_at is not None and \
-                    float(writing_at) >= now.timestamp() - active_s:
-                active.add(writer)
-                largest = max(largest, int(ledger.get("largest") or 0) if ledger is not None else 0)
-            for digest, t in (ledger["reads"] if ledger is not None else {}).items():
-                h = digest.hex()
-                if t > merged.get(h, 0.0):
-                    merged[h] = float(t)
-        except Exception:  # a damaged or foreign ledger: its reads are not known, records age by writes
-            if age <= active_s:
-                active.add(writer)
-            continue
-    return merged, active, largest

@@ -14,8 +14,8 @@ client, `client` says why that client): a batch of N records costs about N / ``c
 No request fails because the store is slow or gone: each request has its own timeout, the first that
 runs into it (or finds the endpoint, the bucket or the credentials gone) marks the tier down, and the
 prober (`health`) brings it back. An endpoint unreachable when the tier is built is one warning; the tier
-starts down and requests are served without it. The bound on ``capacity`` and the approximate LRU order
-are the `janitor`'s; the admin side and the control entries are `admin`'s.
+starts down and requests are served without it. The bound on ``capacity`` and the eviction order (`order`,
+from every writer's usage `ledger`) are the `janitor`'s; the admin side and the control entries are `admin`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     ChecksAtPreflight,
@@ -248,6 +249,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls = self._calls
         janitor = self._janitor
         encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
+        parents = [None if (p := parent_of(meta)) is None else p.hex() for _, _, meta in items]  # the ledger's
         generation = self._existence.generation  # read before the PUTs below
         failed: list[int] = []
         first_failure: Failure | None = None
@@ -269,10 +271,11 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
                 return enc.nbytes
 
             res = calls.many("put", put, batch)
-            ok = [(item[0].hex, n) for item, n in zip(batch, res, strict=True) if not isinstance(n, Failure)]
-            written = sum(nbytes for _, nbytes in ok)
-            janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [h for h, _ in ok])
-            self._existence.add((h for h, _ in ok), generation)
+            ok = [(item[0].hex, n, parents[i]) for i, (item, n) in enumerate(zip(batch, res, strict=True), pos)
+                  if not isinstance(n, Failure)]
+            written = sum(nbytes for _, nbytes, _ in ok)
+            janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [(h, p) for h, _, p in ok])
+            self._existence.add((h for h, _, _ in ok), generation)
             if ok:
                 self.counters.add(puts=len(ok), bytes_written=written)
             for i, got in enumerate(res):

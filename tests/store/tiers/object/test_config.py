@@ -19,6 +19,8 @@ def test_defaults_and_fields():
     assert cfg.endpoint == "https://minio.local:9000" and cfg.path_style and cfg.capacity == 2 << 30
     assert cfg.address == "https://minio.local:9000/corpus/team-a/"
     assert _tier(bucket="abc").endpoint is None and _tier(bucket="abc").prefix == "tiercache/"
+    assert (_tier(bucket="abc").policy, _tier(bucket="abc").half_life) == ("prefix", 1.0)  # the default order
+    assert (_tier(bucket="abc", policy="lru").policy, _tier(bucket="abc", half_life=3).half_life) == ("lru", 3.0)
 
 
 @pytest.mark.parametrize(("fields", "where", "says"), [
@@ -30,6 +32,10 @@ def test_defaults_and_fields():
     ({"bucket": "abc", "endpoint": "minio:9000"}, "tiers[0].endpoint", "http:// or https://"),
     ({"bucket": "abc", "concurrency": 0}, "tiers[0].concurrency", "from 1 to 256"),
     ({"bucket": "abc", "sweep_share": 0.9}, "tiers[0].sweep_share", "at most 0.5"),
+    ({"bucket": "abc", "policy": "wtinylfu"}, "tiers[0].policy", "allowed: lru, prefix"),
+    ({"bucket": "abc", "half_life": 0}, "tiers[0].half_life", "a positive number of turnovers, at most 1000"),
+    ({"bucket": "abc", "half_life": 1e4}, "tiers[0].half_life", "at most 1000"),
+    ({"bucket": "abc", "half_life": "1"}, "tiers[0].half_life", "a positive number of turnovers"),
 ])
 def test_refusals_name_the_field(fields, where, says):
     with pytest.raises(ConfigError) as exc:
