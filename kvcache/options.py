@@ -43,6 +43,9 @@ MAX_HANDOFF_WAIT_MS = 60000.0
 #: few round trips; past 1 s, recomputing most prompts is cheaper than waiting on a slow store.
 DEFAULT_LOOKUP_DEADLINE_MS = 1000.0
 MAX_LOOKUP_DEADLINE_MS = 60000.0
+#: The longest a request waits on far tiers after its turn, in deadlines: a store that answers (chunks of other
+#: requests land while those of this one are queued behind them) restarts the deadline, up to this many.
+MAX_WAIT_DEADLINES = 10
 #: Default and lower bound of ``prefetch_buffer``: the host memory a worker holds far chunks in between their
 #: fetch and their load (`vllm_tiercache.kvcache.load.staging`).
 DEFAULT_PREFETCH_BUFFER = 1 << 30
@@ -96,8 +99,10 @@ class KVConnectorOptions:
         "host memory (prefetch_buffer) before its turn, so neither the scheduler nor a forward pass waits on "
         "the network (not for models with several KV cache groups). The "
         "request waits for that at most this long once its turn came (vLLM first asks for it; its time "
-        "queued behind others does not count) or since the last of its chunks landed (a slow but steady "
-        "fetch is not cut, a stalled one is), in ms, without holding up the others; "
+        "queued behind others does not count) or since the last chunk landed, its own or another request's "
+        f"(a slow but steady store is not cut, a stalled one is; at most {MAX_WAIT_DEADLINES} times this after "
+        "its turn), in ms, "
+        "without holding up the others; "
         "what has not come by then is computed (lookups_late, prefetches_late). 0: look far tiers up on the "
         "scheduling thread, bounded by lookup_budget_ms, and read their hits in the forward pass.")),
         Allowed(f"a number of milliseconds, at least 0, at most {MAX_LOOKUP_DEADLINE_MS:g}",

@@ -16,8 +16,8 @@ the answer never waits on the network:
    chunks are fetched ahead of those of requests still queued (``urgent``): the fetches are in arrival
    order otherwise, and a chunk asked at the turn, or of a request vLLM let pass others, waited behind them.
 3. The request is answered once every chunk it waits for is staged or failed, or at its deadline
-   (``lookup_deadline_ms`` after its turn, vLLM's first ask, or after the last of its chunks that landed
-   since), whichever comes first: the hit is the prefix of chunks
+   (``lookup_deadline_ms`` after its turn, vLLM's first ask, or after the last chunk that landed since,
+   for any request, up to `MAX_WAIT_DEADLINES` deadlines), whichever comes first: the hit is the prefix of chunks
    the workers hold staged (a chunk of their memory tier is staged too: the memory tier may evict it
    before the load, and its residency report comes a step late) or a near tier holds, and its load in
    the forward pass reads those only (``near_loads``). What the deadline cut
@@ -32,8 +32,11 @@ fetches were slowed by those prefills on the same cores) is worth the deadline's
 such a request reached its turn past its deadline and dropped chunks a moment from staged: a recompute.
 And why a chunk that lands restarts it: the deadline is for a store that stalls, not one that is slow and
 steady. An 8K prompt of a 12-layer model is 96 MiB, which this VM's SeaweedFS serves in 1.3 s of raw GETs;
-cut at 1 s, the prompt's last quarter was recomputed (14 s on two cores) for want of 0.3 s more. The wait
-stays bounded: each chunk restarts it at most once, and a store that hangs lands none.
+cut at 1 s, the prompt's last quarter was recomputed (14 s on two cores) for want of 0.3 s more. Any
+request's chunk counts, not only its own: with many users, a request's chunks wait in the workers' fetch
+queue behind those of requests whose turn came first, and none of its own lands for a while although the
+store answers all along. The wait stays bounded: a store that
+hangs lands nothing, and one that answers restarts it for at most `MAX_WAIT_DEADLINES` deadlines.
 
 Never more than one probe per request and preemption: after its answer a request that is asked again (no
 free blocks yet) is answered at once from what is staged then, so there is no livelock. A request vLLM
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_tiercache.kvcache.lookup.probe import Probe, ProbeThreads, Where
+from vllm_tiercache.kvcache.options import MAX_WAIT_DEADLINES
 from vllm_tiercache.kvcache.plan import ChunkPrefetch
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
@@ -91,8 +95,10 @@ class FarTicket:
     answered: bool = False
     #: vLLM's count of the request's preemptions when it was probed: a preempted request is probed anew
     preemptions: int = 0
-    #: of ``waits_for``, the chunks over (staged or failed) at the last ask: each one more restarts the deadline
-    landed: int = 0
+    #: when its turn came (vLLM first asked), and the workers' landings (`FarLookups.landings`) at its last ask:
+    #: one more since restarts the deadline, up to `MAX_WAIT_DEADLINES` deadlines after its turn
+    turn: float = 0.0
+    landings_seen: int = 0
 
 
 @dataclass
@@ -147,6 +153,8 @@ class FarLookups:
         #: chunks a worker reported fetched, for the evicted-before-it-ran count
         self._fetched: set[bytes] = set()
         self._to_send: dict[bytes, ChunkPrefetch] = {}
+        #: chunks the workers reported over (staged or failed), ever: the deadline's sign that the store answers
+        self.landings = 0
         self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0, "found_unused_chunks": 0}
 
     # ------------------------------------------------------------------------------------- a request
@@ -172,14 +180,14 @@ class FarLookups:
         elif ticket is not None:
             return self._answer_ticket(ticket, local_blocks)
         self.start(state)  # at its first ask (vLLM told of no arrival) or after a preemption: asked next step
-        self._tickets[state.request.request_id].deadline = time.monotonic() + self.deadline_s
+        self._start_turn(self._tickets[state.request.request_id], time.monotonic())
         return None
 
     def _answer_ticket(self, ticket: FarTicket, local_blocks: int) -> FarAnswer | None:
         """`answer` for a request whose probe was started."""
         now = time.monotonic()
         if ticket.deadline is None:  # its turn: from now on it waits on the store
-            ticket.deadline = now + self.deadline_s
+            self._start_turn(ticket, now)
         late = now >= ticket.deadline
         probe = ticket.probe
         first = not ticket.answered
@@ -199,9 +207,11 @@ class FarLookups:
                 position = {name: i for i, (_, name) in enumerate(probe.chunks)}
                 for name in sorted(pending, key=lambda n: position.get(n, len(position))):  # the prompt's order
                     self._to_send[name] = ChunkPrefetch(chunk_hash=name, tenant=ticket.tenant, urgent=True)
-            landed = len(ticket.waits_for) - len(pending)
-            if pending and landed > ticket.landed:  # chunks landed since the last ask: the store is answering
-                ticket.landed, ticket.deadline, late = landed, now + self.deadline_s, False
+            if pending and self.landings > ticket.landings_seen:  # chunks landed since: the store is answering
+                ticket.landings_seen = self.landings
+                cap = ticket.turn + MAX_WAIT_DEADLINES * self.deadline_s
+                ticket.deadline = min(now + self.deadline_s, max(cap, ticket.deadline))
+                late = now >= ticket.deadline
             if pending and not late:
                 return None
             self.counters["prefetches_late"] += len(pending)
@@ -212,6 +222,9 @@ class FarLookups:
         if first:
             self.counters["found_unused_chunks"] += answer.unused()
         return answer
+
+    def _start_turn(self, ticket: FarTicket, now: float) -> None:
+        ticket.turn, ticket.deadline, ticket.landings_seen = now, now + self.deadline_s, self.landings
 
     @staticmethod
     def _preempted(ticket: FarTicket, local_blocks: int) -> bool:
@@ -306,6 +319,7 @@ class FarLookups:
         for name in unstaged:
             self.staged.discard(name)
             self._staged_by.pop(name, None)
+        self.landings += len(prefetched) + len(failed)
         for name, ranks in prefetched.items():
             count = self._staged_by[name] = self._staged_by.get(name, 0) + ranks
             if count >= self.ranks:

@@ -21,6 +21,7 @@ import torch
 from tests.kv.test_kv_scheduler import BLOCK, CHUNK, IDENTITY, BlockTable, make_request, step, tokens
 from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
 from vllm_tiercache.kvcache.load.staging import Staging
+from vllm_tiercache.kvcache.lookup import far as far_module
 from vllm_tiercache.kvcache.lookup.far import IDLE_WAIT_S
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming
 from vllm_tiercache.kvcache.plan import TieredKVMetadata, TieredKVWorkerMetadata
@@ -325,6 +326,37 @@ def test_a_chunk_that_lands_restarts_the_deadline_so_a_slow_and_steady_fetch_is_
         worker.play(TieredKVMetadata(prefetches=[second]), side)
         assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
         assert side.take_counters() == {}
+
+
+def test_another_requests_chunk_that_lands_restarts_the_deadline_up_to_its_bound(redis_tier, monkeypatch) -> None:
+    """A request's chunks may wait in the workers' fetch queue behind another's: a chunk of any request that
+    lands says the store answers, and restarts the deadline, for at most `MAX_WAIT_DEADLINES` deadlines."""
+    monkeypatch.setattr(far_module, "MAX_WAIT_DEADLINES", 1000)  # the bound comes last
+    ahead, behind = (make_request(f"b{i}", tokens(PROMPT_TOKENS, seed=70 + i)) for i in range(2))
+    store_chunks(redis_tier, [r.block_hashes[end] for r in (ahead, behind) for end in (3, 7)])
+    with store_with(redis_tier) as store:
+        side, worker = far_side(store, deadline_s=0.3), Worker(store)
+        try:
+            for request in (ahead, behind):
+                side.on_new_request(request)
+                probe_done(side, request.request_id)
+            meta = empty_step(side)
+            theirs, ours = meta.prefetches[:2], meta.prefetches[2:]
+            assert side.get_num_new_matched_tokens(behind, 0) == (None, False)  # its turn: none of its chunks in
+            for landing in theirs:  # the request ahead's chunks land, one per deadline
+                threading.Event().wait(0.4)
+                worker.play(TieredKVMetadata(prefetches=[landing]), side)
+                assert side.get_num_new_matched_tokens(behind, 0) == (None, False)  # the store answers: it waits
+            monkeypatch.setattr(far_module, "MAX_WAIT_DEADLINES", 2)  # 0.6 s after its turn: long past
+            threading.Event().wait(0.4)  # and past the deadline the last landing gave
+            worker.play(TieredKVMetadata(prefetches=[ahead_again := theirs[0]]), side)
+            assert ahead_again.chunk_hash in side.far.staged  # type: ignore[union-attr]
+            assert side.get_num_new_matched_tokens(behind, 0) == (0, False)
+            assert side.take_counters() == {"prefetches_late": 2, "found_unused_chunks": 2}
+            assert ours  # never fetched: the bound, not the fetch, ended its wait
+        finally:
+            worker.close()
+            side.shutdown()
 
 
 def test_chunks_are_named_for_a_fetch_in_the_requests_arrival_order(redis_tier) -> None:
