@@ -403,8 +403,7 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
                     stats = subtract_stats(connector_stats(stats_dir), before)
                 row = {"case": case, "family": family.name, "users": users, "kv_cache_tokens": kv_tokens,
                        **summarize(results, wall, stats, BLOCK_SIZE, rss.peak())}
-                if connected:
-                    row["counters"] = level_counters(counted, tiercache_counters(server.metrics()))
+                row["counters"] = level_counters(counted, tiercache_counters(server.metrics())) if connected else {}
                 ref = family.reference
                 row["mismatches"] = mismatches(results, ref) if ref else 0
                 row["compared"] = sum(1 for r in results if r.error is None and r.key in ref) if ref else 0
@@ -415,9 +414,8 @@ def _run_case(case: str, family: _Family, ctx: dict[str, Any], progress: _Progre
                 progress.line(f"{label}: {row['requests']} requests in {wall:.1f}s, failed {row['failed']}, "
                               f"TTFT p50 {(row['ttft_p50_s'] or 0) * 1e3:.0f}ms, "
                               f"{row['out_tok_per_s'] or 0:.1f} tok/s, cached {row['cached_share']:.0%}{kv}{ec}, "
-                              f"mismatches {row['mismatches']}/{row['compared']}")
-                if row.get("counters"):
-                    progress.line(f"{label} counters: {counters_line(row['counters'])}")
+                              f"mismatches {row['mismatches']}/{row['compared']}"
+                              + (f"; counters {counters_line(row['counters'])}" if row["counters"] else ""))
         finally:
             rss.stop()
         if indexer is not None:
