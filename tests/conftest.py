@@ -2,6 +2,7 @@
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # Before anything loads OpenMP (torch): every engine, server and job the suite starts inherits it.
@@ -13,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
+from tests.support import thread_guard
 from tests.support.engine_guard.sitecustomize import GUARD_ENV, refusal
 from tests.support.module_order import ModuleSecondsRecorder, load_seconds, order_longest_first, recording_requested
 from tests.support.zygote_client import zygote_subprocess
@@ -63,3 +65,17 @@ def _engine_marker_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     core = sys.modules.get("vllm.v1.engine.core")
     if core is not None:
         monkeypatch.setattr(core.EngineCore, "__init__", refusal(request.node.nodeid))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_thread_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module's tests and fixtures must close every store and tier they open: a product thread
+    (``tiercache-...``) they started and left running fails the module (tests/support/thread_guard.py says
+    why). Module-scoped and autouse, from the top conftest: set up before the module's other module-scoped
+    fixtures, so torn down after them (a module's shared store is closed by then)."""
+    before = thread_guard.product_threads()
+    yield
+    if left := thread_guard.outliving(before):
+        pytest.fail(f"{request.node.nodeid} left {len(left)} tiercache thread(s) running after its tests and "
+                    f"fixtures ended: {thread_guard.describe(left)}. Close the stores, tiers and connectors the "
+                    "tests open (store.close(), tier.close(), connector.shutdown()).", pytrace=False)

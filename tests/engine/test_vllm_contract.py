@@ -266,9 +266,9 @@ def _scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
 
 
 def _shutdown(scheduler: Scheduler) -> None:
-    connector = scheduler.connector
-    if connector is not None:
-        connector._store.close()
+    for connector in (scheduler.connector, scheduler.ec_connector):
+        if connector is not None:
+            connector._store.close()
 
 
 def test_scheduler_default_policy_is_the_connectors_recompute(tiny_llama: Path, tmp_path: Path) -> None:

@@ -157,7 +157,8 @@ def test_load_trace_accounts_for_each_load(store, tmp_path, monkeypatch) -> None
 def test_load_mode_decides_whether_a_step_loads_before_its_forward(store, load_mode, before_forward) -> None:
     """before_forward (and auto, on a CPU): `start_load` returns with every layer loaded, on the calling
     thread; layerwise: the loader thread loads while the forward runs, each layer ready on its own."""
-    source, target, producer, _ = saved_chunk(store, 4, b"mode", [2, 3, 4, 5])
+    source, target, producer, unused = saved_chunk(store, 4, b"mode", [2, 3, 4, 5])
+    unused.shutdown()  # this test's consumer has its own load mode
     consumer = worker(store, load_mode)
     consumer.register_kv_caches(target, NUM_BLOCKS)
     assert consumer.loads_before_forward is before_forward

@@ -68,8 +68,9 @@ def _record(i: int) -> tuple[StoreKey, torch.Tensor, dict[str, Any]]:
 
 def test_background_writes_in_an_otherwise_empty_step_are_reported(tmp_path: Path) -> None:
     store = build_store({"tiers": _tiers(tmp_path)[:2]})
+    side = worker(store)
     try:
-        conn = _kv_connector(worker(store), store)
+        conn = _kv_connector(side, store)
         first = conn.get_kv_connector_stats()  # nothing happened: nothing, or a gauge report only
         assert first is None or first.is_empty()
         # What the saver thread does: the memory tier is written now, the disk tier in the background.
@@ -91,6 +92,7 @@ def test_background_writes_in_an_otherwise_empty_step_are_reported(tmp_path: Pat
         total = sum(s.data["tiers"].get("disk", {}).get("puts", 0) for s in (early, late) if s is not None)
         assert total == 1
     finally:
+        side.shutdown()
         store.close()
 
 
@@ -124,6 +126,7 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         assert stats is not None and stats.data["loaded_blocks"] == 3 and stats.data["tiers"] == {}
         assert side.totals["loaded_blocks"] == 3 and conn.get_kv_connector_stats() is None
     finally:
+        side.shutdown()
         store.close()
 
 
@@ -185,6 +188,7 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         assert store.get_many([key])[0] is not None  # read from Redis
         assert redis_up(conn.get_kv_connector_stats()) == 1
     finally:
+        side.shutdown()
         store.close()
 
 
@@ -301,9 +305,10 @@ def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, r
     monkeypatch.setattr(tiered, "USAGE_REFRESH_S", 3600.0)  # one refresh pass in this test
     monkeypatch.setenv("TIERCACHE_STATS_DIR", str(tmp_path / "stats"))
     store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"}, {"kind": "redis", "url": redis_url}]})
+    side = worker(store)
     try:
         with redis_server.client() as client:
-            conn = _kv_connector(worker(store), store)
+            conn = _kv_connector(side, store)
             conn.get_kv_connector_stats()  # starts the refresh thread
             # the refresh's INFO must land before the reset below; a pass whose INFO did not answer in its
             # budget (a loaded machine) leaves Redis' usage None, and with it the report looks as registered
@@ -331,4 +336,5 @@ def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, r
         redis = reports[0][source]["tiers"]["redis"]
         assert redis["up"] == 1 and redis["bytes_used"] > 0 and redis["shared"] == 1
     finally:
+        side.shutdown()
         store.close()

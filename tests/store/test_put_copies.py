@@ -23,6 +23,7 @@ from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey, TieredStore, records, tiered
 from vllm_tiercache.shared.store.api import Record
 from vllm_tiercache.shared.store.counters import TierCounters
+from vllm_tiercache.shared.store.registry import make_tier
 
 
 def _k(i: int | str) -> StoreKey:
@@ -71,7 +72,7 @@ class _HeldTier:
 
 def _store(held: _HeldTier) -> TieredStore:
     config = StoreConfig.from_dict({"tiers": [{"kind": "memory", "capacity": "16MiB"}]})
-    memory = TieredStore(config).tiers[0]  # a memory tier as the store builds it
+    memory = make_tier(config.tiers[0], "memory")  # a memory tier as the store builds it
     return TieredStore(config, tiers=[memory, held])
 
 

@@ -250,7 +250,11 @@ def test_get_store_is_a_singleton_per_config(tmp_path):
     finally:
         a.close()
         c.close()
-    assert get_store(cfg) is not a  # a closed singleton is replaced
+    fresh = get_store(cfg)
+    try:
+        assert fresh is not a  # a closed singleton is replaced
+    finally:
+        fresh.close()
 
 
 def test_threads_hammering_one_store(store):

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_tiercache.shared.store import api, build_store, registry
+from vllm_tiercache.shared.config import StoreConfig
+from vllm_tiercache.shared.store import api, registry
 from vllm_tiercache.shared.store.api import (
     TIER_CAPABILITIES,
     InProcessTier,
@@ -244,7 +245,7 @@ def test_the_store_uses_only_what_a_tier_declares() -> None:
     from vllm_tiercache.shared.store.tiered import TieredStore
 
     tier = _Undeclared()
-    store = TieredStore(build_store({"tiers": [{"kind": "memory"}]}).config, tiers=[tier])
+    store = TieredStore(StoreConfig.load({"tiers": [{"kind": "memory"}]}), tiers=[tier])
     try:
         key, value = StoreKey("ns|undeclared|0"), torch.arange(4, dtype=torch.int32)
         store.put(key, value)

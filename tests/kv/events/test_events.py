@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -67,7 +67,11 @@ def _config(model: Path, disk: Path | None, *, events: bool = True, role: str = 
 
 
 class Published:
-    """vLLM's scheduler with its publisher's batches caught."""
+    """vLLM's scheduler with its publisher's batches caught. Every one a test makes is closed after it
+    (`close_all`, tests/kv/events/conftest.py): its store's threads must not outlive the test."""
+
+    #: made and not yet closed
+    _open: ClassVar[list[Published]] = []
 
     def __init__(self, vllm_config: VllmConfig, *, inline: bool = True) -> None:
         """``inline``: the tracker's shared-tier questions are answered within the step that asks them, so
@@ -78,6 +82,7 @@ class Published:
         self.scheduler: Scheduler = real_scheduler_over(vllm_config, kv_cache_config=kv_cache_config)
         self.batches: list[KVEventBatch] = []
         self.scheduler.kv_event_publisher.publish = self.batches.append  # type: ignore[method-assign]
+        Published._open.append(self)
         tracker = self.connector._scheduler.events if self.connector._scheduler else None  # type: ignore[union-attr]
         if tracker is not None and inline:
             tracker.off_step = OffStepJob("inline", inline=True)
@@ -102,6 +107,17 @@ class Published:
                                    kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta))
         self.scheduler.update_from_output(out, runner)
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def close(self) -> None:
+        """What the engine's stop would end: the scheduler side's threads (events, far lookups), the store's."""
+        if self.connector._scheduler is not None:
+            self.connector._scheduler.shutdown()
+        self.connector._store.close(5.0)
+
+    @classmethod
+    def close_all(cls) -> None:
+        while cls._open:
+            cls._open.pop().close()
 
     def report(self, worker_meta: TieredKVWorkerMetadata) -> None:
         """A step with nothing scheduled that carries the workers' report (the events go with it)."""

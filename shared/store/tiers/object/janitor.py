@@ -365,6 +365,8 @@ class Janitor:
         pause = self.config.sweep_every_s
         while not self._stop.is_set():
             self._wake.wait(pause)
+            if self._stop.is_set():  # woken by `close`: no usage GET to an endpoint that may be gone already
+                break
             self._wake.clear()
             pause = self.config.sweep_every_s
             try:
