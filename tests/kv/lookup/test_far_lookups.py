@@ -539,52 +539,48 @@ class HoldingTable(BlockTable):
         self.coordinator = SimpleNamespace(find_longest_cache_hit=lambda hashes, max_length: ((), held_tokens, 0))
 
 
-def test_nothing_vllm_holds_is_fetched_and_the_hit_starts_past_it(redis_tier) -> None:
-    request = make_request("v", tokens(PROMPT_TOKENS, seed=8))
+@contextlib.contextmanager
+def first_chunk_held(tier: dict[str, Any], req_id: str, seed: int
+                     ) -> Iterator[tuple[Request, list[bytes], KVSchedulerSide, Worker]]:
+    """A prompt whose two full chunks ``tier`` holds, probed while vLLM's prefix cache holds its first chunk:
+    (request, its full chunks, the scheduler side, a worker); the first plan, which names the second only, is
+    played."""
+    request = make_request(req_id, tokens(PROMPT_TOKENS, seed=seed))
     full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
+    store_chunks(tier, full)
+    with store_with(tier) as store:
         side, worker = far_side(store), Worker(store)
         side.bind_kv_cache_manager(HoldingTable(4 * BLOCK))  # type: ignore[arg-type]
         try:
             side.on_new_request(request)
-            probe_done(side, "v")
+            probe_done(side, req_id)
             meta = empty_step(side)
             assert [p.chunk_hash for p in meta.prefetches] == [full[1]]  # the first chunk is vLLM's own
             worker.play(meta, side)
-            assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (4 * BLOCK, False)
-            assert side._requests["v"].load_first == 4 and side._requests["v"].load_end == 8
+            yield request, full, side, worker
         finally:
             worker.close()
             side.shutdown()
+
+
+def test_nothing_vllm_holds_is_fetched_and_the_hit_starts_past_it(redis_tier) -> None:
+    with first_chunk_held(redis_tier, "v", seed=8) as (request, _full, side, _worker):
+        assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (4 * BLOCK, False)
+        assert side._requests["v"].load_first == 4 and side._requests["v"].load_end == 8
 
 
 def test_a_chunk_vllm_evicted_while_the_request_queued_is_fetched_at_its_turn_not_computed(redis_tier) -> None:
     """vLLM held the first chunk when the probe came in (not fetched), and its prefix cache dropped it before
     the request's turn (`bench serve`: a KV cache a quarter of the working set): that chunk is fetched then,
     and the request waits for it within its deadline, rather than computing what the store holds."""
-    request = make_request("q", tokens(PROMPT_TOKENS, seed=9))
-    full = [request.block_hashes[3], request.block_hashes[7]]
-    store_chunks(redis_tier, full)
-    with store_with(redis_tier) as store:
-        side, worker = far_side(store), Worker(store)
-        side.bind_kv_cache_manager(HoldingTable(4 * BLOCK))  # type: ignore[arg-type]
-        try:
-            side.on_new_request(request)
-            probe_done(side, "q")
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == [full[1]]  # vLLM holds the first one now
-            worker.play(meta, side)
-            # its turn: vLLM's prefix cache holds none of it any more
-            assert side.get_num_new_matched_tokens(request, 0) == (None, False)
-            meta = empty_step(side)
-            assert [p.chunk_hash for p in meta.prefetches] == [full[0]]  # fetched now, once
-            worker.play(meta, side)
-            assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
-            assert side.take_counters() == {}  # nothing found went unused
-        finally:
-            worker.close()
-            side.shutdown()
+    with first_chunk_held(redis_tier, "q", seed=9) as (request, full, side, worker):
+        # its turn: vLLM's prefix cache holds none of it any more
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == [full[0]]  # fetched now, once
+        worker.play(meta, side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert side.take_counters() == {}  # nothing found went unused
 
 
 def test_a_chunk_with_a_record_missing_is_never_claimed_and_is_saved_anew(redis_tier) -> None:
