@@ -161,6 +161,20 @@ class SweepResult:
     turnover_s: float | None = None
 
 
+def low_water_mark(capacity: int, share: int, active: set[str], previous_usage: dict[str, Any]) -> int:
+    """Usage a sweep evicts down to: ``capacity`` less room for each active writer's grant. A writer may still
+    write within its previous grant (``previous_usage``'s, which it may not have replaced yet): room for the
+    larger of the two, within `MAX_RESERVE` of capacity (grants shrinking by more, e.g. many writers arriving
+    at once, pass it for one sweep)."""
+    try:
+        previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        previous = {}
+    reserve = min(sum(max(previous.get(w, 0), share) for w in active),
+                  max(share * len(active), int(MAX_RESERVE * capacity)))
+    return max(0, capacity - reserve)
+
+
 def positive(value: Any) -> float | None:
     """``value`` as a float when it is a positive number (a field of ``sys/usage``), else None."""
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
@@ -525,10 +539,6 @@ class Janitor:
         if isinstance(ledgers, Failure):  # every record known by its write alone
             ledgers = MergedLedgers(active={self.writer}, largest=self._largest)
         previous_usage = self.marks.previous_usage()
-        try:
-            previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
-        except (TypeError, ValueError, AttributeError):
-            previous = {}
         listed_at = time.time()
         listed = self.calls.one("sweep", lambda: list(self.calls.list_names(self.names.records)))
         if isinstance(listed, Failure):
@@ -547,11 +557,7 @@ class Janitor:
         half_life = half_life_s(turnover, self.config.half_life) if self.config.policy == "prefix" else None
         capacity = self.config.capacity
         share = grant_size(capacity, self.config.sweep_share, len(active), largest)
-        # a writer may still write within its previous grant: room for the larger of the two, within MAX_RESERVE
-        # of capacity (grants shrinking by more, e.g. many writers arriving at once, pass it for one sweep)
-        reserve = min(sum(max(previous.get(w, 0), share) for w in active),
-                      max(share * len(active), int(MAX_RESERVE * capacity)))
-        low_water = max(0, capacity - reserve)
+        low_water = low_water_mark(capacity, share, active, previous_usage)
         evicted: list[tuple[str, int]] = []
         victims: list[tuple[str, int]] = []
         if total > low_water:
