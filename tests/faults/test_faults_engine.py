@@ -6,9 +6,9 @@ when the kernel ends the process (no `finally`, no flush). The store-level half 
 these start real engines on the project's tiny Llama (float32, so a server's greedy tokens match an
 offline engine's) and compare every answer with an engine that has no connector.
 
-- SIGKILL: a `kv_producer` engine in its own process group, killed once it has added a random number
-  (5-40) of records to the disk tier, KILLS times over on one directory (each run ends with prompts of its
-  own, so it is always killed with writes ahead of it); then a `kv_consumer` in a fresh
+- SIGKILL: a `kv_producer` engine in its own process group, killed once its commits have indexed a random
+  number (5-40) of records more than the directory held, KILLS times over on one directory (each run ends
+  with prompts of its own, so it is always killed with writes ahead of it); then a `kv_consumer` in a fresh
   process on that directory must give the baseline's tokens, hit only complete chunks, and meet no
   corrupt record (writes are temp file + fsync + rename, so a kill leaves a whole record or none).
 - Redis: `api_server` with `TieredKVConnector` on a Redis-only store; redis-server is SIGKILLed while
@@ -40,6 +40,7 @@ from tests.fixtures.models import REPO, run_engine
 from tests.support.zygote_client import zygote_subprocess
 from vllm_tiercache.shared.stats_dump import read_stats
 from vllm_tiercache.shared.store.counters import counter_deltas
+from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 from vllm_tiercache.tools.demo.prompts import CHAT_TEMPLATE
 from vllm_tiercache.tools.demo.server import Server
 from vllm_tiercache.tools.redis_server import RedisServer
@@ -101,6 +102,12 @@ def _records(disk: Path) -> int:
     return sum(1 for _ in disk.rglob("*.rec")) if disk.exists() else 0
 
 
+def _indexed(index: DiskIndex) -> int:
+    """Records the producers' commits have indexed (what a consumer's lookups can find)."""
+    with index.env.begin() as txn:
+        return index.count(txn)
+
+
 def _start_engine(spec: dict[str, Any], work: Path, name: str) -> Any:
     """`tests.support.engine_job` in its own process group, in that one process like the consumer and the
     baseline (`run_engine`'s default): SIGKILL stops the worker side's writer wherever it is."""
@@ -136,26 +143,39 @@ def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
     disk = tmp_path / "disk"
     rng = random.Random(2026)
     kills: list[dict[str, Any]] = []
-    for k in range(KILLS):
-        # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole run,
-        # then prompts of this run's own: a run always has writes ahead of it, even when an earlier run left
-        # every record of PROMPTS on disk or this run's writer commits them in one burst (seen on a loaded
-        # CI machine: all 298 records between two polls, so the next run had nothing left to write).
-        spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
-                "rounds": [PROMPTS[i:i + 4] for i in range(0, len(PROMPTS), 4)] + _run_own_rounds(k),
-                "kv_transfer_config": _disk_kv("kv_producer", disk)}
-        before = _records(disk)
-        # Kill once this run has added a random number of records: mid-write whatever the machine's speed.
-        target = before + rng.randint(5, 40)
-        proc = _start_engine(spec, tmp_path, f"producer-{k}")
-        try:
-            while proc.poll() is None and _records(disk) < target:
-                time.sleep(0.01)
-            alive = proc.poll() is None
-        finally:
-            _kill_group(proc)
-        kills.append({"alive_at_kill": alive, "records_before": before, "records_after": _records(disk),
-                      "exit": proc.returncode})
+    # The kill follows the index, not the record files: a writer renames a batch's files into place inside
+    # its index write transaction, and a batch holds a step's records layer by layer (every chunk's layer 0,
+    # then layer 1), so a kill among the renames can leave layer-0 files only: no chunk whole in every layer.
+    # Seen on a loaded machine: a run killed at 30 record files had none indexed; with both runs killed so,
+    # the consumer found nothing. A commit holds whole steps, the first one the first chunks of PROMPTS[:4]
+    # in every layer (and 1GiB evicts nothing), so a run that committed leaves hits.
+    index = DiskIndex(str(disk / "index.lmdb"))  # read here while the producers write it
+    try:
+        for k in range(KILLS):
+            # Prompts in batches of 4 over several rounds, so the writes are spread over the engine's whole
+            # run, then prompts of this run's own: a run always has writes ahead of it, even when an earlier
+            # run left every record of PROMPTS on disk or this run's writer commits them in one burst (seen
+            # on a loaded CI machine: all 298 records between two polls, so the next run had nothing left).
+            spec = {"model": str(tiny_llama), "dtype": DTYPE, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
+                    "rounds": [PROMPTS[i:i + 4] for i in range(0, len(PROMPTS), 4)] + _run_own_rounds(k),
+                    "kv_transfer_config": _disk_kv("kv_producer", disk)}
+            # Counted from the files: the run's tier indexes at its start whatever files the run before left
+            # unindexed (`bookkeeping.adopt_unindexed`), which must not count as this run's commits.
+            before = _records(disk)
+            # Kill once this run's commits have indexed a random number of records: mid-run whatever the
+            # machine's speed, and after at least one commit of its own.
+            target = before + rng.randint(5, 40)
+            proc = _start_engine(spec, tmp_path, f"producer-{k}")
+            try:
+                while proc.poll() is None and _indexed(index) < target:
+                    time.sleep(0.01)
+                alive = proc.poll() is None
+            finally:
+                _kill_group(proc)
+            kills.append({"alive_at_kill": alive, "records_before": before, "records_after": _records(disk),
+                          "indexed_after": _indexed(index), "exit": proc.returncode})
+    finally:
+        index.close()
     # A run that finished before its kill would prove nothing about crashes.
     assert all(k["alive_at_kill"] and k["exit"] == -signal.SIGKILL for k in kills), kills
     assert kills[-1]["records_after"] > kills[0]["records_before"], kills
@@ -167,7 +187,7 @@ def test_producer_sigkilled_while_writing_leaves_a_store_consumers_trust(
     assert only["tokens"] == baseline.result()
     cached = only["num_cached_tokens"]
     assert all(c % BLOCK == 0 and 0 <= c <= _expected_hits(p) for c, p in zip(cached, PROMPTS, strict=True))
-    assert sum(cached) > 0, "the killed producers left nothing a consumer could use"
+    assert sum(cached) > 0, ("the killed producers left nothing a consumer could use", kills)
     (worker,) = read_stats(str(stats_dir), "kv-worker")
     assert worker["counters"]["load_errors"] == 0, worker["counters"]
     assert worker["store"]["tiers"]["disk"]["corrupt"] == 0, worker["store"]

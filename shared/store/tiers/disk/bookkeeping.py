@@ -1,4 +1,5 @@
-"""Keeping the disk tier's LMDB index in step with its files: after reads, and rebuilt from the files.
+"""Keeping the disk tier's LMDB index in step with its files: after reads, when the tier opens (files a killed
+writer left unindexed), and rebuilt from the files.
 
 Why a module of its own: the index (`vllm_tiercache.shared.store.tiers.disk.index`) stores entries; deciding
 which entries to refresh, adopt or drop takes the record files into account and has its own races with
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
 
 import lmdb
 
 from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.tags import tags_of
+from vllm_tiercache.shared.store.tiers.disk.capacity import evict_over_capacity
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths, key_named_by
 from vllm_tiercache.shared.store.tiers.disk.problems import ProblemReporter
@@ -97,6 +102,38 @@ class ReadBookkeeping:
         self.index.delete(txn, digest)
 
 
+class _Found(NamedTuple):
+    """What a record file's header says to index it by."""
+
+    digest: bytes
+    size: int
+    tags: tuple[str, ...]
+    parent: bytes | None
+
+
+def _found_in(path: Path) -> _Found | None:
+    """The entry a record file is indexed by, from its header; None for a file not to index (a damaged
+    header's file is deleted, one whose header names another key is left alone). Another build's record
+    is indexed by its file name, so that the order ages it out."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(records.MAX_HEADER + records.FIXED_SIZE)
+            size = os.fstat(f.fileno()).st_size
+        header = records.decode_header(head)
+        key, tags, parent = header.key, tags_of(header.meta), parent_of(header.meta)
+    except records.OtherFormatError:  # another build's record: kept, and indexed by its
+        key, tags, parent = key_named_by(path), (), None  # file name so that LRU ages it out
+        if key is None:
+            return None
+    except (OSError, records.RecordError):
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    if path.stem != key.hex():
+        return None
+    return _Found(key, size, tags, parent)
+
+
 def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
     """Index every record file whose header is valid (payload checked when it is read); returns the count.
 
@@ -109,22 +146,40 @@ def rebuild_index(index: DiskIndex, paths: RecordPaths) -> int:
     count = 0
     with index.env.begin(write=True) as txn:
         for path in paths.record_files():
-            try:
-                with open(path, "rb") as f:
-                    head = f.read(records.MAX_HEADER + records.FIXED_SIZE)
-                    size = os.fstat(f.fileno()).st_size
-                header = records.decode_header(head)
-                key, tags, parent = header.key, tags_of(header.meta), parent_of(header.meta)
-            except records.OtherFormatError:  # another build's record: kept, and indexed by its
-                key, tags, parent = key_named_by(path), (), None  # file name so that LRU ages it out
-                if key is None:
-                    continue
-            except (OSError, records.RecordError):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            if path.stem != key.hex():
-                continue
-            index.put(txn, key, size, "", now, tags, parent)
-            count += 1
+            found = _found_in(path)
+            if found is not None:
+                index.put(txn, found.digest, found.size, "", now, found.tags, found.parent)
+                count += 1
+    return count
+
+
+def adopt_unindexed(index: DiskIndex, paths: RecordPaths, digests: Iterable[bytes], capacity: int,
+                    pin_budget: int = 0) -> int:
+    """Index the record files among ``digests`` (those in the directory) that the index lacks, then evict
+    to ``capacity``; returns how many were adopted.
+
+    Why: a writer renames its batch's files into place inside its index write transaction
+    (`writes.RecordWriter.commit`), so a writer killed before that transaction commits leaves complete,
+    fsynced record files that the index lacks. Lookups ask the index alone (`DiskTier.contains_many`), so
+    no reader would ever read them, and `ReadBookkeeping` adopts only what a read found: they were never
+    served and their bytes lay outside the budget for good. The tier adopts them when it opens. Each is
+    checked again under the write lock: a live writer's renamed files are indexed by the time another
+    process holds it (files appear and go only under that lock), so only a dead writer's are adopted.
+    """
+    with index.env.begin() as txn:
+        missing = [digest for digest in digests if index.get(txn, digest) is None]
+    if not missing:
+        return 0
+    now = index.clock()
+    count = 0
+    with index.env.begin(write=True) as txn:
+        for digest in missing:
+            if index.get(txn, digest) is not None:
+                continue  # its writer committed meanwhile
+            found = _found_in(paths.path(digest))
+            if found is not None:
+                index.put(txn, found.digest, found.size, "", now, found.tags, found.parent)
+                count += 1
+        if count:
+            evict_over_capacity(index, txn, capacity, paths, pin_budget)
     return count

@@ -7,6 +7,8 @@ two-level fan-out, never key text, so no key can turn into a path and directorie
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -46,15 +48,32 @@ class RecordPaths:
         """Every record file of the directory (temp files excluded)."""
         return self.root.glob("??/*.rec")
 
-    def remove_stale_temp_files(self, older_than_s: float = STALE_TMP_S) -> None:
-        """Remove temp files a killed writer left behind (old enough that no live writer still owns them)."""
+    def sweep(self, older_than_s: float = STALE_TMP_S) -> list[bytes]:
+        """Remove the temp files a killed writer left behind (old enough that no live writer still owns
+        them) and return the digests of the record files, in one pass over the directory (when a tier opens:
+        `bookkeeping.adopt_unindexed` indexes the records a killed writer left unindexed)."""
         cutoff = time.time() - older_than_s
-        for tmp in self.root.glob("??/.tmp-*"):
+        digests = []
+        try:
+            fan_out = [e.path for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+        for folder in fan_out:
             try:
-                if tmp.stat().st_mtime < cutoff:
-                    tmp.unlink()
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if name.endswith(".rec"):
+                            digest = key_named_by(Path(name))
+                            if digest is not None:
+                                digests.append(digest)
+                        elif name.startswith(".tmp-"):
+                            with contextlib.suppress(OSError):
+                                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                                    os.unlink(entry.path)
             except OSError:
-                pass
+                continue
+        return digests
 
 
 def key_named_by(path: Path) -> bytes | None:

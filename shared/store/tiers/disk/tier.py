@@ -43,7 +43,7 @@ from vllm_tiercache.shared.store.api import (
 )
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.disk.admin import DiskAdmin
-from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, rebuild_index
+from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, adopt_unindexed, rebuild_index
 from vllm_tiercache.shared.store.tiers.disk.config import DiskTierConfig
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 from vllm_tiercache.shared.store.tiers.disk.order import PrefixOrder
@@ -96,7 +96,7 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsCont
         #: giving a uint8 host tensor of n bytes (a CUDA KV worker gives pinned memory, so a hit's record
         #: goes to the GPU in one copy and, promoted, stays in the memory tier as it is)
         self.payload_allocator: Callable[[int], torch.Tensor] | None = None
-        self._paths.remove_stale_temp_files()
+        self._adopt_unindexed()
 
     def _open_index(self) -> None:
         """Open the LMDB index and the parts that work on it; if the index is unreadable (an OS crash
@@ -110,6 +110,19 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsCont
         self._admin = DiskAdmin(self._index, self._paths, self.capacity, self._problems)
         if rebuilt:
             self.rebuild_index()
+
+    def _adopt_unindexed(self) -> None:
+        """Remove a killed writer's stale temp files and index the records it renamed into place but did not
+        commit (`bookkeeping.adopt_unindexed`: otherwise never served, and outside the byte budget)."""
+        digests = self._paths.sweep()
+        try:
+            adopted = adopt_unindexed(self._index, self._paths, digests, self.capacity, self._writer.pin_budget)
+        except (lmdb.Error, OSError) as exc:
+            self._problems.error("adopting record files the index lacks failed", exc)
+            return
+        if adopted:
+            log.info("tiercache %s tier: indexed %d record files under %s that a killed writer had left "
+                     "unindexed", self.kind, adopted, self.root)
 
     def rebuild_index(self) -> int:
         """Index every record file whose header is valid (payload checked when it is read); returns the count."""

@@ -19,7 +19,7 @@ from vllm_tiercache.shared.store import DiskTier, GdsTier, StoreKey, records
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.records import byte_view, joined_copy
 from vllm_tiercache.shared.store.tiers.disk.admin import DiskAdmin
-from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, rebuild_index
+from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, adopt_unindexed, rebuild_index
 from vllm_tiercache.shared.store.tiers.disk.capacity import evict_over_capacity
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
 from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths, key_named_by
@@ -121,6 +121,34 @@ def test_persists_across_restart(tmp_path):
         assert b.usage()["entries"] == 5
     finally:
         b.close()
+
+
+def test_records_a_writer_killed_mid_commit_left_unindexed_are_adopted_when_a_tier_opens(tmp_path):
+    """A writer renames its batch into place inside its index write transaction (`RecordWriter.commit`);
+    SIGKILLed before that commits, it leaves whole records the index lacks. Lookups ask the index alone, so
+    they were never served and lay outside the byte budget for good (the engine fault test's consumer found
+    nothing); the next tier to open indexes them, within its capacity."""
+    path = str(tmp_path / "d")
+    a = DiskTier(DiskTierConfig(path=path, capacity=1 << 20))
+    a.put_many([(_k(0), _t(1000, 0), None)])
+    for i in (1, 2, 3):  # written and renamed into place, the transaction never committed: a killed writer's
+        w = a._writer.write_temp(_k(i), records.encode(_k(i), _t(1000, i)))
+        os.replace(w.tmp, w.final)
+    assert a.contains_many([_k(i) for i in range(4)]) == [True, False, False, False]
+    size = a.path_for(_k(0)).stat().st_size
+    a.close()
+    b = DiskTier(DiskTierConfig(path=path, capacity=1 << 20))
+    try:
+        assert b.contains_many([_k(i) for i in range(4)]) == [True] * 4
+        assert torch.equal(b.get_many([_k(3)])[0].tensor, _t(1000, 3))
+        assert b.usage()["entries"] == 4 and b.usage()["bytes_used"] == 4 * size
+    finally:
+        b.close()
+    c = DiskTier(DiskTierConfig(path=path, capacity=3 * size, policy="lru"))  # nothing left to adopt
+    try:
+        assert c.usage()["entries"] == 4  # opening evicts nothing it did not adopt
+    finally:
+        c.close()
 
 
 def test_lru_capacity_and_oversized(tmp_path):
@@ -578,6 +606,24 @@ def test_bookkeeping_alone_adopts_orphans_and_drops_dead_entries(parts):
         assert index.count(txn) == 0 and index.total(txn) == 0
     _write_record(paths, _k("kept"), _t(100))
     assert rebuild_index(index, paths) == 1
+
+
+def test_adoption_skips_what_the_index_has_and_evicts_to_the_capacity(parts):
+    """`adopt_unindexed` indexes only the files the index lacks (a live writer's are indexed once its
+    transaction commits, before the lock is ours), skips a file gone meanwhile, and evicts to the budget."""
+    paths, index, _, _ = parts
+    sizes = [_write_record(paths, _k(i), _t(100, i)) for i in range(3)]
+    with index.env.begin(write=True) as txn:
+        index.put(txn, _k(0).digest, sizes[0], _k(0).text, 1_000)
+    assert adopt_unindexed(index, paths, [_k(i).digest for i in range(4)], 1 << 20) == 2
+    with index.env.begin() as txn:
+        assert index.get(txn, _k(0).digest).text == _k(0).text  # the indexed one left as it was
+        assert index.count(txn) == 3 and index.total(txn) == sum(sizes)
+    sizes.append(_write_record(paths, _k(3), _t(100, 3)))
+    assert adopt_unindexed(index, paths, [_k(i).digest for i in range(4)], sizes[1] + sizes[2] + sizes[3]) == 1
+    with index.env.begin() as txn:  # the oldest went: _k(0), indexed long before the adopted ones
+        assert index.get(txn, _k(0).digest) is None and index.total(txn) == sum(sizes[1:])
+    assert [paths.path(_k(i).digest).exists() for i in range(4)] == [False, True, True, True]
 
 
 def test_writer_and_admin_alone(parts):
