@@ -17,7 +17,10 @@ S of the rest on disk, the rest in memory; the table prints memory + disk + Redi
 
 ``--object`` also replays the object tier's capacity sweeps at each capacity, each of its policies
 (`object_sweep`: the sweep's own ranking on one writer's ledger, no bucket), and measures one sweep's
-ranking of 100,000 listed records.
+ranking of 100,000 listed records. ``--object-bucket`` (implies ``--object``) also replays them through a
+real object tier on a bucket (`object_bucket`: a private SeaweedFS, or ``--s3-endpoint``/``--s3-bucket``),
+its janitor's real sweeps, and prints its hit ratios beside the simulated ones; minutes per thousand
+requests: ``--requests`` replays a leading slice.
 ``--generate N`` first writes a generated trace of N requests to TRACE (`generate`): shared system
 prompts, documents, multi-turn conversations; for tests and for sizing before production has a trace.
 ``--reuse`` prints, instead of the sweep, which features of a block an online policy could see separate
@@ -37,9 +40,11 @@ from typing import Any
 
 from vllm_tiercache.shared.eviction import memory_tier_policies, policy_entry
 from vllm_tiercache.shared.store.tiers.disk.config import DiskTierConfig
+from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arguments, s3_target
 from vllm_tiercache.tools.bench.trace.cost import cost_rows
 from vllm_tiercache.tools.bench.trace.generate import generate_trace
 from vllm_tiercache.tools.bench.trace.mooncake import BLOCK_TOKENS, format_tokens, read_trace, write_trace
+from vllm_tiercache.tools.bench.trace.object_sweep import SWEEP_SHARE
 from vllm_tiercache.tools.bench.trace.optimum import belady_hits
 from vllm_tiercache.tools.bench.trace.replay import Asked, plain_lru_hits, replay_memory_tier, store_traffic
 from vllm_tiercache.tools.bench.trace.reuse import format_reuse, reuse_tables
@@ -83,6 +88,14 @@ def _share(text: str) -> float:
     return value
 
 
+def _sweep_share(text: str) -> float:
+    """``--sweep-share``: above 0, at most 0.5 (the object tier's bound)."""
+    value = _share(text)
+    if value > 0.5:
+        raise argparse.ArgumentTypeError(f"invalid sweep share {text!r}: above 0 and at most 0.5, such as 0.02")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="a Mooncake-format trace (JSON lines with hash_ids)")
     parser.add_argument("--capacities", type=capacity_list, default=capacity_list("1M,3M,10M"),
@@ -107,6 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--object", action="store_true",
                         help="also replay the object tier's capacity sweeps (lru and prefix: each sweep's ranking "
                              "on one writer's usage ledger, no bucket) at each capacity")
+    parser.add_argument("--object-bucket", action="store_true",
+                        help="with --object's replay, the same through a real object tier on a bucket (its "
+                             "janitor's ledgers, grants, listings and deletes; slow: a few minutes per thousand "
+                             "requests and capacity, see --requests)")
+    parser.add_argument("--sweep-share", type=_sweep_share, default=SWEEP_SHARE, metavar="G",
+                        help="with --object: the object tier's sweep_share in both replays (each writer's grant, "
+                             f"a share of capacity; default {SWEEP_SHARE:g}, the tier's; larger: fewer sweeps, a "
+                             "faster --object-bucket, a lower low-water mark)")
+    add_s3_arguments(parser, " for --object-bucket")
     parser.add_argument("--generate", type=int_at_least(1), metavar="N", default=None,
                         help="first write a generated trace of N requests to TRACE")
     parser.add_argument("--seed", type=int, default=0, help="the generated trace's seed (default 0)")
@@ -133,10 +155,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     asked = sum(len(t.blocks) for t in traffic)
     rows = []
     passes = len(args.capacities) * len(args.policies) * (1 + len(ARRANGEMENTS) if args.disk_share is not None else 1)
-    passes += len(args.capacities) * 2 if args.object else 0
+    passes += len(args.capacities) * 2 * (2 if args.object_bucket else 1) if args.object else 0
     largest = max((b for t in traffic for b in t.blocks), default=0)
     server = shared_tier(args.record_bytes, largest) if args.shared_share is not None else nullcontext()
-    with _progress(len(traffic) * passes) as bar, server as shared:
+    bucket = s3_target(args.s3_endpoint, args.s3_bucket) if args.object_bucket else nullcontext()
+    with _progress(len(traffic) * passes) as bar, server as shared, bucket as item:
         for tokens in args.capacities:
             blocks = tokens // BLOCK_TOKENS
             row: dict[str, Any] = {"capacity_tokens": tokens, "capacity_blocks": blocks,
@@ -153,10 +176,17 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             if args.object:
                 from vllm_tiercache.tools.bench.trace.object_sweep import object_cells
 
-                row["object"] = object_cells(traffic, blocks, bar.update)
+                row["object"] = object_cells(traffic, blocks, bar.update, args.sweep_share)
+            if item is not None:
+                from vllm_tiercache.tools.bench.trace.object_bucket import bucket_cells
+
+                row["object_bucket"] = bucket_cells(traffic, blocks, args.record_bytes, item, bar.update,
+                                                     args.sweep_share)
             row["optimum"] = belady_hits([t.blocks for t in traffic], blocks) / max(1, asked)
             rows.append(row)
     return {"trace": str(args.trace), "requests": len(requests), "blocks_asked": asked,
+            **({"sweep_share": args.sweep_share} if args.object else {}),
+            **({"object_bucket_at": args.s3_endpoint or "a private SeaweedFS"} if args.object_bucket else {}),
             "distinct_blocks": len({b for t in traffic for b in t.blocks}), "gpu_blocks": args.gpu_blocks,
             "record_bytes": args.record_bytes, "rows": rows}
 
@@ -251,6 +281,11 @@ def _print_object(result: dict[str, Any]) -> None:
 
     print("\n== the object tier's capacity sweeps, hit ratio per policy ==")
     print(format_object_table(result))
+    if "object_bucket_at" in result:
+        from vllm_tiercache.tools.bench.trace.object_bucket import format_bucket_table
+
+        print("\n== the object tier through a real bucket beside the simulated sweeps, hit ratio per policy ==")
+        print(format_bucket_table(result))
     for row in result.get("object_sweep_costs", []):
         print(f"object {row['policy']:6s} one sweep's ranking of {row['records']} listed records: "
               f"{row['seconds'] * 1000:.0f} ms CPU")
@@ -259,6 +294,10 @@ def _print_object(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.shared_share is not None and args.disk_share is None:
         raise UsageError("--shared-share needs --disk-share (the split of the rest between memory and disk)")
+    if (args.s3_endpoint or args.s3_bucket) and not args.object_bucket:
+        raise UsageError("--s3-endpoint/--s3-bucket: only with --object-bucket")
+    check_s3_arguments(args)
+    args.object = args.object or args.object_bucket
     if args.generate is not None:
         try:
             write_trace(args.trace, generate_trace(args.generate, seed=args.seed))
@@ -287,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
                for p, v in cells.items() if v["total"] > row["optimum"] + 1e-9]
     beaten += [(row["capacity_tokens"], f"object {p}") for row in result["rows"]
                for p, cell in row.get("object", {}).items() if cell["ratio"] > row["optimum"] + 1e-9]
+    beaten += [(row["capacity_tokens"], f"object {p} (bucket)") for row in result["rows"]
+               for p, cell in row.get("object_bucket", {}).items() if cell["ratio"] > row["optimum"] + 1e-9]
     if args.json:
         print(json.dumps(result, indent=2))
     else:

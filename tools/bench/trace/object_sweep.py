@@ -138,13 +138,15 @@ def sweep_cost(records: int, policy: str, chain: int = 64, repeat: int = 3) -> f
     return best
 
 
-def object_cells(traffic: Sequence[Asked], blocks: int, progress: Callable[[int], None] | None = None
-                 ) -> dict[str, dict[str, float]]:
-    """Per object tier policy (`ObjectTierConfig.POLICIES`): hit ratio, sweeps and seconds at ``blocks``."""
+def object_cells(traffic: Sequence[Asked], blocks: int, progress: Callable[[int], None] | None = None,
+                 sweep_share: float = SWEEP_SHARE) -> dict[str, dict[str, float]]:
+    """Per object tier policy (`ObjectTierConfig.POLICIES`): hit ratio, sweeps, records evicted and seconds at
+    ``blocks``."""
     cells = {}
     for policy in OBJECT_POLICIES:
-        result = replay_object_sweeps(traffic, policy, blocks, progress=progress)
-        cells[policy] = {"ratio": result.ratio, "sweeps": result.sweeps, "seconds": round(result.seconds, 2)}
+        result = replay_object_sweeps(traffic, policy, blocks, sweep_share=sweep_share, progress=progress)
+        cells[policy] = {"ratio": result.ratio, "sweeps": result.sweeps, "evicted": result.evicted,
+                         "seconds": round(result.seconds, 2)}
     return cells
 
 
@@ -159,7 +161,8 @@ def format_object_table(result: dict[str, Any]) -> str:
                       f"{row['optimum']:.3f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
-    text.append(f"(one writer, sweep_share {SWEEP_SHARE:g}: a sweep every half grant written, down to capacity less "
+    share = result.get("sweep_share", SWEEP_SHARE)
+    text.append(f"(one writer, sweep_share {share:g}: a sweep every half grant written, down to capacity less "
                 "the grant; the sweep's ranking alone, no bucket)")
     return "\n".join(text)
 

@@ -236,6 +236,7 @@ class Janitor:
         self._thread: threading.Thread | None = None
         #: the last sweep's figures (None before one ran): ``usage()`` reads these, never the network
         self.last: SweepResult | None = None
+        self.sweeps = 0  # sweeps this writer completed (`tiercache bench trace --object-bucket` reports them)
 
     # ------------------------------------------------------------------------------------ the hot path
     def read(self, hex_digests: Iterable[str]) -> None:
@@ -454,6 +455,7 @@ class Janitor:
         if result is not None:
             self._learn(result.listed_at, result.grants, result.half_life_s)
             self.last = result
+            self.sweeps += 1
             if result.evicted:
                 self.counters.add(evictions=result.evicted)
         return result
@@ -511,6 +513,20 @@ class Janitor:
                 return result
             time.sleep(RETRY_LOCK_S)
         return None
+
+    def settle(self, tries: int = 600) -> None:
+        """Return once this writer is not due for a sweep (half its grant written, or none), sweeping here
+        while it is; a sweep under way (its own thread's, another writer's) holds the lock and is waited out,
+        `RETRY_LOCK_S` at a time. For `tiercache bench trace --object-bucket`: its next request must not
+        overlap a sweep, as in the simulated replay it is compared with."""
+        for _ in range(tries):
+            with self._lock:
+                if not self._due():
+                    return
+            if self.sweep() is None:
+                if self.calls.health.down:
+                    return
+                time.sleep(RETRY_LOCK_S)
 
     def _take_lock(self) -> str | None:
         return self.lock.take()
