@@ -514,20 +514,6 @@ class Janitor:
             time.sleep(RETRY_LOCK_S)
         return None
 
-    def settle(self, tries: int = 600) -> None:
-        """Return once this writer is not due for a sweep (half its grant written, or none), sweeping here
-        while it is; a sweep under way (its own thread's, another writer's) holds the lock and is waited out,
-        `RETRY_LOCK_S` at a time. For `tiercache bench trace --object-bucket`: its next request must not
-        overlap a sweep, as in the simulated replay it is compared with."""
-        for _ in range(tries):
-            with self._lock:
-                if not self._due():
-                    return
-            if self.sweep() is None:
-                if self.calls.health.down:
-                    return
-                time.sleep(RETRY_LOCK_S)
-
     def _take_lock(self) -> str | None:
         return self.lock.take()
 
@@ -597,3 +583,17 @@ class Janitor:
         return SweepResult(len(candidates) - len(evicted), total, len(evicted), sum(s for _, s in evicted), low_water,
                            dict.fromkeys(sorted(active), share), listed_at, generation, half_life, turnover)
 
+
+def settle(janitor: Janitor, tries: int = 600) -> None:
+    """Return once ``janitor``'s writer is not due for a sweep (half its grant written, or none), sweeping here
+    while it is; a sweep under way (its own thread's, another writer's) holds the lock and is waited out,
+    `RETRY_LOCK_S` at a time. For `tiercache bench trace --object-bucket`: its next request must not overlap a
+    sweep, as in the simulated replay it is compared with. (Beside the class, which holds the tier's own work.)"""
+    for _ in range(tries):
+        with janitor._lock:
+            if not janitor._due():
+                return
+        if janitor.sweep() is None:
+            if janitor.calls.health.down:
+                return
+            time.sleep(RETRY_LOCK_S)
