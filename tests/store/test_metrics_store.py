@@ -152,10 +152,19 @@ def test_a_worker_that_counted_nothing_still_writes_every_counter(tmp_path: Path
 @pytest.mark.serial
 @pytest.mark.redis
 def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Path, redis_url: str,
-                                                                    redis_server: Any) -> None:
+                                                                    redis_server: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis stops answering (SIGSTOP, a hang): the step whose read hung counted it, so that step looks at
     the gauges at once, whatever the interval, and reports the tier down; its return reaches them with
     the next step that does work. (An interval no step reaches here: only that rule can report.)"""
+    from vllm_tiercache.shared.store import tiered
+
+    # The store's usage refresh asks Redis too (INFO), on its own thread: one pass here, over before Redis
+    # hangs. An INFO that hung along with the read (the thread, started by the first step, first ran late on
+    # a loaded machine, or its next pass came) marked the tier down on its own time: its error, counted
+    # after the step that met the hang, made the "idle" step below one that counted something (it looks at
+    # the gauges, and sent the tier's return), or it marked the tier down again after the prober's return.
+    monkeypatch.setattr(tiered, "USAGE_REFRESH_S", 3600.0)
     store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"},
                                    {"kind": "redis", "url": redis_url, "timeout_s": 0.5, "retry_after_s": 0.2}]})
     try:
@@ -164,7 +173,13 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         conn = _kv_connector(side, store)
         key, tensor, meta = _record(1)
         store.tiers[1].put_many([(key, tensor, meta)])  # in Redis only: a later read asks Redis
-        conn.get_kv_connector_stats()  # the write, and the one look of this interval
+        conn.get_kv_connector_stats()  # the write, and the first look; starts the usage refresh
+        deadline = time.monotonic() + 60.0
+        while "redis" not in store._cached_usage() or store.tiers[1].down:  # its one pass over (an INFO
+            # that ran into timeout_s on a loaded machine marked the tier down: the prober brings it back)
+            assert time.monotonic() < deadline, f"no usage pass, or Redis down: {store._cached_usage()}"
+            time.sleep(0.05)
+        conn.get_kv_connector_stats()  # what that pass counted, if anything, is taken here
 
         def redis_up(stats: TieredKVStats | None) -> Any:
             assert stats is not None
@@ -177,12 +192,12 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
             assert redis_up(conn.get_kv_connector_stats()) == 0
         finally:
             redis_server.resume()
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 60.0  # a bound for a broken prober only: it PINGs every 0.2 s
         while store.tiers[1].down:  # the prober brings it back; no step counts that
             assert time.monotonic() < deadline, "the Redis tier did not come back after SIGCONT"
             time.sleep(0.05)
-        # an idle step within the interval: the gauges are not looked at (a probe that failed while Redis
-        # hung, on a loaded machine, may still bring a counter: that is no gauge report)
+        # an idle step within the interval: the gauges are not looked at (a probe counts nothing, failed
+        # or not; the one other thread that asks Redis, the usage refresh, is done)
         idle = conn.get_kv_connector_stats()
         assert idle is None or "gauges" not in idle.data, idle
         assert store.get_many([key])[0] is not None  # read from Redis
