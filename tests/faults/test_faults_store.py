@@ -194,7 +194,10 @@ def test_writers_killed_with_sigkill_leave_a_consistent_store(tmp_path: Path, zy
         totals["kills"] += 1
         written = [int(line.split()[1]) for line in lines if line.startswith("written ")]
         totals["max_written"] = max(totals["max_written"], len(written))
-        # corrupt one stored record: it must be detected, never served
+        # corrupt one stored record: it must be detected, never served. A tier opened first adopts the killed
+        # writer's unindexed files and evicts to capacity, so the flipped record is one the audit still holds
+        # (flipped before that, it could be the eviction's victim and never be read)
+        DiskTier(DiskTierConfig(path=path, capacity=capacity)).close()
         files = sorted(Path(path).glob("??/*.rec"))
         if files:
             _flip_payload_byte(rng.choice(files), rng)
