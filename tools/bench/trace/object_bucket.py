@@ -57,6 +57,8 @@ class BucketReplay:
     held: int
     low_water: int
     seconds: float
+    #: bytes of the writer's usage ledger at the end (every sweep rewrites it whole, every sweeper reads it)
+    ledger_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -100,16 +102,19 @@ def replay_object_bucket(traffic: Sequence[Asked], policy: str, blocks: int, rec
         hits = int(tier.counters.get("hits"))
         lost = found - hits
         last = janitor.last
-        return BucketReplay(found, asked, lost, janitor.sweeps, int(tier.counters.get("evictions")),
-                            int(tier.counters.get("dropped_writes")), last.entries if last else 0,
-                            last.low_water // size if last else 0, seconds)
+        result = BucketReplay(found, asked, lost, janitor.sweeps, int(tier.counters.get("evictions")),
+                              int(tier.counters.get("dropped_writes")), last.entries if last else 0,
+                              last.low_water // size if last else 0, seconds)
     finally:
         store.close()  # first: its janitor's last ledger write lands before the clean-up
-        _delete_prefix(item, prefix)
+        ledgers = _delete_prefix(item, prefix)
+    result.ledger_bytes = ledgers
+    return result
 
 
-def _delete_prefix(item: dict[str, Any], prefix: str) -> None:
-    """Everything the replay left under ``prefix``: records, the ledger, ``sys/usage``, the janitor's marks."""
+def _delete_prefix(item: dict[str, Any], prefix: str) -> int:
+    """Delete everything the replay left under ``prefix`` (records, the ledger, ``sys/usage``, the janitor's
+    marks); the bytes of the usage ledgers among them."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_tiercache.shared.config import StoreConfig
@@ -117,9 +122,13 @@ def _delete_prefix(item: dict[str, Any], prefix: str) -> None:
 
     config = StoreConfig.from_dict({"tiers": [{**item, "prefix": prefix}]}).tiers[0]
     client, bucket = make_client(config), item["bucket"]
+    ledgers = 0
     with ThreadPoolExecutor(config.concurrency) as pool:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            list(pool.map(lambda o: client.delete_object(Bucket=bucket, Key=o["Key"]), page.get("Contents", ())))
+            listed = page.get("Contents", ())
+            ledgers += sum(int(o["Size"]) for o in listed if o["Key"].startswith(f"{prefix}sys/use/"))
+            list(pool.map(lambda o: client.delete_object(Bucket=bucket, Key=o["Key"]), listed))
+    return ledgers
 
 
 def bucket_cells(traffic: Sequence[Asked], blocks: int, record_bytes: int, item: dict[str, Any],
@@ -131,7 +140,7 @@ def bucket_cells(traffic: Sequence[Asked], blocks: int, record_bytes: int, item:
         r = replay_object_bucket(traffic, policy, blocks, record_bytes, item, progress, sweep_share)
         cells[policy] = {"ratio": r.ratio, "sweeps": r.sweeps, "evicted": r.evicted, "lost": r.lost,
                          "dropped": r.dropped, "held": r.held, "low_water": r.low_water,
-                         "seconds": round(r.seconds, 1)}
+                         "ledger_bytes": r.ledger_bytes, "seconds": round(r.seconds, 1)}
     return cells
 
 
@@ -148,7 +157,7 @@ def format_bucket_table(result: dict[str, Any]) -> str:
                          f"{sim[p]['ratio']:.3f} ({sim[p]['sweeps']}, {sim[p]['evicted']})")
             notes.append(f"{format_tokens(row['capacity_tokens'])} {p}: {real[p]['seconds']:g} s, held "
                          f"{real[p]['held']} (low water {real[p]['low_water']}), lost {real[p]['lost']}, "
-                         f"dropped {real[p]['dropped']}")
+                         f"dropped {real[p]['dropped']}, ledger {real[p]['ledger_bytes'] / 1e6:.2f} MB")
         cells.append(f"{real['prefix']['ratio'] - real['lru']['ratio']:+.3f} / "
                      f"{sim['prefix']['ratio'] - sim['lru']['ratio']:+.3f}")
         lines.append(cells)
@@ -158,5 +167,6 @@ def format_bucket_table(result: dict[str, Any]) -> str:
                 f"sweeps, sweep_share {result.get('sweep_share', SWEEP_SHARE):g}, settled after each request; "
                 f"simulated: `--object`, the sweep's ranking on one ledger, no bucket; {result['requests']} requests)")
     text.append("Per replay: seconds, records the last sweep left and its low-water mark, blocks the lookup "
-                "found and the read did not (lost), records not written (dropped): " + "; ".join(notes))
+                "found and the read did not (lost), records not written (dropped), the writer's usage ledger at "
+                "the end (rewritten whole by every sweep): " + "; ".join(notes))
     return "\n".join(text)
