@@ -153,13 +153,13 @@ def format_bucket_table(result: dict[str, Any]) -> str:
         real, sim = row["object_bucket"], row["object"]
         cells = [format_tokens(row["capacity_tokens"]), str(row["capacity_blocks"])]
         for p in OBJECT_POLICIES:
-            cells.append(f"{real[p]['ratio']:.3f} ({real[p]['sweeps']}, {real[p]['evicted']}) / "
-                         f"{sim[p]['ratio']:.3f} ({sim[p]['sweeps']}, {sim[p]['evicted']})")
+            cells.append(f"{real[p]['ratio']:.4f} ({real[p]['sweeps']}, {real[p]['evicted']}) / "
+                         f"{sim[p]['ratio']:.4f} ({sim[p]['sweeps']}, {sim[p]['evicted']})")
             notes.append(f"{format_tokens(row['capacity_tokens'])} {p}: {real[p]['seconds']:g} s, held "
                          f"{real[p]['held']} (low water {real[p]['low_water']}), lost {real[p]['lost']}, "
                          f"dropped {real[p]['dropped']}, ledger {real[p]['ledger_bytes'] / 1e6:.2f} MB")
-        cells.append(f"{real['prefix']['ratio'] - real['lru']['ratio']:+.3f} / "
-                     f"{sim['prefix']['ratio'] - sim['lru']['ratio']:+.3f}")
+        cells.append(f"{real['prefix']['ratio'] - real['lru']['ratio']:+.4f} / "
+                     f"{sim['prefix']['ratio'] - sim['lru']['ratio']:+.4f}")
         lines.append(cells)
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     text = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *lines]]
