@@ -73,23 +73,23 @@ def test_the_object_tiers_sweeps_each_policy_and_prefix_above_lru(tmp_path) -> N
 
 @pytest.mark.s3
 def test_the_object_tier_through_a_real_bucket_keeps_what_the_simulation_keeps(tmp_path, s3_bucket) -> None:
-    """A real object tier on SeaweedFS, its janitor's real sweeps (ledger, grants, listing, deletes), lru and
-    prefix: each hit ratio near the simulated sweeps' on the same tiny trace, and prefix ahead of lru by about
-    as much (at sweep_share 0.5 the simulation finds lru 0.130, prefix 0.179: chains read again outlive
-    one-offs)."""
+    """A real object tier on SeaweedFS, its janitor's real sweeps (ledger, grants, listing, deletes) on the
+    trace's clock, lru and prefix: each hit ratio the simulated sweeps' on the same tiny trace (within ties
+    in last use, which the simulation breaks by name within a request), and prefix ahead of lru by as much
+    (at sweep_share 0.2 the simulation finds lru 0.148, prefix 0.194: chains read again outlive one-offs)."""
     trace = tmp_path / "gen.jsonl"
     write_trace(trace, generate_trace(60, seed=1))
     proc = _cli(str(trace), "--capacities", "102400", "--policies", "lru", "--cost-puts", "0", "--object-bucket",
-                "--sweep-share", "0.5", "--s3-endpoint", s3_bucket.server.endpoint, "--s3-bucket", s3_bucket.bucket,
+                "--sweep-share", "0.2", "--s3-endpoint", s3_bucket.server.endpoint, "--s3-bucket", s3_bucket.bucket,
                 "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["sweep_share"] == 0.5 and result["object_bucket_at"] == s3_bucket.server.endpoint
+    assert result["sweep_share"] == 0.2 and result["object_bucket_at"] == s3_bucket.server.endpoint
     (row,) = result["rows"]
     real, simulated = row["object_bucket"], row["object"]
     for policy in ("lru", "prefix"):
         cell = real[policy]
-        assert cell["ratio"] == pytest.approx(simulated[policy]["ratio"], abs=0.02), (policy, real, simulated)
+        assert cell["ratio"] == pytest.approx(simulated[policy]["ratio"], abs=0.01), (policy, real, simulated)
         assert cell["sweeps"] > 0 and cell["evicted"] > 0 and cell["held"] <= row["capacity_blocks"]
         assert cell["lost"] == 0 and cell["dropped"] == 0, cell  # settled sweeps: no lookup races a delete
     assert real["prefix"]["ratio"] > real["lru"]["ratio"] + 0.02, real
