@@ -73,27 +73,28 @@ def test_the_object_tiers_sweeps_each_policy_and_prefix_above_lru(tmp_path) -> N
 
 @pytest.mark.s3
 def test_the_object_tier_through_a_real_bucket_keeps_what_the_simulation_keeps(tmp_path, s3_bucket) -> None:
-    """A real object tier on SeaweedFS, its janitor's real sweeps (ledger, grants, listing, deletes), lru and
-    prefix: lru's hit ratio near the simulated sweeps' on the same tiny trace, and prefix ahead of lru (at
-    sweep_share 0.5 the simulation finds prefix 0.179: chains read again outlive one-offs). Prefix's own ratio
-    is not held to the simulation's: its half-life is the tier's turnover in wall time, which a loaded
-    machine stretches unevenly between sweeps (one loaded run: 0.154)."""
+    """A real object tier on SeaweedFS, its janitor's real sweeps (ledger, grants, listing, deletes) on the
+    trace's clock, lru and prefix: each hit ratio near the simulated sweeps' on the same tiny trace, and prefix
+    ahead of lru (at sweep_share 0.2 the simulation finds lru 0.148, prefix 0.194: chains read again outlive
+    one-offs). lru within 0.01 (ties in last use, which the simulation breaks by name within a request);
+    prefix within 0.03: a sweep the janitor's thread starts while a request's later PUTs land lists them
+    before the ledger has them, and that race gave 0.181 or 0.194 from run to run."""
     trace = tmp_path / "gen.jsonl"
     write_trace(trace, generate_trace(60, seed=1))
     proc = _cli(str(trace), "--capacities", "102400", "--policies", "lru", "--cost-puts", "0", "--object-bucket",
-                "--sweep-share", "0.5", "--s3-endpoint", s3_bucket.server.endpoint, "--s3-bucket", s3_bucket.bucket,
+                "--sweep-share", "0.2", "--s3-endpoint", s3_bucket.server.endpoint, "--s3-bucket", s3_bucket.bucket,
                 "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["sweep_share"] == 0.5 and result["object_bucket_at"] == s3_bucket.server.endpoint
+    assert result["sweep_share"] == 0.2 and result["object_bucket_at"] == s3_bucket.server.endpoint
     (row,) = result["rows"]
     real, simulated = row["object_bucket"], row["object"]
-    assert real["lru"]["ratio"] == pytest.approx(simulated["lru"]["ratio"], abs=0.02), (real, simulated)
-    for policy in ("lru", "prefix"):
+    for policy, within in (("lru", 0.01), ("prefix", 0.03)):  # prefix: 0.181 or 0.194 from run to run
         cell = real[policy]
+        assert cell["ratio"] == pytest.approx(simulated[policy]["ratio"], abs=within), (policy, real, simulated)
         assert cell["sweeps"] > 0 and cell["evicted"] > 0 and cell["held"] <= row["capacity_blocks"]
         assert cell["lost"] == 0 and cell["dropped"] == 0, cell  # settled sweeps: no lookup races a delete
-    assert real["prefix"]["ratio"] > real["lru"]["ratio"], real
+    assert real["prefix"]["ratio"] > real["lru"]["ratio"] + 0.01, real
     client = s3_bucket.server.client()
     assert client.list_objects_v2(Bucket=s3_bucket.bucket).get("KeyCount", 0) == 0  # each replay cleaned up
 

@@ -1,7 +1,8 @@
 """`tiercache bench trace --object`: the object tier's sweeps replayed on a trace, ranking alone (no bucket).
 
 Why not through a real bucket: a sweep lists every record and the trace needs thousands of sweeps; a
-replay of the janitor's choice is seconds, a bucket's would be hours. What is replayed is what decides the
+replay of the janitor's choice is seconds, a bucket's would be hours (`object_bucket`, ``--object-bucket``,
+replays a leading slice through one, and finds the same hit ratios). What is replayed is what decides the
 hit ratio: one writer's usage ledger (per block its last use, its access count as `ledger.UsageLedger`
 keeps it, and its parent), its grant (``sweep_share`` of capacity: a sweep when half of it is written,
 before a put that would pass it), and each sweep's victims chosen by the tier's own ranking functions

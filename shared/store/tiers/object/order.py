@@ -58,8 +58,15 @@ def next_turnover(previous: float | None, written: int, elapsed: float, capacity
     seconds after it listed: the time one capacity of such writes takes, averaged with ``previous`` by the
     share of capacity written (an exponential average over about one capacity of writes; an idle night
     counts once, as the time that capacity took). None when nothing measures it (no previous sweep, nothing
-    written, a clock that went back) and there is no previous one."""
-    if written <= 0 or elapsed <= 0 or capacity <= 0:
+    written, a clock that went back) and there is no previous one.
+
+    Writes between two sweeps that listed at the same instant (``elapsed`` 0: a clock too coarse to tell
+    them apart, or a replay on the trace's clock, where a request's puts share its time) count as written
+    in no time: they shorten the average as written in a microsecond would. Ignoring them, as this did,
+    dropped them from the measure while the next sweep counted from after them: on the Mooncake trace the
+    simulated sweeps (`tiercache bench trace --object`), half of them inside a request at small capacities,
+    ranked by twice the turnover a real bucket measured (``--object-bucket``)."""
+    if written <= 0 or elapsed < 0 or capacity <= 0 or (elapsed == 0 and previous is None):
         return previous
     measured = capacity * elapsed / written
     if previous is None or not previous > 0:

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,19 @@ def test_a_writer_no_sweep_reaches_falls_back_to_its_allowance_instead_of_droppi
     assert writer.counters.get("dropped_writes") == 4
     writer.close()
     dead.close()
+
+
+def test_past_half_its_grant_a_writer_wakes_its_janitor_once_the_batch_landed_not_when_admitted(s3_bucket):
+    """A sweep woken at admission listed the batch while its PUTs landed: its records were listed before the
+    ledger (flushed first) had them, roots as new as the end of their LastModified second, and those that
+    landed after the listing stayed counted in the grant (another sweep soon after)."""
+    tier = tier_of(s3_bucket, capacity=1000 * KIB, sweep_share=0.1, sweep_every_s=3600.0)
+    janitor = tier.janitor
+    janitor._thread = threading.current_thread()  # no janitor thread: this test watches its wake-up call
+    with janitor._lock:
+        janitor._grant, janitor._epoch, janitor._flushed_at = 100 * KIB, 1.0, time.time()
+    assert janitor.admit([30 * KIB, 30 * KIB]) == 2  # past half of the grant once written
+    assert not janitor._wake.is_set()
+    janitor.wrote(60 * KIB, 60 * KIB, [("aa" * 16, None), ("bb" * 16, "aa" * 16)])
+    assert janitor._wake.is_set()
+    tier.close()

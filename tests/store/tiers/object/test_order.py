@@ -81,6 +81,16 @@ def test_the_turnover_is_the_time_one_capacity_of_writes_takes_averaged_over_abo
     assert next_turnover(None, 10, 5.0, 100) == pytest.approx(50.0)  # 10 bytes in 5 s: 100 in 50 s
     assert next_turnover(50.0, 10, 10.0, 100) == pytest.approx(50.0 + 0.1 * (100.0 - 50.0))  # 10% of capacity
     assert next_turnover(50.0, 10, -1.0, 100) == 50.0  # a clock that went back: kept
+    # two sweeps at one instant: the writes between them count, as a microsecond apart (not dropped)
+    assert next_turnover(50.0, 10, 0.0, 100) == pytest.approx(45.0)
+    assert next_turnover(50.0, 10, 0.0, 100) == pytest.approx(next_turnover(50.0, 10, 1e-9, 100))
+    assert next_turnover(None, 10, 0.0, 100) is None  # nothing to start from
+    # one capacity written in 100 s, in ten sweeps, every other one at the same instant as the one before:
+    # the average stays at the pace (dropping the instant ones made it 200 s)
+    pace = 100.0
+    for k in range(200):
+        pace = next_turnover(pace, 10, 20.0 if k % 2 else 0.0, 100)
+    assert pace == pytest.approx(100.0, rel=0.1)
     # from sys/usage as the previous sweep left it: 900 bytes then, 1,000 now, 5 s later
     previous = {"bytes": 900, "listed_at": 1000.0, "turnover_s": 30.0, "generation": "g"}
     assert sweep_turnover(previous, 1000, 1005.0, 1000, []) == pytest.approx(30.0 + 0.1 * (50.0 - 30.0))
