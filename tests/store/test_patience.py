@@ -141,7 +141,7 @@ def test_write_patience_is_validated_and_leaves_a_serving_configs_identity_alone
 def test_the_janitor_deletes_again_what_the_store_throttled_and_leaves_other_failures_to_the_next_sweep() -> None:
     from vllm_tiercache.shared.store.tiers.object.calls import Failure
     from vllm_tiercache.shared.store.tiers.object.client import ERROR, THROTTLED
-    from vllm_tiercache.shared.store.tiers.object.evictions import delete_backing_off
+    from vllm_tiercache.shared.store.tiers.object.sweeps.evictions import delete_backing_off
 
     class Calls:  # the tier's requests, answering by name: "slow" throttled twice, "bad" always refused
         class health:

@@ -103,7 +103,7 @@ def replay_object_bucket(traffic: Sequence[Asked], policy: str, blocks: int, rec
     import torch
 
     from vllm_tiercache.shared.store import build_store
-    from vllm_tiercache.shared.store.tiers.object.janitor import settle
+    from vllm_tiercache.shared.store.tiers.object.sweeps.janitor import settle
 
     largest = max((b for t in traffic for b in t.blocks), default=0)
     size = disk_record_bytes(record_bytes, largest)  # an object is the record as every tier encodes it

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
-from vllm_tiercache.shared.store.tiers.object.ledger import UsageLedger
-from vllm_tiercache.shared.store.tiers.object.order import (
+from vllm_tiercache.shared.store.tiers.object.sweeps.ledger import UsageLedger
+from vllm_tiercache.shared.store.tiers.object.sweeps.order import (
     Candidate,
     half_life_s,
     lru_order,

@@ -11,7 +11,7 @@ budget; from the cache, 1,024 keys took 2.6-7 ms (docs/operations.md, lookups wi
 Why it can only under-promise: records leave the bucket through evictions (the janitor's sweeps, `tiercache
 evict`), and every eviction is bracketed in ``sys/usage``: before deleting, the evictor writes it with an
 ``evicting`` mark; after, with a new ``generation``. A lookup that finds cached keys first reads
-``sys/usage`` (one GET, `Janitor.eviction_generation`): while it is marked ``evicting`` (or unreadable) no
+``sys/usage`` (one GET, `EvictionMarks.generation`): while it is marked ``evicting`` (or unreadable) no
 cached key is answered (they are HEADed as before); at a new generation, the cache drops the digests that
 ``sys/evicted`` lists for the one eviction from its generation to the new one (written before the new
 generation), or everything when that is not the one eviction (several came between, or `tiercache evict`,
@@ -110,7 +110,7 @@ class ExistenceCache:
 def warm(cache: ExistenceCache, generation: Callable[[], str | None], listing: Callable[[], Iterator[str]],
          page: int = 1000) -> int:
     """Fill ``cache`` from one listing of the records (``listing``: their digests, as S3 lists them), under
-    the generation read before it (``generation``: `Janitor.eviction_generation`); stops when the cache is
+    the generation read before it (``generation``: `EvictionMarks.generation`); stops when the cache is
     full or the generation moved (`add` then keeps nothing more). Returns how many digests it added."""
     gen = generation()
     cache.validate(gen)

@@ -50,9 +50,9 @@ from vllm_tiercache.shared.store.tiers.object.client import MISSING, THROTTLED, 
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache, warm
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
-from vllm_tiercache.shared.store.tiers.object.janitor import Janitor
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
 from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
+from vllm_tiercache.shared.store.tiers.object.sweeps.janitor import Janitor
 from vllm_tiercache.shared.threads import background_thread
 
 
@@ -141,7 +141,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         first = self._warming is None and self._warm_on  # the listing starts once this lookup is answered
         warming = first or (self._warming is not None and self._warming.is_alive())
         if any(known) or (cache.generation is None and not warming):
-            valid = cache.validate(self._janitor.eviction_generation(), self._janitor.evicted_between)
+            valid = cache.validate(self._janitor.marks.generation(), self._janitor.marks.evicted_between)
             known = cache.known(hexes) if valid else [False] * len(keys)
         generation = cache.generation  # read before the HEADs below
         ask = [i for i, hit in enumerate(known) if not hit]
@@ -165,7 +165,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
         def run() -> None:
             try:
-                warm(self._existence, self._janitor.eviction_generation, listing)
+                warm(self._existence, self._janitor.marks.generation, listing)
             except Exception as exc:  # the endpoint went away meanwhile: lookups HEAD as before
                 self._health.other_error("existence listing", exc)
 
@@ -300,11 +300,11 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
     def delete_stored(self, predicate: Callable[[StoredRecord], bool], *,
                       dry_run: bool = False) -> tuple[int, int]:
         """Delete the records ``predicate`` accepts (the `Tier` admin contract): (records, bytes). The deletes
-        are bracketed in ``sys/usage`` (`Janitor.bracket_eviction`), as a sweep's are: every process's
+        are bracketed in ``sys/usage`` (`EvictionMarks.bracket`), as a sweep's are: every process's
         existence cache drops what it held."""
         if dry_run:
             return self._admin.delete_stored(predicate, dry_run=True)
-        return self._janitor.bracket_eviction(lambda: self._admin.delete_stored(predicate))
+        return self._janitor.marks.bracket(self._janitor.lock, lambda: self._admin.delete_stored(predicate))
 
     def read_control(self) -> dict[str, bytes]:
         return self._admin.read_control()

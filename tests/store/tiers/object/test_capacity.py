@@ -18,7 +18,7 @@ from tests.support.store_workers import expected_tensor, fault_key
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.control import pin_changes
-from vllm_tiercache.shared.store.tiers.object import evictions
+from vllm_tiercache.shared.store.tiers.object.sweeps import evictions
 from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
 pytestmark = pytest.mark.s3

@@ -9,8 +9,8 @@ import random
 import cbor2
 import pytest
 
-from vllm_tiercache.shared.store.tiers.object.ledger import MergedLedgers, UsageLedger
-from vllm_tiercache.shared.store.tiers.object.order import (
+from vllm_tiercache.shared.store.tiers.object.sweeps.ledger import MergedLedgers, UsageLedger
+from vllm_tiercache.shared.store.tiers.object.sweeps.order import (
     NEWCOMER,
     Candidate,
     half_life_s,

@@ -13,9 +13,9 @@ from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tags import MAX_TAG_LENGTH, MAX_TAGS
 from vllm_tiercache.shared.store.tiers.object.client import BUG, CONFLICT, DOWN, ERROR, MISSING, THROTTLED, classify
-from vllm_tiercache.shared.store.tiers.object.evictions import last_use
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
 from vllm_tiercache.shared.store.tiers.object.names import record_metadata, tags_in, text_of
+from vllm_tiercache.shared.store.tiers.object.sweeps.evictions import last_use
 
 
 def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:

@@ -39,9 +39,9 @@ from typing import Any
 import cbor2
 
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
-from vllm_tiercache.shared.store.tiers.object.evictions import last_use
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
-from vllm_tiercache.shared.store.tiers.object.order import NEWCOMER, Candidate
+from vllm_tiercache.shared.store.tiers.object.sweeps.evictions import last_use
+from vllm_tiercache.shared.store.tiers.object.sweeps.order import NEWCOMER, Candidate
 
 #: Reads a ledger keeps (older ones are dropped; a record read longer ago ages by its write time).
 LEDGER_WINDOW_S = 7 * 86400.0

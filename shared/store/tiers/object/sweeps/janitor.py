@@ -1,64 +1,6 @@
-"""The object tier's bound on ``capacity`` across every writer on every host, with no server of ours.
-
-Design (docs/operations.md, "Capacity across every writer", says it for operators):
-
-- Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read or wrote in
-  the last `ledger.LEDGER_WINDOW_S` (the newest `ledger.MAX_LEDGER_ENTRIES`), digest -> unix time, access
-  count and parent (`ledger` has the format), and since when it wants to write. One small CBOR object
-  rewritten by its owner only (no two writers ever write one object, so no lost update needs a lock). A
-  ledger rewritten within ``active_s`` (`active_seconds`) whose owner wants to write names an **active
-  writer**.
-- One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT
-  (``If-None-Match: *``: of writers racing for it exactly one succeeds); a lock older than `evictions.LOCK_STALE_S`
-  by the server's own clock (a holder killed mid-sweep) is taken over by a PUT ``If-Match`` its ETag (again
-  exactly one wins). The holder reads every ledger (the active writers, and per record a last use, the
-  newest of its write and the reads, an access count and a parent), then lists the records (at
-  ``listed_at``), and gives each active writer a **grant**: bytes it may write after ``listed_at``,
-  ``sweep_share`` of capacity (at least two of the largest records listed; at most `MAX_RESERVE` of capacity
-  for all grants together). It deletes records in the order of ``policy`` (`order`: ``prefix``, the default,
-  LRFU keys with no parent before its children; ``lru``, last use) until usage is at most ``capacity`` minus
-  the grants (the **low-water mark**), counting for each writer the larger of its new and its previous grant
-  (a writer may not have learned the new one yet). Records of pinned tags are skipped, up to ``pin_budget``
-  of capacity, while unpinned records remain (as the disk tier does); their tags come from a HEAD of each
-  candidate. The result, with the grants, ``listed_at`` and the half-life it ranked by (writers decay their
-  ledgers' counts by it), goes to ``sys/usage``, which every writer reads. Ledgers not rewritten within
-  `ledger.LEDGER_WINDOW_S` (a writer gone) are deleted.
-- A writer **admits** a record only within its grant: the bytes it wrote after the ``listed_at`` of the last
-  sweep it knows of (its writes before then were listed), plus those admitted and not yet written, plus
-  the record, at most its grant. Past half of it, its janitor sweeps (or learns of another's sweep, which
-  resets the count); with no room left, the put waits for a sweep, up to `ADMIT_WAIT_TIMEOUTS` x
-  ``timeout_s``. A writer with no grant (new, or idle until its ledger grew stale) waits so for a sweep
-  that saw its ledger to grant it one.
-- When no sweep came within that wait (the lock held by a sweeper that died or hangs, until `LOCK_STALE_S`;
-  a store that was away, or is too loaded to list in time), the writer **falls back** to the bound this
-  tier had before grants: it writes up to `FALLBACK_SHARES` x ``sweep_share`` of capacity since the last
-  sweep it knows of (or its grant, if larger), without waiting again until a sweep comes, and warns once.
-  Past that, puts are dropped (counted). Why not drop everything meanwhile: the serving test saw a server
-  whose janitor lock outlived a SIGSTOP of the store, and a precompute job on a loaded machine, drop every
-  write for minutes; usage passing capacity by a few percent for as long costs far less.
-
-Why that bounds usage: after a sweep, usage is at most the low-water mark plus what every active writer wrote
-after ``listed_at``, and each wrote at most the larger of its two last grants, which the low-water mark left
-room for: so usage stays at most ``capacity``, at every instant, while sweeps are as slow as they are, and
-sweeps do come (the fallback above loosens it to ``capacity`` + writers x `FALLBACK_SHARES` x ``sweep_share``
-of capacity while they do not). What it leaves approximate: clocks (a writer compares its own write times with
-the sweeper's ``listed_at``: a skew of s seconds between hosts lets s seconds of writes through unaccounted;
-NTP keeps it at milliseconds), deletes that fail (the next sweep retries them), a writer whose grant shrank
-(more writers arrived) before it learned of the new one, and a put still in flight when its writer's ledger
-grew stale (``active_s``/2 after its last rewrite, far longer than a put). `tiercache bench capacity` measures
-the peak.
-
-What it costs: usage runs between the low-water mark and ``capacity`` (with 4 writers and the default
-``sweep_share`` 0.02, from 92% to 100%); a sweep every half grant a writer writes; and a new writer's first
-put waits for one sweep (at most `ADMIT_WAIT_TIMEOUTS` x ``timeout_s``). Why not a usage counter every writer
-updates (conditional PUT on one object): every put would be a read-modify-write round trip on one hot object,
-serialised across hosts. Why not the store's Redis: there may be none, and the bucket must stay consistent
-alone. Why not a bucket lifecycle rule alone: it expires by age, not by use or bytes; where records are
-written once and read for a fixed time (a corpus refreshed daily), a lifecycle rule on ``{prefix}r/`` is
-cheaper than sweeping and can replace it (capacity then only reports). The price of this design: a sweep lists
-every record (1,000 per request, about 10,000 requests for 10 million records), so its cost grows with the
-record count; ``sweep_share`` (bytes written between sweeps) and ``sweep_every_s`` trade that against how far
-below capacity the low-water mark sits.
+"""The janitor: one writer's usage ledger, its grant, and the capacity sweeps it runs or learns of (the
+design, and why it bounds usage: this package's docstring; grants and the low-water mark: `grants`; the
+order: `order`; the ledgers: `ledger`; the lock and eviction marks: `evictions`).
 """
 
 from __future__ import annotations
@@ -70,9 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
 
 import cbor2
 
@@ -80,7 +20,8 @@ from vllm_tiercache.shared.store.counters import TierCounters
 from vllm_tiercache.shared.store.tiers.object.calls import Failure, ObjectCalls
 from vllm_tiercache.shared.store.tiers.object.client import MISSING, log
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
-from vllm_tiercache.shared.store.tiers.object.evictions import (
+from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
+from vllm_tiercache.shared.store.tiers.object.sweeps.evictions import (
     RETRY_LOCK_S,
     EvictionMarks,
     JanitorLock,
@@ -88,96 +29,19 @@ from vllm_tiercache.shared.store.tiers.object.evictions import (
     delete_backing_off,
     server_now,
 )
-from vllm_tiercache.shared.store.tiers.object.ledger import MergedLedgers, UsageLedger, read_ledgers
-from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
-from vllm_tiercache.shared.store.tiers.object.order import half_life_s, lru_order, prefix_order, sweep_turnover
+from vllm_tiercache.shared.store.tiers.object.sweeps.grants import (
+    ADMIT_WAIT_TIMEOUTS,
+    FALLBACK_SHARES,
+    SweepResult,
+    active_seconds,
+    grant_size,
+    leading_fit,
+    low_water_mark,
+    positive,
+)
+from vllm_tiercache.shared.store.tiers.object.sweeps.ledger import MergedLedgers, UsageLedger, read_ledgers
+from vllm_tiercache.shared.store.tiers.object.sweeps.order import half_life_s, lru_order, prefix_order, sweep_turnover
 from vllm_tiercache.shared.threads import background_thread
-
-#: All grants together take at most this share of capacity: with many writers each grant is smaller (and
-#: each writer sweeps sooner), so that the low-water mark never falls below half of capacity.
-MAX_RESERVE = 0.5
-#: A grant holds at least this many of the largest records listed (a record larger than its writer's grant
-#: can never be admitted), within `MAX_RESERVE`.
-GRANT_RECORDS = 2
-#: How many ``timeout_s`` a writer with no room left in its grant waits for a sweep before it falls back to
-#: its `FALLBACK_SHARES` allowance.
-ADMIT_WAIT_TIMEOUTS = 4
-#: When no sweep came within that wait (a sweeper that died holding the lock until `LOCK_STALE_S`, a store
-#: that was away or is too slow to list), a writer may write this many ``sweep_share`` of capacity since the
-#: last sweep it knows of instead of dropping everything: the looser bound this tier had before grants
-#: (writers x 2 x ``sweep_share`` past capacity at most), for as long as sweeps do not come. Why: a writer
-#: that drops every write until a sweep comes loses a whole corpus (a precompute job, a server after an
-#: outage) to a janitor it cannot hurry; a bound that slips by a few percent meanwhile costs far less.
-FALLBACK_SHARES = 2.0
-#: A ledger rewritten within this many ``sweep_every_s`` (and at least `MIN_ACTIVE_S`) names an active
-#: writer (`active_seconds`); its owner admits only while it rewrote it within half of that.
-ACTIVE_SWEEPS = 4
-MIN_ACTIVE_S = 60.0
-
-
-def leading_fit(sizes: Sequence[int], room: int) -> tuple[int, int]:
-    """How many of the leading ``sizes`` fit in ``room`` bytes together, and their bytes."""
-    n, total = 0, 0
-    while n < len(sizes) and total + sizes[n] <= room:
-        total += sizes[n]
-        n += 1
-    return n, total
-
-
-def active_seconds(config: ObjectTierConfig) -> float:
-    """How recently a writer's ledger must have been rewritten for a sweep to give it a grant."""
-    return max(MIN_ACTIVE_S, ACTIVE_SWEEPS * config.sweep_every_s)
-
-
-def grant_size(capacity: int, share: float, writers: int, largest: int) -> int:
-    """Each active writer's grant: ``share`` of capacity, at least `GRANT_RECORDS` of the largest record,
-    all of them together at most `MAX_RESERVE` of capacity."""
-    if writers <= 0:
-        return 0
-    want = max(int(share * capacity), GRANT_RECORDS * largest)
-    return min(want, int(MAX_RESERVE * capacity) // writers)
-
-
-@dataclass
-class SweepResult:
-    """What one sweep found and did (and what it left in ``sys/usage``)."""
-
-    entries: int
-    bytes_used: int
-    evicted: int
-    evicted_bytes: int
-    #: usage the sweep evicted down to: capacity less the grants it reserved
-    low_water: int = 0
-    #: writer -> bytes it may write after ``listed_at``
-    grants: dict[str, int] = field(default_factory=dict)
-    #: when the records were listed (the sweeper's clock): writes before it are counted in ``bytes_used``
-    listed_at: float = 0.0
-    #: changes whenever an eviction deleted records (`existence`: cached lookups hold while it stays)
-    generation: str = ""
-    #: the half-life the sweep ranked by (policy ``prefix``: `order.half_life_s`), seconds; writers decay
-    #: their ledgers' counts by it (`ledger`); None under ``lru``
-    half_life_s: float | None = None
-    #: the time one capacity of writes took, seconds (`order.sweep_turnover`): the next sweep's starting point
-    turnover_s: float | None = None
-
-
-def low_water_mark(capacity: int, share: int, active: set[str], previous_usage: dict[str, Any]) -> int:
-    """Usage a sweep evicts down to: ``capacity`` less room for each active writer's grant. A writer may still
-    write within its previous grant (``previous_usage``'s, which it may not have replaced yet): room for the
-    larger of the two, within `MAX_RESERVE` of capacity (grants shrinking by more, e.g. many writers arriving
-    at once, pass it for one sweep)."""
-    try:
-        previous = {str(w): int(g) for w, g in (previous_usage.get("grants") or {}).items()}
-    except (TypeError, ValueError, AttributeError):
-        previous = {}
-    reserve = min(sum(max(previous.get(w, 0), share) for w in active),
-                  max(share * len(active), int(MAX_RESERVE * capacity)))
-    return max(0, capacity - reserve)
-
-
-def positive(value: Any) -> float | None:
-    """``value`` as a float when it is a positive number (a field of ``sys/usage``), else None."""
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def new_writer_id() -> str:
@@ -526,18 +390,6 @@ class Janitor:
 
     def _unlock(self, etag: str) -> None:
         self.lock.give_back(etag)
-
-    def eviction_generation(self) -> str | None:
-        """`EvictionMarks.generation` (the existence cache's check)."""
-        return self.marks.generation()
-
-    def evicted_between(self) -> tuple[str, str, list[str] | None] | None:
-        """`EvictionMarks.evicted_between` (what the last eviction deleted)."""
-        return self.marks.evicted_between()
-
-    def bracket_eviction(self, delete: Callable[[], Any]) -> Any:
-        """`EvictionMarks.bracket`: ``delete`` between the marks, holding the lock when it comes."""
-        return self.marks.bracket(self.lock, delete)
 
     def _sweep_locked(self) -> SweepResult | None:
         """Read the ledgers (uses, active writers), then list the records, grant each active writer its share
