@@ -53,12 +53,14 @@ def test_stats_evict_and_pin_work_on_the_object_tier(s3_bucket, capsys):
     old = _keys("m3", 2, "old")
     _fill(config, old)
     old_written = time.time()
-    time.sleep(4.0)
+    time.sleep(8.0)
     new = _keys("m3", 2, "new")
     _fill(config, new)
-    # the cut between the two writes, as an age from now: a loaded machine may take seconds to get here, and S3
-    # times are whole seconds (a new record's time is at least 3 s past old_written, 1 s past the cut)
-    older_than_s = time.time() - (old_written + 2.0)
+    # the cut just after the old writes, as an age from now. `evict` measures ages when it lists, seconds later on
+    # a loaded machine, which moves the cut as much later (a cut 2 s after them once took the new records too, a
+    # second's delay); S3 times are whole seconds. A new record's time is at least 7 s past old_written: the
+    # cut, 0.5 s past it, may move 6.5 s before the new records count as old
+    older_than_s = time.time() - (old_written + 0.5)
     assert evict(config, older_than_s=older_than_s)["tiers"][0]["records"] == 2
     assert _present(config, old) == [False, False] and _present(config, new) == [True, True]
     assert cli_main(["pin", "--config", json.dumps(config), "--tag", "corpus"]) == 0
