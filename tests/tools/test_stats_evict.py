@@ -122,10 +122,11 @@ def test_evict_older_than_removes_only_old_records(tmp_path: Path, redis_url: st
     old, new = _keys("a", "m1", 2, "old"), _keys("a", "m1", 2, "new")
     _fill(config, old)
     old_written = time.time()
-    time.sleep(4.0)
+    time.sleep(8.0)
     _fill(config, new)
-    # the cut between the two writes, as an age from now (a loaded machine may take seconds to get here;
-    # Redis counts idle time in whole seconds)
+    # the cut 2 s after the old writes (Redis counts idle time in whole seconds), as an age from now. `evict`
+    # measures ages when it lists, later on a loaded machine, which moves the cut as much later: with the new
+    # records written 8 s after the old, it may move 5 s before they count as old (4 s gave it 1 s)
     result = evict(config, older_than_s=time.time() - (old_written + 2.0))
     assert [t["records"] for t in result["tiers"]] == [len(old), len(old)]
     assert _present(config, old) == {"disk": [False] * len(old), "redis": [False] * len(old)}
