@@ -13,6 +13,11 @@ map; the fields:
 - ``parents`` (new): digest -> parent digest, for records this writer wrote whose meta names a parent
   (`vllm_tiercache.shared.eviction.lineage`).
 
+Size: the writer rewrites its ledger whole at every sweep, and every sweeper reads it, so it keeps the most
+recent uses of a few times the records the last sweep left (`ledger_bound`), not every record touched in the
+window: the entries beyond what the bucket holds are ghosts, records evicted lately that count a return if
+written again. Nothing in the format changes: an older build reads a bounded ledger as any other.
+
 Versions sharing a bucket: an older build reads ``reads`` only (CBOR maps: the new fields are keys it never
 asks for), so its sweeps order by last use as before; a ledger of an older build has no ``counts`` and no
 ``parents``: its records count 1 access each, as roots (`read_ledgers`).
@@ -66,7 +71,7 @@ def ledger_bound(held: int | None) -> int:
     of none): `GHOST_FACTOR` x ``held``, at least `MIN_LEDGER_ENTRIES`, at most `MAX_LEDGER_ENTRIES`."""
     if held is None:
         return MAX_LEDGER_ENTRIES
-    return min(MAX_LEDGER_ENTRIES, max(MIN_LEDGER_ENTRIES, GHOST_FACTOR * max(0, held)))
+    return min(MAX_LEDGER_ENTRIES, max(MIN_LEDGER_ENTRIES, int(GHOST_FACTOR * max(0, held))))
 
 
 class UsageLedger:
