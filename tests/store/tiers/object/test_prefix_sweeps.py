@@ -161,7 +161,8 @@ def test_a_ledger_of_the_build_before_counts_beside_this_builds_and_reads_this_b
 def test_a_ledger_rewritten_after_a_sweep_keeps_the_most_recent_few_times_what_the_sweep_left(s3_bucket, monkeypatch):
     """Not every record the writer touched in the week (the build before wrote all 40 here, rewritten at every
     sweep): `ledger.ledger_bound` of the records the last sweep left, the most recent."""
-    monkeypatch.setattr(ledgers, "MIN_LEDGER_ENTRIES", 1)  # the bound alone, for a bucket of ten records
+    monkeypatch.setattr(ledgers, "MIN_LEDGER_ENTRIES", 1)  # a bound of 2 x 8 records, for a bucket of ten
+    monkeypatch.setattr(ledgers, "GHOST_FACTOR", 2)
     tier = tier_of(s3_bucket, capacity=CAPACITY, sweep_every_s=3600.0, sweep_share=0.2)
     names = [f"w{i}" for i in range(40)]
     for name in names:
