@@ -61,9 +61,9 @@ MAX_LEDGER_ENTRIES = 200_000
 #: one: the entries beyond what the bucket holds are its ghosts (ARC's ghost lists), records evicted lately
 #: whose rewrite counts a return (one access) rather than a newcomer (`NEWCOMER`), and a record held for its
 #: count may be older than many newer one-offs. Why 8: measured on the Mooncake trace (docs/benchmarks-kv.md,
-#: "the object tier's ledger bounded by the bucket"), ``prefix`` kept its hit ratio at 8 and 16 at every
-#: capacity, and lost up to 0.017 at 4 (1M tokens: a record that comes back after four capacities of
-#: writes is worth keeping above newcomers) and fell to ``lru``'s at 1.
+#: "the object tier's ledger bounded by the bucket"), ``prefix`` kept its hit ratio at 8 (within 0.0005) at
+#: every capacity, lost 0.017 at 4 (1M tokens: a record that comes back after four capacities of writes is
+#: worth keeping above newcomers) and fell to ``lru``'s at 1.
 GHOST_FACTOR = 8
 #: The fewest entries a bound leaves (a bucket nearly empty, or of a few large records): ~85 KB of ledger.
 MIN_LEDGER_ENTRIES = 1_000
