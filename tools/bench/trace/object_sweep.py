@@ -4,10 +4,13 @@ Why not through a real bucket: a sweep lists every record and the trace needs th
 replay of the janitor's choice is seconds, a bucket's would be hours (`object_bucket`, ``--object-bucket``,
 replays a leading slice through one, and finds the same hit ratios). What is replayed is what decides the
 hit ratio: one writer's usage ledger (per block its last use, its access count as `ledger.UsageLedger`
-keeps it, and its parent), its grant (``sweep_share`` of capacity: a sweep when half of it is written,
-before a put that would pass it), and each sweep's victims chosen by the tier's own ranking functions
-(`order.prefix_order`, `order.lru_order`) down to the low-water mark (capacity less the grant). What is
-not: request latency, several writers (their ledgers merge to the same figures), pins.
+keeps it, and its parent; trimmed before each sweep to the bound the sweep before set, as the janitor's
+rewrite trims it, so a block it forgot is known by its write alone and a rewrite of it counts a newcomer),
+its grant (``sweep_share`` of capacity: a sweep when half of it is written, before a put that would pass
+it), and each sweep's victims chosen by the tier's own ranking functions (`order.prefix_order`,
+`order.lru_order`) down to the low-water mark (capacity less the grant). What is not: request latency,
+several writers (their ledgers merge to the same figures), pins, LastModified's whole seconds (a block the
+ledger forgot ranks by its exact write time).
 
 The clock is the trace's (``timestamp`` ms, each request a microsecond after the one before: the tier's
 ledger times are ns-resolution wall times). Traffic as `replay.serve` has it: the leading run of a
@@ -67,7 +70,7 @@ def replay_object_sweeps(traffic: Sequence[Asked], policy: str, capacity: int, h
                          progress: Callable[[int], None] | None = None) -> SweepReplay:
     """``traffic`` through the object tier's sweeps with ``policy`` at ``capacity`` blocks of one byte each."""
     ledger = UsageLedger()
-    held: set[str] = set()
+    held: dict[str, float] = {}  # name -> when it was written (the object's LastModified)
     grant = max(int(sweep_share * capacity), 2)
     low_water = max(0, capacity - grant)
     written = found = asked = sweeps = evicted = 0
@@ -79,7 +82,8 @@ def replay_object_sweeps(traffic: Sequence[Asked], policy: str, capacity: int, h
         nonlocal written, sweeps, evicted
         written = 0
         sweeps += 1
-        candidates = [ledger.candidate(h, h, 1) for h in held]
+        ledger.trim(now)  # the janitor rewrites its ledger, trimmed to the last sweep's bound, before it lists
+        candidates = [ledger.candidate(h, h, 1, t) for h, t in held.items()]
         usage["turnover_s"] = sweep_turnover(usage, len(held), now, capacity, candidates)
         usage["listed_at"] = now
         if policy == "prefix":  # the writer learns it from sys/usage (`Janitor._learn`): its counts decay by it
@@ -89,9 +93,10 @@ def replay_object_sweeps(traffic: Sequence[Asked], policy: str, capacity: int, h
                 lru_order(candidates)
             over = len(held) - low_water
             for _, name, _ in ranked[:over]:
-                held.discard(name)
+                del held[name]
             evicted += over
         usage["bytes"] = len(held)
+        ledger.learn(len(held), now)  # `Janitor._learn`: the records this sweep left bound the next trim
 
     for done, request in enumerate(traffic, 1):
         now = request.timestamp_ms / 1000.0 + done * 1e-6
@@ -107,7 +112,7 @@ def replay_object_sweeps(traffic: Sequence[Asked], policy: str, capacity: int, h
         for name in names[hit:]:
             if written + 1 > grant:
                 sweep(now)
-            held.add(name)
+            held[name] = now
             ledger.wrote([(name, parent)], now)
             written += 1
             parent = name

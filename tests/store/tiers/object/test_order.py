@@ -9,7 +9,14 @@ import random
 import cbor2
 import pytest
 
-from vllm_tiercache.shared.store.tiers.object.sweeps.ledger import MergedLedgers, UsageLedger
+from vllm_tiercache.shared.store.tiers.object.sweeps.ledger import (
+    GHOST_FACTOR,
+    MAX_LEDGER_ENTRIES,
+    MIN_LEDGER_ENTRIES,
+    MergedLedgers,
+    UsageLedger,
+    ledger_bound,
+)
 from vllm_tiercache.shared.store.tiers.object.sweeps.order import (
     NEWCOMER,
     Candidate,
@@ -125,6 +132,32 @@ def test_the_ledger_counts_newcomers_reads_and_returns_and_decays_by_the_learned
     assert ledger.counts["aa"] == pytest.approx(2.1 / 4 + 1.0) and ledger.uses["aa"] == 120.0
     ledger.trim(110.0 + 7 * 86400.0)  # bb's last use (100) is past the window: it goes, with its parent
     assert set(ledger.uses) == set(ledger.counts) == {"aa"} and ledger.parents == {}
+
+
+def test_a_ledger_keeps_a_few_times_what_the_last_sweep_left_the_most_recent_and_remembers_their_returns():
+    held = MIN_LEDGER_ENTRIES  # a sweep left this many records: the bound is above the floor
+    bound = ledger_bound(held)
+    assert bound == GHOST_FACTOR * held and ledger_bound(None) == MAX_LEDGER_ENTRIES
+    assert ledger_bound(0) == MIN_LEDGER_ENTRIES and ledger_bound(10**9) == MAX_LEDGER_ENTRIES
+    ledger = UsageLedger()
+    touched = 2 * bound  # a writer touched twice the bound's records, one at a time, each after the one before
+    for i in range(touched):
+        ledger.wrote([(f"{i:032x}", f"{i - 1:032x}" if i else None)], 1.0 + i)
+    ledger.trim(touched + 1.0)  # no sweep known yet: nothing goes but what passes the week or the cap
+    assert len(ledger.uses) == touched
+    ledger.learn(held, touched + 1.0)  # a sweep listed after every one of those uses, and left `held`
+    ledger.trim(touched + 2.0)
+    newest = {f"{i:032x}" for i in range(touched - bound, touched)}
+    assert set(ledger.uses) == set(ledger.counts) == set(ledger.parents) == newest
+    assert len(cbor2.loads(ledger.encode({}))["reads"]) == bound  # the object rewritten at every sweep
+    ghost, forgotten = f"{touched - bound:032x}", f"{touched - bound - 1:032x}"
+    ledger.wrote([(ghost, None), (forgotten, None)], touched + 3.0)  # both evicted, written again
+    assert ledger.counts[ghost] == pytest.approx(NEWCOMER + 1.0)  # a return: the ledger still held it
+    assert ledger.counts[forgotten] == NEWCOMER  # beyond the bound: a newcomer again
+    for i in range(bound):  # uses since the last sweep listed are kept, however many
+        ledger.read([f"{touched + i:032x}"], touched + 4.0 + i)
+    ledger.trim(touched + 4.0 + bound)
+    assert len(ledger.uses) == bound + 2 and ghost in ledger.uses and newest & set(ledger.uses) == {ghost}
 
 
 def test_ledgers_of_this_build_and_the_one_before_merge():

@@ -1,6 +1,7 @@
 """The object tier's sweeps under policy ``prefix`` against a real bucket, each case beside ``lru`` (the order
 sweeps had before), which fails it: a chain read again outlives newer one-offs, no parent goes while its
-child stays, and ledgers of the build before this one still count (and still read this build's)."""
+child stays, and ledgers of the build before this one still count (and still read this build's); and a
+writer's ledger bounded by what its sweeps leave."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from tests.store.tiers.object.test_capacity import KIB, listed_bytes, tier_of
 from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.store import StoreKey
+from vllm_tiercache.shared.store.tiers.object.sweeps import ledger as ledgers
 from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
 
 pytestmark = pytest.mark.s3
@@ -153,4 +155,24 @@ def test_a_ledger_of_the_build_before_counts_beside_this_builds_and_reads_this_b
     assert old_view == {d.hex(): t for d, t in ledger["reads"].items()} and _k("n4").hex in old_view
     usage = cbor2.loads(client.get_object(Bucket=s3_bucket.bucket, Key="tiercache/sys/usage")["Body"].read())
     assert {"entries", "bytes", "listed_at", "grants", "generation"} <= set(usage)  # what it reads of it
+    tier.close()
+
+
+def test_a_ledger_rewritten_after_a_sweep_keeps_the_most_recent_few_times_what_the_sweep_left(s3_bucket, monkeypatch):
+    """Not every record the writer touched in the week (the build before wrote all 40 here, rewritten at every
+    sweep): `ledger.ledger_bound` of the records the last sweep left, the most recent."""
+    monkeypatch.setattr(ledgers, "MIN_LEDGER_ENTRIES", 1)  # a bound of 2 x 8 records, for a bucket of ten
+    monkeypatch.setattr(ledgers, "GHOST_FACTOR", 2)
+    tier = tier_of(s3_bucket, capacity=CAPACITY, sweep_every_s=3600.0, sweep_share=0.2)
+    names = [f"w{i}" for i in range(40)]
+    for name in names:
+        tier.put_many([(_k(name), _rec(), None)])
+    result = tier.janitor.sweep_now()
+    assert result is not None and 0 < result.entries <= 10
+    bound = ledgers.ledger_bound(result.entries)
+    assert bound < len(names) and tier.get_many([_k(names[-1])])[0] is not None  # a read: rewritten
+    assert tier.janitor.flush_ledger()
+    client = s3_bucket.server.client()
+    body = client.get_object(Bucket=s3_bucket.bucket, Key=f"tiercache/sys/use/{tier.janitor.writer}")["Body"].read()
+    assert set(cbor2.loads(body)["reads"]) == {_k(n).digest for n in names[-bound:]}
     tier.close()

@@ -3,9 +3,10 @@
 Design (docs/operations.md, "Capacity across every writer", says it for operators):
 
 - Every writer keeps a **usage ledger** in the bucket (``sys/use/{writer}``): the records it read or wrote in
-  the last `ledger.LEDGER_WINDOW_S` (the newest `ledger.MAX_LEDGER_ENTRIES`), digest -> unix time, access
-  count and parent (`ledger` has the format), and since when it wants to write. One small CBOR object
-  rewritten by its owner only (no two writers ever write one object, so no lost update needs a lock). A
+  the last `ledger.LEDGER_WINDOW_S`, the newest `ledger.ledger_bound` of them (a few times the records the
+  last sweep it knows of left: its size follows what the bucket holds, not the traffic), digest -> unix
+  time, access count and parent (`ledger` has the format), and since when it wants to write. One small CBOR
+  object rewritten by its owner only (no two writers ever write one object, so no lost update needs a lock). A
   ledger rewritten within ``active_s`` (`active_seconds`) whose owner wants to write names an **active
   writer**.
 - One writer at a time **sweeps**: it takes the janitor lock, ``sys/janitor``, by a conditional PUT

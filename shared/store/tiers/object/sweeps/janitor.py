@@ -324,7 +324,7 @@ class Janitor:
         finally:
             self._unlock(lock)
         if result is not None:
-            self._learn(result.listed_at, result.grants, result.half_life_s)
+            self._learn(result.listed_at, result.grants, result.half_life_s, result.entries)
             self.last = result
             self.sweeps += 1
             if result.evicted:
@@ -348,25 +348,29 @@ class Janitor:
             listed_at = float(usage["listed_at"])
             grants = {str(w): int(g) for w, g in (usage.get("grants") or {}).items()}
             half_life = positive(usage.get("half_life_s"))  # absent from an lru sweep's, or an older build's
-            self.last = SweepResult(int(usage["entries"]), int(usage["bytes"]), 0, 0,
+            held = int(usage["entries"])
+            self.last = SweepResult(held, int(usage["bytes"]), 0, 0,
                                     int(usage.get("low_water") or 0), grants, listed_at,
                                     str(usage.get("generation") or ""), half_life)
         except Exception:  # damaged: the next sweep rewrites it
             return None
         self._usage_etag = got["ETag"]
-        self._learn(listed_at, grants, half_life)
+        self._learn(listed_at, grants, half_life, held)
         return age
 
-    def _learn(self, listed_at: float, grants: dict[str, int], half_life: float | None) -> None:
-        """A sweep listed the bucket at ``listed_at`` and granted ``grants``: this writer's writes before then
-        are accounted for (another host's clock may differ by its skew: the bound is approximate by that
-        much), and its grant is the one the sweep gave it (none when it was not active then); its ledger's
-        counts decay by the sweep's ``half_life`` (None: an ``lru`` sweep, the last one known is kept)."""
+    def _learn(self, listed_at: float, grants: dict[str, int], half_life: float | None, held: int) -> None:
+        """A sweep listed the bucket at ``listed_at``, granted ``grants`` and left ``held`` records: this
+        writer's writes before then are accounted for (another host's clock may differ by its skew: the bound
+        is approximate by that much), and its grant is the one the sweep gave it (none when it was not active
+        then); its ledger's counts decay by the sweep's ``half_life`` (None: an ``lru`` sweep, the last one
+        known is kept), and its next rewrite keeps entries for a few times ``held`` (`ledger.ledger_bound`:
+        beyond that they are history of records long evicted, rewritten at every sweep for nothing)."""
         with self._swept:
             if listed_at < self._epoch:
                 return  # an older sweep than one already learned
             if half_life is not None:
                 self._ledger.half_life_s = half_life
+            self._ledger.learn(held, listed_at)
             self._epoch = listed_at
             while self._writes and self._writes[0][0] < listed_at:
                 self._written -= self._writes.popleft()[1]

@@ -13,6 +13,11 @@ map; the fields:
 - ``parents`` (new): digest -> parent digest, for records this writer wrote whose meta names a parent
   (`vllm_tiercache.shared.eviction.lineage`).
 
+Size: the writer rewrites its ledger whole at every sweep, and every sweeper reads it, so it keeps the most
+recent uses of a few times the records the last sweep left (`ledger_bound`), not every record touched in the
+window: the entries beyond what the bucket holds are ghosts, records evicted lately that count a return if
+written again. Nothing in the format changes: an older build reads a bounded ledger as any other.
+
 Versions sharing a bucket: an older build reads ``reads`` only (CBOR maps: the new fields are keys it never
 asks for), so its sweeps order by last use as before; a ledger of an older build has no ``counts`` and no
 ``parents``: its records count 1 access each, as roots (`read_ledgers`).
@@ -30,6 +35,7 @@ tokens and behind at 3M: no reason there to take the LFU trap.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,8 +52,29 @@ from vllm_tiercache.shared.store.tiers.object.sweeps.order import NEWCOMER, Cand
 #: Reads a ledger keeps (older ones are dropped; a record read longer ago ages by its write time).
 LEDGER_WINDOW_S = 7 * 86400.0
 #: The most entries one ledger holds (the most recent uses win): bounds its size (~40 bytes an entry, ~60
-#: with a count, ~95 with a parent too).
+#: with a count, ~95 with a parent too) before it knows of a sweep, and always.
 MAX_LEDGER_ENTRIES = 200_000
+#: Once it knows of a sweep, a ledger keeps the most recent uses of this many times the records that sweep
+#: left (`ledger_bound`). Why bound it by the bucket: every sweep rewrites the ledger whole, and a week of
+#: records touched is not what the bucket holds (on the Mooncake slice of docs/benchmarks-kv.md, 1.36 MB of
+#: ledger for a bucket of 1,171 records, ~0.6 GB of ledger rewritten for 21 MB of records). Why more than
+#: one: the entries beyond what the bucket holds are its ghosts (ARC's ghost lists), records evicted lately
+#: whose rewrite counts a return (one access) rather than a newcomer (`NEWCOMER`), and a record held for its
+#: count may be older than many newer one-offs. Why 8: measured on the Mooncake trace (docs/benchmarks-kv.md,
+#: "the object tier's ledger bounded by the bucket"), ``prefix`` kept its hit ratio at 8 (within 0.0005) at
+#: every capacity, lost 0.017 at 4 (1M tokens: a record that comes back after four capacities of writes is
+#: worth keeping above newcomers) and fell to ``lru``'s at 1.
+GHOST_FACTOR = 8
+#: The fewest entries a bound leaves (a bucket nearly empty, or of a few large records): ~85 KB of ledger.
+MIN_LEDGER_ENTRIES = 1_000
+
+
+def ledger_bound(held: int | None) -> int:
+    """The most entries a ledger keeps when the last sweep it knows of left ``held`` records (None: it knows
+    of none): `GHOST_FACTOR` x ``held``, at least `MIN_LEDGER_ENTRIES`, at most `MAX_LEDGER_ENTRIES`."""
+    if held is None:
+        return MAX_LEDGER_ENTRIES
+    return min(MAX_LEDGER_ENTRIES, max(MIN_LEDGER_ENTRIES, int(GHOST_FACTOR * max(0, held))))
 
 
 class UsageLedger:
@@ -60,6 +87,10 @@ class UsageLedger:
         self.parents: dict[str, str] = {}  # digest hex -> parent digest hex (records this writer wrote)
         #: the half-life counts decay by, seconds (the last sweep's, `order.half_life_s`); None: no decay yet
         self.half_life_s: float | None = None
+        #: records the last sweep this writer knows of left (``entries`` in ``sys/usage``), and when it listed
+        #: them (this ledger's clock): `trim` keeps `ledger_bound` of the first, and every use since the second
+        self.held: int | None = None
+        self.listed_at = -math.inf
 
     def _touch(self, h: str, now: float, weight: float) -> None:
         last = self.uses.get(h)
@@ -82,12 +113,23 @@ class UsageLedger:
             if parent is not None:
                 self.parents[h] = parent
 
+    def learn(self, held: int, listed_at: float) -> None:
+        """A sweep listed the bucket at ``listed_at`` and left ``held`` records: the next `trim` bounds by it."""
+        self.held = held
+        self.listed_at = listed_at
+
     def trim(self, now: float) -> None:
-        """Drop uses older than `LEDGER_WINDOW_S`, and the oldest beyond `MAX_LEDGER_ENTRIES`."""
+        """Drop uses older than `LEDGER_WINDOW_S`, and the oldest beyond `ledger_bound` of the records the
+        last known sweep left. Uses since that sweep listed are kept whatever the bound: they are records
+        the next sweep lists (written since) or counts it ranks by (read since), and a bucket filling from
+        empty holds more than its last sweep left."""
         horizon = now - LEDGER_WINDOW_S
         uses = {h: t for h, t in self.uses.items() if t >= horizon}
-        if len(uses) > MAX_LEDGER_ENTRIES:
-            uses = dict(sorted(uses.items(), key=lambda item: item[1])[-MAX_LEDGER_ENTRIES:])
+        keep = ledger_bound(self.held)
+        if len(uses) > keep:
+            keep = min(MAX_LEDGER_ENTRIES, max(keep, sum(1 for t in uses.values() if t >= self.listed_at)))
+        if len(uses) > keep:
+            uses = dict(heapq.nlargest(keep, uses.items(), key=lambda item: item[1]))
         if len(uses) != len(self.uses):
             self.counts = {h: c for h, c in self.counts.items() if h in uses}
             self.parents = {h: p for h, p in self.parents.items() if h in uses}
@@ -99,9 +141,10 @@ class UsageLedger:
                             "counts": {bytes.fromhex(h): c for h, c in self.counts.items() if c != 1.0},
                             "parents": {bytes.fromhex(h): bytes.fromhex(p) for h, p in self.parents.items()}})
 
-    def candidate(self, digest: str, name: str, size: int) -> Candidate:
-        """``digest`` as a sweep would rank it from this ledger alone (`tiercache bench trace --object`)."""
-        return Candidate(digest, name, size, self.uses.get(digest, 0.0), self.counts.get(digest, NEWCOMER),
+    def candidate(self, digest: str, name: str, size: int, written: float) -> Candidate:
+        """``digest``, written at ``written``, as a sweep would rank it from this ledger alone (`tiercache bench
+        trace --object`): one the ledger forgot (`trim`) is known by its write alone, as in `MergedLedgers`."""
+        return Candidate(digest, name, size, self.uses.get(digest, written), self.counts.get(digest, NEWCOMER),
                          self.parents.get(digest))
 
 
