@@ -188,6 +188,39 @@ def test_a_pin_with_a_ttl_ends_and_redis_records_get_their_ttl_back(tmp_path: Pa
         assert store.control.poll().pinned_now() == frozenset()
 
 
+@pytest.mark.redis
+def test_a_pin_that_ends_while_it_is_written_leaves_every_record_its_ttl(redis_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``--ttl`` shorter than `pin` takes: a serving process's poll claims the ended pin between its entry
+    and the PERSIST of its records, and gives the TTL back first. The records persisted after that must
+    get it back too (they kept none for good)."""
+    from vllm_tiercache.shared.store import RedisTier
+
+    config = {"tiers": [{"kind": "redis", "url": redis_url, "ttl_s": 600, "pin_budget": 0.5}]}
+    with build_store(config) as store:
+        store.put_many(_corpus_items())
+        assert store.flush(30.0)
+        tier = store.tiers[0]
+        client = tier._calls.client_or_raise()
+        real = RedisTier.write_control
+        claims = []
+
+        def then_claimed(self: Any, changes: Any) -> None:
+            real(self, changes)
+            until = read_pins([self]).pins.get("corpus:v3")
+            if until is not None:  # the pin's entry is written: it ends, and a poll claims it
+                while time.time() <= until:
+                    time.sleep(0.005)
+                store.control.poll()
+                claims.append(read_pins([self]).pins)
+
+        monkeypatch.setattr(RedisTier, "write_control", then_claimed)
+        pin(config, ["corpus:v3"], ttl_s=0.01)
+        assert claims == [{}]  # claimed before the records were persisted
+        assert read_pins([tier]).pins == {}
+        assert all(0 < client.ttl(tier._names.head(k)) <= 600 for k in CORPUS)
+
+
 def test_control_pins_end_when_their_time_is_past() -> None:
     control = Control(pins={"a": None, "b": 100.0, "c": 300.0})
     assert control.pinned_now(now=200.0) == frozenset({"a", "c"})
