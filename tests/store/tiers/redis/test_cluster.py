@@ -164,7 +164,8 @@ def test_one_damaged_record_is_one_miss(redis_cluster, lost_part, caplog):
             assert torch.equal(got[i].tensor, tensors[i])
     assert _pieces(redis_cluster, keys[damaged]) == []  # head, key text and every part gone
     assert all(len(_pieces(redis_cluster, keys[i])) == 5 + 2 for i in range(4) if expected[i])
-    assert store.contains_many(keys, shared_only=True) == expected  # no longer promised
+    # no longer promised (unbounded: a hit within the 100 ms lookup budget is no promise a loaded machine keeps)
+    assert store.contains_many(keys, shared_only=True, bounded=False) == expected
     assert tier.counters.get("partial") == 1 and tier.counters.get("corrupt") == 0
     assert not tier.down
     assert not _loud(caplog)  # an eviction is no damage: nothing logged
