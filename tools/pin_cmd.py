@@ -94,7 +94,29 @@ def pin(store_config: dict[str, Any] | None, tags: Sequence[str], ttl_s: float |
                     entry["persisted"] = tier.hold_tagged(tags, True)
             except Exception as exc:
                 entry["error"] = one_line(exc)
+        if result["until"] is not None and time.time() >= result["until"]:
+            _ended_while_written(store.tiers, tags, result["tiers"])
     return result
+
+
+def _ended_while_written(tiers: Sequence[Any], tags: Sequence[str], entries: list[dict[str, Any]]) -> None:
+    """A pin that ended before this command had persisted its records (a ``--ttl`` shorter than the command
+    took): a serving process's poll may have claimed it and given the records their TTL back first, and
+    the records persisted after that would keep none for good. The tags whose pin entry is gone (claimed)
+    get their TTL back here; one still there is claimed, and its TTL given back, by a later poll."""
+    try:
+        left = read_pins(tiers).pins
+    except Exception:  # a tier that does not answer now: whether it was claimed is not known, left as it is
+        return
+    claimed = [tag for tag in tags if tag not in left]
+    if not claimed:
+        return
+    for entry, tier in zip(entries, tiers, strict=True):
+        if isinstance(tier, ExpiresRecords) and "error" not in entry:
+            try:
+                tier.hold_tagged(claimed, False)
+            except Exception as exc:
+                entry["error"] = one_line(exc)
 
 
 def unpin(store_config: dict[str, Any] | None, tags: Sequence[str]) -> dict[str, Any]:

@@ -315,17 +315,20 @@ class GaugeChanges:
     refreshed every `vllm_tiercache.shared.store.tiered.USAGE_REFRESH_S` anyway.
     """
 
-    def __init__(self, store: Any, interval_s: float = GAUGE_CHECK_INTERVAL_S) -> None:
+    def __init__(self, store: Any, interval_s: float = GAUGE_CHECK_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._sent: dict[str, Any] | None = None
         self._interval_s = interval_s
+        #: Seconds, for the interval (a test drives its own).
+        self._clock = clock
         self._checked = -math.inf
 
     def take(self, force: bool = False) -> dict[str, Any]:
         """``{store source: report}`` when the report changed since the last look, else ``{}``; ``force``:
         look now, whenever the last look was (a step that counted something: the last step before the
         engine goes idle must not leave a change behind)."""
-        now = time.monotonic()
+        now = self._clock()
         if not force and now - self._checked < self._interval_s:
             return {}
         self._checked = now

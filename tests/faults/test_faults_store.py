@@ -208,9 +208,14 @@ def test_writers_killed_with_sigkill_leave_a_consistent_store(tmp_path: Path, zy
         assert audit["index_ok"], audit
         totals["good"] += audit["good"]
         totals["misses"] += audit["misses"]
-        # the directory accepts new writes after the crash (by recency: under the default order, a record never
-        # seen before may be its own first victim in a directory full of records touched just now)
-        with build_store({"tiers": [{"kind": "disk", "path": path, "capacity": capacity, "policy": "lru"}]}) as store:
+        # the directory accepts new writes after the crash. With room for the record (the audit's tier left the
+        # directory at capacity), so its put evicts nothing: a record never seen before may be its own first
+        # victim under the default order. Not by recency either: a wall-time key among the order's clock keys
+        # ranks by how far that clock has run ahead of wall time. When the first writer was killed before its
+        # first commit (a loaded machine), the clock started from this check's one record, a second old, at
+        # about a second per record's bytes, and every later record by recency ranked oldest: evicted by its
+        # own put
+        with build_store({"tiers": [{"kind": "disk", "path": path, "capacity": capacity + (1 << 20)}]}) as store:
             key = fault_key(100_000 + round_no)
             store.put(key, expected_tensor(100_000 + round_no), expected_meta(100_000 + round_no))
             store.flush()

@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.redis, pytest.mark.serial]
 BUDGET_MS = 30.0
 #: What a bounded call may take beyond its budget: thread hand-offs on a loaded CI machine, not network.
 SLACK_S = 0.25
+#: The budget of the test that a healthy Redis's answers are hits: one a loaded 2-core machine meets. At
+#: 30 ms about 3% of healthy lookups missed there (the answer came late, or the next lookup found the late
+#: one still outstanding), and the test needs 20 in a row.
+HEALTHY_BUDGET_MS = 2000.0
 
 
 def _k(i: int | str) -> StoreKey:
@@ -36,9 +40,9 @@ def _t(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _store(url: str, **redis_kw: Any) -> TieredStore:
+def _store(url: str, budget_ms: float = BUDGET_MS, **redis_kw: Any) -> TieredStore:
     cfg = StoreConfig.from_dict({
-        "lookup_budget_ms": BUDGET_MS,
+        "lookup_budget_ms": budget_ms,
         "tiers": [{"kind": "memory", "capacity": "64MiB"},
                   {"kind": "redis", "url": url, "timeout_s": 0.5, "retry_after_s": 0.2, **redis_kw}],
     })
@@ -76,18 +80,22 @@ def _timed(fn: Any) -> tuple[Any, float]:
 
 
 # ------------------------------------------------------------------------------------------ healthy
-def test_healthy_redis_hit_within_budget(store: TieredStore) -> None:
-    redis_tier = store.tiers[1]
-    keys = [_k(i) for i in range(8)]
-    redis_tier.put_many([(k, _t(64, i), None) for i, k in enumerate(keys[:4])])
-    for _ in range(20):
-        found, took = _timed(lambda: store.contains_many(keys, shared_only=True))
-        assert found == [True] * 4 + [False] * 4
-        assert took < BUDGET_MS / 1000 + SLACK_S
-    assert store.stats()["lookup"] == {"budget_ms": BUDGET_MS, "past_budget": 0, "busy": 0}
-    # unbounded callers (offline checks) and the full lookup see the same
-    assert store.contains_many(keys, shared_only=True, bounded=False) == [True] * 4 + [False] * 4
-    assert store.contains_many(keys) == [True] * 4 + [False] * 4
+def test_healthy_redis_hit_within_budget(redis_url: str) -> None:
+    store = _store(redis_url, budget_ms=HEALTHY_BUDGET_MS)
+    try:
+        redis_tier = store.tiers[1]
+        keys = [_k(i) for i in range(8)]
+        redis_tier.put_many([(k, _t(64, i), None) for i, k in enumerate(keys[:4])])
+        for _ in range(20):
+            found, took = _timed(lambda: store.contains_many(keys, shared_only=True))
+            assert found == [True] * 4 + [False] * 4
+            assert took < HEALTHY_BUDGET_MS / 1000 + SLACK_S
+        assert store.stats()["lookup"] == {"budget_ms": HEALTHY_BUDGET_MS, "past_budget": 0, "busy": 0}
+        # unbounded callers (offline checks) and the full lookup see the same
+        assert store.contains_many(keys, shared_only=True, bounded=False) == [True] * 4 + [False] * 4
+        assert store.contains_many(keys) == [True] * 4 + [False] * 4
+    finally:
+        store.close()
 
 
 def test_late_answer_is_a_miss_and_nothing_queues_behind_it(store: TieredStore) -> None:
@@ -110,6 +118,10 @@ def test_late_answer_is_a_miss_and_nothing_queues_behind_it(store: TieredStore) 
         assert found == [False] and took < BUDGET_MS / 1000 + SLACK_S
         found, took = _timed(lambda: store.contains_many([key], shared_only=True))
         assert found == [False] and took < SLACK_S  # the first call is still outstanding: not asked
+        deadline = time.monotonic() + 30  # the lookup thread, started by the first call, may run late
+        while not calls:
+            assert time.monotonic() < deadline, "the first lookup never reached the tier"
+            time.sleep(0.01)
         assert calls == [1]
         lookup = store.stats()["lookup"]
         assert lookup["past_budget"] == 1 and lookup["busy"] == 1
@@ -133,7 +145,8 @@ def test_paused_server_lookups_stay_within_budget_and_tier_comes_back(store: Tie
     redis_tier.put_many([(k, _t(32, i), None) for i, k in enumerate(in_redis)])
     memory.put_many([(k, _t(32, i), None) for i, k in enumerate(in_memory)])
     keys = in_redis + in_memory
-    assert store.contains_many(keys, shared_only=True) == [True] * 6 + [False] * 3
+    # stored (unbounded: a loaded machine may answer a healthy lookup past 30 ms)
+    assert store.contains_many(keys, shared_only=True, bounded=False) == [True] * 6 + [False] * 3
 
     caller = threading.get_ident()
     worst = 0.0
@@ -208,7 +221,7 @@ def test_paused_cluster_lookups_stay_within_budget(redis_cluster: Any) -> None:
     spy = _ProbeSpy(redis_tier)
     keys = [_k(f"c{i}") for i in range(12)]
     redis_tier.put_many([(k, _t(16, i), None) for i, k in enumerate(keys)])
-    assert store.contains_many(keys, shared_only=True) == [True] * 12
+    assert store.contains_many(keys, shared_only=True, bounded=False) == [True] * 12  # stored
     caller = threading.get_ident()
     nodes = range(len(redis_cluster.nodes))
     worst = 0.0

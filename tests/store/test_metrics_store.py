@@ -207,28 +207,37 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         store.close()
 
 
-@pytest.mark.serial
 def test_gauges_are_looked_at_once_per_interval_and_sent_when_changed() -> None:
     """Every step asks; the report is built and compared at most once per interval, and a change made
-    meanwhile is sent at the first look after it (never lost, never sent twice)."""
+    meanwhile is sent at the first look after it (never lost, never sent twice).
+
+    On a clock of the test's own: with the real one and a 0.2 s interval, "within the interval" needed two
+    statements less than 0.2 s apart, which a loaded machine need not give."""
     used = [0]
+    looks = [0]
+    now = [1000.0]
 
     class Store:
         source = "w1"
 
         def gauge_report(self) -> dict[str, Any]:
+            looks[0] += 1
             return {"tiers": {"memory": {"bytes_used": used[0], "up": 1, "shared": 0}}, "write_queue": 0}
 
-    changes = GaugeChanges(Store(), interval_s=0.2)
-    assert changes.take() == {}  # nothing held yet: what /metrics shows from registration on
+    changes = GaugeChanges(Store(), interval_s=1.0, clock=lambda: now[0])
+    assert changes.take() == {} and looks == [1]  # nothing held yet: what /metrics shows from registration on
     used[0] = 10
-    assert changes.take() == {}  # within the interval: not looked at
-    time.sleep(0.25)
-    assert changes.take()["w1"]["tiers"]["memory"]["bytes_used"] == 10
-    time.sleep(0.25)
-    assert changes.take() == {}  # looked at, unchanged
+    now[0] += 0.75
+    assert changes.take() == {} and looks == [1]  # within the interval: not looked at
+    now[0] += 0.25
+    assert changes.take()["w1"]["tiers"]["memory"]["bytes_used"] == 10 and looks == [2]
+    now[0] += 1.5
+    assert changes.take() == {} and looks == [3]  # looked at, unchanged
     used[0] = 20
+    assert changes.take() == {} and looks == [3]  # within the interval again
     assert changes.take(force=True)["w1"]["tiers"]["memory"]["bytes_used"] == 20  # a step that counted something
+    assert looks == [4]
+    assert changes.take(force=True) == {}  # sent once
 
 
 def test_aggregate_keeps_tier_counts_and_the_latest_gauges() -> None:

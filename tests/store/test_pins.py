@@ -170,22 +170,64 @@ def test_redis_pinned_records_have_no_ttl_until_unpinned(tmp_path: Path, redis_u
 
 @pytest.mark.serial
 def test_a_pin_with_a_ttl_ends_and_redis_records_get_their_ttl_back(tmp_path: Path, redis_url: str) -> None:
-    config = {"control_poll_s": 0.02, "tiers": [{"kind": "redis", "url": redis_url, "ttl_s": 600,
-                                                 "pin_budget": 0.5}]}
+    """The pin lasts 0.5 s. While it is set and checked, no store polls (each has polled once, at its start),
+    so nothing can claim it before the check, however long `pin` takes on a loaded machine; then a serving
+    store's polls claim it once it ended."""
+    tiers = [{"kind": "redis", "url": redis_url, "ttl_s": 600, "pin_budget": 0.5}]
+    quiet = {"control_poll_s": 3600.0, "tiers": tiers}
+    with build_store(quiet) as store:
+        store.put_many(_corpus_items())
+        assert store.flush(30.0)
+        deadline = time.monotonic() + 60.0
+        while store.control.polls < 1:  # its one poll until the test ends is over
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tier = store.tiers[0]
+        client = tier._calls.client_or_raise()
+        pin(quiet, ["corpus:v3"], ttl_s=0.5)
+        assert all(client.ttl(tier._names.head(k)) == -1 for k in CORPUS)
+        until = read_pins([tier]).pins["corpus:v3"]
+        while time.time() <= until:
+            time.sleep(0.05)
+        assert read_pins([tier]).pins == {"corpus:v3": until}  # ended, not claimed yet
+        with build_store({"control_poll_s": 0.02, "tiers": tiers}) as serving:
+            _wait_for_polls(serving)  # a poll after the pin's end claims it and gives the TTL back
+            assert read_pins([tier]).pins == {}
+            assert all(0 < client.ttl(tier._names.head(k)) <= 600 for k in CORPUS)
+            assert serving.control.poll().pinned_now() == frozenset()
+
+
+@pytest.mark.redis
+def test_a_pin_that_ends_while_it_is_written_leaves_every_record_its_ttl(redis_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``--ttl`` shorter than `pin` takes: a serving process's poll claims the ended pin between its entry
+    and the PERSIST of its records, and gives the TTL back first. The records persisted after that must
+    get it back too (they kept none for good)."""
+    from vllm_tiercache.shared.store import RedisTier
+
+    config = {"tiers": [{"kind": "redis", "url": redis_url, "ttl_s": 600, "pin_budget": 0.5}]}
     with build_store(config) as store:
         store.put_many(_corpus_items())
         assert store.flush(30.0)
         tier = store.tiers[0]
         client = tier._calls.client_or_raise()
-        pin(config, ["corpus:v3"], ttl_s=0.5)
-        assert client.ttl(tier._names.head(CORPUS[0])) == -1
-        until = read_pins([tier]).pins["corpus:v3"]
-        while time.time() <= until:
-            time.sleep(0.05)
-        _wait_for_polls(store)  # a poll after the pin's end claims it and gives the TTL back
+        real = RedisTier.write_control
+        claims = []
+
+        def then_claimed(self: Any, changes: Any) -> None:
+            real(self, changes)
+            until = read_pins([self]).pins.get("corpus:v3")
+            if until is not None:  # the pin's entry is written: it ends, and a poll claims it
+                while time.time() <= until:
+                    time.sleep(0.005)
+                store.control.poll()
+                claims.append(read_pins([self]).pins)
+
+        monkeypatch.setattr(RedisTier, "write_control", then_claimed)
+        pin(config, ["corpus:v3"], ttl_s=0.01)
+        assert claims == [{}]  # claimed before the records were persisted
         assert read_pins([tier]).pins == {}
         assert all(0 < client.ttl(tier._names.head(k)) <= 600 for k in CORPUS)
-        assert store.control.poll().pinned_now() == frozenset()
 
 
 def test_control_pins_end_when_their_time_is_past() -> None:

@@ -84,17 +84,26 @@ def test_a_hung_server_marks_the_tier_down_and_the_prober_brings_it_back(s3_buck
 def test_a_server_killed_mid_write_leaves_whole_records_or_nothing(s3_bucket):
     tier = tier_of(s3_bucket, timeout_s=10.0, concurrency=4)
     big = {i: _t(64 * 1024, i) for i in range(24)}  # 256 KiB each
-    done = threading.Event()
+    killed = threading.Event()
 
     def write() -> None:
-        for lo in range(0, 24, 4):
+        """Batches of 4 over the 24 records in turn until the server is killed, and one batch after: the kill
+        lands while it writes however late the test sees the first batch land (on a loaded machine the test
+        thread saw it a batch late; the 6 batches of a fixed run could all land before the kill, leaving the
+        tier up)."""
+        lo = 0
+        while True:
+            after_kill = killed.is_set()
             tier.put_many([(_k(i), big[i], {"i": i}) for i in range(lo, lo + 4)])
-        done.set()
+            if after_kill:
+                return
+            lo = (lo + 4) % 24
 
     writer = threading.Thread(target=write)
     writer.start()
     wait_until("some records written", lambda: tier.counters.get("puts") >= 4)
     s3_bucket.server.kill()
+    killed.set()
     writer.join(60)
     assert not writer.is_alive()  # the writer was never stuck
     assert tier.down

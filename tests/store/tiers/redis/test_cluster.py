@@ -40,6 +40,15 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
+def _wait_up(tier: RedisTier, limit_s: float = 60.0) -> None:
+    """Until the prober found the tier back. Not a timing assertion (the limit only ends a test that would
+    hang): a fixed sleep of a few probe periods was a bet on when a loaded machine runs the prober's thread."""
+    deadline = time.monotonic() + limit_s
+    while tier.down:
+        assert time.monotonic() < deadline, "the tier did not come back after the cluster started"
+        time.sleep(0.02)
+
+
 def _spread(cluster: LocalRedisCluster, tier: RedisTier, n: int) -> tuple[list[StoreKey], list[int]]:
     """``n`` keys whose records land on the masters in turn (key i on master i % masters), and their
     masters' node indexes."""
@@ -155,7 +164,8 @@ def test_one_damaged_record_is_one_miss(redis_cluster, lost_part, caplog):
             assert torch.equal(got[i].tensor, tensors[i])
     assert _pieces(redis_cluster, keys[damaged]) == []  # head, key text and every part gone
     assert all(len(_pieces(redis_cluster, keys[i])) == 5 + 2 for i in range(4) if expected[i])
-    assert store.contains_many(keys, shared_only=True) == expected  # no longer promised
+    # no longer promised (unbounded: a hit within the 100 ms lookup budget is no promise a loaded machine keeps)
+    assert store.contains_many(keys, shared_only=True, bounded=False) == expected
     assert tier.counters.get("partial") == 1 and tier.counters.get("corrupt") == 0
     assert not tier.down
     assert not _loud(caplog)  # an eviction is no damage: nothing logged
@@ -201,8 +211,8 @@ def test_cluster_down_at_start(redis_cluster, caplog):
     assert len(loud) == 1 and loud[0].levelno == logging.WARNING and "unreachable" in loud[0].message
     assert f"127.0.0.1:{redis_cluster.nodes[0].port}" in loud[0].message
 
-    redis_cluster.start()  # back: the tier connects on its next try
-    time.sleep(0.25)
+    redis_cluster.start()  # back: the prober connects on its next try (a call while down touches no network)
+    _wait_up(tier)
     tensor = _bytes(3 * KiB, 1)
     tier.put_many([(keys[1], tensor, None)])
     assert not tier.down
@@ -238,7 +248,7 @@ def test_cluster_stopped_while_running(redis_cluster, caplog):
     assert elapsed < 10
 
     redis_cluster.start()
-    time.sleep(0.1)
+    _wait_up(tier)
     tier.put_many([(keys[1], _bytes(KiB, 5), None)])
     assert not tier.down and tier.get_many(keys[1:2])[0] is not None
     store.close()
