@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from vllm_tiercache.tools.binaries import find_binary
+from vllm_tiercache.tools.binaries import find_binary, wait_stopped
 from vllm_tiercache.tools.ports import free_port, free_port_pair
 
 INSTALL_HINT = (
@@ -183,6 +183,7 @@ class RedisServer:
             assert self.proc is not None
             self.proc.send_signal(signal.SIGSTOP)
             self.paused = True
+            wait_stopped(self.proc.pid)  # answers nothing from now on, not from when the signal lands
 
     def resume(self) -> None:
         """SIGCONT after `pause`."""

