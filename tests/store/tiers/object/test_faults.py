@@ -57,28 +57,30 @@ class CountingGets:
 def test_a_hung_server_marks_the_tier_down_and_the_prober_brings_it_back(s3_bucket, caplog):
     caplog.set_level(logging.WARNING)
     tier = tier_of(s3_bucket, timeout_s=2.0, concurrency=4)
-    tier.put_many([(_k(i), _t(100, i), None) for i in range(8)])
-    assert tier.counters.get("puts") == 8 and not tier.down
-    gets = CountingGets(tier)
-    s3_bucket.server.pause()
     try:
-        assert tier.get_many([_k(i) for i in range(8)]) == [None] * 8  # misses, no exception, no hang
-        assert tier.down and "unreachable" in caplog.text
-        assert 1 <= gets.n <= 4  # one wave on the pool at most; the rest never sent once the tier was down
-        sent = gets.n
-        assert tier.get_many([_k(0)]) == [None] and tier.contains_many([_k(0)]) == [False]
-        tier.put_many([(_k("x"), _t(10), None)])
-        assert gets.n == sent and tier.counters.get("dropped_writes") == 1  # nothing sent while down
-        # the prober is at work while the server hangs (it counts a probe as it sends it; this one hangs)
-        wait_until("the prober's first probe", lambda: tier.probes >= 1)
+        tier.put_many([(_k(i), _t(100, i), None) for i in range(8)])
+        assert tier.counters.get("puts") == 8 and not tier.down
+        gets = CountingGets(tier)
+        s3_bucket.server.pause()
+        try:
+            assert tier.get_many([_k(i) for i in range(8)]) == [None] * 8  # misses, no exception, no hang
+            assert tier.down and "unreachable" in caplog.text
+            assert 1 <= gets.n <= 4  # one wave on the pool at most; the rest never sent once the tier was down
+            sent = gets.n
+            assert tier.get_many([_k(0)]) == [None] and tier.contains_many([_k(0)]) == [False]
+            tier.put_many([(_k("x"), _t(10), None)])
+            assert gets.n == sent and tier.counters.get("dropped_writes") == 1  # nothing sent while down
+            # the prober is at work while the server hangs (it counts a probe as it sends it; this one hangs)
+            wait_until("the prober's first probe", lambda: tier.probes >= 1)
+        finally:
+            s3_bucket.server.resume()
+        # back by a probe, or by a request sent before the tier went down that the server answered on resuming
+        wait_until("the tier to find the server back", lambda: not tier.down)
+        assert "reachable again" in caplog.text
+        got = tier.get_many([_k(i) for i in range(8)])
+        assert all(rec is not None and torch.equal(rec.tensor, _t(100, i)) for i, rec in enumerate(got))
     finally:
-        s3_bucket.server.resume()
-    # back by a probe, or by a request sent before the tier went down that the server answered on resuming
-    wait_until("the tier to find the server back", lambda: not tier.down)
-    assert "reachable again" in caplog.text
-    got = tier.get_many([_k(i) for i in range(8)])
-    assert all(rec is not None and torch.equal(rec.tensor, _t(100, i)) for i, rec in enumerate(got))
-    tier.close()
+        tier.close()  # its prober and pool, whatever failed (the module's thread guard)
 
 
 def test_a_server_killed_mid_write_leaves_whole_records_or_nothing(s3_bucket):
