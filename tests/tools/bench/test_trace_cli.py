@@ -76,9 +76,10 @@ def test_the_object_tier_through_a_real_bucket_keeps_what_the_simulation_keeps(t
     """A real object tier on SeaweedFS, its janitor's real sweeps (ledger, grants, listing, deletes) on the
     trace's clock, lru and prefix: each hit ratio near the simulated sweeps' on the same tiny trace, and prefix
     ahead of lru (at sweep_share 0.2 the simulation finds lru 0.148, prefix 0.194: chains read again outlive
-    one-offs). lru within 0.01 (ties in last use, which the simulation breaks by name within a request);
-    prefix within 0.03: a sweep the janitor's thread starts while a request's later PUTs land lists them
-    before the ledger has them, and that race gave 0.181 or 0.194 from run to run."""
+    one-offs), each within 0.01 (ties in last use, which the simulation breaks by name within a request).
+    Sweeps run between requests, never while the replay's PUTs land (`Janitor.wakes_on_writes`): a sweep
+    the janitor's thread started mid-request listed records before its ledger had them, and a loaded run's
+    ratios moved by up to 0.024 (with it: lru 0.1462, prefix 0.1940 in every run, loaded or not)."""
     trace = tmp_path / "gen.jsonl"
     write_trace(trace, generate_trace(60, seed=1))
     proc = _cli(str(trace), "--capacities", "102400", "--policies", "lru", "--cost-puts", "0", "--object-bucket",
@@ -89,12 +90,12 @@ def test_the_object_tier_through_a_real_bucket_keeps_what_the_simulation_keeps(t
     assert result["sweep_share"] == 0.2 and result["object_bucket_at"] == s3_bucket.server.endpoint
     (row,) = result["rows"]
     real, simulated = row["object_bucket"], row["object"]
-    for policy, within in (("lru", 0.01), ("prefix", 0.03)):  # prefix: 0.181 or 0.194 from run to run
+    for policy in ("lru", "prefix"):
         cell = real[policy]
-        assert cell["ratio"] == pytest.approx(simulated[policy]["ratio"], abs=within), (policy, real, simulated)
+        assert cell["ratio"] == pytest.approx(simulated[policy]["ratio"], abs=0.01), (policy, real, simulated)
         assert cell["sweeps"] > 0 and cell["evicted"] > 0 and cell["held"] <= row["capacity_blocks"]
         assert cell["lost"] == 0 and cell["dropped"] == 0, cell  # settled sweeps: no lookup races a delete
-    assert real["prefix"]["ratio"] > real["lru"]["ratio"] + 0.01, real
+    assert real["prefix"]["ratio"] > real["lru"]["ratio"] + 0.02, real
     client = s3_bucket.server.client()
     assert client.list_objects_v2(Bucket=s3_bucket.bucket).get("KeyCount", 0) == 0  # each replay cleaned up
 

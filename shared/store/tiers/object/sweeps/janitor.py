@@ -105,6 +105,8 @@ class Janitor:
         #: (the turnover): wall time; a replay on a trace's clock sets one never behind wall time (the ledger
         #: must be as new as LastModified: `evictions.last_use`), `tiercache bench trace --object-bucket`
         self.clock: Callable[[], float] = time.time
+        #: whether a write past half the grant wakes the thread; a replay sweeps between requests (`settle`)
+        self.wakes_on_writes = True
 
     # ------------------------------------------------------------------------------------ the hot path
     def read(self, hex_digests: Iterable[str]) -> None:
@@ -190,7 +192,7 @@ class Janitor:
             if written:
                 self._written += written
                 self._writes.append((now, written))
-            due = self._due()
+            due = self._due() and self.wakes_on_writes
         if due:
             self._wake.set()
 
