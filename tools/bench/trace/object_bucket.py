@@ -156,14 +156,15 @@ def _delete_prefix(item: dict[str, Any], prefix: str) -> int:
 
     from vllm_tiercache.shared.config import StoreConfig
     from vllm_tiercache.shared.store.tiers.object.client import make_client
+    from vllm_tiercache.shared.store.tiers.object.names import ObjectNames
 
     config = StoreConfig.from_dict({"tiers": [{**item, "prefix": prefix}]}).tiers[0]
-    client, bucket = make_client(config), item["bucket"]
+    client, bucket, names = make_client(config), item["bucket"], ObjectNames(config.prefix)
     ledgers = 0
     with ThreadPoolExecutor(config.concurrency) as pool:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=names.prefix):
             listed = page.get("Contents", ())
-            ledgers += sum(int(o["Size"]) for o in listed if o["Key"].startswith(f"{prefix}sys/use/"))
+            ledgers += sum(int(o["Size"]) for o in listed if o["Key"].startswith(names.ledgers))
             list(pool.map(lambda o: client.delete_object(Bucket=bucket, Key=o["Key"]), listed))
     return ledgers
 
