@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.store import build_store
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.control import Control
@@ -178,10 +179,7 @@ def test_a_pin_with_a_ttl_ends_and_redis_records_get_their_ttl_back(tmp_path: Pa
     with build_store(quiet) as store:
         store.put_many(_corpus_items())
         assert store.flush(30.0)
-        deadline = time.monotonic() + 60.0
-        while store.control.polls < 1:  # its one poll until the test ends is over
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until("the store's one poll", lambda: store.control.polls >= 1, poll_s=0.01)
         tier = store.tiers[0]
         client = tier._calls.client_or_raise()
         pin(quiet, ["corpus:v3"], ttl_s=0.5)

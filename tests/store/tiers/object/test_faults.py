@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import ConfigError, StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
@@ -32,14 +32,6 @@ def _t(n: int, seed: int = 0) -> torch.Tensor:
 
 def tier_of(s3_bucket, **fields) -> ObjectTier:
     return ObjectTier(StoreConfig.load({"tiers": [s3_bucket.tier_config(**fields)]}).tiers[0])
-
-
-def wait_until(what, predicate, limit_s: float = 60.0) -> None:
-    """Wait for a state (not a timing assertion: the limit only ends a test that would hang)."""
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.05)
 
 
 class CountingGets:

@@ -17,6 +17,7 @@ import pytest
 import redis
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import RedisTier, StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
@@ -38,15 +39,6 @@ def _tier(url: str, **kw) -> RedisTier:
 
 def _bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def _wait_up(tier: RedisTier, limit_s: float = 60.0) -> None:
-    """Until the prober found the tier back. Not a timing assertion (the limit only ends a test that would
-    hang): a fixed sleep of a few probe periods was a bet on when a loaded machine runs the prober's thread."""
-    deadline = time.monotonic() + limit_s
-    while tier.down:
-        assert time.monotonic() < deadline, "the tier did not come back after the cluster started"
-        time.sleep(0.02)
 
 
 def _spread(cluster: LocalRedisCluster, tier: RedisTier, n: int) -> tuple[list[StoreKey], list[int]]:
@@ -212,7 +204,7 @@ def test_cluster_down_at_start(redis_cluster, caplog):
     assert f"127.0.0.1:{redis_cluster.nodes[0].port}" in loud[0].message
 
     redis_cluster.start()  # back: the prober connects on its next try (a call while down touches no network)
-    _wait_up(tier)
+    wait_until("the prober to find the cluster back", lambda: not tier.down)
     tensor = _bytes(3 * KiB, 1)
     tier.put_many([(keys[1], tensor, None)])
     assert not tier.down
@@ -248,7 +240,7 @@ def test_cluster_stopped_while_running(redis_cluster, caplog):
     assert elapsed < 10
 
     redis_cluster.start()
-    _wait_up(tier)
+    wait_until("the prober to find the cluster back", lambda: not tier.down)
     tier.put_many([(keys[1], _bytes(KiB, 5), None)])
     assert not tier.down and tier.get_many(keys[1:2])[0] is not None
     store.close()
