@@ -72,7 +72,9 @@ class WorkerThreads(Generic[Item]):
     """A few daemon `background_thread`s that hand every item `put` to ``handle``, in arrival order, several
     at once: for work that mostly waits on a socket (a far tier's lookups and reads). An item put ``urgent``
     goes ahead of the ordinary ones queued (a far chunk whose request is waiting for it now, behind chunks of
-    requests still queued). Started on the first `put`, so a process that never needs them starts none.
+    requests still queued). Started by `start`, or else on the first `put`. An owner whose first `put` comes
+    on a thread that must not wait (the scheduler's, the forward's) starts them when it is built: ``Thread.start``
+    returns only once the new thread has run, up to half a second on a loaded machine.
     ``handle`` must not raise: a raise ends its thread."""
 
     def __init__(self, handle: Callable[[Item], object], name: str, count: int) -> None:
@@ -89,7 +91,8 @@ class WorkerThreads(Generic[Item]):
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
 
-    def put(self, item: Item, urgent: bool = False) -> None:
+    def start(self) -> None:
+        """Start the threads (once; later calls do nothing)."""
         if not self._threads:
             with self._start_lock:
                 if not self._threads:
@@ -97,6 +100,9 @@ class WorkerThreads(Generic[Item]):
                     for thread in threads:
                         thread.start()
                     self._threads = threads
+
+    def put(self, item: Item, urgent: bool = False) -> None:
+        self.start()
         self._queue.put((URGENT if urgent else ORDINARY, next(self._arrivals), item))
 
     def _loop(self) -> None:

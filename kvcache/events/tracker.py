@@ -101,8 +101,10 @@ class TierEventTracker:
         self._journaled: OrderedDict[bytes, None] = OrderedDict()
         #: chunks to ask the shared tiers about again (back from an outage), taken from the end, a batch a step
         self._discovered: list[tuple[bytes, Any]] = []
-        #: the shared tiers' questions of a step, answered off the step (tests swap in an inline one)
+        #: the shared tiers' questions of a step, answered off the step (tests swap in an inline one); its thread
+        #: starts now, not on the scheduling thread's first step
         self.off_step = OffStepJob("tiercache-kv-events")
+        self.off_step.start()
         #: bumped by `reset`: an answer to a question asked before it is about names of the old generation
         self._generation = 0
         #: the shared tiers that know whether they answer (Redis): read from memory, never the network

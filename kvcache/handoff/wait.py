@@ -106,13 +106,19 @@ class HandoffLoads:
         self.layers_of_group = {}
         for layer in layer_indices:
             self.layers_of_group.setdefault(group_of_layer.get(layer, 0), []).append(layer)
+        self._start()  # at registration: the first `submit` comes on the forward's thread
 
     def submit(self, job: LoadJob, req_id: str, wait_s: float) -> None:
         """Load ``job`` (one request's hand-off) on the hand-off thread, waiting at most ``wait_s`` from now."""
+        self._start()
+        self._queue.put((job, req_id, wait_s, time.monotonic()))
+
+    def _start(self) -> None:
+        """Start the hand-off thread once (``Thread.start`` returns only once it has run: up to half a second on
+        a loaded machine, which a forward must not wait)."""
         if self._thread is None:
             self._thread = background_thread(self._loop, "tiercache-kv-handoff")
             self._thread.start()
-        self._queue.put((job, req_id, wait_s, time.monotonic()))
 
     def take_done(self) -> list[LoadJob]:
         """The hand-off loads that are over since the last call (with `load_on_caller`, the loads whose wait

@@ -77,7 +77,11 @@ class Prefetcher:
         self._missing: set[bytes] = set()
 
     def attach(self, layers: list[int]) -> None:
+        """Fetch these layers' records from now on. With a far tier (the only one the scheduler names chunks
+        for) the threads start here, at registration: the first `submit` comes on the forward's thread."""
         self.layers = list(layers)
+        if self.layers and getattr(self.store, "far_tiers", None):
+            self._threads.start()
 
     def submit(self, prefetches: list[ChunkPrefetch]) -> None:
         """Fetch these chunks in the background, the urgent ones (their request's turn came) ahead of those

@@ -132,11 +132,13 @@ class Probe:
 
 
 class ProbeThreads:
-    """A few daemon threads that run probes in arrival order (started on first use)."""
+    """A few daemon threads that run probes in arrival order. Started here, with the far lookups: the first
+    probe is submitted on the scheduling thread, which must not wait for a thread to start."""
 
     def __init__(self, store: Store, threads: int = PROBE_THREADS) -> None:
         self.store = store
         self._threads: WorkerThreads[Probe] = WorkerThreads(self._run, "tiercache-kv-lookup", threads)
+        self._threads.start()
         #: set each time a probe is in (`wait_for_one`)
         self._finished = threading.Event()
 

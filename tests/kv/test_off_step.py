@@ -53,3 +53,21 @@ def test_inline_runs_and_applies_at_once_in_the_caller() -> None:
     threads: list[str] = []
     assert job.submit(lambda: threading.current_thread().name, threads.append)
     assert threads == [threading.current_thread().name] and job.idle
+
+
+def test_start_runs_the_thread_before_any_job_and_a_closed_or_inline_job_starts_none() -> None:
+    """The event tracker starts its job's thread when it is built, not on the scheduling thread's first step."""
+    job = OffStepJob("tiercache-test-off-step-start")
+    job.start()
+    job.start()  # once
+    assert [t.name for t in threading.enumerate()].count("tiercache-test-off-step-start") == 1
+    applied: list[int] = []
+    assert job.submit(lambda: 1, applied.append) and job.wait(10.0) and job.apply_done() and applied == [1]
+    job.close()
+    late = OffStepJob("tiercache-test-off-step-late")
+    late.close()
+    late.start()
+    inline = OffStepJob("tiercache-test-off-step-inline", inline=True)
+    inline.start()
+    names = {t.name for t in threading.enumerate()}
+    assert "tiercache-test-off-step-late" not in names and "tiercache-test-off-step-inline" not in names

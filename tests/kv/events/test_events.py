@@ -85,6 +85,7 @@ class Published:
         Published._open.append(self)
         tracker = self.connector._scheduler.events if self.connector._scheduler else None  # type: ignore[union-attr]
         if tracker is not None and inline:
+            tracker.off_step.close()
             tracker.off_step = OffStepJob("inline", inline=True)
 
     @property

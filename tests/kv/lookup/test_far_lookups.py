@@ -180,6 +180,31 @@ def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_mem
         assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
 
 
+def test_no_thread_is_started_on_the_scheduling_thread_or_the_forwards(redis_tier, monkeypatch) -> None:
+    """The lookup and prefetch threads start with the scheduler side and the worker, not on a first lookup or
+    prefetch: ``Thread.start`` returns only once the new thread has run, up to half a second on a loaded
+    machine, which the step and the forward that paid it spent waiting."""
+    with far_scene(redis_tier, "t") as (request, full, _store, side, worker):
+        started: list[str] = []
+        real_start = threading.Thread.start
+
+        def recording_start(thread: threading.Thread) -> None:
+            started.append(f"{thread.name} by {threading.current_thread().name}")
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", recording_start)
+        side.on_new_request(request)
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        probe_done(side, "t")
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full
+        worker.prefetcher.submit(meta.prefetches)  # on the forward's thread, in the engine
+        assert worker.prefetcher.drain(60.0)
+        worker.report(side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert started == []
+
+
 def test_a_miss_asks_one_record_per_chunk_and_nothing_is_fetched(redis_tier) -> None:
     """A prompt never stored: the far tier is asked for the probe record of each chunk only; the request is
     answered with no hit as soon as the probe is in, without a step for prefetches."""
@@ -394,6 +419,7 @@ def test_a_request_whose_turn_came_has_its_chunks_fetched_ahead_of_those_still_q
 
         store.get_many = get_many  # type: ignore[method-assign]
         worker = Worker(store)
+        worker.prefetcher.shutdown()  # replaced by one of a single thread
         worker.prefetcher = Prefetcher(store=store, key=lambda chunk, layer: NAMING.record_key(chunk, layer),
                                        residency=worker.residency, staging=worker.staging,
                                        counters=worker.counters, counters_lock=threading.Lock(), threads=1)
