@@ -312,7 +312,7 @@ class GaugeChanges:
     Looked at no more than every `GAUGE_CHECK_INTERVAL_S`: vLLM asks on every engine step, decode steps
     included, and building and comparing the report cost ~20 us of a step in an engine (its caches cold
     after the forward), for gauges that Prometheus scrapes every few seconds and whose usage part is
-    refreshed every `vllm_tiercache.shared.store.tiered.USAGE_REFRESH_S` anyway.
+    refreshed every `vllm_tiercache.shared.store.usage.USAGE_REFRESH_S` anyway.
     """
 
     def __init__(self, store: Any, interval_s: float = GAUGE_CHECK_INTERVAL_S,
@@ -323,6 +323,9 @@ class GaugeChanges:
         #: Seconds, for the interval (a test drives its own).
         self._clock = clock
         self._checked = -math.inf
+        # the store's usage refresh starts now, not on the first `take` (a step's, on the forward's thread)
+        if (start := getattr(store, "start_usage_refresh", None)) is not None:
+            start()
 
     def take(self, force: bool = False) -> dict[str, Any]:
         """``{store source: report}`` when the report changed since the last look, else ``{}``; ``force``:

@@ -31,7 +31,7 @@ Numbers for `/metrics`: counters are in-process and cheap; `take_counter_deltas`
 since the last call (one baseline per store, so the two connectors sharing a store never report an
 increment twice). Usage (bytes held, Redis reachability) may cost a backend round trip (Redis `INFO`),
 so it never runs on a connector's step: `gauge_report` returns the latest snapshot of a background
-thread that refreshes it every `USAGE_REFRESH_S` seconds (started on the first call).
+thread (`vllm_tiercache.shared.store.usage`).
 
 Tiers are used through `Tier` and the capabilities their classes declare (`vllm_tiercache.shared.store.api`)
 only: the store never looks for an attribute on a tier, nor decides anything by a tier's kind.
@@ -73,17 +73,13 @@ from vllm_tiercache.shared.store.counters import CounterBaseline
 from vllm_tiercache.shared.store.registry import make_tier
 from vllm_tiercache.shared.store.sealing.boundary import sealed_tiers, seals
 from vllm_tiercache.shared.store.series import tier_names
+from vllm_tiercache.shared.store.usage import UsageRefresh, tier_usage
 from vllm_tiercache.shared.store.writes.background import BackgroundWriter, Item
 from vllm_tiercache.shared.store.writes.behind import WriteBehindBuffer
 from vllm_tiercache.shared.store.writes.demotion import Demotion
 from vllm_tiercache.shared.store.writes.patience import put_patiently
-from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two background refreshes of the tiers' usage (`gauge_report`).
-USAGE_REFRESH_S = 5.0
-
 
 #: An integer dtype of each element size: a CPU copy moves bytes, so any dtype of that size is viewed as it.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -131,14 +127,6 @@ def _tier_error(tier: Tier, what: str, exc: BaseException) -> None:
     log.exception("tiercache: %s tier %s failed: %s", tier.name, what, exc)
 
 
-def _tier_usage(tier: Tier) -> dict[str, Any]:
-    """The tier's `Tier.usage`, or what went wrong asking it (stats must not fail for one tier)."""
-    try:
-        return dict(tier.usage())
-    except Exception as exc:
-        return {"entries": None, "bytes_used": None, "usage_error": str(exc)}
-
-
 class TieredStore:
     """The process's store: thread-safe, never raises for a backend problem, see module docstring."""
 
@@ -149,6 +137,8 @@ class TieredStore:
             tiers = config_tiers = [make_tier(tc, name)
                                     for tc, name in zip(config.tiers, tier_names(config.tiers), strict=True)]
         self.tiers: list[Tier] = list(tiers)
+        #: The background usage refresh (`gauge_report`)
+        self.usage_refresh = UsageRefresh(self.tiers)
         if not self.tiers:
             raise ValueError("a TieredStore needs at least one tier")
         #: a sealing store's seal and open steps (`encryption`); None: every tier keeps plaintext
@@ -161,11 +151,6 @@ class TieredStore:
         self._close_lock = threading.Lock()
         #: What `take_counter_deltas` handed out so far, per tier (and the write-behind hits).
         self._reported = CounterBaseline()
-        #: The background usage refresh (`gauge_report`): its latest snapshot and its thread.
-        self._usage_lock = threading.Lock()
-        self._usage: dict[str, dict[str, Any]] = {}
-        self._usage_thread: threading.Thread | None = None
-        self._usage_stop = threading.Event()
         self.source = f"{os.getpid()}:{id(self):x}"
         #: The budget of the schedulers' lookups, and each remote tier's lookup thread (by tier index).
         self.lookup_budget_s = float(config.lookup_budget_ms) / 1000.0
@@ -435,7 +420,7 @@ class TieredStore:
         ``cached_usage``: the usage fields come from the background refresh (`gauge_report`) instead of
         asking every tier now (a Redis `INFO` round trip); use it on any path that runs per step.
         """
-        cached = self._cached_usage() if cached_usage else {}
+        cached = self.usage_refresh.snapshot() if cached_usage else {}
         tiers: dict[str, Any] = {}
         for tier in self.tiers:
             entry: dict[str, Any] = {"kind": tier.kind,
@@ -445,7 +430,7 @@ class TieredStore:
                 usage = cached.get(tier.name)
                 entry.update(usage["raw"] if usage else {"entries": None, "bytes_used": None})
             else:
-                entry.update(_tier_usage(tier))
+                entry.update(tier_usage(tier))
             tiers[tier.name] = entry
         return {
             "namespace": self.config.namespace,
@@ -471,7 +456,7 @@ class TieredStore:
         "up", "shared"}}, "write_queue": pending}. Usage is the background refresh's latest snapshot (None
         before its first pass); reachability and the queue are read now (in-process). Capacity is not
         here: `/metrics` has it from the configuration."""
-        cached = self._cached_usage()
+        cached = self.usage_refresh.snapshot()
         tiers: dict[str, Any] = {}
         for tier in self.tiers:
             usage = cached.get(tier.name, {})
@@ -481,34 +466,9 @@ class TieredStore:
                                 "shared": int(bool(tier.shared_across_processes))}
         return {"tiers": tiers, "write_queue": self._writer.pending}
 
-    def _cached_usage(self) -> dict[str, dict[str, Any]]:
-        """The latest usage snapshot; starts the refresh thread on the first call."""
-        if self._usage_thread is None and not self._closed:
-            with self._usage_lock:
-                if self._usage_thread is None:
-                    self._usage_thread = background_thread(self._refresh_usage_loop, "tiercache-usage")
-                    self._usage_thread.start()
-        with self._usage_lock:
-            return self._usage
-
-    def refresh_usage(self) -> None:
-        """Ask every tier for its usage now (the refresh thread's one pass; tests call it directly)."""
-        snapshot: dict[str, dict[str, Any]] = {}
-        for tier in self.tiers:
-            raw = _tier_usage(tier)
-            used, capacity = raw.get("bytes_used"), raw.get("capacity")
-            snapshot[tier.name] = {"raw": raw, "bytes_used": used if isinstance(used, int) else None,
-                                   "capacity": capacity if isinstance(capacity, int) else None}
-        with self._usage_lock:
-            self._usage = snapshot
-
-    def _refresh_usage_loop(self) -> None:
-        while not self._usage_stop.is_set() and not self._closed:
-            try:
-                self.refresh_usage()
-            except Exception as exc:  # a refresh must never end the thread
-                log.warning("tiercache: usage refresh failed: %s", exc)
-            self._usage_stop.wait(USAGE_REFRESH_S)
+    def start_usage_refresh(self) -> None:
+        """Start the background usage refresh now (`UsageRefresh.start`), not on a step's first report."""
+        self.usage_refresh.start()
 
     @property
     def closed(self) -> bool:
@@ -520,7 +480,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-        self._usage_stop.set()
+        self.usage_refresh.close()
         self.control.close()
         for lookup in self._bounded.values():
             lookup.close()

@@ -358,7 +358,7 @@ def test_failed_load_is_added_to_the_steps_scheduled_inputs(tmp_path: Path) -> N
         assert store.flush(10.0)
         # the store's usage snapshot taken now, so the first report carries the gauges: otherwise the
         # background refresh that report starts can land before the second one (a race seen under load)
-        store.refresh_usage()
+        store.usage_refresh.refresh()
         worker = ECWorkerSide(store, _key_of, device=torch.device("cpu"), dtype=torch.float32, hidden_size=128,
                               save_enabled=False, counters=ECCounters())
         scheduled = {"other": [0], "r": [2]}

@@ -109,7 +109,7 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         assert store.flush(10.0)
         conn.get_kv_connector_stats()  # the writes above, and the first gauge report
         for _ in range(100):  # the usage refresh's first pass, which changes the gauges once
-            if store._cached_usage():
+            if store.usage_refresh.snapshot():
                 break
             time.sleep(0.02)
         time.sleep(GAUGE_CHECK_INTERVAL_S)
@@ -158,14 +158,14 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
     """Redis stops answering (SIGSTOP, a hang): the step whose read hung counted it, so that step looks at
     the gauges at once, whatever the interval, and reports the tier down; its return reaches them with
     the next step that does work. (An interval no step reaches here: only that rule can report.)"""
-    from vllm_tiercache.shared.store import tiered
+    from vllm_tiercache.shared.store import usage
 
     # The store's usage refresh asks Redis too (INFO), on its own thread: one pass here, over before Redis
-    # hangs. An INFO that hung along with the read (the thread, started by the first step, first ran late on
+    # hangs. An INFO that hung along with the read (the thread, started with the worker, first ran late on
     # a loaded machine, or its next pass came) marked the tier down on its own time: its error, counted
     # after the step that met the hang, made the "idle" step below one that counted something (it looks at
     # the gauges, and sent the tier's return), or it marked the tier down again after the prober's return.
-    monkeypatch.setattr(tiered, "USAGE_REFRESH_S", 3600.0)
+    monkeypatch.setattr(usage, "USAGE_REFRESH_S", 3600.0)
     store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"},
                                    {"kind": "redis", "url": redis_url, "timeout_s": 0.5, "retry_after_s": 0.2}]})
     try:
@@ -174,10 +174,11 @@ def test_a_hung_redis_reaches_the_gauges_with_the_step_that_met_it(tmp_path: Pat
         conn = _kv_connector(side, store)
         key, tensor, meta = _record(1)
         store.tiers[1].put_many([(key, tensor, meta)])  # in Redis only: a later read asks Redis
-        conn.get_kv_connector_stats()  # the write, and the first look; starts the usage refresh
+        conn.get_kv_connector_stats()  # the write, and the first look (the usage refresh started with the worker)
         # its one pass over (an INFO that ran into timeout_s on a loaded machine marked the tier down: the
         # prober brings it back)
-        wait_until("a usage pass with Redis up", lambda: "redis" in store._cached_usage() and not store.tiers[1].down)
+        wait_until("a usage pass with Redis up",
+                   lambda: "redis" in store.usage_refresh.snapshot() and not store.tiers[1].down)
         conn.get_kv_connector_stats()  # what that pass counted, if anything, is taken here
 
         def redis_up(stats: TieredKVStats | None) -> Any:
@@ -317,28 +318,43 @@ def test_every_series_is_listed_at_zero_before_anything_happens(tmp_path: Path) 
 
 
 @pytest.mark.redis
+def test_the_usage_refresh_starts_with_the_worker_not_on_its_first_step() -> None:
+    """The first gauge report comes on the forward's thread; ``Thread.start`` there waited for the new thread
+    to run (up to half a second on a loaded machine)."""
+    store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"}]})
+    side = worker(store)
+    try:
+        refresh = store.usage_refresh.thread
+        assert refresh is not None and refresh.is_alive()
+        _kv_connector(side, store).get_kv_connector_stats()
+        assert store.usage_refresh.thread is refresh
+    finally:
+        side.shutdown()
+        store.close()
+
+
 def test_a_step_costs_redis_no_info_round_trip(tmp_path: Path, redis_url: str, redis_server: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Usage (Redis `INFO`) comes from the store's background refresh, never from a step; with a stats
     directory too. The gauges still carry Redis' used memory and reachability."""
-    from vllm_tiercache.shared.store import tiered
+    from vllm_tiercache.shared.store import usage
 
-    monkeypatch.setattr(tiered, "USAGE_REFRESH_S", 3600.0)  # one refresh pass in this test
+    monkeypatch.setattr(usage, "USAGE_REFRESH_S", 3600.0)  # one refresh pass in this test
     monkeypatch.setenv("TIERCACHE_STATS_DIR", str(tmp_path / "stats"))
     store = build_store({"tiers": [{"kind": "memory", "capacity": "64MiB"}, {"kind": "redis", "url": redis_url}]})
     side = worker(store)
     try:
         with redis_server.client() as client:
             conn = _kv_connector(side, store)
-            conn.get_kv_connector_stats()  # starts the refresh thread
+            conn.get_kv_connector_stats()  # the first look (the refresh thread started with the worker)
             # the refresh's INFO must land before the reset below; a pass whose INFO did not answer in its
             # budget (a loaded machine) leaves Redis' usage None, and with it the report looks as registered
             # and is never sent: ask again then (the background pass runs once an hour here)
             deadline = time.monotonic() + 60.0
-            while not (store._cached_usage().get("redis") or {}).get("bytes_used"):
-                assert time.monotonic() < deadline, f"Redis' usage never came: {store._cached_usage()}"
-                if store._cached_usage():
-                    store.refresh_usage()
+            while not (store.usage_refresh.snapshot().get("redis") or {}).get("bytes_used"):
+                assert time.monotonic() < deadline, f"Redis' usage never came: {store.usage_refresh.snapshot()}"
+                if store.usage_refresh.snapshot():
+                    store.usage_refresh.refresh()
                 time.sleep(0.05)
             client.config_resetstat()
             reports = []
