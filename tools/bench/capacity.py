@@ -30,6 +30,12 @@ import time
 import uuid
 from typing import Any
 
+from vllm_tiercache.shared.store.tiers.object.config import (
+    DEFAULT_SWEEP_EVERY_S,
+    DEFAULT_SWEEP_SHARE,
+    MAX_SWEEP_SHARE,
+    SWEEP_EVERY_S_RANGE,
+)
 from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arguments, s3_target
 from vllm_tiercache.tools.bench.tiers import size_list
 from vllm_tiercache.tools.cli import UsageError, float_in, int_at_least
@@ -63,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes written by all writers together, in capacities (default %(default)s)")
     parser.add_argument("--batch", type=int_at_least(1, 1024), default=4,
                         help="records per put_many (default %(default)s)")
-    parser.add_argument("--sweep-share", type=float_in(0.0, 0.5, low_open=True), default=0.02,
+    parser.add_argument("--sweep-share", type=float_in(0.0, MAX_SWEEP_SHARE, low_open=True),
+                        default=DEFAULT_SWEEP_SHARE,
                         help="the tier's sweep_share (default %(default)s, the tier's default)")
-    parser.add_argument("--sweep-every-s", type=float_in(0.05, 86400.0), default=30.0,
+    parser.add_argument("--sweep-every-s", type=float_in(*SWEEP_EVERY_S_RANGE), default=DEFAULT_SWEEP_EVERY_S,
                         help="the tier's sweep_every_s (default %(default)s, the tier's default)")
     add_s3_arguments(parser)
     parser.add_argument("--plot", help="also write usage over time to this PNG (matplotlib)")

@@ -34,6 +34,10 @@ from vllm_tiercache.shared.store.tier_config import (
 )
 
 DEFAULT_OBJECT_CAPACITY = 1 << 40
+#: ``sweep_share``: its default and its bound (all grants together at most half of capacity)
+DEFAULT_SWEEP_SHARE, MAX_SWEEP_SHARE = 0.02, 0.5
+#: ``sweep_every_s``: its default and its range, seconds
+DEFAULT_SWEEP_EVERY_S, SWEEP_EVERY_S_RANGE = 30.0, (0.05, 86400.0)
 #: S3's bucket-name rule (3 to 63 lower-case letters, digits, dots and hyphens, a letter or digit at each end).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_ALLOWED = ("an S3 bucket name: 3 to 63 lower-case letters, digits, dots and hyphens, starting and ending "
@@ -102,16 +106,16 @@ class ObjectTierConfig:
                     "order of policy down to capacity less what the active writers may write before the next "
                     "sweep, and each writer writes only within that grant, so usage stays at most capacity. "
                     "Default 1TiB.")] = DEFAULT_OBJECT_CAPACITY
-    sweep_every_s: Annotated[seconds(minimum=0.05, maximum=86400.0), Field(
+    sweep_every_s: Annotated[seconds(minimum=SWEEP_EVERY_S_RANGE[0], maximum=SWEEP_EVERY_S_RANGE[1]), Field(
         description="Seconds between two capacity sweeps of a writer's janitor (none when another writer swept "
                     "within it); a writer that wrote half its grant (sweep_share) sweeps sooner. A writer whose "
-                    "usage ledger is older than max(60, 4 x this) seconds gets no grant.")] = 30.0
-    sweep_share: Annotated[float, Strict(), Field(gt=0.0, le=0.5, allow_inf_nan=False, description=(
+                    "usage ledger is older than max(60, 4 x this) seconds gets no grant.")] = DEFAULT_SWEEP_EVERY_S
+    sweep_share: Annotated[float, Strict(), Field(gt=0.0, le=MAX_SWEEP_SHARE, allow_inf_nan=False, description=(
         "Each active writer's grant, as a share of capacity: what it may write between two sweeps (at least "
         "two of the largest records; all grants together at most half of capacity). A sweep evicts down to "
         "capacity less the grants, so usage runs between that and capacity: larger means fewer sweeps "
         "(listings), smaller keeps usage nearer capacity.")),
-        Allowed("a share of capacity above 0 and at most 0.5, e.g. 0.02")] = 0.02
+        Allowed(f"a share of capacity above 0 and at most {MAX_SWEEP_SHARE}, e.g. 0.02")] = DEFAULT_SWEEP_SHARE
     range_size: Annotated[size(64 << 10, MAX_RANGE, "a size from 64KiB to 5GiB"), Field(
         description="A record larger than this is read in ranged GETs of this size, all in flight together; "
                     "smaller ones in one GET. Default 5GiB (S3's largest object): every record in one GET, "
