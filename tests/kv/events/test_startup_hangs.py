@@ -62,6 +62,18 @@ def _stored_blocks(engine: Published) -> int:
     return _off_the_test_thread("an engine step", step)
 
 
+def _steps_until(engine: Published, what: str, done: Callable[[int], bool]) -> int:
+    """Empty steps until ``done(blocks announced so far)``; the blocks they announced."""
+    blocks = [0]
+
+    def step_and_check() -> bool:
+        blocks[0] += _stored_blocks(engine)
+        return done(blocks[0])
+
+    wait_until(what, step_and_check)
+    return blocks[0]
+
+
 def _start_while_hung(tiny_llama: Path, tmp_path: Path, tier: dict[str, Any], server: Any) -> None:
     """An engine saves one prompt (3 chunks, 12 blocks) and stops; the server is stopped; a second engine
     starts and steps while it hangs; the server resumes: the 12 blocks are announced, a new prompt's
@@ -81,20 +93,16 @@ def _start_while_hung(tiny_llama: Path, tmp_path: Path, tier: dict[str, Any], se
         tracker = second.connector._scheduler.events  # type: ignore[union-attr]
         shared = [t for t in second.connector._store.tiers if t.shared_across_processes]
         # the start-up check ends while the server hangs (the tier's own timeout), and the steps go on
-        announced = [0]
-        wait_until("the start-up check to end", lambda: (announced.__setitem__(0, announced[0] + _stored_blocks(
-            second)), tracker._startup is None)[1])
-        announced[0] += sum(_stored_blocks(second) for _ in range(3))
-        assert announced[0] == 0  # nothing is known to be there
+        announced = _steps_until(second, "the start-up check to end", lambda _: tracker._startup is None)
+        announced += sum(_stored_blocks(second) for _ in range(3))
+        assert announced == 0  # nothing is known to be there
         assert all(t.down for t in shared) and not tracker.shared_answering()
     finally:
         server.resume()
 
     wait_until("the tier to find the server back", lambda: not any(t.down for t in shared))
-    back = [0]
-    wait_until("the journal's chunks announced once the tier answers",
-               lambda: (back.__setitem__(0, back[0] + _stored_blocks(second)), back[0] >= 12)[1])
-    assert back[0] == 12  # every block of the three chunks, once
+    back = _steps_until(second, "the journal's chunks announced once the tier answers", lambda n: n >= 12)
+    assert back == 12  # every block of the three chunks, once
 
     # later saves land on the tier, and are confirmed there and announced
     out, meta = schedule_new(second.scheduler, hashed_request("b", _prompt(2), BLOCK))
@@ -102,10 +110,7 @@ def _start_while_hung(tiny_llama: Path, tmp_path: Path, tier: dict[str, Any], se
     second.finish(out, TieredKVWorkerMetadata(added=set(later)))
     assert all(second.connector._store.contains_many(
         [tracker._first_key(name) for name in names + later], shared_only=True, bounded=False))
-    more = [0]
-    wait_until("the later saves announced", lambda: (more.__setitem__(0, more[0] + _stored_blocks(second)),
-                                                     more[0] >= 12)[1])
-    assert more[0] == 12
+    assert _steps_until(second, "the later saves announced", lambda n: n >= 12) == 12
     tracker.close()
 
 
