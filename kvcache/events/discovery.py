@@ -9,9 +9,13 @@ step waits for a check still running at most ``FIRST_STEP_WAIT_S``, and a later 
 is done. The ledger then publishes at most its per-step block budget, so a full ring (4,096 chunks) goes
 out over the first few steps.
 
-A shared tier that does not answer at start (Redis down or hung) is no reason to wait: what it did not
+A shared tier that does not answer at start (Redis down or hung, the object tier's server hung: each
+request gives up after the tier's ``timeout_s`` and marks it down) is no reason to wait: what it did not
 find is asked again once it answers (the tracker's unreachable set), and the journal's writes continue
-after a sequence number taken from the clock, past any counter an earlier run reached.
+after a sequence number taken from the clock, past any counter an earlier run reached. A ring it could
+not read at all (``ring_read`` False) is read and checked again, on a thread like this one, once every
+shared tier answers: without that, what a stopped engine saved was announced only as lookups found it
+whenever its store hung while the next engine started (tests/kv/events/test_startup_hangs.py).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ FIRST_STEP_WAIT_S = 1.0
 @dataclass
 class Discovered:
     """The start-up check's answer: each journal entry (oldest first, one per chunk), whether the shared
-    tiers hold every record of it, and whether they all answered throughout."""
+    tiers hold every record of it, whether they all answered throughout, and whether they all answered
+    while the ring was read (False: some of it may be unread, so it is to be read again once they answer)."""
 
     entries: list[tuple[bytes, ChunkPayload]] = field(default_factory=list)
     held: list[bool] = field(default_factory=list)
     answering: bool = True
+    ring_read: bool = True
 
 
 class StartupDiscovery:
@@ -60,6 +66,7 @@ class StartupDiscovery:
         try:
             answering = self._answering()
             entries, next_seq = self.journal.read_ring()
+            ring_read = answering = answering and self._answering()
             # a tier that did not answer may hold newer segments than those read: continue past any of them
             self.journal.continue_at(next_seq if answering else max(next_seq, int(time.time())))
             latest = {name: payload for name, payload in entries}  # one entry per chunk, its last
@@ -67,16 +74,19 @@ class StartupDiscovery:
             held: list[bool] = []
             for start in range(0, len(unique), self.batch):
                 held += self._held([name for name, _ in unique[start:start + self.batch]])
-            self._answer = Discovered(unique, held, answering and self._answering())
+            self._answer = Discovered(unique, held, answering and self._answering(), ring_read)
             # the line says when the check ended, and how long it took: a first step before it announces
             # none of it (it waits at most FIRST_STEP_WAIT_S), the next step after it all of it
             log.info("tiercache: KV events journal: %d of %d journaled chunks still held by the shared tiers "
-                     "(checked in %.2f s)", sum(held), len(unique), time.monotonic() - started)
+                     "(checked in %.2f s)%s", sum(held), len(unique), time.monotonic() - started,
+                     "" if ring_read else "; a shared tier did not answer: read again once it does")
         except Exception as exc:  # a tier down or broken at start: nothing announced now; later writes go on
             log.warning("tiercache: could not read the KV events journal at start (%s); chunks are announced as "
-                        "lookups find them", exc)
+                        "lookups find them, and the journal is read again once the shared tiers answer", exc)
             self.journal.continue_at(int(time.time()))
-            self._answer = Discovered(answering=False)
+            # read again once the tiers answer, if they did not now; a tier that answers and still fails
+            # the read is not asked again and again
+            self._answer = Discovered(answering=False, ring_read=self._answering())
         finally:
             self._done.set()
 

@@ -18,7 +18,8 @@ process learns anyway:
 - every chunk whose save is planned is journaled (`vllm_tiercache.kvcache.events.journal`, written on its
   own thread), and at start the chunks the journal lists and the shared tiers still hold are announced
   with the first step (`vllm_tiercache.kvcache.events.discovery`: checked on a thread started with the
-  scheduler; at most the journal's 4,096 chunks);
+  scheduler; at most the journal's 4,096 chunks; a ring a hung or down shared tier kept from being read
+  is read and checked again once every shared tier answers);
 - the questions to the shared tiers (confirmation, sweep, chunks asked again after an outage) run off the
   step (`vllm_tiercache.kvcache.off_step`): each step posts one batch when the last one is
   answered, and applies the answer on the step after it came. A chunk is so announced a step or two
@@ -116,6 +117,9 @@ class TierEventTracker:
         self._startup = (StartupDiscovery(self.journal, self._in_shared, self.shared_answering)
                          if self.journal is not None else None)
         self._first_take = True
+        #: the start-up check could not read the whole ring (a shared tier down or hung): checked again,
+        #: the same way, by the first step that finds every shared tier answering
+        self._ring_unread = False
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -180,6 +184,7 @@ class TierEventTracker:
         self._generation += 1
         self._discovered = []
         self._startup = None  # what the journal lists is of the old generation: never announced
+        self._ring_unread = False
         # later names carry the new generation's salt, which no restarted engine computes: not journaled
         if self.journal is not None:
             self.journal.abandon()
@@ -192,6 +197,7 @@ class TierEventTracker:
         if self.journal is not None:
             self.journal.close()
         self._startup = None
+        self._ring_unread = False
 
     # ----------------------------------------------------------------------------------- once per step
     def take(self) -> list[KVCacheEvent]:
@@ -202,6 +208,9 @@ class TierEventTracker:
             if epoch is not self._prefix_epoch:
                 self._prefix_epoch = epoch
                 self.ledger.reannounce()
+        if self._ring_unread and self.journal is not None and self.shared_answering():
+            self._ring_unread = False  # on a thread of its own, applied by a later step
+            self._startup = StartupDiscovery(self.journal, self._in_shared, self.shared_answering)
         if self._startup is not None:
             self._apply_startup()
         if self.shared_medium is not None:
@@ -313,14 +322,16 @@ class TierEventTracker:
 
     def _apply_startup(self) -> None:
         """The journal's start-up check, once done: what the shared tiers hold announced in this step, parents
-        first; what they did not find while one of them was not answering, asked again once it answers. The
-        first step waits for a check still running at most `FIRST_STEP_WAIT_S`."""
+        first; what they did not find while one of them was not answering, asked again once it answers, and
+        a ring they could not read, read and checked again then (`take`). The first step waits for a check
+        still running at most `FIRST_STEP_WAIT_S`."""
         assert self._startup is not None
         answer: Discovered | None = self._startup.result(FIRST_STEP_WAIT_S if self._first_take else 0.0)
         self._first_take = False
         if answer is None:
             return
         self._startup = None
+        self._ring_unread = not answer.ring_read
         if not answer.answering:
             for (name, payload), ok in zip(answer.entries, answer.held, strict=True):
                 if not ok:

@@ -73,7 +73,10 @@ class DiskTierConfig:
         description="Eviction policy, kept in the cross-process index: prefix (the default: decayed access "
                     "counts, LRFU, a record never seen before counting a tenth of an access, a parent ranked at "
                     "least as high as its children; the memory tier's prefix policy as a virtual time) or lru "
-                    "(least recently used). Either way a victim's descendants go with it and pins are kept.")
+                    "(least recently used). Either way a victim's descendants go with it and pins are kept. "
+                    "The directory records the policy it was first used with: a process configured with the "
+                    "other one is refused at start (the two rank records on different scales), so every process "
+                    "sharing a directory sets the same policy; to change it, start over in another directory.")
     ] = "prefix"
     half_life: Annotated[float, Strict(), Field(gt=0.0, le=MAX_HALF_LIFE, allow_inf_nan=False, description=(
         "With policy prefix: how fast an access's weight halves, in capacities of traffic (bytes put into and "

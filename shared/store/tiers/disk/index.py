@@ -12,8 +12,12 @@ Databases of the environment:
 - ``entries``: digest -> u64 size, u64 order key | key text (bytes, may be empty);
 - ``atime``: big-endian u64 order key + digest -> b"" (iterates lowest first: the eviction order). The key is
   the last access (ns) under plain recency (policy ``lru``, and every older build), a virtual time under
-  ``prefix`` (`order`: its own dbs ``lrfu`` and ``ghosts``), which reads as recency to an older build;
-- ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes;
+  ``prefix`` (`order`: its own dbs ``lrfu`` and ``ghosts``). The two share a unit (ns), not a scale: the
+  virtual clock moves with traffic and drifts from wall time without bound (`order`, "Versions"), so
+  one directory is kept in one policy (``eviction_policy`` below);
+- ``meta``: ``total_bytes`` -> u64, the sum of all entry sizes; ``eviction_policy`` -> a format byte and
+  the policy's name, written by the first process of a build that records it (`order.claim_policy`: a
+  process configured with another policy is refused at start; an index without it is an older build's);
 - ``tags``: digest -> the record's tags (`vllm_tiercache.shared.store.tags.encode_tags`), only for records
   that have tags. An older build never opens it: it keeps reading ``entries`` as before, and a record it
   evicts leaves its tags entry behind, an orphan that readers skip (no ``entries`` entry) and

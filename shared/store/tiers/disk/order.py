@@ -18,12 +18,19 @@ never lowers a key.
   capacity of traffic takes changes with the load (an 8x faster writer, an idle night); a byte clock needs
   no such measure and replays deterministically.
 - **Versions**: the clock counts in ns-like units, ``scale`` ns per byte, starting at the wall time of its
-  first use, so that keys written by plain recency (an older build, or a process of this one configured
-  ``lru``: key = wall time of the last access) compare with it: such a record reads as C = 1 at that time.
-  ``scale`` is fixed at the first use (keys of different scales would not compare): the age of the index's
-  oldest record over the bytes it holds (an index written by recency: its traffic's pace), else 1. A
-  recency process keeps writing wall times; while the clock runs behind wall time its touches rank as
-  newer than they are, ahead of it as older: sensible within the factor by which the pace changed.
+  first use, so that keys written by plain recency (an older build: key = wall time of the last access)
+  compare with it at that moment: such a record reads as C = 1 at that time. ``scale`` is fixed at the
+  first use (keys of different scales would not compare): the age of the index's oldest record over the
+  bytes it holds (an index written by recency: its traffic's pace), else 1. That is what makes an older
+  build's directory usable by ``prefix`` from its first touch (the clock starts level with its keys); it
+  is not a shared scale from then on. The clock moves with bytes, wall time with seconds: on a new
+  directory (1 ns per byte) a disk that sees less than 1 GB/s falls behind wall time by most of every
+  second (an idle night: by the night), and one ``H`` is ``half_life x capacity`` ns (a 1 TiB disk:
+  18 min), so a newcomer's key sits 3.3 H below the clock. A recency key written now therefore ranks
+  above every ``prefix`` key of the directory, however recently read, and eviction takes those first (the
+  other way round while the clock runs ahead). So one directory keeps one policy (`claim_policy`): a
+  process of this build configured with the other one is refused at start. An older build, which writes
+  no policy, still shares a ``prefix`` directory as before (its keys: one access at that time).
 - **Newcomers**: the first put of a digest never seen starts at C = ``newcomer`` (0.1, the memory policy's).
 - **Ghosts**: a deleted record (evicted, dropped after promotion to memory, removed) keeps its state, listed
   in ``ghosts`` by last access and bounded (at least `MIN_GHOSTS`, at most as many as there are entries): a
@@ -44,18 +51,26 @@ ghosts, and `drop_orphans` (run by `tiercache evict`) removes those not listed.
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from typing import TYPE_CHECKING
 
 import lmdb
 
+from vllm_tiercache.shared.store.tier_config import ConfigError
+
 if TYPE_CHECKING:
     from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex, IndexEntry
+
+log = logging.getLogger(__name__)
 
 _STATE = struct.Struct("<QQdQ")  # last access wall ns, then on the clock, log2 of the count then, its key
 _CLOCK = struct.Struct("<Qd")  # the clock, its ns per byte
 _CLOCK_KEY = b"lrfu_clock"
+#: in ``meta``: the eviction policy the directory is kept in (`claim_policy`): a format byte, then its name
+_POLICY_KEY = b"eviction_policy"
+POLICY_FORMAT = 1
 _TIME = struct.Struct(">Q")  # big endian: the ghosts db iterates oldest first
 _MAX_KEY = (1 << 64) - 1
 #: the weight of a never-seen record's first put (the memory policy's measured best)
@@ -201,3 +216,48 @@ class PrefixOrder:
         for digest in orphans:
             txn.delete(digest, db=self.states)
         return len(orphans)
+
+
+class PolicyConflict(ConfigError):
+    """A disk tier configured with another eviction policy than the directory it opens is kept in."""
+
+
+def claim_policy(index: DiskIndex, policy: str, directory: str) -> None:
+    """Record ``policy`` as the directory's eviction policy in ``meta`` when none is recorded; raise
+    `PolicyConflict` (naming the directory, both policies and the ways out) when another one is.
+
+    Why: the two policies key the one eviction order on different scales (module docstring, "Versions"),
+    so processes that share a directory with different ``policy`` settings would evict by an order that
+    is neither. An index no build of this rule has opened records none, and is taken for what it holds:
+    one with the ``prefix`` clock (``lrfu_clock``) was kept by ``prefix``; one without it was keyed by
+    recency (an older build, or ``lru``), which either policy takes over (``prefix`` as its docstring
+    says: its clock starts level with the recency keys), or is empty. In the index's write transaction, so
+    of two processes starting together the first one records its policy and the other is checked against it.
+    """
+    with index.env.begin(write=True) as txn:
+        raw = txn.get(_POLICY_KEY, db=index.meta)
+        if raw is not None:
+            raw = bytes(raw)
+            if raw[:1] != bytes([POLICY_FORMAT]):
+                raise PolicyConflict(
+                    f"tiercache disk tier: the eviction policy recorded in {directory} is of an unknown format "
+                    f"({raw[:1].hex() or 'empty'}), written by another build; open the directory with that build, "
+                    f"or give this tier a directory of its own (its 'path' in the store config)")
+            recorded, how = raw[1:].decode(errors="replace"), "recorded in its index when it was first used"
+        elif txn.get(_CLOCK_KEY, db=index.meta) is not None:
+            recorded, how = "prefix", "its index holds the prefix order's clock, kept by an earlier build"
+        else:
+            recorded, how = None, ""
+        if recorded is not None and recorded != policy:
+            raise PolicyConflict(
+                f"tiercache disk tier: directory {directory} is kept in eviction policy {recorded!r} ({how}), "
+                f"and this process is configured with policy {policy!r}. Processes sharing one directory must "
+                f"use one policy (the two rank records on different scales: eviction would take every record "
+                f"of one before any of the other). Set this tier's 'policy' to {recorded!r}, or give it a "
+                f"directory of its own ('path'), or, once no process uses {directory}, delete it to start over "
+                f"with {policy!r} (its cached records are lost)")
+        if raw is None:
+            if recorded is None and policy == "prefix" and index.count(txn):
+                log.info("tiercache disk tier: directory %s was keyed by recency (an older build, or policy lru); "
+                         "it is kept in policy 'prefix' from now on", directory)
+            txn.put(_POLICY_KEY, bytes([POLICY_FORMAT]) + policy.encode(), db=index.meta)

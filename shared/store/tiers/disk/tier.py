@@ -46,7 +46,7 @@ from vllm_tiercache.shared.store.tiers.disk.admin import DiskAdmin
 from vllm_tiercache.shared.store.tiers.disk.bookkeeping import ReadBookkeeping, adopt_unindexed, rebuild_index
 from vllm_tiercache.shared.store.tiers.disk.config import DiskTierConfig
 from vllm_tiercache.shared.store.tiers.disk.index import DiskIndex
-from vllm_tiercache.shared.store.tiers.disk.order import PrefixOrder
+from vllm_tiercache.shared.store.tiers.disk.order import PrefixOrder, claim_policy
 from vllm_tiercache.shared.store.tiers.disk.paths import RecordPaths
 from vllm_tiercache.shared.store.tiers.disk.problems import ProblemReporter
 from vllm_tiercache.shared.store.tiers.disk.readahead import ReadAhead
@@ -102,6 +102,11 @@ class DiskTier(FileTier, ReadsInto, Prefetches, TakesPayloadAllocator, KeepsCont
         """Open the LMDB index and the parts that work on it; if the index is unreadable (an OS crash
         without fsync), rebuild it from the files."""
         self._index, rebuilt = DiskIndex.open(self._index_dir)
+        try:  # one directory, one eviction policy: another process's may differ (`order.claim_policy`)
+            claim_policy(self._index, self.config.policy, str(self.root))
+        except BaseException:
+            self._index.close()
+            raise
         if self.config.policy == "prefix":
             self._index.order = PrefixOrder(self._index, self.capacity, self.config.half_life)
         self._bookkeeping = ReadBookkeeping(self._index, self._paths, self._problems)

@@ -52,8 +52,9 @@ def _present(tier: DiskTier, names: tuple[str, ...]) -> list[bool]:
 
 
 def _capacity_for(path: Path, fill: Callable[[DiskTier], object]) -> int:
-    """The bytes ``fill`` leaves on a roomy tier at ``path`` (then emptied): a capacity it just fits."""
-    roomy = DiskTier(DiskTierConfig(path=str(path), capacity=1 << 30))
+    """The bytes ``fill`` leaves on a roomy tier at ``path`` (then emptied): a capacity it just fits. In the
+    tests' policy: a directory keeps the policy it was first used with."""
+    roomy = DiskTier(DiskTierConfig(policy="lru", path=str(path), capacity=1 << 30))
     fill(roomy)
     used = roomy.usage()["bytes_used"]
     roomy.delete_stored(lambda r: True)

@@ -195,15 +195,19 @@ def test_stats_show_the_last_access_not_the_order_key(tmp_path):
     tier.close()
 
 
-def test_a_directory_shared_with_a_recency_process_orders_sensibly_both_ways(tmp_path):
-    """``lru`` writes the entry layout of every older build (key = time of the last access, no state). Its
-    records read as one access at that time under ``prefix``; ``prefix``'s records, evicted and touched
-    by it, keep the index consistent for both."""
+def test_a_directory_shared_with_an_older_build_orders_sensibly_both_ways(tmp_path):
+    """``lru`` writes the entry layout of every older build (key = time of the last access, no state), and
+    stands for one here: the policy it recorded is removed, as an older build records none (a process of
+    this build configured ``lru`` is refused: test_policy_marker.py). Its records read as one access at
+    that time under ``prefix``; ``prefix``'s records, evicted and touched by it, keep the index consistent
+    for both. (The test's clock keys both; on wall time the two scales drift apart: `order`, "Versions".)"""
     clock = _Clock()
     size = _record_size(tmp_path / "probe")
     old = DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity=9 * size + size // 2, fsync=False,
                                   policy="lru"))
     old._index.clock = clock
+    with old._index.env.begin(write=True) as txn:
+        txn.delete(order._POLICY_KEY, db=old._index.meta)
     legacy = _chain("legacy")
     _put_chain(old, legacy)
     old.get_many(legacy)

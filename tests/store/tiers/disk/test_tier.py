@@ -144,7 +144,7 @@ def test_records_a_writer_killed_mid_commit_left_unindexed_are_adopted_when_a_ti
         assert b.usage()["entries"] == 4 and b.usage()["bytes_used"] == 4 * size
     finally:
         b.close()
-    c = DiskTier(DiskTierConfig(path=path, capacity=3 * size, policy="lru"))  # nothing left to adopt
+    c = DiskTier(DiskTierConfig(path=path, capacity=3 * size))  # nothing left to adopt
     try:
         assert c.usage()["entries"] == 4  # opening evicts nothing it did not adopt
     finally:
