@@ -1,4 +1,4 @@
-"""`RedisWire`: which threads sent to or read from which Redis server, seen at redis-py's connection.
+"""`RedisWire`: which threads connected to, sent to or read from which Redis server (redis-py connections).
 
 Why: "this call does not wait for a hung server" is a property of where the network calls run, not of how
 long the call took. A test that records every command sent and every reply read (with the thread and the
@@ -7,9 +7,10 @@ cannot have waited on it, however slowly it was scheduled. A wall-clock bound ti
 from "did not" is one that a loaded 2-core CI machine misses.
 
 Every connection of the Redis tier (`vllm_tiercache.shared.store.tiers.redis.wire`'s classes, on a cluster
-too) and of the prober inherits `redis.connection.AbstractConnection`'s ``send_packed_command`` and
-``read_response``; `RedisWire.install` wraps the two (with pytest's ``monkeypatch``, so the test's end
-undoes it).
+too) and of the prober inherits `redis.connection.AbstractConnection`'s ``connect_check_health`` (a
+connection attempt: a pool connects a connection as it hands it out, before any command),
+``send_packed_command`` and ``read_response``; `RedisWire.install` wraps the three (with pytest's
+``monkeypatch``, so the test's end undoes it).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from redis.connection import AbstractConnection
 class WireCall(NamedTuple):
     thread: int  # threading.get_ident() of the caller
     port: int  # the server's port
-    what: str  # "send" or "read"
+    what: str  # "connect", "send" or "read"
 
 
 class RedisWire:
-    """Records every command sent and every reply read through redis-py while installed (`calls`)."""
+    """Records every connection attempt, command sent and reply read through redis-py while installed
+    (`calls`)."""
 
     def __init__(self) -> None:
         self.calls: list[WireCall] = []
@@ -37,8 +39,14 @@ class RedisWire:
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> RedisWire:
         wire = cls()
+        connect = AbstractConnection.connect_check_health
         send = AbstractConnection.send_packed_command
         read = AbstractConnection.read_response
+
+        def traced_connect(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            if conn._sock is None:  # otherwise it returns at once: connected already
+                wire._record(conn, "connect")
+            return connect(conn, *args, **kwargs)
 
         def traced_send(conn: Any, *args: Any, **kwargs: Any) -> Any:
             wire._record(conn, "send")
@@ -48,6 +56,7 @@ class RedisWire:
             wire._record(conn, "read")
             return read(conn, *args, **kwargs)
 
+        monkeypatch.setattr(AbstractConnection, "connect_check_health", traced_connect)
         monkeypatch.setattr(AbstractConnection, "send_packed_command", traced_send)
         monkeypatch.setattr(AbstractConnection, "read_response", traced_read)
         return wire
