@@ -110,10 +110,11 @@ def test_full_write_queue_drops_without_blocking(tmp_path):
 
     disk.put_many = slow_put
     try:
-        for i in range(20):
-            s.put(_k(i), _t(100, i))
-        # the puts returned with the writer still held: none waited for room in the queue (room comes
-        # only when a held write lands)
+        putting = threading.Thread(target=lambda: [s.put(_k(i), _t(100, i)) for i in range(20)], daemon=True)
+        putting.start()  # on a thread of its own: a put that blocks fails the wait below, not the run
+        wait_until("the 20 puts to return while the writer is held", lambda: not putting.is_alive())
+        # they returned with the writer still held: none waited for room in the queue (room comes only
+        # when a held write lands)
         assert landed == []
         dropped = disk.counters.get("dropped_writes")
         assert dropped >= 17 and s.stats()["tiers"]["disk"]["dropped_writes"] == dropped
