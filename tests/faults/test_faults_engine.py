@@ -285,10 +285,22 @@ def test_redis_killed_and_restarted_under_a_live_server(
           f"hits back after {rounds_to_recover} round(s); worker counters {worker['counters']}")
 
 
-#: How much longer than the slowest request before the pause a request may take while Redis hangs: the
-#: lookup budget (100 ms) plus generous noise for a loaded 2-core machine. Before the budget, the first
-#: lookup alone waited the socket timeout twice (2 x 2 s) on the engine's scheduling thread.
-HANG_NOISE_S = 1.5
+#: The Redis tier's socket timeout in the hung-Redis test: a request that waited on the hung Redis would
+#: wait this long (the one server: twice, with its retry; a cluster batch takes no retry, so the cluster's is
+#: doubled): `HUNG_STALL_S`. A request that does not may still wait its lookup deadline (1 s) while the tier
+#: is not yet marked down, and a loaded 2-core machine adds its noise. Before the budget, the first lookup
+#: waited the socket timeout twice on the engine's scheduling thread: requests of 8 s and 4 s (2 s timeout).
+HUNG_TIMEOUT_S = 4.0
+HUNG_STALL_S = 2 * HUNG_TIMEOUT_S
+#: How much longer than the slowest request before the pause a request may take while Redis hangs: half of
+#: what waiting on the hung Redis costs. It was 1.5 s against a 4 s stall (the cluster's: 2 s), while a
+#: request that waits its 1 s lookup deadline, as several do before the tier is marked down, took 1.1 s on
+#: an idle machine: half a second of noise allowed. Now 3 s of it, and the bug still fails by 4 s.
+HANG_NOISE_S = HUNG_STALL_S / 2
+#: The cluster's node timeout during the test: the paused master must hang past the tier's socket timeout
+#: (the shard is marked down, then found back by the prober) but for less than this (no failover). The
+#: session's cluster runs with 5 s; the fixture sets this and restores that.
+HANG_NODE_TIMEOUT_MS = 25000
 
 
 @dataclass
@@ -316,22 +328,25 @@ def hang_targets(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
     template = work / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
 
-    def server(shape: str, url: str) -> Server:
+    def server(shape: str, url: str, timeout_s: float) -> Server:
         kv = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"namespace": f"redis-hang-{shape}", "chunk_size": 64, "tiers": [
                   {"kind": "memory", "capacity": "64MiB"},
-                  {"kind": "redis", "url": url, "timeout_s": 2.0, "retry_after_s": 1.0}]}}
+                  {"kind": "redis", "url": url, "timeout_s": timeout_s, "retry_after_s": 1.0}]}}
         return Server(tiny_llama, work / f"server-{shape}.log", served_name="tiny", chat_template=template,
                       max_model_len=2048, kv_transfer=kv, stats_dir=work / f"stats-{shape}")
 
     with contextlib.ExitStack() as stack:
-        # the one server: paused 10 s, many probe periods (retry_after_s 1 s) and socket timeouts (2 s)
+        # the one server: paused 20 s: the hung call's two socket timeouts (2 x 4 s) mark it down, then a
+        # probe (retry_after_s 1 s) fails the same way and the next one finds it back after SIGCONT
         redis_srv = stack.enter_context(RedisServer())
         # the session's cluster, restored and emptied as `redis_cluster` does for a test: one master hangs
         # for less than its node timeout (no failover)
         cluster = request.getfixturevalue("redis_cluster_session")
         cluster.start()
         cluster.flushall()
+        cluster.config_set("cluster-node-timeout", str(HANG_NODE_TIMEOUT_MS))
+        stack.callback(lambda: cluster.config_set("cluster-node-timeout", str(cluster.node_timeout_ms)))
         victim = cluster.master_nodes()[0]
         # a key of the hung master's slots: records must reach that shard again, not only the others; counted
         # on whichever node serves it then (a loaded machine may have it fail over during the pause)
@@ -348,10 +363,12 @@ def hang_targets(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
                 for i, node in enumerate(cluster.nodes))
 
         targets = {
-            "server": HangTarget(stack.enter_context(server("server", redis_srv.url)), 10.0, redis_srv.pause,
-                                 redis_srv.resume, lambda: int(one_server.dbsize()), lambda: "one server"),
-            "cluster": HangTarget(stack.enter_context(server("cluster", cluster.url)),
-                                  cluster.node_timeout_ms / 1000 * 0.8, lambda: cluster.pause(victim),
+            "server": HangTarget(stack.enter_context(server("server", redis_srv.url, HUNG_TIMEOUT_S)), 20.0,
+                                 redis_srv.pause, redis_srv.resume, lambda: int(one_server.dbsize()),
+                                 lambda: "one server"),
+            # no retry on a cluster: twice the timeout for the same stall; paused one timeout past it
+            "cluster": HangTarget(stack.enter_context(server("cluster", cluster.url, HUNG_STALL_S)),
+                                  HUNG_STALL_S + HUNG_TIMEOUT_S, lambda: cluster.pause(victim),
                                   lambda: cluster.resume(victim), shard_stored, cluster_roles),
         }
         for target in targets.values():
@@ -372,7 +389,8 @@ def test_a_paused_redis_stalls_no_request(baseline: Future[list[list[int]]], han
 
     What it guards: a lookup that runs on the engine's scheduling thread and waits the socket timeout, so
     every new request stalls for seconds (docs/reliability.md has the figures from before the lookup budget).
-    No request may be slower than before the pause by more than the budget plus noise, every answer is the
+    No request may be slower than before the pause by more than half what waiting on the hung Redis would
+    cost (`HANG_NOISE_S`: its lookup deadline and a loaded machine's noise fit in it), every answer is the
     baseline's, and after SIGCONT the tier comes back by itself (new records reach Redis again) without a
     request paying for a probe.
     """

@@ -75,10 +75,7 @@ def assert_the_pin_holds_while_redis_cannot_answer(store: Any, memory: Any, redi
 def _wait_for_polls(store, n: int = 2) -> None:
     """Until ``n`` polls began after this call (the pins read after what the caller wrote)."""
     start = store.control.polls
-    deadline = time.monotonic() + 60.0
-    while store.control.polls < start + n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.control.polls >= start + n
+    wait_until(f"{n} polls", lambda: store.control.polls >= start + n, poll_s=0.01)
 
 
 @pytest.mark.parametrize(("budget", "message"), [

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import TieredStore, build_store, get_store
 from vllm_tiercache.shared.store.api import StoreKey
@@ -101,18 +101,21 @@ def test_full_write_queue_drops_without_blocking(tmp_path):
     disk = s.tiers[1]
     gate = threading.Event()
     real_put = disk.put_many
+    landed: list[int] = []
 
     def slow_put(items):  # hold the writer thread so the queue fills up
-        gate.wait(10)
+        gate.wait(60)  # until the test opens it (a minute: only ends a test that would hang)
         real_put(items)
+        landed.append(len(items))
 
     disk.put_many = slow_put
     try:
-        start = time.perf_counter()
-        for i in range(20):
-            s.put(_k(i), _t(100, i))
-        elapsed = time.perf_counter() - start
-        assert elapsed < 5  # generous: only shows puts did not wait for the 10 s gate
+        putting = threading.Thread(target=lambda: [s.put(_k(i), _t(100, i)) for i in range(20)], daemon=True)
+        putting.start()  # on a thread of its own: a put that blocks fails the wait below, not the run
+        wait_until("the 20 puts to return while the writer is held", lambda: not putting.is_alive())
+        # they returned with the writer still held: none waited for room in the queue (room comes only
+        # when a held write lands)
+        assert landed == []
         dropped = disk.counters.get("dropped_writes")
         assert dropped >= 17 and s.stats()["tiers"]["disk"]["dropped_writes"] == dropped
         assert s.tiers[0].contains_many([_k(i) for i in range(20)]) == [True] * 20
@@ -227,7 +230,8 @@ def test_redis_killed_mid_test_store_keeps_serving(tmp_path, redis_url, redis_se
         stats = s.stats()["tiers"]["redis"]
         assert stats["down"] is True and stats["dropped_writes"] >= 1 and stats["errors"] >= 1
         redis_server.restart()
-        time.sleep(0.3)
+        # the prober finds it back (every 0.2 s; a loaded machine may take longer than a fixed sleep)
+        wait_until("the prober to find redis back", lambda: not red.down)
         s.put(_k(11), _t(100, 11))
         assert s.flush(10)
         assert red.contains_many([_k(11)]) == [True] and s.stats()["tiers"]["redis"]["down"] is False

@@ -18,6 +18,7 @@ from vllm.distributed.kv_events import BlockStored
 
 from tests.kv.events.test_events import BLOCK, Published, _config, _play_saves, _prompt
 from tests.support.real_scheduler import hashed_request, schedule_new
+from tests.support.waiting import wait_until
 from vllm_tiercache.kvcache.events.journal import EventJournal
 from vllm_tiercache.kvcache.events.ledger import MEDIUM_DISK, ChunkPayload
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
@@ -149,10 +150,9 @@ def test_a_stop_s_last_write_lands_after_a_slower_write_in_progress() -> None:
     stop = threading.Thread(target=journal.close)  # the stop: snapshot [a, b]
     stop.start()
     # the stop either waits for the write lock (it must) or already wrote (the bug): then the slow write lands
-    deadline = time.monotonic() + 60.0
-    while not (journal._write_lock.asked.is_set() or store.later_put.is_set()):  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, "the stop neither wrote nor waited for the write lock"
-        time.sleep(0.01)
+    wait_until("the stop to write or wait for the write lock",
+               lambda: journal._write_lock.asked.is_set() or store.later_put.is_set(),  # type: ignore[attr-defined]
+               poll_s=0.01)
     store.release.set()
     writer.join(60.0)
     stop.join(60.0)

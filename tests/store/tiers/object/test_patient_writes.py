@@ -6,12 +6,11 @@ the writes at once, counted, and stays up."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from tests.support.faulty_proxy import FaultyProxy
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
@@ -31,10 +30,7 @@ def _t(i: int) -> torch.Tensor:
 
 
 def _until(what: str, predicate) -> None:
-    deadline = time.monotonic() + HANG_BOUND_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.05)
+    wait_until(what, predicate, limit_s=HANG_BOUND_S)
 
 
 def _store(s3_bucket, proxy: FaultyProxy, patience_s: float) -> TieredStore:

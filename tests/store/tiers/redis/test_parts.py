@@ -17,6 +17,7 @@ import pytest
 import redis
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import StoreKey
 from vllm_tiercache.shared.store.counters import TierCounters
@@ -208,13 +209,6 @@ def _health(probe: _Probe, *, cluster: bool = False, retry_after_s: float = 0.0)
                       probe=probe, thread_name="tiercache-probe-test")
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
-
-
 def test_down_then_the_prober_alone_brings_it_back(caplog: pytest.LogCaptureFixture) -> None:
     probe = _Probe(answer=False)
     health = _health(probe)
@@ -226,7 +220,8 @@ def test_down_then_the_prober_alone_brings_it_back(caplog: pytest.LogCaptureFixt
         assert health.down  # the probe failed
         probe.answer = True
         # the prober marks it up, then logs its line after the lock: wait for the line, not only the state
-        _wait(lambda: not health.down and any("reachable again" in r.getMessage() for r in caplog.records))
+        wait_until("the prober's 'reachable again'", lambda: not health.down and any(
+            "reachable again" in r.getMessage() for r in caplog.records), limit_s=30.0, poll_s=0.005)
     assert threading.get_ident() not in probe.threads
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "unreachable" in lines[0] and "tried: single server" in lines[0]

@@ -6,13 +6,13 @@ down for them. A serving store (no patience) drops the same writes at once, coun
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.tiered import TieredStore
@@ -52,10 +52,9 @@ def _out_of_memory(redis_server, redis_url: str, patience_s: float) -> Iterator[
 def test_a_patient_store_waits_out_an_out_of_memory_redis(redis_server, redis_url) -> None:
     with _out_of_memory(redis_server, redis_url, patience_s=600.0) as (store, client):
         store.put_many(_items(0, 8))
-        deadline = time.monotonic() + HANG_BOUND_S
-        while store.stats()["tiers"]["redis"]["throttled"] < 2:  # refused, and refused again after a backoff
-            assert time.monotonic() < deadline, "no OOM answer reached the writer"
-            time.sleep(0.05)
+        # refused, and refused again after a backoff
+        wait_until("two OOM answers to reach the writer",
+                   lambda: store.stats()["tiers"]["redis"]["throttled"] >= 2, limit_s=HANG_BOUND_S)
         assert not store.tiers[1].down
         client.config_set("maxmemory", "0")  # memory given back: the next try lands
         assert store.flush(HANG_BOUND_S)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
 import redis
 import torch
 
+from tests.support.redis_wire import RedisWire
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import RedisTierConfig, StoreConfig
 from vllm_tiercache.shared.store import RedisTier, StoreKey
 
@@ -113,10 +116,7 @@ def test_server_killed_and_restarted(redis_url, redis_server, caplog):
     redis_server.restart()
     # the prober (every retry_after_s, off this thread) brings the tier back; on a loaded machine that can
     # take longer than a probe period, so wait for it, bounded, instead of a fixed sleep
-    deadline = time.monotonic() + 15
-    while tier.down and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not tier.down, "the tier stayed down 15 s after Redis came back"
+    wait_until("the tier to come back after Redis did", lambda: not tier.down, limit_s=15.0)
     tier.put_many([(_k(3), _t(10), None)])
     assert not tier.down
     assert tier.contains_many([_k(3)]) == [True]
@@ -148,10 +148,9 @@ def test_one_failed_command_is_one_miss(redis_url, redis_server, caplog):
     tier.close()
 
 
-def test_down_tier_is_probed_off_the_callers_thread(redis_url, redis_server, caplog):
-    """While down every call returns at once and never probes; the prober alone brings the tier back."""
-    import threading
-
+def test_down_tier_is_probed_off_the_callers_thread(redis_url, redis_server, caplog, monkeypatch):
+    """While down every call returns at once (it touches no socket) and never probes; the prober alone
+    brings the tier back."""
     tier = _tier(redis_url, retry_after_s=0.1, timeout_s=0.5)
     tier.put_many([(_k("p"), _t(10), None)])
     probe_threads = []
@@ -162,23 +161,25 @@ def test_down_tier_is_probed_off_the_callers_thread(redis_url, redis_server, cap
         return real_probe()
 
     tier._probe = probe
+    caller = threading.get_ident()
+    wire = RedisWire.install(monkeypatch)
     redis_server.kill()
     with caplog.at_level(logging.INFO, logger="vllm_tiercache.shared.store.tiers.redis.tier"):
         assert tier.contains_many([_k("p")]) == [False]
         assert tier.down
-        start = time.monotonic()
+        wire.clear()
         for _ in range(200):
             assert tier.contains_many([_k("p")]) == [False]
             assert tier.get_many([_k("p")]) == [None]
-        assert time.monotonic() - start < 1.0
-        time.sleep(0.35)
-        assert tier.down and len(probe_threads) >= 1
+        # at once: none of the 400 calls connected, sent or read (was: all within 1 s, which a loaded
+        # machine misses and a refused connection, instant too, passes)
+        assert wire.on(caller) == []
+        wait_until("a probe while down", lambda: probe_threads)
+        assert tier.down
         redis_server.restart()
-        deadline = time.monotonic() + 5
-        while tier.down:  # no call on this thread: only the prober can bring it back
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    assert threading.get_ident() not in probe_threads
+        # no call on this thread: only the prober can bring it back
+        wait_until("the prober to bring the tier back", lambda: not tier.down, poll_s=0.02)
+    assert caller not in probe_threads
     assert tier.contains_many([_k("p")]) == [False]  # the restarted server is empty
     tier.put_many([(_k("q"), _t(10), None)])
     assert tier.contains_many([_k("q")]) == [True]
