@@ -108,10 +108,9 @@ def test_idle_steps_report_nothing_and_the_next_increment_once(tmp_path: Path) -
         store.put_many([_record(i) for i in range(2)], owned=True)
         assert store.flush(10.0)
         conn.get_kv_connector_stats()  # the writes above, and the first gauge report
-        for _ in range(100):  # the usage refresh's first pass, which changes the gauges once
-            if store.usage_refresh.snapshot():
-                break
-            time.sleep(0.02)
+        # the usage refresh's first pass, which changes the gauges once (a pass landing among the idle steps
+        # below would send a report there)
+        wait_until("the usage refresh's first pass", lambda: store.usage_refresh.snapshot())
         time.sleep(GAUGE_CHECK_INTERVAL_S)
         conn.get_kv_connector_stats()  # the gauges as they stay
         assert [conn.get_kv_connector_stats() for _ in range(50)] == [None] * 50
