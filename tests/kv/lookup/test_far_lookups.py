@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.kv.test_kv_scheduler import BLOCK, CHUNK, IDENTITY, BlockTable, make_request, step, tokens
+from tests.support.waiting import wait_until
 from vllm_tiercache.kvcache.load.prefetcher import Prefetcher
 from vllm_tiercache.kvcache.load.staging import Staging
 from vllm_tiercache.kvcache.lookup import far as far_module
@@ -431,7 +432,10 @@ def test_a_request_whose_turn_came_has_its_chunks_fetched_ahead_of_those_still_q
             queued = empty_step(side).prefetches
             assert [p.chunk_hash for p in queued] == [r.block_hashes[e] for r in (early, late) for e in (3, 7)]
             assert not any(p.urgent for p in queued)
-            worker.prefetcher.submit(queued)  # the first is being fetched, the other three wait
+            worker.prefetcher.submit(queued)
+            # the first is being fetched (its thread holds at the gate), the other three wait: a loaded machine
+            # may run the thread only after the urgent ones below came, which would then go first
+            wait_until("the fetch thread to take the first chunk", lambda: fetched)
             assert side.get_num_new_matched_tokens(late, 0) == (None, False)  # its turn: still on their way
             hurried = empty_step(side).prefetches
             assert [(p.chunk_hash, p.urgent) for p in hurried] == [(late.block_hashes[3], True),
