@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from tests.support.waiting import wait_until
+from tests.support.waiting import off_this_thread, wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import TieredStore, build_store, get_store
 from vllm_tiercache.shared.store.api import StoreKey
@@ -110,9 +110,9 @@ def test_full_write_queue_drops_without_blocking(tmp_path):
 
     disk.put_many = slow_put
     try:
-        putting = threading.Thread(target=lambda: [s.put(_k(i), _t(100, i)) for i in range(20)], daemon=True)
-        putting.start()  # on a thread of its own: a put that blocks fails the wait below, not the run
-        wait_until("the 20 puts to return while the writer is held", lambda: not putting.is_alive())
+        # on a thread of its own: a put that blocks fails the wait, not the run
+        off_this_thread("the 20 puts to return while the writer is held",
+                        lambda: [s.put(_k(i), _t(100, i)) for i in range(20)])
         # they returned with the writer still held: none waited for room in the queue (room comes only
         # when a held write lands)
         assert landed == []

@@ -16,40 +16,19 @@ read, not a ring it could not read).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from vllm.distributed.kv_events import BlockStored
 
 from tests.kv.events.test_events import BLOCK, Published, _config, _play_saves, _prompt
 from tests.support.real_scheduler import hashed_request, schedule_new
-from tests.support.waiting import wait_until
+from tests.support.waiting import off_this_thread, wait_until
 from vllm_tiercache.kvcache.events.ledger import MEDIUM_REMOTE
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
 from vllm_tiercache.tools.redis_server import RedisServer
-
-T = TypeVar("T")
-
-
-def _off_the_test_thread(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own, waited for as an event (a hang fails the test naming ``what``
-    instead of hanging the suite); its exception re-raised here."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # handed to the test's thread
-            out["error"] = exc
-
-    threading.Thread(target=run, name=f"test-{what}", daemon=True).start()
-    wait_until(what, lambda: out, limit_s=120.0)
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _stored_blocks(engine: Published) -> int:
@@ -59,7 +38,7 @@ def _stored_blocks(engine: Published) -> int:
         engine.report(TieredKVWorkerMetadata())
         return sum(len(event.block_hashes) for event in engine.events(BlockStored, MEDIUM_REMOTE))
 
-    return _off_the_test_thread("an engine step", step)
+    return off_this_thread("an engine step", step, limit_s=120.0)
 
 
 def _steps_until(engine: Published, what: str, done: Callable[[int], bool]) -> int:
@@ -87,9 +66,10 @@ def _start_while_hung(tiny_llama: Path, tmp_path: Path, tier: dict[str, Any], se
 
     server.pause()
     try:
-        second = _off_the_test_thread("the engine's scheduler side to be built",
-                                      lambda: Published(_config(tiny_llama, tmp_path / "unused", shared_tier=tier),
-                                                        inline=False))  # its questions on its own thread
+        second = off_this_thread("the engine's scheduler side to be built",
+                                 lambda: Published(_config(tiny_llama, tmp_path / "unused", shared_tier=tier),
+                                                   inline=False),  # its questions on its own thread
+                                 limit_s=120.0)
         tracker = second.connector._scheduler.events  # type: ignore[union-attr]
         shared = [t for t in second.connector._store.tiers if t.shared_across_processes]
         # the start-up check ends while the server hangs (the tier's own timeout), and the steps go on
