@@ -324,8 +324,8 @@ class GaugeChanges:
         self._clock = clock
         self._checked = -math.inf
         # the store's usage refresh starts now, not on the first `take` (a step's, on the forward's thread)
-        if (start := getattr(store, "start_usage_refresh", None)) is not None:
-            start()
+        if (refresh := getattr(store, "usage_refresh", None)) is not None:
+            refresh.start()
 
     def take(self, force: bool = False) -> dict[str, Any]:
         """``{store source: report}`` when the report changed since the last look, else ``{}``; ``force``:

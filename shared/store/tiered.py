@@ -466,10 +466,6 @@ class TieredStore:
                                 "shared": int(bool(tier.shared_across_processes))}
         return {"tiers": tiers, "write_queue": self._writer.pending}
 
-    def start_usage_refresh(self) -> None:
-        """Start the background usage refresh now (`UsageRefresh.start`), not on a step's first report."""
-        self.usage_refresh.start()
-
     @property
     def closed(self) -> bool:
         return self._closed
