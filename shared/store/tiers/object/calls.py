@@ -77,7 +77,7 @@ class ObjectCalls:
         self.bucket = config.bucket
         self.health = health
         self.client: Any = make_client(config)
-        #: a record's GET and a lookup's HEAD without botocore's per-call work (`direct`), when it can
+        #: a record's GET and PUT and a lookup's HEAD without botocore's per-call work (`direct`), when it can
         self.direct = DirectRequests(self.client, self.bucket)
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix=thread_name,
                                         initializer=widen_affinity)
@@ -187,6 +187,13 @@ class ObjectCalls:
 
     def put(self, name: str, body: bytes, metadata: dict[str, str] | None = None, **conditions: str) -> dict[str, Any]:
         return self.client.put_object(Bucket=self.bucket, Key=name, Body=body, Metadata=metadata or {}, **conditions)
+
+    def put_record(self, name: str, body: bytes | bytearray, metadata: dict[str, str]) -> None:
+        """A record's PUT (unconditional: concurrent writers of one key write equal bytes), `direct`."""
+        if self.direct.available:
+            self.direct.put(name, body, metadata)
+        else:
+            self.put(name, body, metadata)
 
     def delete(self, name: str, **conditions: str) -> dict[str, Any]:
         return self.client.delete_object(Bucket=self.bucket, Key=name, **conditions)

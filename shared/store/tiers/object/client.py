@@ -68,6 +68,9 @@ def make_client(config: ObjectTierConfig) -> Any:
     s3: dict[str, Any] = {"addressing_style": "path" if config.path_style else "auto"}
     tuned = Config(
         region_name=config.region or session.region_name or "us-east-1",
+        # said, not left to botocore: it presigns S3 URLs (the tier's GETs, HEADs and PUTs, `direct`) with
+        # SigV2 unless told, which AWS refuses in the regions opened since 2014 and for buckets made since 2020
+        signature_version="s3v4",
         connect_timeout=config.timeout_s, read_timeout=config.timeout_s,
         retries={"total_max_attempts": 1, "mode": "standard"},
         max_pool_connections=config.concurrency + EXTRA_CONNECTIONS, tcp_keepalive=True, s3=s3,

@@ -267,7 +267,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
             def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
                 key, enc, tags = item
-                calls.put(self._names.record(key), joined(enc), record_metadata(key, tags))
+                calls.put_record(self._names.record(key), joined(enc), record_metadata(key, tags))
                 return enc.nbytes
 
             res = calls.many("put", put, batch)
