@@ -37,11 +37,7 @@ def test_a_chunk_is_journaled_as_its_save_is_planned_and_written_without_a_step(
     _, meta = schedule_new(engine.scheduler, hashed_request("a", _prompt(1), BLOCK))
     planned = [save.chunk_hash for plan in meta.requests for save in plan.saves]
     assert len(planned) == 3 and set(planned) <= set(tracker._unconfirmed)
-    deadline, found = time.monotonic() + 10.0, []
-    while time.monotonic() < deadline and found != planned:
-        time.sleep(0.1)
-        found = _journaled(engine)
-    assert found == planned
+    wait_until("the planned chunks in the journal", lambda: _journaled(engine) == planned, poll_s=0.1)
     tracker.close()
 
 

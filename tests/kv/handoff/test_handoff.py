@@ -318,7 +318,13 @@ def test_without_params_the_lookup_is_unchanged(tiny_llama: Path, tmp_path: Path
     _connector(consumer)._store.close()
 
 
-def test_wait_for_records_polls_until_the_deadline(tmp_path: Path) -> None:
+def test_wait_for_records_polls_until_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock of its own, which only the wait's pauses move: a loaded machine's stall between two polls
+    cannot shorten a pause (``min(pause, time left)``)."""
+    import vllm_tiercache.kvcache.handoff.wait as wait_module
+
+    clock = [0.0]
+    monkeypatch.setattr(wait_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
     store = build_store({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"}]})
     from vllm_tiercache.shared.naming.keys import KVModelIdentity, kv_chunk_key
 
@@ -330,12 +336,14 @@ def test_wait_for_records_polls_until_the_deadline(tmp_path: Path) -> None:
 
     def sleep(seconds: float) -> None:  # the second chunk lands during the third poll's pause
         sleeps.append(seconds)
+        clock[0] += seconds
         if len(sleeps) == 3:
             store.put(keys[1][0], torch.zeros(1, 4))
 
-    present, waited = wait_for_records(store, keys, time.monotonic() + 0.5, sleep=sleep)
+    present, waited = wait_for_records(store, keys, 0.5, sleep=sleep)
     assert present == [True, True, False] and waited == 1
     assert sleeps[:4] == [0.002, 0.004, 0.008, 0.016]  # the polls back off
+    assert clock[0] == pytest.approx(0.5)  # and the last pause ends at the deadline
     store.close()
 
 
