@@ -313,6 +313,11 @@ class LocalRedisCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[node].port}"
 
     @property
+    def seeds_url(self) -> str:
+        """The tier URL with every node as a seed (the client learns the cluster from the first that answers)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    @property
     def ports(self) -> list[int]:
         return [n.port for n in self.nodes]
 

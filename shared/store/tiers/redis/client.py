@@ -11,9 +11,10 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
-from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig
+from vllm_tiercache.shared.store.tiers.redis.config import RedisTierConfig, seed_urls
 from vllm_tiercache.shared.store.tiers.redis.wire import connection_class
 
 
@@ -28,15 +29,18 @@ def make_client(config: RedisTierConfig) -> Any:
     if config.password is not None:
         kwargs["password"] = config.password
     if config.cluster:
-        from redis.cluster import RedisCluster
+        from redis.cluster import ClusterNode, RedisCluster
 
-        url = config.url.replace("+cluster://", "://", 1)
+        url, *more = seed_urls(config.url)
         # The same one immediate retry (redis-py's default is 10 with backoff, seconds per call while a
         # node is away); a retry re-reads the slot map, so a moved slot is still followed. (The tier's own
         # batches take no retry: `redis_cluster.ClusterRouter`.) A slot map with a hole is taken: the
-        # slots no node serves are misses, the others are served.
+        # slots no node serves are misses, the others are served. The URL's other seed nodes are asked
+        # for the slot map when the first does not answer (`config.seed_urls`).
+        seeds = [ClusterNode(parsed["host"], parsed.get("port", 6379))
+                 for parsed in (parse_url(seed) for seed in more)]
         return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 1), require_full_coverage=False,
-                                     connection_class=connection_class(url), **kwargs)
+                                     connection_class=connection_class(url), startup_nodes=seeds, **kwargs)
     # One retry with no backoff: reconnects a pooled connection that a server restart closed, without
     # stalling callers when the server is really gone. Payloads go to the socket uncopied (`wire`).
     return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 1), connection_class=connection_class(config.url),

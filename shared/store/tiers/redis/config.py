@@ -41,7 +41,8 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 300.0
 MAX_RETRY_AFTER_S = 3600.0
 _URL_ALLOWED = "a URL starting with " + ", ".join(REDIS_SCHEMES)
 _URL_PATTERN = "^(" + "|".join(re.escape(scheme[:-3]) for scheme in REDIS_SCHEMES) + ")://"
-_PARSE_ALLOWED = "a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db] ({})"
+_PARSE_ALLOWED = ("a URL redis-py can parse, scheme://[user:password@]host[:port 0-65535][/db], a cluster's with "
+                  "several seed nodes host[:port],host[:port],... ({})")
 
 
 def _masked(url: str) -> str:
@@ -76,7 +77,10 @@ class RedisTierConfig:
     url: Annotated[str, Strict(), AfterValidator(_check_url), Allowed(_URL_ALLOWED), Field(
         json_schema_extra={"pattern": _URL_PATTERN},
         description="The server: redis://, rediss:// (TLS), redis+cluster:// or rediss+cluster://, then "
-                    "[user:password@]host[:port][/db], parsed as redis-py will.")] = ""
+                    "[user:password@]host[:port][/db], parsed as redis-py will. A cluster's may name several seed "
+                    "nodes, host[:port],host[:port],...: the client learns the cluster from the first that "
+                    "answers (with one, a process that starts while that node hangs or is gone never reaches the "
+                    "cluster until it answers again).")] = ""
     password: Annotated[OptionalText, Field(description="Password, unless the URL holds it.")] = None
     ttl_s: Annotated[seconds(minimum=MIN_TTL_S, maximum=MAX_TTL_S, optional=True, null_means="no expiry"), Field(
         description="Seconds a record lives (at most 365 days); null: no expiry. Sent in whole milliseconds: "
@@ -154,11 +158,33 @@ def check_redis_url(url: str, path: str) -> None:
 
 
 def _parse_error(url: str) -> str | None:
-    """Why redis-py cannot parse ``url``, or None."""
+    """Why redis-py cannot parse ``url`` (a cluster's: with each of its seed nodes), or None."""
     from redis.connection import parse_url
 
+    seeds = seed_urls(url)
+    if len(seeds) > 1 and "+cluster://" not in url:
+        return "several hosts only in a redis+cluster:// or rediss+cluster:// URL"
     try:
-        parse_url(url.replace("+cluster://", "://", 1))
+        for seed in seeds:
+            if not parse_url(seed).get("host"):
+                return "a seed node without a host"
     except (ValueError, TypeError) as exc:
         return str(exc)
     return None
+
+
+def seed_urls(url: str) -> list[str]:
+    """``url`` once per host of its authority, as redis-py's ``from_url`` takes it (without ``+cluster``):
+    ``redis+cluster://u:p@a:7000,b:7001/0`` -> ``redis://u:p@a:7000/0``, ``redis://u:p@b:7001/0``.
+
+    Why several: a cluster client learns the cluster's nodes from the first seed node that answers; with one
+    seed, a process that starts while that node hangs (or is gone, its slots failed over to a replica) never
+    reaches the cluster until the node answers again, while the cluster serves."""
+    plain = url.replace("+cluster://", "://", 1)
+    scheme, sep, rest = plain.partition("://")
+    if not sep:
+        return [url]
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = authority.rpartition("@")
+    return [f"{scheme}://{userinfo}{at}{host}{tail}" for host in hosts.split(",")]
