@@ -28,7 +28,7 @@ from tests.support.real_scheduler import hashed_request, schedule_new
 from tests.support.waiting import off_this_thread, wait_until
 from vllm_tiercache.kvcache.events.ledger import MEDIUM_REMOTE
 from vllm_tiercache.kvcache.plan import TieredKVWorkerMetadata
-from vllm_tiercache.tools.redis_server import RedisServer
+from vllm_tiercache.tools.redis_server import LocalRedisCluster, RedisServer
 
 
 def _stored_blocks(engine: Published) -> int:
@@ -109,3 +109,61 @@ def test_an_engine_starting_while_redis_hangs_serves_and_announces_once_it_answe
     with RedisServer() as redis_srv:
         tier = {"kind": "redis", "url": redis_srv.url, "timeout_s": 0.5, "retry_after_s": 0.1}
         _start_while_hung(tiny_llama, tmp_path, tier, redis_srv)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("hung, back_by", [("ring", "resume"), ("ring", "failover"), ("first chunk", "failover")])
+def test_an_engine_starting_while_a_cluster_master_hangs_announces_once_its_shard_answers(
+        tiny_llama: Path, tmp_path: Path, redis_cluster: LocalRedisCluster, hung: str, back_by: str) -> None:
+    """A Redis Cluster one of whose masters hangs (SIGSTOP) while a second engine starts: the master of the
+    journal's ring record, or of the first chunk's probe record. The scheduler side is built and steps while
+    that shard is down and the others answer; what it holds is not announced meanwhile. Once the shard
+    answers, by the master coming back or by its replica taking over (``CLUSTER FAILOVER TAKEOVER``, the hung
+    master still stopped), the journal's 12 blocks are announced, each once. The cluster's own failover is
+    held off (``cluster-node-timeout`` raised) while the test looks."""
+    cluster = redis_cluster
+    # every node a seed: with the URL's one node hung, the replica that took over is found through another
+    tier = {"kind": "redis", "url": cluster.seeds_url, "timeout_s": 0.5, "retry_after_s": 0.1}
+    first = Published(_config(tiny_llama, tmp_path / "unused", shared_tier=tier))
+    out, meta = schedule_new(first.scheduler, hashed_request("a", _prompt(1), BLOCK))
+    names = _play_saves(first.connector, meta)
+    first.finish(out, TieredKVWorkerMetadata(added=set(names)))
+    events = first.connector._scheduler.events  # type: ignore[union-attr]
+    hung_key = events.journal.key(0) if hung == "ring" else events._first_key(names[0])
+    first.connector.shutdown()
+    first.connector._store.close()
+    victim = cluster.node_of(f"{{{hung_key.hex}}}")  # a record's names carry its digest as their hash tag
+    replica = cluster.replica_of(victim)
+    cluster.wait_replicated(timeout=60.0)
+
+    cluster.config_set("cluster-node-timeout", "120000")
+    cluster.pause(victim)
+    try:
+        second = off_this_thread("the engine's scheduler side to be built",
+                                 lambda: Published(_config(tiny_llama, tmp_path / "unused", shared_tier=tier),
+                                                   inline=False),
+                                 limit_s=120.0)
+        tracker = second.connector._scheduler.events  # type: ignore[union-attr]
+        shared = [t for t in second.connector._store.tiers if t.shared_across_processes]
+        announced = _steps_until(second, "the start-up check to end", lambda _: tracker._startup is None)
+        announced += sum(_stored_blocks(second) for _ in range(3))
+        assert announced <= (0 if hung == "ring" else 8)  # what the hung shard holds waits for it
+        # the other seed nodes answered: the tier is up, the hung node's shard down
+        wait_until("the hung shard marked down", lambda: all(t.shards_down and not t.down for t in shared))
+        assert not tracker.shared_answering()
+        if back_by == "resume":
+            cluster.resume(victim)
+        else:
+            with cluster.node_client(replica) as client:
+                client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+            cluster.wait_promoted(replica)
+        wait_until("every shard to answer again", tracker.shared_answering)
+        announced += _steps_until(second, "the journal's chunks announced once the shard answers",
+                                  lambda n: announced + n >= 12)
+        assert announced == 12  # every block of the three chunks, once
+        assert all(second.connector._store.contains_many([tracker._first_key(name) for name in names],
+                                                          shared_only=True, bounded=False))
+        tracker.close()
+    finally:
+        cluster.resume(victim)
+        cluster.config_set("cluster-node-timeout", str(cluster.node_timeout_ms))
