@@ -62,6 +62,8 @@ def describe_attempt(config: RedisTierConfig) -> str:
         if config.url.startswith("rediss") else "plain TCP (no TLS)"
     auth = "with a password" if config.password or re.search(r"//[^/@]*:[^/@]+@", config.url) \
         else "without a password"
-    return (f"{'cluster' if config.cluster else 'single server'}, {tls}, {auth}, "
-            f"{config.timeout_s:g}s connect/read timeout, "
+    seeds = len(seed_urls(config.url))
+    one_seed = " (name several in the URL, a,b,c: while the one seed is away the cluster is not found)"
+    kind = (f"cluster, {seeds} seed node{'s' if seeds > 1 else one_seed}" if config.cluster else "single server")
+    return (f"{kind}, {tls}, {auth}, {config.timeout_s:g}s connect/read timeout, "
             f"{'each node tried once per call' if config.cluster else '1 immediate retry'}")

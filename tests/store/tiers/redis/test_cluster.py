@@ -581,6 +581,11 @@ def test_a_cluster_url_names_several_seed_nodes():
     assert seed_urls("rediss+cluster://u:p,w@a:7000,b:7001,[::1]:7002/0?x=1") == [
         "rediss://u:p,w@a:7000/0?x=1", "rediss://u:p,w@b:7001/0?x=1", "rediss://u:p,w@[::1]:7002/0?x=1"]
     assert seed_urls("redis://cache:6379") == ["redis://cache:6379"]
+    from vllm_tiercache.shared.store.tiers.redis.client import describe_attempt
+
+    one, three = (_config(url).tiers[0] for url in ("redis+cluster://a:7000", "redis+cluster://a:1,b:2,c:3"))
+    assert "1 seed node (name several in the URL" in describe_attempt(one)  # in the 'unreachable' line
+    assert "cluster, 3 seed nodes, plain TCP" in describe_attempt(three)
 
 
 @pytest.mark.redis
