@@ -7,7 +7,8 @@ what the tier's client choice promises: plain boto3 ``get_object`` / ``put_objec
 as many threads as the tier's ``concurrency``, on one client with as many pooled connections (the tier's
 own tuning, `vllm_tiercache.shared.store.tiers.object.client`); the baseline is boto3 one request after the
 other, as a naive caller would use it. Targets (issue 49): get and put at least 0.8 of the raw requests,
-get at least 1.5x one-at-a-time.
+get at least 1.5x one-at-a-time. Beside them, the CPU each record's request cost the client and, for a
+private SeaweedFS, the server (`CpuMeter`).
 
 Without ``--s3-endpoint`` a private SeaweedFS is started (`vllm_tiercache.tools.s3_server`); with it, the
 bucket must exist and the credentials come from the AWS chain, as for the tier. Everything written is
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import statistics
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +36,54 @@ MAX_BATCH = 32
 CONCURRENCY = 16
 OBJECT_TARGET = 0.8
 SERIAL_TARGET = 1.5
+#: endpoint -> process id of the SeaweedFS `s3_target` started, whose CPU the row reports (a store of the
+#: user's is measured from outside: its CPU is not this machine's to read)
+_PRIVATE_SERVERS: dict[str, int] = {}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuMeter:
+    """CPU per record of a batch's requests: this process's (the client: the tier's threads, or boto3's) and,
+    for a private SeaweedFS, the server's. Why: on a machine whose cores the server, the client and vLLM share,
+    CPU per request is what a request costs the others (requests in flight hide it from the wall clock); a
+    real S3's CPU is not the host's, its client's is."""
+
+    def __init__(self, server_pid: int | None, records: int) -> None:
+        self.server_pid = server_pid
+        self.records = records
+        self.seen: dict[str, list[tuple[float, float | None]]] = {}
+
+    def metered(self, name: str, fn: Callable[[int], Any]) -> Callable[[int], Any]:
+        """``fn`` measured under ``name`` (the warm-up round, i < 0, is not counted)."""
+        def run(i: int) -> Any:
+            server = process_cpu_s(self.server_pid) if self.server_pid else None
+            client = time.process_time()
+            out = fn(i)
+            client = time.process_time() - client
+            after = process_cpu_s(self.server_pid) if self.server_pid else None
+            if i >= 0:
+                self.seen.setdefault(name, []).append(
+                    (client, None if server is None or after is None else after - server))
+            return out
+        return run
+
+    def per_record_ms(self) -> dict[str, dict[str, float | None]]:
+        """Median milliseconds per record: ``{"put": {"client": .., "server": ..}, ...}``."""
+        out: dict[str, dict[str, float | None]] = {}
+        for name, seen in self.seen.items():
+            servers = [s for _, s in seen if s is not None]
+            out[name] = {"client": round(1000 * statistics.median(c for c, _ in seen) / self.records, 3),
+                         "server": round(1000 * statistics.median(servers) / self.records, 3) if servers else None}
+        return out
 
 
 def lookup_budget_arg(text: str) -> float:
@@ -67,17 +119,18 @@ def s3_target(endpoint: str | None, bucket: str | None) -> Iterator[dict[str, An
     if endpoint:
         yield {"kind": "object", "endpoint": endpoint, "bucket": bucket, "path_style": True}
         return
-    import os
-
     from vllm_tiercache.tools.s3_server import SeaweedFSServer
 
     with SeaweedFSServer() as server:
         saved = {k: os.environ.get(k) for k in server.credentials_env()}
         os.environ.update(server.credentials_env())
+        assert server.proc is not None
+        _PRIVATE_SERVERS[server.endpoint] = server.proc.pid
         try:
             yield {"kind": "object", "endpoint": server.endpoint, "bucket": server.create_bucket("tiercache-bench"),
                    "path_style": True}
         finally:
+            _PRIVATE_SERVERS.pop(server.endpoint, None)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -134,9 +187,11 @@ def bench_object(size: int, repeat: int, item: dict[str, Any],
         for name in names(i):
             client.get_object(Bucket=bucket, Key=name)["Body"].read()
 
+    meter = CpuMeter(_PRIVATE_SERVERS.get(str(config.get("endpoint"))), batch)
     try:
-        put_s, ref_put_s = measure([put, ref_put], repeat)
-        get_s, ref_get_s, serial_s = measure([get, ref_get, serial_get], repeat)
+        put_s, ref_put_s = measure([meter.metered("put", put), meter.metered("put boto3", ref_put)], repeat)
+        get_s, ref_get_s, serial_s = measure([meter.metered("get", get), meter.metered("get boto3", ref_get),
+                                              serial_get], repeat)
     finally:
         store.close()  # first: its janitor's last ledger write lands before the clean-up below
         try:  # the records, the references and the tier's own objects (ledger, usage) under the run's prefix
@@ -152,4 +207,4 @@ def bench_object(size: int, repeat: int, item: dict[str, Any],
             "get_gib_s": round(total / get_s / gib, 3), "get_ref_gib_s": round(total / ref_get_s / gib, 3),
             "get_ratio": round(ref_get_s / get_s, 3),
             "get_serial_gib_s": round(total / serial_s / gib, 3), "get_vs_serial": round(serial_s / get_s, 3),
-            "target": OBJECT_TARGET}
+            "cpu_ms_per_record": meter.per_record_ms(), "target": OBJECT_TARGET}

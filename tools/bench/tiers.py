@@ -430,6 +430,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"references: boto3 GET/PUT of the same bytes from {CONCURRENCY} threads; get vs boto3 one "
                          f"at a time: {r['get_serial_gib_s']:.2f} GiB/s, tier {r['get_vs_serial']:.2f}x "
                          f"(>= {SERIAL_TARGET:.1f} {ok})")
+            cpu = r.get("cpu_ms_per_record") or {}
+            if cpu:
+                lines.append(f"object {_fmt_size(r['size'])}: CPU ms per record, client / server: " + ", ".join(
+                    f"{name} {c['client']:.2f} / {'-' if c['server'] is None else format(c['server'], '.2f')}"
+                    for name, c in cpu.items()))
     return "\n".join(lines)
 
 

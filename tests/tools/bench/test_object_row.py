@@ -26,6 +26,11 @@ def test_the_object_row_against_raw_and_one_at_a_time(s3_bucket):
     row = rows[0]
     assert all(row[k] > 0 for k in ("put_gib_s", "put_ref_gib_s", "get_gib_s", "get_ref_gib_s", "get_serial_gib_s"))
     assert "get vs boto3 one at a time" in format_table(rows)
+    # the CPU per record, the client's always; a store of the user's (here: --s3-endpoint) has no server figure
+    cpu = row["cpu_ms_per_record"]
+    assert set(cpu) == {"put", "put boto3", "get", "get boto3"}
+    assert all(c["client"] > 0 and c["server"] is None for c in cpu.values())
+    assert "CPU ms per record, client / server: put " in format_table(rows)
     client = s3_bucket.server.client()
     assert client.list_objects_v2(Bucket=s3_bucket.bucket, Prefix="bench-").get("KeyCount", 0) == 0  # cleaned
 
@@ -33,3 +38,12 @@ def test_the_object_row_against_raw_and_one_at_a_time(s3_bucket):
 def test_an_endpoint_needs_its_bucket():
     with pytest.raises(UsageError, match="--s3-endpoint: needs --s3-bucket"):
         run_bench(_args("--tiers", "object", "--s3-endpoint", "http://127.0.0.1:1"))
+
+
+def test_a_private_seaweedfs_reports_its_cpu_per_record():
+    """Without --s3-endpoint the bench starts its own SeaweedFS and reads that process's CPU too."""
+    rows = run_bench(_args("--tiers", "object", "--sizes", "64KiB", "--repeat", "1"))
+    cpu = rows[0]["cpu_ms_per_record"]
+    # (the server's in clock ticks of 10 ms: a fast machine's small batch may read 0)
+    assert all(c["client"] > 0 and c["server"] is not None and c["server"] >= 0 for c in cpu.values())
+    assert sum(c["server"] for c in cpu.values()) > 0
