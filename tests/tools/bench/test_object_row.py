@@ -46,4 +46,3 @@ def test_a_private_seaweedfs_reports_its_cpu_per_record():
     cpu = rows[0]["cpu_ms_per_record"]
     # (the server's in clock ticks of 10 ms: a fast machine's small batch may read 0)
     assert all(c["client"] > 0 and c["server"] is not None and c["server"] >= 0 for c in cpu.values())
-    assert sum(c["server"] for c in cpu.values()) > 0
