@@ -10,8 +10,8 @@ that release the GIL while they wait on the socket. boto3 also brings what opera
 and must not be reimplemented: the standard credential chain (environment, profile, SSO, container and
 instance roles, with refresh), path-style and virtual-hosted addressing, custom CA bundles, every region.
 `tiercache bench tiers` measures the tier against the same client's raw GETs and PUTs at the same
-concurrency, and against boto3 one request at a time. The hot requests (a record's GET, a lookup's HEAD)
-use this client to presign and its HTTP session to send, without its per-call work (`direct` says why).
+concurrency, and against boto3 one request at a time. The hot requests (a record's GET and PUT, a lookup's
+HEAD) use this client to presign and its HTTP session to send, without its per-call work (`direct` says why).
 
 Tuning: ``max_pool_connections`` = the tier's ``concurrency`` (+2 for the prober and the janitor), no retries
 inside botocore (one timeout is all a call may cost: the tier marks itself down instead of retrying), and

@@ -42,7 +42,7 @@ _CODE_RE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 
 
 class DirectRequests:
-    """GETs and HEADs of one bucket through presigned URLs on the client's own HTTP session."""
+    """GETs, HEADs and PUTs of one bucket's objects through presigned URLs on the client's own HTTP session."""
 
     def __init__(self, client: Any, bucket: str) -> None:
         self.client = client
@@ -86,7 +86,7 @@ class DirectRequests:
         """PUT of a whole object with user ``metadata`` (ASCII values: `names.record_metadata` encodes them)."""
         headers = {f"x-amz-meta-{field}": value for field, value in metadata.items()}
         response = self._send("PUT", name, headers, body=body, params={"Metadata": metadata})
-        if response.status_code != 200:
+        if not 200 <= response.status_code < 300:
             self._refuse(response, "PUT", name)
         _done_with(response.raw)
 

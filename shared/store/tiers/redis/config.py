@@ -162,12 +162,16 @@ def _parse_error(url: str) -> str | None:
     from redis.connection import parse_url
 
     seeds = seed_urls(url)
-    if len(seeds) > 1 and "+cluster://" not in url:
+    cluster = "+cluster://" in url
+    if len(seeds) > 1 and not cluster:
         return "several hosts only in a redis+cluster:// or rediss+cluster:// URL"
     try:
         for seed in seeds:
-            if not parse_url(seed).get("host"):
-                return "a seed node without a host"
+            parsed = parse_url(seed)
+            if len(seeds) > 1 and not parsed.get("host"):  # (one host left out means localhost, as redis-py says)
+                return "an empty seed node in the list"
+            if any(c.isspace() for c in str(parsed.get("host", ""))):
+                return f"a space in the host {str(parsed.get('host')).strip()!r}: list seed nodes as a:7000,b:7000"
     except (ValueError, TypeError) as exc:
         return str(exc)
     return None

@@ -3,11 +3,13 @@ takes them, a record's PUT included, against a SeaweedFS that checks every signa
 
 from __future__ import annotations
 
+import os
 from urllib.parse import parse_qs, urlsplit
 
 import botocore.exceptions
 import pytest
 import torch
+from botocore.awsrequest import AWSRequest
 
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
@@ -24,15 +26,23 @@ def _query(url: str) -> dict[str, list[str]]:
     return parse_qs(urlsplit(url).query)
 
 
+def _only_these_credentials(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    """The AWS chain sees ``env`` and nothing of the user's (no profile, config file, region or endpoint)."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                 "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    for name, value in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, **env}.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("region", [None, "us-east-1", "eu-central-1"])
 def test_every_presigned_request_is_sigv4(region, monkeypatch):
     """botocore presigns S3 URLs with SigV2 unless the client says otherwise (in us-east-1, the default; it
     knows that eu-central-1 takes SigV4 only), and AWS refuses SigV2 for buckets made since 2020: every
     record's GET, HEAD and PUT would be refused there. A PUT's metadata is among the signed headers."""
-    for name, value in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_REGION", raising=False)
-    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    _only_these_credentials(monkeypatch)
     for endpoint in (None, "http://127.0.0.1:9"):
         client = make_client(ObjectTierConfig(bucket="tct-sig", endpoint=endpoint, region=region, path_style=True))
         for operation, method, extra in (("get_object", "GET", {}), ("head_object", "HEAD", {}),
@@ -82,8 +92,10 @@ def test_a_put_whose_signature_or_metadata_does_not_match_is_refused(s3_bucket):
     """The server checks what the direct PUT signs: a wrong secret, or a metadata header other than the one
     signed, is refused (and a wrong secret reads as the tier's credentials gone: down), and nothing lands."""
     server, bucket = s3_bucket.server, s3_bucket.bucket
-    right = DirectRequests(server.client(), bucket)
+    right = DirectRequests(make_client(ObjectTierConfig(bucket=bucket, endpoint=server.endpoint, path_style=True)),
+                           bucket)
     right.put("r/ok", b"body", {"tc-key": "a"})
+    assert right._presign._templates["PUT"] is not None  # signed by the tier's own path, not boto3's
     assert server.client().get_object(Bucket=bucket, Key="r/ok")["Body"].read() == b"body"
 
     wrong_client = make_client(ObjectTierConfig(bucket=bucket, endpoint=server.endpoint, path_style=True))
@@ -92,10 +104,11 @@ def test_a_put_whose_signature_or_metadata_does_not_match_is_refused(s3_bucket):
         DirectRequests(wrong_client, bucket).put("r/wrong-secret", b"body", {"tc-key": "a"})
     assert classify(refused.value) == DOWN and SECRET_KEY not in str(refused.value)
 
-    response = right._send("PUT", "r/other-meta", {"x-amz-meta-tc-key": "b"}, body=b"body",
-                           params={"Metadata": {"tc-key": "a"}})
+    # the URL signed for metadata "a", sent with "b": what a header changed on the way would be
+    url = right._presign.url("PUT", "r/other-meta", {"x-amz-meta-tc-key": "a"})
+    response = right._http.send(AWSRequest(method="PUT", url=url, headers={"x-amz-meta-tc-key": "b"},
+                                           data=b"body").prepare())
     assert response.status_code == 403
-    response.raw.close()
     listed = server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
     assert [o["Key"] for o in listed] == ["r/ok"]
 
@@ -115,9 +128,7 @@ def test_a_presigned_url_is_the_one_boto3_gives(endpoint, path_style, region, mo
 
     now = datetime.datetime(2026, 11, 29, 12, 0, 0)
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now)
-    for name, value in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                        "AWS_SESSION_TOKEN": "token/with+odd=chars"}.items():
-        monkeypatch.setenv(name, value)
+    _only_these_credentials(monkeypatch, AWS_SESSION_TOKEN="token/with+odd=chars")
     client = make_client(ObjectTierConfig(bucket="tct-sig", endpoint=endpoint, region=region, path_style=path_style))
     presigner = Presigner(client, "tct-sig", 900)
     names = ["tiercache/r/" + "ab" * 16, "p-1/x_y.z~/r/00ff", "tiercache/sys/usage"]

@@ -574,38 +574,3 @@ def _reads_control(tier: RedisTier) -> bool:
     except redis.exceptions.RedisError:
         return False
 
-
-def test_a_cluster_url_names_several_seed_nodes():
-    from vllm_tiercache.shared.store.tiers.redis.config import seed_urls
-
-    assert seed_urls("rediss+cluster://u:p,w@a:7000,b:7001,[::1]:7002/0?x=1") == [
-        "rediss://u:p,w@a:7000/0?x=1", "rediss://u:p,w@b:7001/0?x=1", "rediss://u:p,w@[::1]:7002/0?x=1"]
-    assert seed_urls("redis://cache:6379") == ["redis://cache:6379"]
-    from vllm_tiercache.shared.store.tiers.redis.client import describe_attempt
-
-    one, three = (_config(url).tiers[0] for url in ("redis+cluster://a:7000", "redis+cluster://a:1,b:2,c:3"))
-    assert "1 seed node (name several in the URL" in describe_attempt(one)  # in the 'unreachable' line
-    assert "cluster, 3 seed nodes, plain TCP" in describe_attempt(three)
-
-
-@pytest.mark.redis
-def test_a_cluster_whose_first_seed_node_hangs_is_reached_through_another(redis_cluster):
-    """Every node of the URL is a seed: the client learns the cluster from one that answers. With the first
-    seed stopped (SIGSTOP) when the tier is built, the tier starts up, the hung node's shard down, the
-    others' records written and read."""
-    hung = 0
-    others = [i for i in redis_cluster.master_nodes() if i != hung]
-    keys = [key for key in (StoreKey(f"seed|{i}") for i in range(200))
-            if redis_cluster.node_of(f"{{{key.hex}}}") in others][:8]
-    redis_cluster.config_set("cluster-node-timeout", "120000")  # no failover while the test looks
-    redis_cluster.pause(hung)
-    try:
-        tier = _tier(redis_cluster.seeds_url)
-        assert not tier.down
-        tier.put_many([(key, torch.full((16,), i, dtype=torch.uint8), None) for i, key in enumerate(keys)])
-        got = tier.get_many(keys)
-        assert all(rec is not None and int(rec.tensor[0]) == i for i, rec in enumerate(got))
-        tier.close()
-    finally:
-        redis_cluster.resume(hung)
-        redis_cluster.config_set("cluster-node-timeout", str(redis_cluster.node_timeout_ms))
