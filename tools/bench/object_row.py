@@ -42,13 +42,15 @@ _PRIVATE_SERVERS: dict[str, int] = {}
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``), None where it cannot be read."""
+    """User + system CPU seconds of process ``pid`` so far (psutil, as `bench serve` reads its servers'
+    memory), None where it cannot be read."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError):
         return None
+    return times.user + times.system
 
 
 class CpuMeter:

@@ -57,8 +57,8 @@ class DirectRequests:
     def _send(self, method: str, name: str, headers: dict[str, str] | None = None, *, body: Any = None,
               params: dict[str, Any] | None = None) -> Any:
         """One request's answer (status, headers, an unread urllib3 stream), or the failure ``classify``
-        reads; never the URL in an error. ``params``: the operation's parameters the URL is signed with
-        beyond bucket and key (a PUT's metadata)."""
+        reads; never the URL in an error. ``headers`` are signed with the URL (`presign`); ``params``: the
+        same as boto3's operation parameters (a PUT's ``Metadata``), for when boto3 presigns it instead."""
         url = self._presign.url(method, name, headers, params)
         try:
             request = AWSRequest(method=method, url=url, headers=headers or {}, data=body, stream_output=True)
