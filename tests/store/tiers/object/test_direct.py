@@ -3,7 +3,6 @@ takes them, a record's PUT included, against a SeaweedFS that checks every signa
 
 from __future__ import annotations
 
-import os
 from urllib.parse import parse_qs, urlsplit
 
 import botocore.exceptions
@@ -11,6 +10,7 @@ import pytest
 import torch
 from botocore.awsrequest import AWSRequest
 
+from tests.fixtures.s3 import only_aws_env
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.store import StoreKey
 from vllm_tiercache.shared.store.tags import TAGS_KEY
@@ -19,22 +19,11 @@ from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.direct import DirectRequests
 from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
 from vllm_tiercache.shared.store.tiers.object.tier import ObjectTier
-from vllm_tiercache.tools.s3_server import ACCESS_KEY, SECRET_KEY
+from vllm_tiercache.tools.s3_server import SECRET_KEY, SeaweedFSServer
 
 
 def _query(url: str) -> dict[str, list[str]]:
     return parse_qs(urlsplit(url).query)
-
-
-def _only_these_credentials(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
-    """The AWS chain sees ``env`` and nothing of the user's (no profile, config file, region or endpoint)."""
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_REGION", "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    for name, value in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, **env}.items():
-        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("region", [None, "us-east-1", "eu-central-1"])
@@ -42,7 +31,8 @@ def test_every_presigned_request_is_sigv4(region, monkeypatch):
     """botocore presigns S3 URLs with SigV2 unless the client says otherwise (in us-east-1, the default; it
     knows that eu-central-1 takes SigV4 only), and AWS refuses SigV2 for buckets made since 2020: every
     record's GET, HEAD and PUT would be refused there. A PUT's metadata is among the signed headers."""
-    _only_these_credentials(monkeypatch)
+    only_aws_env(monkeypatch, SeaweedFSServer.credentials_env())
+    monkeypatch.delenv("AWS_REGION")  # the region None case: boto3's default
     for endpoint in (None, "http://127.0.0.1:9"):
         client = make_client(ObjectTierConfig(bucket="tct-sig", endpoint=endpoint, region=region, path_style=True))
         for operation, method, extra in (("get_object", "GET", {}), ("head_object", "HEAD", {}),
@@ -128,7 +118,7 @@ def test_a_presigned_url_is_the_one_boto3_gives(endpoint, path_style, region, mo
 
     now = datetime.datetime(2026, 11, 29, 12, 0, 0)
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now)
-    _only_these_credentials(monkeypatch, AWS_SESSION_TOKEN="token/with+odd=chars")
+    only_aws_env(monkeypatch, {**SeaweedFSServer.credentials_env(), "AWS_SESSION_TOKEN": "token/with+odd=chars"})
     client = make_client(ObjectTierConfig(bucket="tct-sig", endpoint=endpoint, region=region, path_style=path_style))
     presigner = Presigner(client, "tct-sig", 900)
     names = ["tiercache/r/" + "ab" * 16, "p-1/x_y.z~/r/00ff", "tiercache/sys/usage"]
