@@ -19,9 +19,14 @@ from vllm_tiercache.shared.store.tiers.redis.client import describe_attempt
 from vllm_tiercache.shared.store.tiers.redis.config import seed_urls
 from vllm_tiercache.tools.redis_server import LocalRedisCluster
 
+#: like tests/store/tiers/redis/test_cluster.py: a hung node costs a read timeout, which a second engine
+#: beside the test would stretch
+pytestmark = pytest.mark.serial
+
 
 def _config(url: str):
-    return StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": url, "timeout_s": 0.5,
+    # 5 s: the hung seed costs it twice (the start, the touch); a healthy node on a loaded machine is well within
+    return StoreConfig.from_dict({"tiers": [{"kind": "redis", "url": url, "timeout_s": 5.0,
                                              "retry_after_s": 0.1}]}).tiers[0]
 
 
