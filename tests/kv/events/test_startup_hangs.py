@@ -112,6 +112,7 @@ def test_an_engine_starting_while_redis_hangs_serves_and_announces_once_it_answe
 
 
 @pytest.mark.redis
+@pytest.mark.serial  # as the cluster's hung-node tests are: a healthy node's answer must not miss the timeout
 @pytest.mark.parametrize("hung, back_by", [("ring", "resume"), ("ring", "failover"), ("first chunk", "failover")])
 def test_an_engine_starting_while_a_cluster_master_hangs_announces_once_its_shard_answers(
         tiny_llama: Path, tmp_path: Path, redis_cluster: LocalRedisCluster, hung: str, back_by: str) -> None:
@@ -123,7 +124,7 @@ def test_an_engine_starting_while_a_cluster_master_hangs_announces_once_its_shar
     held off (``cluster-node-timeout`` raised) while the test looks."""
     cluster = redis_cluster
     # every node a seed: with the URL's one node hung, the replica that took over is found through another
-    tier = {"kind": "redis", "url": cluster.seeds_url, "timeout_s": 0.5, "retry_after_s": 0.1}
+    tier = {"kind": "redis", "url": cluster.seeds_url, "timeout_s": 2.0, "retry_after_s": 0.1}
     first = Published(_config(tiny_llama, tmp_path / "unused", shared_tier=tier))
     out, meta = schedule_new(first.scheduler, hashed_request("a", _prompt(1), BLOCK))
     names = _play_saves(first.connector, meta)
