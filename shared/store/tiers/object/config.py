@@ -150,6 +150,12 @@ class ObjectTierConfig:
         "Which puts are written to this tier: {\"policy\": \"always\"} (default), {\"policy\": \"seen\", "
         "\"min_seen\": 2} or {\"policy\": \"evicted\"} (exclusive of the memory tier); see its table below "
         "(default: write-through)."))] = WRITE_THROUGH
+    layout: Annotated[Literal["chunk", "record"], Field(description=(
+        "How records lie in objects. chunk (the default): a KV chunk's layer records written together go "
+        "into one object, so a chunk costs one PUT, one GET and one HEAD instead of one per layer; other "
+        "records (encoder outputs, journals) one object each. record: one object per record, the layout of "
+        "earlier builds; use it for a bucket shared with them or holding a corpus they wrote (each layout "
+        "reads the other's KV records as misses, never as damage)."))] = "chunk"
     kind: Annotated[Literal["object"], Field(description="The tier kind.")] = "object"
 
     @property

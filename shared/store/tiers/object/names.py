@@ -3,9 +3,11 @@
 Layout (``H`` is the key digest in hex, `vllm_tiercache.shared.store.api.StoreKey.hex`)::
 
     {prefix}r/{H}              one record, whole: the record format of `vllm_tiercache.shared.store.records`
-                               (header with the key digest, version, checksums, tags in its meta; payload).
-                               User metadata: ``tc-key`` (the key text, for `tiercache stats` / `evict`) and
-                               ``tc-tags`` (its tags), so an admin listing reads no payload.
+                               (header with the key digest, version, checksums, tags in its meta; payload);
+                               or a pack of a KV chunk's layer records, itself a record (`packs`).
+                               User metadata: ``tc-key`` (the key text, for `tiercache stats` / `evict`),
+                               ``tc-tags`` (its tags), so an admin listing reads no payload, and for a pack
+                               ``tc-members`` (how many records it holds).
     {prefix}sys/control        the store's control entries (invalidations, pins): one CBOR map, changed
                                only by conditional PUT (If-Match / If-None-Match)
     {prefix}sys/janitor        the janitor's lock: created by If-None-Match, taken over when stale
@@ -31,7 +33,7 @@ from vllm_tiercache.shared.store.tags import decode_tags, encode_tags
 #: alone take more (16 tags of 128 characters) are kept in the record's header only: `evict --tag`, `stats
 #: --by-tag` and the janitor's pins do not see them (a known limit; tags that short are the norm).
 MAX_METADATA = 1900
-KEY_FIELD, TAGS_FIELD = "tc-key", "tc-tags"
+KEY_FIELD, TAGS_FIELD, MEMBERS_FIELD = "tc-key", "tc-tags", "tc-members"
 
 
 class ObjectNames:
@@ -63,9 +65,10 @@ class ObjectNames:
         return f"{self.ledgers}{writer}"
 
 
-def record_metadata(key: StoreKey, tags: tuple[str, ...]) -> dict[str, str]:
-    """The user metadata of a record: its tags and key text, percent-encoded (S3 metadata is ASCII)."""
-    meta: dict[str, str] = {}
+def record_metadata(key: StoreKey, tags: tuple[str, ...], members: int | None = None) -> dict[str, str]:
+    """The user metadata of a record: its tags and key text, percent-encoded (S3 metadata is ASCII), and for a
+    pack of records (`packs`) how many it holds (so a HEAD tells a member's share of the pack's size)."""
+    meta: dict[str, str] = {} if members is None else {MEMBERS_FIELD: str(members)}
     encoded = quote(encode_tags(tags), safe="") if tags else ""
     if encoded and len(encoded) <= MAX_METADATA:  # longer: in the record's header only (admin listings miss it)
         meta[TAGS_FIELD] = encoded
@@ -73,6 +76,12 @@ def record_metadata(key: StoreKey, tags: tuple[str, ...]) -> dict[str, str]:
     if len(text) + len(meta.get(TAGS_FIELD, "")) <= MAX_METADATA:
         meta[KEY_FIELD] = text
     return meta
+
+
+def members_in(metadata: dict[str, str]) -> int:
+    """How many records a pack's metadata says it holds (1 for a record alone, or a count unreadable)."""
+    raw = metadata.get(MEMBERS_FIELD, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def text_of(metadata: dict[str, str]) -> str:

@@ -3,13 +3,14 @@ every process and host that reaches it, bounded by ``capacity`` across all of th
 
 A record is one object (`names` has the layout) holding the record format every tier stores
 (`vllm_tiercache.shared.store.records`: header with the key digest, version, checksums and tags, then the
-payload), so a PUT of the whole record is its commit: a writer killed mid-PUT leaves nothing, and
-concurrent writers of one key write equal bytes. A torn, corrupt or foreign object is a miss, counted
+payload), or with ``layout: chunk`` one member of its KV chunk's pack (`packs`: the layers of a chunk in
+one object, itself a record), so a PUT of the whole object is its commit: a writer killed mid-PUT leaves
+nothing, and concurrent writers of one key write equal bytes. A torn, corrupt or foreign object is a miss, counted
 (``corrupt``) and deleted; another build's format is a miss left in place (``other_format``). Nothing
 unchecked reaches the model.
 
 Reads and writes put many requests in flight at once (`calls`: a bounded pool of threads over one boto3
-client, `client` says why that client): a batch of N records costs about N / ``concurrency`` round trips.
+client, `client` says why that client): a batch of N objects costs about N / ``concurrency`` round trips.
 
 No request fails because the store is slow or gone: each request has its own timeout, the first that
 runs into it (or finds the endpoint, the bucket or the credentials gone) marks the tier down, and the
@@ -26,7 +27,6 @@ from typing import Any
 
 import torch
 
-from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     ChecksAtPreflight,
@@ -43,14 +43,14 @@ from vllm_tiercache.shared.store.api import (
 )
 from vllm_tiercache.shared.store.control import parse_control
 from vllm_tiercache.shared.store.counters import TierCounters
-from vllm_tiercache.shared.store.tags import tags_of
 from vllm_tiercache.shared.store.tiers.object.admin import ObjectAdmin
 from vllm_tiercache.shared.store.tiers.object.calls import NOT_SENT, Failure, ObjectCalls, failure_reason
 from vllm_tiercache.shared.store.tiers.object.client import MISSING, THROTTLED, describe_attempt
 from vllm_tiercache.shared.store.tiers.object.config import ObjectTierConfig
 from vllm_tiercache.shared.store.tiers.object.existence import ExistenceCache, warm
 from vllm_tiercache.shared.store.tiers.object.health import ObjectHealth
-from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, record_metadata
+from vllm_tiercache.shared.store.tiers.object.names import ObjectNames, members_in, record_metadata
+from vllm_tiercache.shared.store.tiers.object.packs import Body, Group, PackLayout
 from vllm_tiercache.shared.store.tiers.object.preflight import check_bucket
 from vllm_tiercache.shared.store.tiers.object.sweeps.janitor import Janitor
 from vllm_tiercache.shared.threads import background_thread
@@ -71,6 +71,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self.capacity = config.capacity
         self.counters = TierCounters()
         self._names = ObjectNames(config.prefix)
+        self._layout = PackLayout(pack=config.layout == "chunk")
         self._pins: frozenset[str] = frozenset()
         # the prober calls ``self._probe`` as it is when it runs (tests wrap it to see which thread probes)
         self._health = ObjectHealth(self.address, config.retry_after_s, self.counters,
@@ -128,13 +129,15 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         return self._existence
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Keys in the existence cache (`existence`: valid while ``sys/usage``'s eviction generation stays,
-        one GET) are there; the others get one HEAD each, many in flight (a down tier answers all misses at
-        once). Only HEADs that found a record fill the cache: it can under-promise, never over-promise."""
+        """Objects (`packs`: a KV chunk's pack answers for its layers) in the existence cache (`existence`:
+        valid while ``sys/usage``'s eviction generation stays, one GET) are there; the others get one HEAD
+        each, many in flight (a down tier answers all misses at once). Only HEADs that found an object fill
+        the cache: it can under-promise, never over-promise."""
         calls, cache = self._calls, self._existence
         if self._health.down:
             return [False] * len(keys)
-        hexes = [key.hex for key in keys]
+        groups = self._layout.group(keys)
+        hexes = [group.key.hex for group in groups]
         known = cache.known(hexes)
         # validated when it answers something, or holds no generation (then none of these HEADs could enter it)
         # and no listing is under way (the first lookup costs its HEADs only: the listing validates meanwhile)
@@ -142,16 +145,20 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         warming = first or (self._warming is not None and self._warming.is_alive())
         if any(known) or (cache.generation is None and not warming):
             valid = cache.validate(self._janitor.marks.generation(), self._janitor.marks.evicted_between)
-            known = cache.known(hexes) if valid else [False] * len(keys)
+            known = cache.known(hexes) if valid else [False] * len(groups)
         generation = cache.generation  # read before the HEADs below
         ask = [i for i, hit in enumerate(known) if not hit]
-        res = calls.many("contains", lambda i: calls.exists(self._names.record(keys[i])), ask)
-        found = list(known)
+        res = calls.many("contains", lambda i: calls.exists(self._names.record_of(hexes[i])), ask)
+        found_objects = list(known)
         for i, r in zip(ask, res, strict=True):
-            found[i] = not isinstance(r, Failure)
+            found_objects[i] = not isinstance(r, Failure)
         cache.add((hexes[i] for i, r in zip(ask, res, strict=True) if not isinstance(r, Failure)), generation)
         if first:
             self._start_warming()
+        found = [False] * len(keys)
+        for group, there in zip(groups, found_objects, strict=True):
+            for i in group.positions:
+                found[i] = there
         return found
 
     def _start_warming(self) -> None:
@@ -186,49 +193,70 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         return not self._warming.is_alive()
 
     def sizes_many(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """Each record's stored size from one HEAD per object; a pack's members each its share of the pack."""
         calls = self._calls
-        res = calls.many("sizes", lambda key: calls.head(self._names.record(key)), keys)
-        return [None if isinstance(r, Failure) else int(r["ContentLength"]) for r in res]
+        groups = self._layout.group(keys)
+        res = calls.many("sizes", lambda group: calls.head(self._names.record_of(group.key.hex)), groups)
+        out: list[int | None] = [None] * len(keys)
+        for group, got in zip(groups, res, strict=True):
+            if not isinstance(got, Failure):
+                for i in group.positions:
+                    out[i] = int(got["ContentLength"]) // members_in(got.get("Metadata") or {})
+        return out
 
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]:
-        """Ranged GETs of ``range_size``, many in flight (`ObjectCalls.get_in_ranges`: one GET for a record no
-        larger); each object checked whole (`records.decode`: the tensor is built over the bytes received, no
-        copy for a one-range record). Damaged objects are deleted, counted, and misses."""
+        """Ranged GETs of ``range_size``, many in flight (`ObjectCalls.get_in_ranges`: one GET for an object no
+        larger), one per object (`packs`: a KV chunk's layers asked together cost one GET of their pack);
+        each object checked whole (`records.decode`: the tensor is built over the bytes received, no copy for
+        a one-range object). Damaged objects are deleted, counted, and misses; a record missing from its
+        pack is a miss counted ``partial``."""
         if not keys:
             return []
         calls = self._calls
+        groups = self._layout.group(keys)
         generation = self._existence.generation  # read before the GETs below
-        res = calls.get_in_ranges("get", [self._names.record(key) for key in keys], self.config.range_size)
+        res = calls.get_in_ranges("get", [self._names.record_of(group.key.hex) for group in groups],
+                                  self.config.range_size)
         out: list[Record | None] = [None] * len(keys)
-        corrupt: list[StoreKey] = []
-        for i, (key, body) in enumerate(zip(keys, res, strict=True)):
+        corrupt: list[str] = []
+        hits: list[str] = []
+        for group, body in zip(groups, res, strict=True):
             if isinstance(body, Failure):
                 if body.kind == MISSING:  # gone (a cached promise may have said otherwise): not cached again
-                    self._existence.forget([key.hex])
+                    self._existence.forget([group.key.hex])
                 continue
             try:
-                out[i] = records.decode(body, key)
+                found = self._layout.decode(group, body, keys)
             except records.OtherFormatError:  # another build's record: a miss, left for that build
                 self.counters.add(other_format=1)
+                continue
             except records.RecordError as exc:
-                corrupt.append(key)
+                corrupt.append(group.key.hex)
                 self._health.other_error(f"decode ({exc})", exc)
+                continue
+            for i, rec in found.items():
+                out[i] = rec
+            if len(found) < len(group.positions):
+                self.counters.add(partial=len(group.positions) - len(found))
+            if found:
+                hits.append(group.key.hex)
         if corrupt:
-            self._existence.forget(key.hex for key in corrupt)
+            self._existence.forget(corrupt)
             self.counters.add(corrupt=len(corrupt))
-            calls.many("delete corrupt", lambda key: calls.delete(self._names.record(key)), corrupt)
-        hits = [key.hex for key, rec in zip(keys, out, strict=True) if rec is not None]
+            calls.many("delete corrupt", lambda h: calls.delete(self._names.record_of(h)), corrupt)
         if hits:
             self._janitor.read(hits)
             self._existence.add(hits, generation)
         return out
 
     def drop_many(self, keys: Sequence[StoreKey]) -> None:
-        """Delete these keys' objects (`DropsRecords`: records the store cannot open), many in flight; an
-        absent one is no error, a failure is counted and left for the next reader."""
+        """Delete these keys' objects (`DropsRecords`: records the store cannot open, or promoted into memory;
+        a pack goes whole), many in flight; an absent one is no error, a failure is counted and left for the
+        next reader."""
         calls = self._calls
-        self._existence.forget(key.hex for key in keys)
-        calls.many("drop", lambda key: calls.delete(self._names.record(key)), keys)
+        hexes = [group.key.hex for group in self._layout.group(keys)]
+        self._existence.forget(hexes)
+        calls.many("drop", lambda h: calls.delete(self._names.record_of(h)), hexes)
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
@@ -239,53 +267,74 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
     def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
                      ) -> Unwritten | None:
-        """One PUT of each whole record, many in flight; what failed (down, hung, throttled, refused) comes back
-        for the caller to drop or put again. Records are encoded first, so that the janitor admits each by its
-        real size: as many of the leading records as fit in this writer's grant go out together, then the next
-        ones (a full grant waits for a sweep, `Janitor.admit`); those it does not admit are dropped writes,
-        counted here (a later try would find the grant as full)."""
+        """One PUT of each whole object (`packs`: a KV chunk's layers of this put in one), many in flight; the
+        records of what failed (down, hung, throttled, refused) come back for the caller to drop or put again.
+        Objects are encoded first, so that the janitor admits each by its real size: as many of the leading
+        objects as fit in this writer's grant go out together, then the next ones (a full grant waits for a
+        sweep, `Janitor.admit`); the records of those it does not admit are dropped writes, counted here (a
+        later try would find the grant as full)."""
         if not items:
             return None
         calls = self._calls
         janitor = self._janitor
-        encoded = [(key, records.encode(key, tensor, meta), tags_of(meta)) for key, tensor, meta in items]
-        parents = [None if (p := parent_of(meta)) is None else p.hex() for _, _, meta in items]  # the ledger's
+        groups = self._layout.group([item[0] for item in items])
+        kept = self._members_kept([group for group in groups if self._layout.short_of(group, items)])
+        encoded = [(group, self._layout.encode(group, items, kept.get(group.key.digest, ()))) for group in groups]
         generation = self._existence.generation  # read before the PUTs below
         failed: list[int] = []
         first_failure: Failure | None = None
         pos = 0
         while pos < len(encoded):
-            n = janitor.admit([enc.nbytes for _, enc, _ in encoded[pos:]])
+            n = janitor.admit([len(body.data) for _, body in encoded[pos:]])
             if not n:  # no room in this writer's grant and no sweep came: the tier stays bounded
+                left = [i for group, _ in encoded[pos:] for i in group.positions]
                 if self.down:  # the janitor could not ask: the records are unwritten, not refused
-                    failed.extend(range(pos, len(encoded)))
+                    failed.extend(left)
                     first_failure = first_failure or NOT_SENT
                 else:
-                    self.counters.add(dropped_writes=len(encoded) - pos)
+                    self.counters.add(dropped_writes=len(left))
                 break
             batch = encoded[pos:pos + n]
 
-            def put(item: tuple[StoreKey, records.Encoded, tuple[str, ...]]) -> int:
-                key, enc, tags = item
-                calls.put_record(self._names.record(key), joined(enc), record_metadata(key, tags))
-                return enc.nbytes
+            def put(item: tuple[Group, Body]) -> int:
+                group, body = item
+                calls.put_record(self._names.record_of(group.key.hex), body.data,
+                                 record_metadata(group.key, body.tags, body.members))
+                return len(body.data)
 
             res = calls.many("put", put, batch)
-            ok = [(item[0].hex, n, parents[i]) for i, (item, n) in enumerate(zip(batch, res, strict=True), pos)
-                  if not isinstance(n, Failure)]
+            ok = [(group, nbytes, body.parent) for (group, body), nbytes in zip(batch, res, strict=True)
+                  if not isinstance(nbytes, Failure)]
             written = sum(nbytes for _, nbytes, _ in ok)
-            janitor.wrote(sum(enc.nbytes for _, enc, _ in batch), written, [(h, p) for h, _, p in ok])
-            self._existence.add((h for h, _, _ in ok), generation)
+            janitor.wrote(sum(len(body.data) for _, body in batch), written,
+                          [(group.key.hex, parent) for group, _, parent in ok])
+            self._existence.add((group.key.hex for group, _, _ in ok), generation)
             if ok:
-                self.counters.add(puts=len(ok), bytes_written=written)
-            for i, got in enumerate(res):
+                self.counters.add(puts=sum(len(group.positions) for group, _, _ in ok), bytes_written=written)
+            for (group, _), got in zip(batch, res, strict=True):
                 if isinstance(got, Failure):
-                    failed.append(pos + i)
+                    failed.extend(group.positions)
                     first_failure = first_failure or got
             pos += n
         if not failed or first_failure is None:
             return None
-        return Unwritten(tuple(failed), failure_reason(first_failure), first_failure.kind == THROTTLED)
+        return Unwritten(tuple(sorted(failed)), failure_reason(first_failure), first_failure.kind == THROTTLED)
+
+    def _members_kept(self, short: list[Group]) -> dict[bytes, list[tuple[StoreKey, Record]]]:
+        """The members of the packs in ``short`` as stored now (one GET each): a put that brings only some
+        of a pack's members keeps the others (`PackLayout.short_of`). A pack unreadable or gone keeps none."""
+        if not short:
+            return {}
+        bodies = self._calls.get_in_ranges("get", [self._names.record_of(group.key.hex) for group in short],
+                                           self.config.range_size)
+        kept: dict[bytes, list[tuple[StoreKey, Record]]] = {}
+        for group, body in zip(short, bodies, strict=True):
+            if not isinstance(body, Failure):
+                try:
+                    kept[group.key.digest] = self._layout.members(group, body)
+                except records.RecordError:  # damaged or another build's: written anew with this put's
+                    pass
+        return kept
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def _ledger_reads(self) -> dict[str, float]:
@@ -343,11 +392,3 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         self._janitor.close()
         self._calls.close()
 
-
-def joined(enc: records.Encoded) -> bytearray:
-    """A record's two pieces as one body (what a PUT sends), in one copy of the payload (`Encoded.tobytes`
-    makes two: the payload's bytes, then the concatenation)."""
-    body = bytearray(enc.nbytes)
-    body[:len(enc.prefix)] = enc.prefix
-    body[len(enc.prefix):] = enc.payload
-    return body
