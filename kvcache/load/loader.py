@@ -37,6 +37,9 @@ from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
+#: A hand-off job's records read in one batch before its first layer up to this many bytes (`_read_ahead`).
+READ_AHEAD_BYTES = 1 << 30
+
 
 def landing_place(layer_bytes: memoryview, block_bytes: int, load: ChunkLoad, spans: list[tuple[int, int, int, int]]
                   ) -> list[memoryview] | None:
@@ -269,6 +272,7 @@ class KVLoader:
         if self._reads_into:  # the whole step's files read ahead while the first layer loads (cold disks)
             self.store.prefetch([self.key(job.loads[i].chunk_hash, layer)  # type: ignore[attr-defined]
                                  for _, layer, group in layers for i in loads_of_group.get(group, ())])
+        ahead = self._read_ahead(job, layers, loads_of_group)
         for layer_name, layer, group in layers:
             todo = [i for i in loads_of_group.get(group, ()) if i not in job.failed]
             # a sealing store opens each record with its request's tenant subkey (`ChunkLoad.tenant`)
@@ -276,7 +280,10 @@ class KVLoader:
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             fetch_started = time.perf_counter()
-            records = self._read(job, todo, keys, spans, in_place, layer_bytes)
+            if ahead is not None:
+                records = [ahead.get(key.digest) for key in keys]
+            else:
+                records = self._read(job, todo, keys, spans, in_place, layer_bytes)
             job.fetch_seconds += time.perf_counter() - fetch_started
             copies: list[tuple[list[tuple[int, int, int, int]], torch.Tensor]] = []
             loaded_bytes = loaded_blocks = 0
@@ -304,6 +311,26 @@ class KVLoader:
             self.counters.load_errors += len(job.failed)
         if job.near_only and self.staging is not None:
             self.staging.loaded([load.chunk_hash for load in job.loads])
+
+    def _read_ahead(self, job: LoadJob, layers: list[tuple[str, int, int]],
+                    loads_of_group: dict[int, list[int]]) -> dict[bytes, Record | None] | None:
+        """Every layer's records of a job that may read a far tier (a prefill/decode hand-off: the other loads
+        of a store with a far tier read host memory and the near tiers only, ``near_only``), in one batched
+        read before the first layer, by key digest; None for any other job (read layer by layer). Why: a
+        far tier answers a batch in about one round trip, and the object tier keeps a chunk's layers in one
+        object (a read per layer would fetch it once per layer). A job past `READ_AHEAD_BYTES` is read layer
+        by layer still: its records would all sit in host memory at once."""
+        if job.near_only or not getattr(self.store, "far_tiers", None):
+            return None
+        blocks = sum(len(job.loads[i].block_ids) for _, _, group in layers for i in loads_of_group.get(group, ()))
+        if blocks * self._block_bytes > READ_AHEAD_BYTES:
+            return None
+        keys = [self.key(job.loads[i].chunk_hash, layer).for_tenant(job.loads[i].tenant)
+                for _, layer, group in layers for i in loads_of_group.get(group, ())]
+        started = time.perf_counter()
+        found = self.store.get_many(keys)
+        job.fetch_seconds += time.perf_counter() - started
+        return {key.digest: record for key, record in zip(keys, found, strict=True)}
 
     def _read(self, job: LoadJob, todo: list[int], keys: list[StoreKey], spans: list[list[tuple[int, int, int, int]]],
               in_place: list[bool], layer_bytes: memoryview | None) -> list[Record | None]:

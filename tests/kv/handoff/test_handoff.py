@@ -115,10 +115,11 @@ def _kv_stats(engine_outputs: dict[int, Any]) -> dict[str, Any]:
     return dict(stats.kv_connector_stats or {}) if stats is not None else {}
 
 
-def _prefill(model: Path, disk: Path, prompt: list[int], req_id: str = "p") -> tuple[dict[str, Any], Scheduler]:
+def _prefill(model: Path, disk: Path, prompt: list[int], req_id: str = "p",
+             **extra: Any) -> tuple[dict[str, Any], Scheduler]:
     """Run the producer's side of the proxy flow: schedule, save what the worker saves, finish; returns the
     ``kv_transfer_params`` vLLM puts in the request's output."""
-    producer = _scheduler(model, disk, "kv_producer")
+    producer = _scheduler(model, disk, "kv_producer", **extra)
     connector = _connector(producer)
     producer.add_request(_request(req_id, prompt, {"do_remote_decode": True}))
     out = producer.schedule()
@@ -210,6 +211,35 @@ def test_the_consumer_loads_the_promised_prefix_asynchronously(tiny_llama: Path,
     out = consumer.schedule()  # the request resumes with the whole prefix loaded
     assert out.scheduled_new_reqs[0].req_id == "d" and out.num_scheduled_tokens["d"] == PROMPT_LEN - 18 * BLOCK
     worker.shutdown()
+    _connector(consumer)._store.close()
+
+
+@pytest.mark.s3
+def test_a_hand_off_through_the_object_tier_reads_each_chunk_once(tiny_llama: Path, tmp_path: Path,
+                                                                   s3_bucket) -> None:
+    """A hand-off's load reads a far tier in one batch before its first layer, not layer by layer: the object
+    tier keeps a chunk's layers in one object, which a read per layer would fetch once per layer."""
+    prompt = tokens(PROMPT_LEN)
+    tiers = {"tiers": [s3_bucket.tier_config()]}
+    params, producer = _prefill(tiny_llama, tmp_path / "disk", prompt, **tiers)
+    _connector(producer).shutdown()  # the scheduler side's far lookup threads too
+    _connector(producer)._store.close()
+    consumer, request, out = _consume(tiny_llama, tmp_path / "disk", prompt, params, **tiers)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (tier,) = _connector(consumer)._store.tiers
+    gets: list[str] = []
+    first_range = tier._calls._first_range
+    tier._calls._first_range = lambda name, part: gets.append(name) or first_range(name, part)
+    caches = _caches(seed=None)
+    kv_output, worker = _run_handoff(consumer, out, caches)
+    assert kv_output.finished_recving == {"d"} and not kv_output.invalid_block_ids
+    producer_caches = _caches(seed=1)
+    table = consumer.kv_cache_manager.get_block_ids("d")[0]
+    for layer in LAYERS:
+        assert torch.equal(caches[layer][table[:18]], producer_caches[layer][1:19])
+    assert len(gets) == len(set(gets)) == 5  # one GET per chunk (4 full, 1 partial), for every layer
+    worker.shutdown()
+    _connector(consumer).shutdown()
     _connector(consumer)._store.close()
 
 

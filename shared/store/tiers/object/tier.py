@@ -157,8 +157,10 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             self._start_warming()
         found = [False] * len(keys)
         for group, there in zip(groups, found_objects, strict=True):
+            # a pack this process wrote answers for the members it holds only (the others would be misses)
+            held = self._layout.written(group.key) if there and group.packed else None
             for i in group.positions:
-                found[i] = there
+                found[i] = there and (held is None or keys[i].digest in held)
         return found
 
     def _start_warming(self) -> None:
@@ -250,13 +252,23 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         return out
 
     def drop_many(self, keys: Sequence[StoreKey]) -> None:
-        """Delete these keys' objects (`DropsRecords`: records the store cannot open, or promoted into memory;
-        a pack goes whole), many in flight; an absent one is no error, a failure is counted and left for the
-        next reader."""
+        """Delete these keys' objects (`DropsRecords`: records the store cannot open, or promoted into memory),
+        many in flight; an absent one is no error, a failure is counted and left for the next reader. A pack
+        goes only when these keys are all of its members (its ``tc-members``, one HEAD): the others may be
+        records the memory tier let go of, whose only copy it is."""
         calls = self._calls
-        hexes = [group.key.hex for group in self._layout.group(keys)]
-        self._existence.forget(hexes)
-        calls.many("drop", lambda h: calls.delete(self._names.record_of(h)), hexes)
+        groups = self._layout.group(keys)
+
+        def drop(group: Group) -> None:
+            name = self._names.record_of(group.key.hex)
+            if group.packed:
+                members = members_in(calls.head(name).get("Metadata") or {})
+                if len({keys[i].digest for i in group.positions}) < members:
+                    return
+            calls.delete(name)
+
+        self._existence.forget(group.key.hex for group in groups)
+        calls.many("drop", drop, groups)
 
     # ----------------------------------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
@@ -278,11 +290,12 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls = self._calls
         janitor = self._janitor
         groups = self._layout.group([item[0] for item in items])
-        kept = self._members_kept([group for group in groups if self._layout.short_of(group, items)])
-        encoded = [(group, self._layout.encode(group, items, kept.get(group.key.digest, ()))) for group in groups]
+        kept, unread = self._members_kept([group for group in groups if self._layout.short_of(group, items)])
+        failed = [i for group in groups if group.key.digest in unread for i in group.positions]
+        first_failure: Failure | None = next(iter(unread.values()), None)
+        encoded = [(group, self._layout.encode(group, items, kept.get(group.key.digest, ()))) for group in groups
+                   if group.key.digest not in unread]
         generation = self._existence.generation  # read before the PUTs below
-        failed: list[int] = []
-        first_failure: Failure | None = None
         pos = 0
         while pos < len(encoded):
             n = janitor.admit([len(body.data) for _, body in encoded[pos:]])
@@ -320,21 +333,28 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
             return None
         return Unwritten(tuple(sorted(failed)), failure_reason(first_failure), first_failure.kind == THROTTLED)
 
-    def _members_kept(self, short: list[Group]) -> dict[bytes, list[tuple[StoreKey, Record]]]:
+    def _members_kept(self, short: list[Group]
+                      ) -> tuple[dict[bytes, list[tuple[StoreKey, Record]]], dict[bytes, Failure]]:
         """The members of the packs in ``short`` as stored now (one GET each): a put that brings only some
-        of a pack's members keeps the others (`PackLayout.short_of`). A pack unreadable or gone keeps none."""
+        of a pack's members keeps the others (`PackLayout.short_of`). A pack gone, damaged or another build's
+        keeps none; a pack that could not be read now (down, hung, throttled) is not written either: its
+        put's records come back unwritten (the second dict, by pack digest), never replacing it with fewer."""
         if not short:
-            return {}
+            return {}, {}
         bodies = self._calls.get_in_ranges("get", [self._names.record_of(group.key.hex) for group in short],
                                            self.config.range_size)
         kept: dict[bytes, list[tuple[StoreKey, Record]]] = {}
+        unread: dict[bytes, Failure] = {}
         for group, body in zip(short, bodies, strict=True):
-            if not isinstance(body, Failure):
-                try:
-                    kept[group.key.digest] = self._layout.members(group, body)
-                except records.RecordError:  # damaged or another build's: written anew with this put's
-                    pass
-        return kept
+            if isinstance(body, Failure):
+                if body.kind != MISSING:
+                    unread[group.key.digest] = body
+                continue
+            try:
+                kept[group.key.digest] = self._layout.members(group, body)
+            except records.RecordError:  # damaged or another build's: written anew with this put's
+                pass
+        return kept, unread
 
     # ------------------------------------------------------------------------------ admin (stats/evict)
     def _ledger_reads(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.waiting import wait_until
 from vllm_tiercache.shared.config import StoreConfig
 from vllm_tiercache.shared.eviction.lineage import PARENT_KEY
 from vllm_tiercache.shared.naming.keys import EncoderIdentity, KVModelIdentity, encoder_key, kv_chunk_key
@@ -88,12 +89,17 @@ def test_a_chunks_layers_are_one_object_read_with_one_get(s3_bucket):
         assert sorted(gets.names) == sorted(packs)  # one GET per chunk, not per layer
         for (_, want, meta), rec in zip(items, got, strict=True):
             assert rec is not None and torch.equal(rec.tensor, want) and rec.meta == meta
+            # in a buffer of its own: a layer the memory tier keeps does not hold its whole pack
+            assert rec.tensor.untyped_storage().nbytes() < 2 * want.numel() * want.element_size()
         assert tier.contains_many([key for key, _, _ in items] + layer_keys(b"\x03" * 8)) == [True] * 8 + [False] * 4
         assert tier.sizes_many([items[0][0]]) == [head["ContentLength"] // LAYERS]
         assert sorted((r.text, r.tags) for r in tier.iter_stored()) == sorted(
             (pack_key_of(items[i][0]).text, ("doc:a",)) for i in (0, LAYERS))
-        tier.drop_many([items[0][0]])  # a record the store cannot open: its pack goes whole
+        tier.drop_many([items[0][0]])  # the others may be records memory let go of: the pack stays
+        assert all(rec is not None for rec in tier.get_many([key for key, _, _ in items[:LAYERS]]))
+        tier.drop_many([key for key, _, _ in items[:LAYERS]])  # all of its members: the pack goes
         assert tier.get_many([key for key, _, _ in items[:LAYERS]]) == [None] * LAYERS
+        assert objects(s3_bucket, tier) == [packs[1]]
         assert tier.counters.get("corrupt") == 0 and tier.counters.get("partial") == 0
     finally:
         tier.close()
@@ -122,6 +128,8 @@ def test_a_pack_missing_layers_is_a_counted_partial_miss_not_damage(s3_bucket):
         got = first.get_many(layer_keys(b"\x01" * 8))
         assert got[0] is not None and torch.equal(got[0].tensor, tensor(0)) and got[1:] == [None] * 3
         assert first.counters.get("partial") == 3 and first.counters.get("corrupt") == 0
+        # the process that wrote the pack knows what it holds: its lookups promise no more than that
+        assert second.contains_many(layer_keys(b"\x01" * 8)) == [True, False, False, False]
         assert len(objects(s3_bucket, first)) == 1  # left in place: its next whole put replaces it
     finally:
         first.close()
@@ -181,6 +189,19 @@ def test_another_pack_version_or_a_plain_record_under_a_packs_name_is_left_in_pl
         tier.close()
 
 
+@pytest.mark.s3
+def test_a_record_alone_asked_twice_in_one_read_is_answered_twice(s3_bucket):
+    tier = tier_of(s3_bucket)
+    try:
+        key = encoder_key("ns", EncoderIdentity("m", "fp"), "mm-hash")
+        tier.put_many([(key, tensor(1), None)])
+        got = tier.get_many([key, key])
+        assert all(rec is not None and torch.equal(rec.tensor, tensor(1)) for rec in got)
+        assert tier.counters.get("partial") == 0
+    finally:
+        tier.close()
+
+
 def test_a_packs_parent_is_the_pack_of_its_members_parents():
     layout = PackLayout(pack=True)
     first, second = chunk_items(b"\x01" * 8), chunk_items(b"\x02" * 8, parent=b"\x01" * 8)
@@ -211,6 +232,7 @@ def test_a_pack_member_entry_outside_the_payload_is_damage():
 def test_a_put_of_packs_while_the_server_hangs_leaves_every_layer_unwritten(s3_bucket):
     tier = tier_of(s3_bucket, timeout_s=1.0)
     try:
+        tier.put_many(chunk_items(b"\x03" * 8))
         items = chunk_items(b"\x01" * 8) + chunk_items(b"\x02" * 8)
         s3_bucket.server.pause()
         try:
@@ -218,6 +240,17 @@ def test_a_put_of_packs_while_the_server_hangs_leaves_every_layer_unwritten(s3_b
         finally:
             s3_bucket.server.resume()
         assert unwritten is not None and unwritten.positions == tuple(range(2 * LAYERS))
-        assert tier.counters.get("puts") == 0
+        assert tier.counters.get("puts") == LAYERS
+        wait_until("the tier back up", lambda: not tier.down)
+        # a put of some layers of a pack that cannot be read now is not written: it would replace the pack
+        s3_bucket.server.pause()
+        try:
+            unwritten = tier.try_put_many(chunk_items(b"\x03" * 8, seed=50, layers=[1]))
+        finally:
+            s3_bucket.server.resume()
+        assert unwritten is not None and unwritten.positions == (0,)
+        wait_until("the tier back up", lambda: not tier.down)
+        got = tier.get_many(layer_keys(b"\x03" * 8))
+        assert all(rec is not None and torch.equal(rec.tensor, tensor(layer)) for layer, rec in enumerate(got))
     finally:
         tier.close()
