@@ -46,7 +46,8 @@ STORE_COUNTER_HELP: dict[str, str] = {
     "corrupt": "Records found damaged (checksum, size, key digest) and deleted; read as misses.",
     "other_format": "Records of another record format version (another build's), read as misses.",
     "partial": "Records found with a piece gone (Redis evicted or expired one of a record's keys, not the whole "
-               "record): read as misses, the rest deleted; not damage.",
+               "record: the rest deleted), or missing from their chunk's pack on the object tier: read as "
+               "misses; not damage.",
     "dropped_writes": "Records not written to this tier: background queue full, or the tier failed or was down.",
     "refused": "Records this tier refused (larger than its capacity, or refused on arrival by admission).",
     "admission_refused": "W-TinyLFU admission refusals (memory tier with policy wtinylfu).",

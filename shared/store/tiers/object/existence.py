@@ -22,7 +22,10 @@ the record is there as surely as a fresh HEAD would say. What is not bracketed: 
 as damaged (a fresh HEAD would answer "there" for them too, and their load fails the same way) and deletes by
 other tools or a bucket lifecycle rule (the cache then promises what a load misses: that load counts a
 load error, `vllm:tiercache_kv_load_errors_total`, vLLM recomputes the blocks, and the key leaves the cache).
-Misses are never cached: a record another instance writes later must be found.
+Misses are never cached: a record another instance writes later must be found. The cache holds object
+digests: with ``layout: chunk`` a KV chunk's pack (`packs`) answers for its layers, and a pack another
+process replaced with fewer layers is promised whole (its missing layers fail the chunk's prefetch,
+counted ``partial``); the tier answers only for the members this process wrote into a pack it wrote lately.
 
 A process that never saw a corpus (a new server of a precomputed corpus) would HEAD every key of its first
 lookups, past the budget; so the first lookup also starts one background listing of the prefix (`warm`:
