@@ -42,9 +42,11 @@ class PrefetchNews:
     missing: set[bytes]
     unstaged: set[bytes]
 
-#: Chunks fetched at once: enough to overlap a far tier's round trips, few enough to leave the cores to the
-#: forward pass (a thread mostly waits on a socket).
-PREFETCH_THREADS = 4
+#: Chunks fetched at once: enough to overlap a far tier's round trips (a thread mostly waits on a socket), as
+#: many as the object tier's requests in flight by default (`concurrency`): it reads a chunk in one GET of its
+#: pack, so each thread is one request. With 4, `bench serve --store-rtt-ms 20` (memory-object, 16 users) had
+#: 17 prefetches late, each a chunk recomputed; with 16, none (docs/benchmarks.md).
+PREFETCH_THREADS = 16
 
 
 class Prefetcher:
