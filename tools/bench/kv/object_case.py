@@ -16,7 +16,7 @@ the row would mostly measure memory. With the object tier alone, every measured 
 from the bucket: the row is what the object tier costs, which is what its targets are about.
 
 The raw reference (`medium.object_get_s`): boto3 GETs of objects of the sizes the tier stores for one hit
-(one record per layer and chunk, `record_sizes`), with the tier's ``concurrency`` in flight on a client
+(one pack per chunk, `object_sizes`), with the tier's ``concurrency`` in flight on a client
 tuned as the tier's, from the same SeaweedFS right after the consumer exited. Targets (issue 49): TTFT <=
 resident hit + `RAW_GET_TARGET` x that raw GET time, and TTFT <= `COLD_TARGET` x the cold prefill.
 """
@@ -83,12 +83,12 @@ def chunk_size() -> int:
     return int(env) if env.isdigit() else KVConnectorOptions().chunk_size
 
 
-def record_sizes(layers: int, layer_token_bytes: int, prompt_len: int, hit_tokens: int, chunk: int) -> list[int]:
-    """Payload bytes of the records a hit of ``hit_tokens`` reads: every layer's record of each chunk that
-    holds any of them, as the producer stored it (whole chunks, the prompt's last one partial)."""
+def object_sizes(layers: int, layer_token_bytes: int, prompt_len: int, hit_tokens: int, chunk: int) -> list[int]:
+    """Payload bytes of the objects a hit of ``hit_tokens`` reads: one pack per chunk that holds any of them
+    (the tier's default ``layout: chunk``: every layer's record of the chunk), as the producer stored it
+    (whole chunks, the prompt's last one partial)."""
     chunks = -(-hit_tokens // chunk)
-    per_layer = [min(chunk, prompt_len - i * chunk) * layer_token_bytes for i in range(chunks)]
-    return per_layer * layers
+    return [min(chunk, prompt_len - i * chunk) * layer_token_bytes * layers for i in range(chunks)]
 
 
 def run_case(bench: _Bench) -> None:
@@ -106,7 +106,7 @@ def run_case(bench: _Bench) -> None:
         geometry = kv_bytes_per_layer_token(bench.model, bench.args.dtype)
         if geometry is None:
             return
-        sizes = record_sizes(*geometry, bench.prompt_len, bench.min_hit_tokens, chunk_size())
+        sizes = object_sizes(*geometry, bench.prompt_len, bench.min_hit_tokens, chunk_size())
         bench.progress(f"    raw S3 GETs: {len(sizes)} objects, {sum(sizes) / 2**20:.1f} MiB, {CONCURRENCY} in flight")
         bench.object_get = (object_get_s(sizes, item, CONCURRENCY), len(sizes), sum(sizes))
 

@@ -130,7 +130,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{ms(media.get('page_cache'))}{hot('page_cache')}, O_DIRECT read {ms(media.get('o_direct'))}, "
                      f"redis-py GET {ms(media.get('redis'))}")
         if media.get("s3_get") is not None:  # the object case's own objects: one per layer and chunk
-            lines.append(f"raw S3 GETs of the object case's records ({media['s3_objects']} objects, "
+            lines.append(f"raw S3 GETs of the object case's objects ({media['s3_objects']} objects, "
                          f"{media['s3_bytes'] / 2**20:.1f} MiB, boto3 with the tier's concurrency in flight): "
                          f"{ms(media['s3_get'])}")
         for row in report["rows"]:

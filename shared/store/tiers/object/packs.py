@@ -36,7 +36,7 @@ What a pack promises, and what it does not:
   another pack version, or a plain record under a pack's name, is ``other_format``: a miss left in place.
 - Eviction, pins, idle times and admin deletes act on whole packs: the parent of a pack in the janitor's
   ledger (`prefix` policy) is the pack of its members' parents when this process wrote that pack
-  (`RECENT_PARENTS` member digests remembered), else none (a root).
+  (`RECENT_PARENTS` packs remembered), else none (a root).
 """
 
 from __future__ import annotations
@@ -61,10 +61,12 @@ from vllm_tiercache.shared.store.tags import TAGS_KEY, tags_of
 PACK_VERSION = 1
 #: A KV layer record's last fields: ``L<layer>`` and an optional ``G<group>`` (`kv_chunk_key`).
 _LAYER_TAIL = re.compile(r"\|L\d+(\|G[^|]+)?$")
-#: Packs whose members this process wrote, remembered to keep them when a later put brings only some.
-RECENT_PACKS = 1 << 14
-#: Member digests remembered with their pack's digest, for the pack's parent in the janitor's ledger.
-RECENT_PARENTS = 1 << 17
+#: Packs whose members this process wrote, remembered to keep them when a later put brings only some (about
+#: 4 KiB each for 32 layers: 16 MiB at most).
+RECENT_PACKS = 1 << 12
+#: Packs remembered by one member's digest, for their children's parent in the janitor's ledger (about 200
+#: bytes each). One member is enough: a child's members name every layer of its parent pack as parents.
+RECENT_PARENTS = 1 << 16
 
 Item = tuple[StoreKey, torch.Tensor, "dict[str, Any] | None"]
 
@@ -175,12 +177,13 @@ class PackLayout:
             self._members.move_to_end(pack.digest)
             while len(self._members) > RECENT_PACKS:
                 self._members.popitem(last=False)
-            for digest in members:
-                self._pack_of[digest] = pack.hex
-                self._pack_of.move_to_end(digest)
+            found = {self._pack_of.get(parent) for parent in parents}
+            one = next(iter(members), None)
+            if one is not None:
+                self._pack_of[one] = pack.hex
+                self._pack_of.move_to_end(one)
             while len(self._pack_of) > RECENT_PARENTS:
                 self._pack_of.popitem(last=False)
-            found = {self._pack_of.get(parent) for parent in parents}
         found.discard(None)
         return found.pop() if len(found) == 1 else None
 

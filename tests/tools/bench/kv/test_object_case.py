@@ -67,12 +67,12 @@ def test_a_missing_weed_is_one_line_before_any_engine(tmp_path: Path, monkeypatc
     object_case.require_weed("cold,resident")  # no object case: weed is not needed
 
 
-def test_record_sizes_are_the_records_a_hit_reads() -> None:
+def test_object_sizes_are_the_packs_a_hit_reads() -> None:
     # BENCH_SPEC in bf16: 12 layers, 4 KV heads of 64: 1 KiB per layer and token; chunks of 256 tokens
-    sizes = object_case.record_sizes(12, 1024, 2048, 2016, 256)
-    assert len(sizes) == 96 and set(sizes) == {256 << 10}  # 8 whole chunks per layer (the last one partly used)
-    assert len(object_case.record_sizes(12, 1024, 8192, 8160, 256)) == 384
-    assert object_case.record_sizes(1, 1, 600, 576, 256) == [256, 256, 88]  # the prompt's partial last chunk
+    sizes = object_case.object_sizes(12, 1024, 2048, 2016, 256)
+    assert sizes == [12 * (256 << 10)] * 8  # 8 whole chunks, a pack of 12 layers each (the last one partly used)
+    assert len(object_case.object_sizes(12, 1024, 8192, 8160, 256)) == 32
+    assert object_case.object_sizes(2, 1, 600, 576, 256) == [512, 512, 176]  # the prompt's partial last chunk
 
 
 @pytest.mark.s3
@@ -98,7 +98,7 @@ def test_the_table_says_the_raw_get_and_its_target() -> None:
               "hit_bytes": 24 << 20, "prompt_len": 2048, "prompts": 1, "hit_repeats": 1, "model": "m",
               "min_hit_tokens": 2016, "rows": [row], "targets": [target]}
     table = format_table(report)
-    assert "raw S3 GETs of the object case's records (96 objects, 24.0 MiB" in table and "25.00 ms" in table
+    assert "raw S3 GETs of the object case's objects (96 objects, 24.0 MiB" in table and "25.00 ms" in table
     assert "(tiered-object - resident (same engine)) / raw S3 GET =  1.200  (target <= 1.5)  ok" in table
 
 
