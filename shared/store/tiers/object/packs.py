@@ -15,11 +15,12 @@ stores a chunk's ``Lall`` record (the KV event journal's ``Lall|Gevents`` record
 never packed), so the pack's name is free.
 
 A pack is itself a record (`vllm_tiercache.shared.store.records`: header with the pack key's digest, the
-format version and the checksum of all that follows), so it is checked whole before anything in it is
-used, and every tool that lists records (the janitor's sweeps and ledger, `tiercache stats` / `evict`,
-the existence cache) sees one record per pack without knowing packs. Its payload is its members, each a
-whole record with its own key digest and checksum, at 64-byte aligned offsets (a member's tensor is built
-over the bytes received, aligned, with no copy). The pack's header meta names them::
+format version and the checksum of all that follows), so every tool that lists records (the janitor's
+sweeps and ledger, `tiercache stats` / `evict`, the existence cache) sees one record per pack without
+knowing packs. Its payload is its members, each a
+whole record with its own key digest and checksum, at 64-byte aligned offsets. A reader checks the pack's
+header (its own checksum: the member list) and each member it hands out by the member's checksum, so every
+byte handed out is checked once (`_index`). The pack's header meta names its members::
 
     {"pack": PACK_VERSION, "members": [[key digest, offset, length], ...], "tags": [...]}
 
@@ -196,9 +197,7 @@ class PackLayout:
             record = records.decode(body, keys[group.positions[0]])
             return dict.fromkeys(group.positions, record)  # a key asked twice: the one record
         view = memoryview(body).cast("B")
-        pack = records.decode(view, group.key)  # the whole pack checked before any member is read
-        base = records.payload_start(view) or 0
-        where = _members(pack.meta, view.nbytes - base)
+        base, where = _index(view, group.key)
         out: dict[int, Record] = {}
         for i in group.positions:
             span = where.get(keys[i].digest)
@@ -216,10 +215,9 @@ class PackLayout:
         """Every member of a pack read whole (for `encode`'s ``kept``), each under a key of its digest only
         (the member's header names no more). Raises as `decode` does."""
         view = memoryview(body).cast("B")
-        pack = records.decode(view, group.key)
-        base = records.payload_start(view) or 0
+        base, where = _index(view, group.key)
         out = []
-        for digest, (start, length) in _members(pack.meta, view.nbytes - base).items():
+        for digest, (start, length) in where.items():
             key = StoreKey("", digest)
             out.append((key, records.decode(view[base + start:base + start + length], key)))
         return out
@@ -231,6 +229,18 @@ def _own(member: memoryview) -> memoryview:
     after evicting the others (host memory then exceeds its budget by up to a pack per kept layer). One
     memcpy per member, about 0.1 ms per MiB."""
     return memoryview(np.frombuffer(member, dtype=np.uint8).copy())
+
+
+def _index(view: memoryview, pack: StoreKey) -> tuple[int, dict[bytes, tuple[int, int]]]:
+    """Where a pack's payload starts and its members (`_members`), from its header, checked (key digest,
+    version, header checksum, the payload's length). The payload's own checksum is not computed: every member
+    is a record with its own, which `PackLayout.decode` checks before handing it out, so every byte handed
+    out is checked once, not twice (the pads between members are never read)."""
+    header = records.decode_header(view, pack)
+    if view.nbytes != header.payload_offset + header.nbytes:
+        raise records.RecordError(f"truncated or oversized pack: {view.nbytes} bytes, header says "
+                                  f"{header.payload_offset + header.nbytes}")
+    return header.payload_offset, _members(header.meta, header.nbytes)
 
 
 def _members(meta: dict[str, Any], payload_size: int) -> dict[bytes, tuple[int, int]]:

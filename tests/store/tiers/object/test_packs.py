@@ -137,7 +137,7 @@ def test_a_pack_missing_layers_is_a_counted_partial_miss_not_damage(s3_bucket):
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("where", ["pack header", "member payload"])
+@pytest.mark.parametrize("where", ["pack header", "member payload", "cut short"])
 def test_a_damaged_pack_is_a_counted_deleted_miss(s3_bucket, where):
     tier = tier_of(s3_bucket)
     try:
@@ -146,7 +146,10 @@ def test_a_damaged_pack_is_a_counted_deleted_miss(s3_bucket, where):
         name = ObjectNames(tier.config.prefix).record(pack_key_of(items[0][0]))
         client = s3_bucket.server.client()
         body = bytearray(client.get_object(Bucket=s3_bucket.bucket, Key=name)["Body"].read())
-        body[20 if where == "pack header" else len(body) - 100] ^= 0xFF
+        if where == "cut short":
+            del body[-100:]
+        else:
+            body[20 if where == "pack header" else len(body) - 100] ^= 0xFF
         client.put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
         assert tier.get_many([key for key, _, _ in items]) == [None] * LAYERS
         assert tier.counters.get("corrupt") == 1 and objects(s3_bucket, tier) == []
