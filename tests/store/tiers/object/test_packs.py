@@ -41,6 +41,14 @@ def tier_of(s3_bucket, **fields) -> ObjectTier:
     return ObjectTier(StoreConfig.load({"tiers": [s3_bucket.tier_config(**fields)]}).tiers[0])
 
 
+@pytest.fixture
+def tier(s3_bucket):
+    """An object tier of the default layout on a new bucket, closed after the test."""
+    made = tier_of(s3_bucket)
+    yield made
+    made.close()
+
+
 def objects(s3_bucket, tier: ObjectTier) -> list[str]:
     return sorted(obj["Key"] for obj in tier._calls.list_names(ObjectNames(tier.config.prefix).records))
 
@@ -73,50 +81,42 @@ def test_a_kv_layer_key_belongs_to_its_chunks_pack_and_nothing_else_is_packed():
 
 
 @pytest.mark.s3
-def test_a_chunks_layers_are_one_object_read_with_one_get(s3_bucket):
-    tier = tier_of(s3_bucket)
-    try:
-        items = chunk_items(b"\x01" * 8) + chunk_items(b"\x02" * 8, seed=10)
-        tier.put_many(items)
-        names = ObjectNames(tier.config.prefix)
-        packs = [names.record(pack_key_of(items[0][0])), names.record(pack_key_of(items[-1][0]))]
-        assert objects(s3_bucket, tier) == sorted(packs)
-        head = s3_bucket.server.client().head_object(Bucket=s3_bucket.bucket, Key=packs[0])
-        assert head["Metadata"][MEMBERS_FIELD] == str(LAYERS)
-        assert tier.counters.get("puts") == 2 * LAYERS
-        gets = CountingGets(tier)
-        got = tier.get_many([key for key, _, _ in items])
-        assert sorted(gets.names) == sorted(packs)  # one GET per chunk, not per layer
-        for (_, want, meta), rec in zip(items, got, strict=True):
-            assert rec is not None and torch.equal(rec.tensor, want) and rec.meta == meta
-            # in a buffer of its own: a layer the memory tier keeps does not hold its whole pack
-            assert rec.tensor.untyped_storage().nbytes() < 2 * want.numel() * want.element_size()
-        assert tier.contains_many([key for key, _, _ in items] + layer_keys(b"\x03" * 8)) == [True] * 8 + [False] * 4
-        assert tier.sizes_many([items[0][0]]) == [head["ContentLength"] // LAYERS]
-        assert sorted((r.text, r.tags) for r in tier.iter_stored()) == sorted(
-            (pack_key_of(items[i][0]).text, ("doc:a",)) for i in (0, LAYERS))
-        tier.drop_many([items[0][0]])  # the others may be records memory let go of: the pack stays
-        assert all(rec is not None for rec in tier.get_many([key for key, _, _ in items[:LAYERS]]))
-        tier.drop_many([key for key, _, _ in items[:LAYERS]])  # all of its members: the pack goes
-        assert tier.get_many([key for key, _, _ in items[:LAYERS]]) == [None] * LAYERS
-        assert objects(s3_bucket, tier) == [packs[1]]
-        assert tier.counters.get("corrupt") == 0 and tier.counters.get("partial") == 0
-    finally:
-        tier.close()
+def test_a_chunks_layers_are_one_object_read_with_one_get(s3_bucket, tier):
+    items = chunk_items(b"\x01" * 8) + chunk_items(b"\x02" * 8, seed=10)
+    tier.put_many(items)
+    names = ObjectNames(tier.config.prefix)
+    packs = [names.record(pack_key_of(items[0][0])), names.record(pack_key_of(items[-1][0]))]
+    assert objects(s3_bucket, tier) == sorted(packs)
+    head = s3_bucket.server.client().head_object(Bucket=s3_bucket.bucket, Key=packs[0])
+    assert head["Metadata"][MEMBERS_FIELD] == str(LAYERS)
+    assert tier.counters.get("puts") == 2 * LAYERS
+    gets = CountingGets(tier)
+    got = tier.get_many([key for key, _, _ in items])
+    assert sorted(gets.names) == sorted(packs)  # one GET per chunk, not per layer
+    for (_, want, meta), rec in zip(items, got, strict=True):
+        assert rec is not None and torch.equal(rec.tensor, want) and rec.meta == meta
+        # in a buffer of its own: a layer the memory tier keeps does not hold its whole pack
+        assert rec.tensor.untyped_storage().nbytes() < 2 * want.numel() * want.element_size()
+    assert tier.contains_many([key for key, _, _ in items] + layer_keys(b"\x03" * 8)) == [True] * 8 + [False] * 4
+    assert tier.sizes_many([items[0][0]]) == [head["ContentLength"] // LAYERS]
+    assert sorted((r.text, r.tags) for r in tier.iter_stored()) == sorted(
+        (pack_key_of(items[i][0]).text, ("doc:a",)) for i in (0, LAYERS))
+    tier.drop_many([items[0][0]])  # the others may be records memory let go of: the pack stays
+    assert all(rec is not None for rec in tier.get_many([key for key, _, _ in items[:LAYERS]]))
+    tier.drop_many([key for key, _, _ in items[:LAYERS]])  # all of its members: the pack goes
+    assert tier.get_many([key for key, _, _ in items[:LAYERS]]) == [None] * LAYERS
+    assert objects(s3_bucket, tier) == [packs[1]]
+    assert tier.counters.get("corrupt") == 0 and tier.counters.get("partial") == 0
 
 
 @pytest.mark.s3
-def test_a_later_put_of_some_layers_keeps_the_others_this_process_wrote(s3_bucket):
-    tier = tier_of(s3_bucket)
-    try:
-        tier.put_many(chunk_items(b"\x01" * 8))
-        again = chunk_items(b"\x01" * 8, seed=50, layers=[2])  # a memory tier demoting one layer on its own
-        tier.put_many(again)
-        got = tier.get_many(layer_keys(b"\x01" * 8))
-        want = [tensor(0), tensor(1), tensor(50 + 2), tensor(3)]
-        assert all(rec is not None and torch.equal(rec.tensor, t) for rec, t in zip(got, want, strict=True))
-    finally:
-        tier.close()
+def test_a_later_put_of_some_layers_keeps_the_others_this_process_wrote(s3_bucket, tier):
+    tier.put_many(chunk_items(b"\x01" * 8))
+    again = chunk_items(b"\x01" * 8, seed=50, layers=[2])  # a memory tier demoting one layer on its own
+    tier.put_many(again)
+    got = tier.get_many(layer_keys(b"\x01" * 8))
+    want = [tensor(0), tensor(1), tensor(50 + 2), tensor(3)]
+    assert all(rec is not None and torch.equal(rec.tensor, t) for rec, t in zip(got, want, strict=True))
 
 
 @pytest.mark.s3
@@ -138,23 +138,19 @@ def test_a_pack_missing_layers_is_a_counted_partial_miss_not_damage(s3_bucket):
 
 @pytest.mark.s3
 @pytest.mark.parametrize("where", ["pack header", "member payload", "cut short"])
-def test_a_damaged_pack_is_a_counted_deleted_miss(s3_bucket, where):
-    tier = tier_of(s3_bucket)
-    try:
-        items = chunk_items(b"\x01" * 8)
-        tier.put_many(items)
-        name = ObjectNames(tier.config.prefix).record(pack_key_of(items[0][0]))
-        client = s3_bucket.server.client()
-        body = bytearray(client.get_object(Bucket=s3_bucket.bucket, Key=name)["Body"].read())
-        if where == "cut short":
-            del body[-100:]
-        else:
-            body[20 if where == "pack header" else len(body) - 100] ^= 0xFF
-        client.put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
-        assert tier.get_many([key for key, _, _ in items]) == [None] * LAYERS
-        assert tier.counters.get("corrupt") == 1 and objects(s3_bucket, tier) == []
-    finally:
-        tier.close()
+def test_a_damaged_pack_is_a_counted_deleted_miss(s3_bucket, tier, where):
+    items = chunk_items(b"\x01" * 8)
+    tier.put_many(items)
+    name = ObjectNames(tier.config.prefix).record(pack_key_of(items[0][0]))
+    client = s3_bucket.server.client()
+    body = bytearray(client.get_object(Bucket=s3_bucket.bucket, Key=name)["Body"].read())
+    if where == "cut short":
+        del body[-100:]
+    else:
+        body[20 if where == "pack header" else len(body) - 100] ^= 0xFF
+    client.put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
+    assert tier.get_many([key for key, _, _ in items]) == [None] * LAYERS
+    assert tier.counters.get("corrupt") == 1 and objects(s3_bucket, tier) == []
 
 
 @pytest.mark.s3
@@ -178,31 +174,23 @@ def test_each_layout_reads_the_others_kv_records_as_misses_never_damage(s3_bucke
 
 @pytest.mark.s3
 @pytest.mark.parametrize("meta", [{"pack": PACK_VERSION + 1, "members": []}, {"blocks": 2}])
-def test_another_pack_version_or_a_plain_record_under_a_packs_name_is_left_in_place(s3_bucket, meta):
-    tier = tier_of(s3_bucket)
-    try:
-        pack = pack_key_of(layer_keys(b"\x01" * 8)[0])
-        name = ObjectNames(tier.config.prefix).record(pack)
-        body = joined(records.encode(pack, torch.zeros(64, dtype=torch.uint8), meta))
-        s3_bucket.server.client().put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
-        assert tier.get_many(layer_keys(b"\x01" * 8)) == [None] * LAYERS
-        assert tier.counters.get("other_format") == 1 and tier.counters.get("corrupt") == 0
-        assert objects(s3_bucket, tier) == [name]
-    finally:
-        tier.close()
+def test_another_pack_version_or_a_plain_record_under_a_packs_name_is_left_in_place(s3_bucket, tier, meta):
+    pack = pack_key_of(layer_keys(b"\x01" * 8)[0])
+    name = ObjectNames(tier.config.prefix).record(pack)
+    body = joined(records.encode(pack, torch.zeros(64, dtype=torch.uint8), meta))
+    s3_bucket.server.client().put_object(Bucket=s3_bucket.bucket, Key=name, Body=bytes(body))
+    assert tier.get_many(layer_keys(b"\x01" * 8)) == [None] * LAYERS
+    assert tier.counters.get("other_format") == 1 and tier.counters.get("corrupt") == 0
+    assert objects(s3_bucket, tier) == [name]
 
 
 @pytest.mark.s3
-def test_a_record_alone_asked_twice_in_one_read_is_answered_twice(s3_bucket):
-    tier = tier_of(s3_bucket)
-    try:
-        key = encoder_key("ns", EncoderIdentity("m", "fp"), "mm-hash")
-        tier.put_many([(key, tensor(1), None)])
-        got = tier.get_many([key, key])
-        assert all(rec is not None and torch.equal(rec.tensor, tensor(1)) for rec in got)
-        assert tier.counters.get("partial") == 0
-    finally:
-        tier.close()
+def test_a_record_alone_asked_twice_in_one_read_is_answered_twice(s3_bucket, tier):
+    key = encoder_key("ns", EncoderIdentity("m", "fp"), "mm-hash")
+    tier.put_many([(key, tensor(1), None)])
+    got = tier.get_many([key, key])
+    assert all(rec is not None and torch.equal(rec.tensor, tensor(1)) for rec in got)
+    assert tier.counters.get("partial") == 0
 
 
 def test_a_packs_parent_is_the_pack_of_its_members_parents():
