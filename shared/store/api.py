@@ -78,6 +78,10 @@ class StoreKey:
         return self.text.split("|", 1)[0]
 
 
+#: What a put hands a store or a tier for one record: its key, its tensor and its meta (None: none).
+Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
+
+
 @dataclass
 class Record:
     """What a store returns: one tensor (any shape and dtype) and a small JSON-able metadata dict."""
@@ -152,7 +156,7 @@ class Store(Protocol):
 
     def put(self, key: StoreKey, tensor: torch.Tensor, meta: dict[str, Any] | None = None, *,
             owned: bool = False, always_admit: bool = False) -> None: ...
-    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]], *,
+    def put_many(self, items: Sequence[Item], *,
                  owned: bool = False, urgent: bool = False, always_admit: bool = False,
                  reused_shares: Sequence[float | None] | None = None) -> None: ...
     def prefetch(self, keys: Sequence[StoreKey]) -> None:
@@ -227,7 +231,7 @@ class Tier(Protocol):
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
     def get_many(self, keys: Sequence[StoreKey]) -> list[Record | None]: ...
-    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None: ...
+    def put_many(self, items: Sequence[Item]) -> None: ...
     def usage(self) -> dict[str, Any]:
         """``{"entries": int | None, "bytes_used": int | None, ...}``; ``"capacity"`` (bytes) when bounded.
 
@@ -460,8 +464,7 @@ class ReportsUnwritten(ABC):
     of dropping them. Its ``put_many`` is ``try_put_many`` with the unwritten ones counted as dropped."""
 
     @abstractmethod
-    def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
-                     ) -> Unwritten | None:
+    def try_put_many(self, items: Sequence[Item]) -> Unwritten | None:
         """One try at writing ``items``; None when every one was written or will never be. Never raises for a
         backend problem, and counts nothing as dropped: the caller decides whether the rest is dropped."""
 

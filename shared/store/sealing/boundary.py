@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-
-from vllm_tiercache.shared.store.api import DropsRecords, InProcessTier, Record, StoreKey, Tier
+from vllm_tiercache.shared.store.api import DropsRecords, InProcessTier, Item, Record, StoreKey, Tier
 from vllm_tiercache.shared.store.sealing.config import EncryptionConfig
 from vllm_tiercache.shared.store.sealing.ring import load_ring
 from vllm_tiercache.shared.store.sealing.sealer import Sealer, SealRejected
 
 log = logging.getLogger(__name__)
 
-Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
 
 
 def seals(tier: Tier) -> bool:

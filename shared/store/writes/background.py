@@ -19,17 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import torch
-
-from vllm_tiercache.shared.store.api import StoreKey, Tier
+from vllm_tiercache.shared.store.api import Item, Tier
 from vllm_tiercache.shared.store.writes.patience import put_patiently
 from vllm_tiercache.shared.threads import background_thread
 
 log = logging.getLogger(__name__)
 
-Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
 #: Called with a job's items once every tier of the job has been written (or has failed).
 DoneCallback = Callable[[Sequence[Item]], None]
 Job = tuple[Sequence[Tier], Sequence[Item], DoneCallback | None]

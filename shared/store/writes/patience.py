@@ -24,13 +24,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from vllm_tiercache.shared.store.api import ReportsUnwritten, StoreKey, Tier, Unwritten
+from vllm_tiercache.shared.store.api import Item, ReportsUnwritten, Tier, Unwritten
 
 log = logging.getLogger(__name__)
 
-Item = tuple[StoreKey, torch.Tensor, dict[str, Any] | None]
 
 
 @dataclass(frozen=True)

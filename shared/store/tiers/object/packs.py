@@ -55,7 +55,7 @@ import torch
 from vllm_tiercache.shared.eviction.lineage import parent_of
 from vllm_tiercache.shared.naming.keys import parse_key_text
 from vllm_tiercache.shared.store import records
-from vllm_tiercache.shared.store.api import Record, StoreKey
+from vllm_tiercache.shared.store.api import Item, Record, StoreKey
 from vllm_tiercache.shared.store.tags import TAGS_KEY, tags_of
 
 #: The pack format's version, in its header meta (a reader of another version leaves the pack alone).
@@ -69,7 +69,6 @@ RECENT_PACKS = 1 << 12
 #: bytes each). One member is enough: a child's members name every layer of its parent pack as parents.
 RECENT_PARENTS = 1 << 16
 
-Item = tuple[StoreKey, torch.Tensor, "dict[str, Any] | None"]
 
 
 def pack_key_of(key: StoreKey) -> StoreKey | None:

@@ -25,13 +25,12 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from vllm_tiercache.shared.store import records
 from vllm_tiercache.shared.store.api import (
     ChecksAtPreflight,
     DropsRecords,
     HonorsPins,
+    Item,
     KeepsControl,
     Record,
     RemoteTier,
@@ -271,14 +270,13 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls.many("drop", drop, groups)
 
     # ----------------------------------------------------------------------------------------- writes
-    def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]) -> None:
+    def put_many(self, items: Sequence[Item]) -> None:
         """`try_put_many`, each record it left unwritten a dropped write (counted)."""
         unwritten = self.try_put_many(items)
         if unwritten is not None:
             self.counters.add(dropped_writes=len(unwritten.positions))
 
-    def try_put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor, dict[str, Any] | None]]
-                     ) -> Unwritten | None:
+    def try_put_many(self, items: Sequence[Item]) -> Unwritten | None:
         """One PUT of each whole object (`packs`: a KV chunk's layers of this put in one), many in flight; the
         records of what failed (down, hung, throttled, refused) come back for the caller to drop or put again.
         Objects are encoded first, so that the janitor admits each by its real size: as many of the leading
