@@ -270,13 +270,11 @@ class KVLoader:
         layers = [(name, self.layer_index[name], self.group_of_layer.get(self.layer_index[name], 0))
                   for name in self.layout.layer_names]
         if self._reads_into:  # the whole step's files read ahead while the first layer loads (cold disks)
-            self.store.prefetch([self.key(job.loads[i].chunk_hash, layer)  # type: ignore[attr-defined]
-                                 for _, layer, group in layers for i in loads_of_group.get(group, ())])
+            self.store.prefetch(self._every_record(job, layers, loads_of_group))  # type: ignore[attr-defined]
         ahead = self._read_ahead(job, layers, loads_of_group)
         for layer_name, layer, group in layers:
             todo = [i for i in loads_of_group.get(group, ()) if i not in job.failed]
-            # a sealing store opens each record with its request's tenant subkey (`ChunkLoad.tenant`)
-            keys = [self.key(job.loads[i].chunk_hash, layer).for_tenant(job.loads[i].tenant) for i in todo]
+            keys = [self._record_key(job.loads[i], layer) for i in todo]
             kv_layer = self.kv_caches[layer_name]
             layer_bytes = self._layer_bytes.get(layer_name)
             fetch_started = time.perf_counter()
@@ -325,12 +323,22 @@ class KVLoader:
         blocks = sum(len(job.loads[i].block_ids) for _, _, group in layers for i in loads_of_group.get(group, ()))
         if blocks * self._block_bytes > READ_AHEAD_BYTES:
             return None
-        keys = [self.key(job.loads[i].chunk_hash, layer).for_tenant(job.loads[i].tenant)
-                for _, layer, group in layers for i in loads_of_group.get(group, ())]
+        keys = self._every_record(job, layers, loads_of_group)
         started = time.perf_counter()
         found = self.store.get_many(keys)
         job.fetch_seconds += time.perf_counter() - started
         return {key.digest: record for key, record in zip(keys, found, strict=True)}
+
+    def _record_key(self, load: ChunkLoad, layer: int) -> StoreKey:
+        """A load's record of one layer, for its request's tenant (a sealing store opens each record with its
+        request's tenant subkey, `ChunkLoad.tenant`)."""
+        return self.key(load.chunk_hash, layer).for_tenant(load.tenant)
+
+    def _every_record(self, job: LoadJob, layers: list[tuple[str, int, int]],
+                      loads_of_group: dict[int, list[int]]) -> list[StoreKey]:
+        """Every layer's record of the job's loads, layer after layer (what a step reads ahead)."""
+        return [self._record_key(job.loads[i], layer) for _, layer, group in layers
+                for i in loads_of_group.get(group, ())]
 
     def _read(self, job: LoadJob, todo: list[int], keys: list[StoreKey], spans: list[list[tuple[int, int, int, int]]],
               in_place: list[bool], layer_bytes: memoryview | None) -> list[Record | None]:

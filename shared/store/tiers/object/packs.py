@@ -114,7 +114,7 @@ class PackLayout:
         self._lock = threading.Lock()
         #: pack digest -> the member digests this process last wrote into it
         self._members: collections.OrderedDict[bytes, frozenset[bytes]] = collections.OrderedDict()
-        #: member digest -> its pack's digest (hex), for parents
+        #: one member's digest of each pack -> the pack's digest (hex), for its children's parent
         self._pack_of: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     def group(self, keys: Sequence[StoreKey]) -> list[Group]:
@@ -208,7 +208,6 @@ class PackLayout:
         """The member digests this process last wrote into ``pack`` (None when it wrote none lately)."""
         with self._lock:
             return self._members.get(pack.digest)
-
 
     def members(self, group: Group, body: Any) -> list[tuple[StoreKey, Record]]:
         """Every member of a pack read whole (for `encode`'s ``kept``), each under a key of its digest only

@@ -5,7 +5,8 @@ A record is one object (`names` has the layout) holding the record format every 
 (`vllm_tiercache.shared.store.records`: header with the key digest, version, checksums and tags, then the
 payload), or with ``layout: chunk`` one member of its KV chunk's pack (`packs`: the layers of a chunk in
 one object, itself a record), so a PUT of the whole object is its commit: a writer killed mid-PUT leaves
-nothing, and concurrent writers of one key write equal bytes. A torn, corrupt or foreign object is a miss, counted
+nothing, and concurrent writers of one record write equal bytes (of one pack, the members each put brought:
+`packs` says what that promises). A torn, corrupt or foreign object is a miss, counted
 (``corrupt``) and deleted; another build's format is a miss left in place (``other_format``). Nothing
 unchecked reaches the model.
 
@@ -197,7 +198,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         """Each record's stored size from one HEAD per object; a pack's members each its share of the pack."""
         calls = self._calls
         groups = self._layout.group(keys)
-        res = calls.many("sizes", lambda group: calls.head(self._names.record_of(group.key.hex)), groups)
+        res = calls.many("sizes", lambda group: calls.head(self._names.record(group.key)), groups)
         out: list[int | None] = [None] * len(keys)
         for group, got in zip(groups, res, strict=True):
             if not isinstance(got, Failure):
@@ -216,7 +217,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         calls = self._calls
         groups = self._layout.group(keys)
         generation = self._existence.generation  # read before the GETs below
-        res = calls.get_in_ranges("get", [self._names.record_of(group.key.hex) for group in groups],
+        res = calls.get_in_ranges("get", [self._names.record(group.key) for group in groups],
                                   self.config.range_size)
         out: list[Record | None] = [None] * len(keys)
         corrupt: list[str] = []
@@ -259,7 +260,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         groups = self._layout.group(keys)
 
         def drop(group: Group) -> None:
-            name = self._names.record_of(group.key.hex)
+            name = self._names.record(group.key)
             if group.packed:
                 members = members_in(calls.head(name).get("Metadata") or {})
                 if len({keys[i].digest for i in group.positions}) < members:
@@ -309,7 +310,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
 
             def put(item: tuple[Group, Body]) -> int:
                 group, body = item
-                calls.put_record(self._names.record_of(group.key.hex), body.data,
+                calls.put_record(self._names.record(group.key), body.data,
                                  record_metadata(group.key, body.tags, body.members))
                 return len(body.data)
 
@@ -339,7 +340,7 @@ class ObjectTier(RemoteTier, ReportsHealth, KeepsControl, HonorsPins, DropsRecor
         put's records come back unwritten (the second dict, by pack digest), never replacing it with fewer."""
         if not short:
             return {}, {}
-        bodies = self._calls.get_in_ranges("get", [self._names.record_of(group.key.hex) for group in short],
+        bodies = self._calls.get_in_ranges("get", [self._names.record(group.key) for group in short],
                                            self.config.range_size)
         kept: dict[bytes, list[tuple[StoreKey, Record]]] = {}
         unread: dict[bytes, Failure] = {}
