@@ -29,6 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from tests.support.faulty_proxy import FaultyProxy
 from tests.support.real_scheduler import cpu_vllm_config, hashed_request, one_group_kv_cache_config
 from tests.support.real_scheduler import real_scheduler as real_scheduler_over
 from vllm_tiercache.kvcache.connector import TieredKVConnector
@@ -166,14 +167,15 @@ def _consume(model: Path, disk: Path, prompt: list[int], params: dict[str, Any] 
     return consumer, request, consumer.schedule()
 
 
-def _run_handoff(consumer: Scheduler, out: Any, caches: dict[str, torch.Tensor], load_mode: str = "auto"
-                 ) -> tuple[KVConnectorOutput, KVWorkerSide]:
+def _run_handoff(consumer: Scheduler, out: Any, caches: dict[str, torch.Tensor], load_mode: str = "auto",
+                 polls: int = 2000) -> tuple[KVConnectorOutput, KVWorkerSide]:
     """The worker's side of the consumer's step: start the loads, poll vLLM's results until the hand-off
-    is over (liveness only: the wait is bounded by handoff_wait_ms). A CPU worker ("auto") loads on the
-    polling thread once the wait is over; "layerwise" (a GPU's default) on the hand-off thread."""
+    is over (liveness only: the wait is bounded by handoff_wait_ms, and by the tier's timeout on a hung
+    store). A CPU worker ("auto") loads on the polling thread once the wait is over; "layerwise" (a GPU's
+    default) on the hand-off thread."""
     worker = _worker(_connector(consumer), caches, load_mode)
     worker.start_load(out.kv_connector_metadata)
-    for _ in range(2000):  # what the worker's connector does each step (get_transfer_results, then the errors)
+    for _ in range(polls):  # what the worker's connector does each step (get_transfer_results, then the errors)
         finished, _ = worker.loader.take_transfer_results()
         if finished:
             worker.loader.finish_load()
@@ -241,6 +243,55 @@ def test_a_hand_off_through_the_object_tier_reads_each_chunk_once(tiny_llama: Pa
     worker.shutdown()
     _connector(consumer).shutdown()
     _connector(consumer)._store.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("load_mode", ["auto", "layerwise"])
+@pytest.mark.parametrize("moment", ["from_the_wait", "at_the_first_get"])
+def test_a_store_that_hangs_during_a_hand_off_read_falls_back_to_recompute(tiny_llama: Path, tmp_path: Path,
+                                                                           s3_bucket, load_mode: str,
+                                                                           moment: str) -> None:
+    """The object tier hangs (every request read and never answered, as a SIGSTOPped server or a black-holed
+    route) from the moment the consumer's worker starts its hand-off (its wait for the records asks first),
+    or from the first GET of a record, once the wait found them all (the read ahead of the first layer):
+    either runs into the tier's timeout, the load ends, every promised block is reported failed and vLLM
+    computes the prompt; nothing reaches the blocks."""
+    prompt = tokens(PROMPT_LEN)
+    with FaultyProxy(s3_bucket.server.ports["s3"]) as proxy:
+        tiers = {"tiers": [s3_bucket.tier_config(endpoint=proxy.endpoint, timeout_s=1.0)]}
+        params, producer = _prefill(tiny_llama, tmp_path / "disk", prompt, **tiers)
+        _connector(producer).shutdown()
+        _connector(producer)._store.close()
+        consumer, request, out = _consume(tiny_llama, tmp_path / "disk", prompt, params, handoff_wait_ms=1000,
+                                          **tiers)
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        (tier,) = _connector(consumer)._store.tiers
+        if moment == "from_the_wait":
+            proxy.set_mode("hang")
+        else:  # switched on the proxy's thread before the GET goes on: cut, retried, never answered
+            proxy.on_request(f"GET /{s3_bucket.bucket}/tiercache/r/".encode(), lambda: proxy.set_mode("hang"))
+        caches = _caches(seed=None)
+        # liveness only (tier timeout 1 s, wait 1 s): a loaded machine's slowest run is far within 12,000 polls
+        kv_output, worker = _run_handoff(consumer, out, caches, load_mode, polls=12000)
+        assert tier.down and proxy.mode == "hang"  # the GET reached the proxy (the wait found every record)
+        proxy.set_mode("forward")  # the closes below cut nothing in flight on a hung socket
+        table = consumer.kv_cache_manager.get_block_ids("d")[0]
+        assert kv_output.finished_recving == {"d"} and kv_output.invalid_block_ids == set(table[:18])
+        assert all(not caches[layer].any() for layer in LAYERS)  # nothing was written into the blocks
+        data = worker.take_counters()
+        assert data["handoff_fallbacks"] == 1 and data["handoff_loads"] == 1, data
+        consumer.update_from_output(out, _output(out, kv_output))
+        # nothing kept: vLLM looks the prompt up again (off its thread: a far tier), then computes it whole
+        for _ in range(12000):
+            out = consumer.schedule()
+            if "d" in out.num_scheduled_tokens:
+                break
+            consumer.update_from_output(out, _output(out))
+            time.sleep(0.01)
+        assert request.status == RequestStatus.RUNNING and out.num_scheduled_tokens["d"] == PROMPT_LEN
+        worker.shutdown()
+        _connector(consumer).shutdown()
+        _connector(consumer)._store.close()
 
 
 def test_late_records_are_waited_for(tiny_llama: Path, tmp_path: Path) -> None:
