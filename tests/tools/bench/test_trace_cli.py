@@ -66,7 +66,9 @@ def test_the_object_tiers_sweeps_each_policy_and_prefix_above_lru(tmp_path) -> N
         # sweeps evict down to below capacity: lru finds no more than a plain LRU of the whole capacity
         assert cells["lru"]["ratio"] <= row["lru_reference"] + 0.01 and cells["prefix"]["ratio"] <= row["optimum"]
         assert cells["prefix"]["ratio"] > cells["lru"]["ratio"], row
-    table = _cli(str(trace), "--capacities", "8k", "--policies", "lru", "--cost-puts", "0", "--object")
+    # the text report's labels, on the trace's first requests (the figures are the JSON run's)
+    table = _cli(str(trace), "--requests", "60", "--capacities", "8k", "--policies", "lru", "--cost-puts", "0",
+                 "--object")
     assert table.returncode == 0, table.stderr[-3000:]
     assert "object lru (sweeps)" in table.stdout and "object prefix (sweeps)" in table.stdout
 
@@ -220,7 +222,8 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
                 assert 0 < r["disk"] and r["total"] <= row["optimum"] + 1e-9, (row, r)
         for policy in ("lru", "prefix"):  # the pair holds memory + disk, not about the disk alone
             assert pair["arrangements"]["exclusive"][policy]["total"] >= pair["policies"][policy]["total"], pair
-    table = _cli(str(trace), "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0", "--disk-share", "0.5")
+    table = _cli(str(trace), "--requests", "60", "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0",
+                 "--disk-share", "0.5")  # the text report's labels, on the trace's first requests
     assert table.returncode == 0, table.stderr[-3000:]
     assert "memory 0.5 / disk 0.5 of each capacity" in table.stdout and "mem + disk = total" in table.stdout
     assert "(prefix) write-through:" in table.stdout and "(prefix) exclusive:" in table.stdout
@@ -260,8 +263,8 @@ def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> N
             assert r["total"] <= row["optimum"] + 1e-9, (row, r)
         # Redis is most of the capacity: it serves hits (its eviction is sampled, so not asserted per cell)
         assert sum(r["redis"] for r in cells) > 0, cells
-    table = _cli(str(trace), "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0",
-                 "--disk-share", "0.5", "--shared-share", "0.5")
+    table = _cli(str(trace), "--requests", "60", "--capacities", "10k", "--policies", "prefix", "--cost-puts", "0",
+                 "--disk-share", "0.5", "--shared-share", "0.5")  # the text report's labels, on the first requests
     assert table.returncode == 0, table.stderr[-3000:]
     assert "memory 0.25 / disk 0.25 / Redis 0.5 of each capacity" in table.stdout
     assert "mem + disk + redis = total" in table.stdout and "(prefix) exclusive:" in table.stdout
