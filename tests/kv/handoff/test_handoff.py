@@ -258,7 +258,9 @@ def test_a_store_that_hangs_during_a_hand_off_read_falls_back_to_recompute(tiny_
     computes the prompt; nothing reaches the blocks."""
     prompt = tokens(PROMPT_LEN)
     with FaultyProxy(s3_bucket.server.ports["s3"]) as proxy:
-        tiers = {"tiers": [s3_bucket.tier_config(endpoint=proxy.endpoint, timeout_s=1.0)]}
+        # 3 s: the producer's PUTs and the wait's HEADs answer within it on a loaded machine, so the hang
+        # lands where it is meant to (asserted below), and a hung request costs that much
+        tiers = {"tiers": [s3_bucket.tier_config(endpoint=proxy.endpoint, timeout_s=3.0)]}
         params, producer = _prefill(tiny_llama, tmp_path / "disk", prompt, **tiers)
         _connector(producer).shutdown()
         _connector(producer)._store.close()
@@ -271,7 +273,7 @@ def test_a_store_that_hangs_during_a_hand_off_read_falls_back_to_recompute(tiny_
         else:  # switched on the proxy's thread before the GET goes on: cut, retried, never answered
             proxy.on_request(f"GET /{s3_bucket.bucket}/tiercache/r/".encode(), lambda: proxy.set_mode("hang"))
         caches = _caches(seed=None)
-        # liveness only (tier timeout 1 s, wait 1 s): a loaded machine's slowest run is far within 12,000 polls
+        # liveness only (tier timeout 3 s, wait 1 s): a loaded machine's slowest run is far within 12,000 polls
         kv_output, worker = _run_handoff(consumer, out, caches, load_mode, polls=12000)
         assert tier.down and proxy.mode == "hang"  # the GET reached the proxy (the wait found every record)
         proxy.set_mode("forward")  # the closes below cut nothing in flight on a hung socket
