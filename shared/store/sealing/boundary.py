@@ -25,7 +25,6 @@ from vllm_tiercache.shared.store.sealing.sealer import Sealer, SealRejected
 log = logging.getLogger(__name__)
 
 
-
 def seals(tier: Tier) -> bool:
     """Whether a sealing store seals what it writes to ``tier`` (every tier but an in-process one)."""
     return not isinstance(tier, InProcessTier)

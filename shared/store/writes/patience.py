@@ -29,7 +29,6 @@ from vllm_tiercache.shared.store.api import Item, ReportsUnwritten, Tier, Unwrit
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Backoff:
     """Exponential backoff with full jitter (AWS's advice for S3 503s: callers spread out instead of

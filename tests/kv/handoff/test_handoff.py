@@ -301,7 +301,8 @@ def test_a_store_that_hangs_during_a_hand_off_read_falls_back_to_recompute(tiny_
             consumer.update_from_output(out, _output(out, kv_output))
             kept = min(table.index(block) for block in failed)
             # vLLM resumes at the first failed block; with nothing kept it looks the prompt up again (off its
-            # thread: a far tier). The proxy still hangs, so the tier is down and that lookup is a miss.
+            # thread: a far tier). The proxy still hangs, so that lookup stages nothing (the tier is down, or its
+            # requests hang past the lookup's deadline): a miss.
             for _ in range(12000):
                 out = consumer.schedule()
                 if "d" in out.num_scheduled_tokens:

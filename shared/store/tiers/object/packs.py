@@ -70,7 +70,6 @@ RECENT_PACKS = 1 << 12
 RECENT_PARENTS = 1 << 16
 
 
-
 def pack_key_of(key: StoreKey) -> StoreKey | None:
     """The key of the pack a KV layer record goes into (module docstring); None for any other record."""
     text = key.text
