@@ -192,9 +192,10 @@ def _end_with_parent(watch_fd: int) -> None:
 
 
 #: The tool modules whose `subprocess.Popen` of a Python job (`python -m ...`) is forked here in a zygote job:
-#: the servers, engine jobs and producer jobs a CLI run (`tiercache demo`, `bench serve`, `bench kv`) starts.
+#: the servers, engine jobs and producer jobs a CLI run (`tiercache demo`, `bench serve`, `bench kv`) starts, and
+#: `bench kv-sched`'s arms.
 TOOLS_THAT_START_PYTHON_JOBS = ("vllm_tiercache.tools.demo.server", "vllm_tiercache.tools.demo",
-                                "vllm_tiercache.tools.bench.kv.engine")
+                                "vllm_tiercache.tools.bench.kv.engine", "vllm_tiercache.tools.bench.kv.sched")
 
 
 def _install_in_tools() -> None:

@@ -60,7 +60,7 @@ from typing import Any
 
 from vllm_tiercache.kvcache.options import DEFAULT_LOOKUP_DEADLINE_MS, MAX_LOOKUP_DEADLINE_MS
 from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
-from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE
+from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, root_cause
 from vllm_tiercache.tools.bench.kv.step_timing import percentile, step_figures, time_steps
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
 from vllm_tiercache.tools.cli import int_at_least
@@ -328,16 +328,23 @@ def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any],
         yield item, far
 
 
-def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any]) -> dict[str, Any]:
+def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any], work: Path) -> dict[str, Any]:
+    """One arm in a process of its own: its report from its output file, vLLM's log of it in ``work``.
+    Raises RuntimeError with the log's root cause when the arm fails."""
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--executor", args.executor,
            "--lookup-deadline-ms", str(args.lookup_deadline_ms),
            *(["--background-len", str(args.background_len)] if args.background_len else [])]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
-    print(f"tiercache-bench: arm {arm}", file=sys.stderr)
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env)
-    return json.loads(done.stdout) if done.stdout.strip() else {}
+    out_path, log_path = work / f"arm-{arm}.json", work / f"arm-{arm}.log"
+    print(f"tiercache-bench: arm {arm} (log: {log_path})", file=sys.stderr)
+    with open(out_path, "w") as out, open(log_path, "w") as log:
+        code = subprocess.Popen(cmd, stdout=out, stderr=log, env=env).wait()
+    if code != 0:
+        raise RuntimeError(f"arm {arm} exited with {code}: {root_cause(log_path)} (log: {log_path})")
+    text = out_path.read_text()
+    return json.loads(text) if text.strip() else {}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -423,10 +430,10 @@ def run(args: argparse.Namespace) -> int:
     arms = []
     with _far_tier("redis-server" if args.store == "redis" else "weed", args.store_rtt_ms) as (direct, far):
         memory = {"kind": "memory", "capacity": "2GiB"}
-        _run_process(args, "store", {"model": model, "namespace": namespace, "tiers": [memory, direct]})
+        _run_process(args, "store", {"model": model, "namespace": namespace, "tiers": [memory, direct]}, work)
         for arm in args.arms:
             tiers = [memory, direct if arm == "far0" else far]
-            arms.append(_run_process(args, arm, {"model": model, "namespace": namespace, "tiers": tiers}))
+            arms.append(_run_process(args, arm, {"model": model, "namespace": namespace, "tiers": tiers}, work))
     report = {"store": args.store, "store_rtt_ms": args.store_rtt_ms, "hits": args.hits,
               "background": args.background, "background_len": _background_len(args),
               "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
