@@ -85,9 +85,9 @@ def test_bench_tiers_bad_arguments(args: list[str], pieces: list[str]) -> None:
 def test_bench_tiers_unusable_dir_and_unreachable_redis(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    assert_one_line_error(tiercache("bench", "tiers", "--tiers", "disk", "--dir", str(blocker / "sub")),
+    assert_one_line_error(tiercache_here("bench", "tiers", "--tiers", "disk", "--dir", str(blocker / "sub")),
                           "--dir: cannot use", str(blocker / "sub"), "allowed: a writable directory")
-    assert_one_line_error(tiercache("bench", "tiers", "--tiers", "redis", "--redis-url", "redis://127.0.0.1:1"),
+    assert_one_line_error(tiercache_here("bench", "tiers", "--tiers", "redis", "--redis-url", "redis://127.0.0.1:1"),
                           "--redis-url: cannot reach redis://127.0.0.1:1")
 
 
@@ -172,9 +172,9 @@ def test_precompute_tags_and_pin_are_checked_before_any_engine(tmp_path: Path, j
 
 
 def test_unknown_and_incomplete_commands() -> None:
-    assert_one_line_error(tiercache(), "the following arguments are required", "see tiercache --help")
-    assert_one_line_error(tiercache("bench", "nope"), "invalid choice: 'nope'", "see tiercache bench --help")
-    assert_one_line_error(tiercache("stats", "--bogus", "1", "--config", "{}"), "unrecognized arguments: --bogus")
+    assert_one_line_error(tiercache_here(), "the following arguments are required", "see tiercache --help")
+    assert_one_line_error(tiercache_here("bench", "nope"), "invalid choice: 'nope'", "see tiercache bench --help")
+    assert_one_line_error(tiercache_here("stats", "--bogus", "1", "--config", "{}"), "unrecognized arguments: --bogus")
 
 
 # -------------------------------------------------------------------------------------- stats, evict
@@ -188,7 +188,7 @@ def _unusable_disk(tmp_path: Path) -> str:
 def test_stats_and_evict_with_an_unusable_disk_path(tmp_path: Path) -> None:
     config = _unusable_disk(tmp_path)
     for command in (["stats"], ["evict", "--namespace", "a"], ["evict", "--older-than", "7d", "--dry-run"]):
-        assert_one_line_error(tiercache(*command, "--config", config), "disk tier: cannot use",
+        assert_one_line_error(tiercache_here(*command, "--config", config), "disk tier: cannot use",
                               str(tmp_path / "a-file" / "disk"))
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tools.test_cli_errors import tiercache_here
 from vllm_tiercache.shared.eviction import policy_names
 
 REPO = Path(__file__).resolve().parents[3]
@@ -43,11 +44,8 @@ def test_bench_policy_prints_every_trace_and_the_target_checks() -> None:
 def test_bench_policy_bounds_its_options() -> None:
     """A trace too short for the 4-phase shifting trace was a ZeroDivisionError traceback; a capacity of 0 ran."""
     for bad in (["--requests", "3"], ["--capacities", "0.05", "0"], ["--images", "1"], ["--exponents", "-1"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "policy", "--requests", "100",
-             "--images", "10", *bad],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
-        )
+        # in this process: a refusal needs no interpreter of its own
+        proc = tiercache_here("bench", "policy", "--requests", "100", "--images", "10", *bad)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.startswith("tiercache: error: argument ") and proc.stderr.count("\n") == 1, proc.stderr
         assert f"invalid value {bad[-1]!r}; allowed: " in proc.stderr, proc.stderr

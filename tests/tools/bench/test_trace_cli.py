@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools.test_cli_errors import tiercache_here
 from vllm_tiercache.tools.bench.trace.command import parse_tokens
 from vllm_tiercache.tools.bench.trace.generate import generate_trace
 from vllm_tiercache.tools.bench.trace.mooncake import TraceRequest, read_trace, write_trace
@@ -24,6 +25,12 @@ REPO = Path(__file__).resolve().parents[3]
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "trace", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """`bench trace` refusing its arguments, run in this process: a refusal needs no interpreter of its own
+    (the runs above do, each a fresh one as an operator's)."""
+    return tiercache_here("bench", "trace", *args)
 
 
 def test_a_generated_trace_through_every_policy_prefix_at_least_lru_and_the_optimum_above_all(tmp_path) -> None:
@@ -110,7 +117,7 @@ def test_the_object_tier_through_a_real_bucket_keeps_what_the_simulation_keeps(t
 def test_object_bucket_flags_are_one_line_errors(tmp_path, flags, message) -> None:
     trace = tmp_path / "t.jsonl"
     write_trace(trace, generate_trace(5, seed=1))
-    proc = _cli(str(trace), "--cost-puts", "0", *flags)
+    proc = _refused(str(trace), "--cost-puts", "0", *flags)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -126,7 +133,7 @@ def test_bad_traces_are_one_line_errors(tmp_path, content, message) -> None:
     trace = tmp_path / "bad.jsonl"
     if content is not None:
         trace.write_text(content)
-    proc = _cli(str(trace), "--cost-puts", "0")
+    proc = _refused(str(trace), "--cost-puts", "0")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("tiercache: error: ") and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -134,7 +141,7 @@ def test_bad_traces_are_one_line_errors(tmp_path, content, message) -> None:
 
 @pytest.mark.parametrize("capacity", ["lots", "100", "-1M", "nan", ","])
 def test_a_bad_capacity_is_a_one_line_error(tmp_path, capacity) -> None:
-    proc = _cli(str(tmp_path / "x.jsonl"), "--capacities", capacity)
+    proc = _refused(str(tmp_path / "x.jsonl"), "--capacities", capacity)
     assert proc.returncode == 2 and "--capacities" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -227,7 +234,7 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
     assert table.returncode == 0, table.stderr[-3000:]
     assert "memory 0.5 / disk 0.5 of each capacity" in table.stdout and "mem + disk = total" in table.stdout
     assert "(prefix) write-through:" in table.stdout and "(prefix) exclusive:" in table.stdout
-    bad = _cli(str(trace), "--disk-share", "1")
+    bad = _refused(str(trace), "--disk-share", "1")
     assert bad.returncode == 2 and "--disk-share" in bad.stderr
 
 
@@ -270,5 +277,5 @@ def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> N
     assert "mem + disk + redis = total" in table.stdout and "(prefix) exclusive:" in table.stdout
     for flags, name in ((["--shared-share", "0.5"], "--disk-share"), (["--disk-share", "0.5", "--shared-share", "0"],
                                                                          "--shared-share")):
-        bad = _cli(str(trace), *flags)
+        bad = _refused(str(trace), *flags)
         assert bad.returncode == 2 and name in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
