@@ -97,6 +97,8 @@ class PrefixOrder:
         self.index = index
         self.window_bytes = max(1.0, half_life * capacity)
         self.newcomer = float(newcomer)
+        #: (the write transaction, its ``now_ns``, the clock its first touch read): the batch being keyed
+        self._batch: tuple[lmdb.Transaction, int, int] | None = None
         with index.env.begin(write=True) as txn:  # see DiskIndex.__init__: open_db in a transaction of our own
             self.states = index.env.open_db(b"lrfu", txn=txn)
             self.ghosts = index.env.open_db(b"ghosts", txn=txn)
@@ -148,14 +150,24 @@ class PrefixOrder:
         return 0, -math.inf, self.newcomer
 
     def _advance(self, txn: lmdb.Transaction, now_ns: int, size: int) -> tuple[int, float]:
-        """The clock advanced by ``size`` bytes (started at its first use: module docstring), and the
-        half-life in its units."""
+        """The clock advanced by ``size`` bytes (started at its first use: module docstring); returns the
+        time of this touch and the half-life in its units.
+
+        The time of a touch is the clock as the first touch of its batch (one write transaction at one
+        ``now_ns``: a commit of written records, a read's refreshes) advanced it: a batch is one time, so a
+        chain put in one commit has one key and each record's raise stops at its parent (`_raise_parents`).
+        Timed by each record's own advance instead, every record of a chain outranked its parent by its size,
+        and each put raised the whole chain above it: a chain of 512 records cost 2.2 ms a record to put,
+        against 0.15 ms under ``lru``."""
         value, scale = self.clock(txn)
         if scale <= 0.0:
             value, scale = now_ns, self._first_scale(txn, now_ns)
         value = min(_MAX_KEY, value + max(1, round(size * scale)))
         txn.put(_CLOCK_KEY, _CLOCK.pack(value, scale), db=self.index.meta)
-        return value, self.window_bytes * scale
+        batch = self._batch
+        if batch is None or batch[0] is not txn or batch[1] != now_ns:
+            self._batch = batch = (txn, now_ns, value)
+        return batch[2], self.window_bytes * scale
 
     def _first_scale(self, txn: lmdb.Transaction, now_ns: int) -> float:
         """ns per byte: an index written by recency took its age to receive what it holds; else 1."""
