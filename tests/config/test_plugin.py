@@ -6,6 +6,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -28,14 +29,33 @@ def test_register_is_idempotent_and_lazy() -> None:
     assert ec_cls.__module__ == "vllm_tiercache.eccache.connector" and ec_cls.__name__ == "TieredECConnector"
 
 
-def test_vllm_loads_the_plugin_in_a_fresh_process() -> None:
-    code = (
-        "from vllm.plugins import load_general_plugins; load_general_plugins();"
-        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K;"
-        "import sys; print('vllm_tiercache.kvcache.connector' in sys.modules, 'TieredKVConnector' in K._registry)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split()[-2:] == ["False", "True"]  # registered, and nothing imported until used
+#: One fresh interpreter for the tests below (each asserts on its own part of the output): vLLM loads its
+#: plugins, as its engine processes do, then configures its logging; two lines of ours are logged after.
+_FRESH_PROCESS = (  # plugins load first, vLLM configures its logging after (the engine processes' order)
+    "import logging, sys\n"
+    "from vllm.plugins import load_general_plugins\n"
+    "load_general_plugins()\n"
+    "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K\n"
+    "print('registered:', 'vllm_tiercache.kvcache.connector' in sys.modules, 'TieredKVConnector' in K._registry,"
+    " flush=True)\n"
+    "from vllm.config import LoggingConfig\n"
+    "from vllm.logger import configure_logging\n"
+    "configure_logging(LoggingConfig())\n"
+    "logging.getLogger('vllm_tiercache.kvcache.connector').info('tiercache-visible-line')\n"
+    "logging.getLogger('vllm_tiercache.kvcache.connector').debug('tiercache-debug-line')\n"
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_process() -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_vllm_loads_the_plugin_in_a_fresh_process(fresh_process: subprocess.CompletedProcess[str]) -> None:
+    (line,) = [line for line in fresh_process.stdout.splitlines() if line.startswith("registered:")]
+    assert line.split()[1:] == ["False", "True"]  # registered, and nothing imported until used
 
 
 def test_cli_dispatches_to_the_owning_module() -> None:
@@ -48,20 +68,10 @@ def test_cli_dispatches_to_the_owning_module() -> None:
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
-def test_our_info_lines_reach_vllms_log_handlers_in_a_fresh_process() -> None:
+def test_our_info_lines_reach_vllms_log_handlers_in_a_fresh_process(
+        fresh_process: subprocess.CompletedProcess[str]) -> None:
     """vLLM configures only its own logger; after the plugin loads, an INFO line of ours prints like vLLM's."""
-    code = (  # plugins load first, vLLM configures its logging after (the engine processes' order)
-        "import logging\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
-        "from vllm.config import LoggingConfig\n"
-        "from vllm.logger import configure_logging\n"
-        "configure_logging(LoggingConfig())\n"
-        "logging.getLogger('vllm_tiercache.kvcache.connector').info('tiercache-visible-line')\n"
-        "logging.getLogger('vllm_tiercache.kvcache.connector').debug('tiercache-debug-line')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = fresh_process
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "tiercache-visible-line" in line]
     assert lines and "INFO" in lines[0], proc.stdout + proc.stderr[-2000:]
     assert "tiercache-debug-line" not in proc.stdout + proc.stderr  # vLLM's level (INFO) filters ours too
