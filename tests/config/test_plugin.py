@@ -29,14 +29,18 @@ def test_register_is_idempotent_and_lazy() -> None:
     assert ec_cls.__module__ == "vllm_tiercache.eccache.connector" and ec_cls.__name__ == "TieredECConnector"
 
 
-#: One fresh interpreter for the tests below (each asserts on its own part of the output): vLLM loads its
-#: plugins, as its engine processes do, then configures its logging; two lines of ours are logged after.
+#: One fresh interpreter for the tests below (each asserts on its own part of the output): vLLM's scheduler
+#: imported and its plugins loaded, as in its engine core; then vLLM configures its logging, and two lines
+#: of ours are logged.
 _FRESH_PROCESS = (  # plugins load first, vLLM configures its logging after (the engine processes' order)
     "import logging, sys\n"
+    "import vllm.v1.core.sched.scheduler as s\n"
     "from vllm.plugins import load_general_plugins\n"
     "load_general_plugins()\n"
     "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K\n"
     "print('registered:', 'vllm_tiercache.kvcache.connector' in sys.modules, 'TieredKVConnector' in K._registry,"
+    " flush=True)\n"
+    "print('reset wrapped:', getattr(s.Scheduler.reset_encoder_cache, '_vllm_tiercache_encoder_reset', False),"
     " flush=True)\n"
     "from vllm.config import LoggingConfig\n"
     "from vllm.logger import configure_logging\n"
@@ -56,6 +60,13 @@ def fresh_process() -> subprocess.CompletedProcess[str]:
 def test_vllm_loads_the_plugin_in_a_fresh_process(fresh_process: subprocess.CompletedProcess[str]) -> None:
     (line,) = [line for line in fresh_process.stdout.splitlines() if line.startswith("registered:")]
     assert line.split()[1:] == ["False", "True"]  # registered, and nothing imported until used
+
+
+def test_the_plugin_installs_the_encoder_reset_wrapper_where_vllms_scheduler_runs(
+        fresh_process: subprocess.CompletedProcess[str]) -> None:
+    """`vllm_tiercache.eccache.encoder_reset`: vLLM's encoder-cache reset reaches the EC connector."""
+    (line,) = [line for line in fresh_process.stdout.splitlines() if line.startswith("reset wrapped:")]
+    assert line.split()[-1] == "True"
 
 
 def test_cli_dispatches_to_the_owning_module() -> None:

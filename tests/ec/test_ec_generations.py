@@ -17,8 +17,6 @@ weights. The plugin now wraps it (`vllm_tiercache.eccache.encoder_reset`). What 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -188,13 +186,3 @@ def test_the_wrapper_is_installed_once_and_never_breaks_vllm(caplog) -> None:
         failing = _Resettable(fail=True)
         assert not encoder_reset.reset_ec_connector(type("S", (), {"ec_connector": failing})())
         assert "reset_cache failed" in caplog.text
-
-
-def test_the_plugin_installs_the_wrapper_where_vllms_scheduler_runs() -> None:
-    code = (
-        "import vllm.v1.core.sched.scheduler as s;"
-        "from vllm.plugins import load_general_plugins; load_general_plugins();"
-        "print(getattr(s.Scheduler.reset_encoder_cache, '_vllm_tiercache_encoder_reset', False))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split()[-1] == "True"
