@@ -10,8 +10,9 @@ weights. The plugin now wraps it (`vllm_tiercache.eccache.encoder_reset`). What 
   still loads the old record;
 - the worker names what it saves, loads and reports resident with the salt of the last bound metadata
   (`save_caches` gets only the mm_hash), through the real connector's `bind_connector_metadata`;
-- the wrapper is in place wherever vLLM's scheduler module is loaded with the plugin, and never breaks
-  vLLM (a scheduler without an EC connector, or without the attribute, or a failing reset).
+- the wrapper never breaks vLLM (a scheduler without an EC connector, or without the attribute, or a
+  failing reset); that the plugin installs it wherever vLLM's scheduler module is loaded is checked in a
+  fresh process by tests/config/test_plugin.py.
 """
 
 from __future__ import annotations
