@@ -168,12 +168,8 @@ def test_a_parent_read_only_through_its_child_stays_with_it(tmp_path, policy):
     tier.close()
 
 
-def test_a_chain_put_in_one_commit_has_one_key_and_each_record_raises_no_parent(tmp_path, monkeypatch):
-    """A commit is one time: a long prompt's chain put at once gets one key, so no record's put walks up its
-    chain raising ancestors (which made a put cost grow with its depth: 2.2 ms a record at 512 deep). The
-    next commit of the same chain raises the chain once, to its own time, not once per record."""
-    clock = _Clock()
-    tier = _tier(tmp_path / "d", 1000, "prefix", clock)
+def _raises(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The digests the index moves in the order from now on (`DiskIndex.rekey`: a parent raised), in order."""
     raised: list[bytes] = []
     rekey = DiskIndex.rekey
 
@@ -182,6 +178,16 @@ def test_a_chain_put_in_one_commit_has_one_key_and_each_record_raises_no_parent(
         rekey(self, txn, digest, *args)
 
     monkeypatch.setattr(DiskIndex, "rekey", counting)
+    return raised
+
+
+def test_a_chain_put_in_one_commit_has_one_key_and_each_record_raises_no_parent(tmp_path, monkeypatch):
+    """A commit is one time: a long prompt's chain put at once gets one key, so no record's put walks up its
+    chain raising ancestors (which made a put cost grow with its depth: 2.2 ms a record at 512 deep). The
+    next commit of the same chain raises the chain once, to its own time, not once per record."""
+    clock = _Clock()
+    tier = _tier(tmp_path / "d", 1000, "prefix", clock)
+    raised = _raises(monkeypatch)
     chain = _chain("long", 200)
     _put_chain(tier, chain[:100])
     assert raised == []
@@ -196,6 +202,24 @@ def test_a_chain_put_in_one_commit_has_one_key_and_each_record_raises_no_parent(
     with tier._index.env.begin() as txn:
         keys = {e.atime_ns for d, e in tier._index.scan(txn)}
     assert len(keys) == 1 and min(keys) > max(first), (keys, first)
+    _consistent(tier._index)
+    tier.close()
+
+
+def test_a_chain_saved_one_record_per_commit_raises_no_parent_within_a_step_of_the_grid(tmp_path, monkeypatch):
+    """A long prompt saved a chunk per commit: the commits within one step of the key grid (1/64 of a
+    half-life of traffic, here 17 MB) share a key, so none raises the chain stored before it (each did:
+    4,950 raises for these 100 records)."""
+    clock = _Clock()
+    tier = _tier(tmp_path / "d", 1_000_000, "prefix", clock)
+    raised = _raises(monkeypatch)
+    chain = _chain("saved", 100)
+    for i, key in enumerate(chain):
+        tier.put_many([(key, torch.zeros(_RECORD, dtype=torch.uint8),
+                        {PARENT_KEY: chain[i - 1].digest} if i else None)])
+    assert raised == []
+    with tier._index.env.begin() as txn:
+        assert len({e.atime_ns for _, e in tier._index.scan(txn)}) == 1
     _consistent(tier._index)
     tier.close()
 
