@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import weakref
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -118,8 +119,9 @@ class PrefixOrder:
         self.index = index
         self.window_bytes = max(1.0, half_life * capacity)
         self.newcomer = float(newcomer)
-        #: (the write transaction, its ``now_ns``, the clock its first touch read): the batch being keyed
-        self._batch: tuple[lmdb.Transaction, int, int] | None = None
+        #: (the write transaction, weakly: a finished one is not kept; its ``now_ns``; the clock its first
+        #: touch read): the batch being keyed
+        self._batch: tuple[weakref.ref[lmdb.Transaction], int, int] | None = None
         with index.env.begin(write=True) as txn:  # see DiskIndex.__init__: open_db in a transaction of our own
             self.states = index.env.open_db(b"lrfu", txn=txn)
             self.ghosts = index.env.open_db(b"ghosts", txn=txn)
@@ -187,8 +189,8 @@ class PrefixOrder:
         value = min(_MAX_KEY, value + max(1, round(size * scale)))
         txn.put(_CLOCK_KEY, _CLOCK.pack(value, scale), db=self.index.meta)
         batch = self._batch
-        if batch is None or batch[0] is not txn or batch[1] != now_ns:
-            self._batch = batch = (txn, now_ns, value)
+        if batch is None or batch[0]() is not txn or batch[1] != now_ns:
+            self._batch = batch = (weakref.ref(txn), now_ns, value)
         return batch[2], self.window_bytes * scale
 
     def _first_scale(self, txn: lmdb.Transaction, now_ns: int) -> float:
