@@ -7,6 +7,7 @@ declares `RemoteTier`) explains the budget; this is the thread that keeps it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from vllm_tiercache.shared.store.api import StoreKey, Tier
@@ -73,7 +74,21 @@ class BoundedLookup:
             finally:
                 with self._cond:  # free before done: a caller that got its answer may ask again at once
                     self._busy = False
+                    self._cond.notify_all()
                 job.done.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call is outstanding (one a caller stopped waiting for included); False if one still
+        is after ``timeout_s``. For a tool that closes the tier next and must not leave the call running
+        against what it tears down (`tiercache bench lookups`); the scheduler never waits here."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def close(self) -> None:
         with self._cond:

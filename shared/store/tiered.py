@@ -470,6 +470,12 @@ class TieredStore:
     def closed(self) -> bool:
         return self._closed
 
+    def wait_for_lookups(self, timeout_s: float) -> bool:
+        """Wait until no remote tier's bounded lookup has a call outstanding (`BoundedLookup.wait_idle`);
+        False if one still has after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        return all(lookup.wait_idle(max(0.0, deadline - time.monotonic())) for lookup in self._bounded.values())
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Flush queued writes (up to ``timeout`` s), stop the writer, release every tier."""
         with self._close_lock:

@@ -26,6 +26,10 @@ from vllm_tiercache.tools.bench.object_row import add_s3_arguments, check_s3_arg
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, delayed_item, store_rtt_header
 from vllm_tiercache.tools.cli import float_in, int_at_least
 
+#: how long a bounded lookup still outstanding past its budget may take to end before its store closes (its
+#: HEADs in waves of ``--concurrency``, each within the tier's 10 s timeout)
+LOOKUP_END_S = 120.0
+
 
 def key_counts(text: str) -> list[int]:
     """argparse ``type=`` of --keys: comma-separated counts from 1 to 100,000."""
@@ -96,8 +100,11 @@ def bench_lookups(args: argparse.Namespace, item: dict[str, Any]) -> list[dict[s
                         store.tiers[0].contains_many([])
                         store.tiers[0].warmed()
                     found.append(sum(store.contains_many(keys[:n], shared_only=True)))
-                    # an outstanding lookup ends before the store closes: its HEADs, in waves of concurrency
-                    time.sleep(0.05 + n / 1000 + n / args.concurrency * args.store_rtt_ms / 1000)
+                    # a lookup still outstanding past the budget ends before the store closes (and before the
+                    # proxy does, after the last one): closed under it, its requests would wait out their timeout
+                    if not store.wait_for_lookups(LOOKUP_END_S):
+                        raise RuntimeError(f"a bounded lookup of {n} keys was still running {LOOKUP_END_S:.0f} s "
+                                           "after its budget")
                     store.close()
             rows.append({"keys": n, "concurrency": args.concurrency, "budget_ms": args.budget_ms,
                          "store_rtt_ms": args.store_rtt_ms,
