@@ -93,8 +93,8 @@ def _on_grid(key: int, half_life: float) -> int:
 
     Why: a long prompt is saved over many commits, a few chunks of each layer's chain at a time, and each
     commit's key outranks the chain stored before it, so every commit raised the whole chain below it
-    (`_raise_parents`): a prompt of D chunks cost O(D^2) raises per layer (a chain 512 deep, one record
-    per commit: 2.8 ms a put against 0.27 under ``lru``). On the grid the commits within one step of it
+    (`_raise_parents`): a prompt of D chunks cost O(D^2) raises per layer (docs/benchmarks-kv.md,
+    "2026-11-30": the cost per put, before and after). On the grid the commits within one step of it
     share a key and stop at their parent; the chain is raised once per step of the clock, not per commit.
     What it costs: records whose counts differ by less than 1/64 of a doubling (1%) can rank as equals
     (then in digest order). A tier of a few records, where one record's put advances the clock by more
@@ -181,8 +181,7 @@ class PrefixOrder:
         ``now_ns``: a commit of written records, a read's refreshes) advanced it: a batch is one time, so a
         chain put in one commit has one key and each record's raise stops at its parent (`_raise_parents`).
         Timed by each record's own advance instead, every record of a chain outranked its parent by its size,
-        and each put raised the whole chain above it: a chain of 512 records cost 2.2 ms a record to put,
-        against 0.15 ms under ``lru``."""
+        and each put raised the whole chain above it (the cost: `_on_grid`)."""
         value, scale = self.clock(txn)
         if scale <= 0.0:
             value, scale = now_ns, self._first_scale(txn, now_ns)
