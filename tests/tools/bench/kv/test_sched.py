@@ -4,6 +4,7 @@ asserted beyond their order."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -71,6 +72,21 @@ def test_arms_are_checked() -> None:
 ])
 def test_bad_arms_and_background_lengths_are_one_line_errors(flag: str, value: str, piece: str) -> None:
     assert_one_line_error(tiercache_here("bench", "kv-sched", flag, value), flag, piece)
+
+
+def test_a_failed_arm_names_its_root_cause_and_keeps_its_log(tmp_path) -> None:
+    """An arm's process that exits non-zero: the bench stops with what its log says and where the log is.
+    (An executor the arm refuses: it exits before any engine starts.)"""
+    parser = argparse.ArgumentParser()
+    sched.add_arguments(parser)
+    args = parser.parse_args(["--quick"])
+    args.executor = "bogus"
+    with pytest.raises(RuntimeError) as raised:
+        sched._run_process(args, "vllm", {"model": str(tmp_path / "model"), "namespace": "x", "tiers": []}, tmp_path)
+    message = str(raised.value)
+    assert message.startswith("arm vllm exited with 2: ") and "--executor" in message, message
+    assert f"(log: {tmp_path / 'arm-vllm.log'})" in message
+    assert "invalid choice: 'bogus'" in (tmp_path / "arm-vllm.log").read_text()
 
 
 @pytest.mark.engine
