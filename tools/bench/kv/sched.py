@@ -60,7 +60,7 @@ from typing import Any
 
 from vllm_tiercache.kvcache.options import DEFAULT_LOOKUP_DEADLINE_MS, MAX_LOOKUP_DEADLINE_MS
 from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
-from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, root_cause
+from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, JOB_TIMEOUT_S, root_cause
 from vllm_tiercache.tools.bench.kv.step_timing import percentile, step_figures, time_steps
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
 from vllm_tiercache.tools.cli import int_at_least
@@ -69,6 +69,8 @@ ARMS = ("vllm", "sync", "far", "far0")
 #: ``--executor``: vLLM's executors that place the worker in the scheduler's process (uni) or beside it (mp)
 EXECUTORS = ("uni", "mp")
 CHUNK_SIZE = 256
+#: How long one arm may run before the bench stops it (a hung engine or store; `bench kv`'s jobs' bound)
+ARM_TIMEOUT_S: float = JOB_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,7 +332,8 @@ def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any],
 
 def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any], work: Path) -> dict[str, Any]:
     """One arm in a process of its own: its report from its output file, vLLM's log of it in ``work``.
-    Raises RuntimeError with the log's root cause when the arm fails."""
+    Raises RuntimeError with the log's root cause when the arm fails, or with its log's last word when it
+    runs past `ARM_TIMEOUT_S` (it is killed: a hung arm never hangs the bench)."""
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--executor", args.executor,
@@ -340,7 +343,14 @@ def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any], wor
     out_path, log_path = work / f"arm-{arm}.json", work / f"arm-{arm}.log"
     print(f"tiercache-bench: arm {arm} (log: {log_path})", file=sys.stderr)
     with open(out_path, "w") as out, open(log_path, "w") as log:
-        code = subprocess.Popen(cmd, stdout=out, stderr=log, env=env).wait()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=log, env=env)
+        try:
+            code = proc.wait(timeout=ARM_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"arm {arm} ran past {ARM_TIMEOUT_S:g}s and was stopped; its log says: "
+                               f"{root_cause(log_path)} (log: {log_path})") from None
     if code != 0:
         raise RuntimeError(f"arm {arm} exited with {code}: {root_cause(log_path)} (log: {log_path})")
     text = out_path.read_text()

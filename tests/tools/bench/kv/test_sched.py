@@ -94,6 +94,20 @@ def test_a_failed_arm_names_its_root_cause_and_keeps_its_log(tmp_path) -> None:
     assert "invalid choice: 'bogus'" in (tmp_path / "arm-vllm.log").read_text()
 
 
+def test_an_arm_past_its_time_is_stopped_and_named_with_its_log(tmp_path, monkeypatch) -> None:
+    """An arm that runs past `ARM_TIMEOUT_S` (a hung engine or store) is killed and the bench stops with its
+    log's path, instead of waiting for ever. (Half a second: less than the arm's imports alone take.)"""
+    parser = argparse.ArgumentParser()
+    sched.add_arguments(parser)
+    args = parser.parse_args(["--quick"])
+    monkeypatch.setattr(sched, "ARM_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError) as raised:
+        sched._run_process(args, "vllm", {"model": str(tmp_path / "model"), "namespace": "x", "tiers": []}, tmp_path)
+    message = str(raised.value)
+    assert message.startswith("arm vllm ran past 0.5s and was stopped; its log says: "), message
+    assert message.endswith(f"(log: {tmp_path / 'arm-vllm.log'})"), message
+
+
 @pytest.mark.engine
 def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
     # the longest lookup deadline: what is asserted below is that each stored prompt hits, on a loaded CI
