@@ -54,3 +54,18 @@ def test_a_missing_or_damaged_file_orders_by_the_engine_marker_alone(tmp_path: P
     (tmp_path / "bad.json").write_text("[1, 2")
     assert load_seconds(tmp_path / "bad.json") == {}
     assert load_seconds(Path(__file__).parents[1] / "module_seconds.json")  # the committed file reads
+
+
+def test_the_recorder_leaves_serial_tests_out(tmp_path: Path) -> None:
+    """The order is pass 1's: a module's serial tests (pass 2) neither add to it nor, alone, rewrite it."""
+    path = tmp_path / "module_seconds.json"
+    path.write_text(json.dumps({"tests/mixed.py": 40.0}))
+    recorder = ModuleSecondsRecorder(path)
+    recorder.pytest_runtest_logreport(SimpleNamespace(  # type: ignore[arg-type]
+        nodeid="tests/mixed.py::hangs", duration=9.0, keywords={"serial": 1, "hangs": 1}))
+    recorder.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))  # type: ignore[arg-type]
+    assert load_seconds(path) == {"tests/mixed.py": 40.0}  # nothing counted: the file is left as it was
+    recorder.pytest_runtest_logreport(SimpleNamespace(  # type: ignore[arg-type]
+        nodeid="tests/mixed.py::quick", duration=3.0, keywords={"quick": 1}))
+    recorder.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))  # type: ignore[arg-type]
+    assert load_seconds(path) == {"tests/mixed.py": 3.0}

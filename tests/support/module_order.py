@@ -61,8 +61,9 @@ class ModuleSecondsRecorder:
     """Adds up each module's test durations in the controlling process and writes them when the run ends.
 
     Under xdist every worker's reports reach the controller, so the sums are per module whichever worker
-    ran it. Modules this run did not collect keep their recorded value (pass 2 runs other modules than
-    pass 1, and both refresh the same file).
+    ran it. Modules this run did not collect keep their recorded value. Tests marked ``serial`` are not
+    counted: the order is pass 1's, where they do not run, and pass 2 (serial tests only) used to rewrite a
+    module that has both kinds with its serial tests' seconds alone, so that pass 1 placed it by them.
     """
 
     def __init__(self, path: Path = SECONDS_FILE) -> None:
@@ -70,6 +71,8 @@ class ModuleSecondsRecorder:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "serial" in getattr(report, "keywords", {}):
+            return
         self.seconds[module_path(report.nodeid)] += report.duration
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
