@@ -34,8 +34,26 @@ def _rec(i: int) -> torch.Tensor:
     return torch.full((16 * KIB // 4,), float(i))  # 16 KiB of payload
 
 
+#: The request timeout of the four writers' test: it hangs nothing, and on a loaded 2-core machine SeaweedFS,
+#: serving five processes, answered past the fixture's 2 s now and then (5 and 18 errors in two writers of
+#: one run, where a few racing 500s are all the test allows)
+PATIENT_TIMEOUT_S = 10.0
+#: every tier `tier_of` built in the running test, closed after it (a failed assertion left one open, and
+#: the module's thread guard then failed the next test too)
+_OPEN: list[ObjectTier] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_tiers():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()  # a second close of a tier the test closed is a no-op
+
+
 def tier_of(s3_bucket, **fields) -> ObjectTier:
-    return ObjectTier(StoreConfig.load({"tiers": [s3_bucket.tier_config(**fields)]}).tiers[0])
+    tier = ObjectTier(StoreConfig.load({"tiers": [s3_bucket.tier_config(**fields)]}).tiers[0])
+    _OPEN.append(tier)
+    return tier
 
 
 def listed_bytes(s3_bucket, prefix: str = "tiercache/r/") -> int:
@@ -113,7 +131,8 @@ def test_pinned_records_survive_sweeps_within_the_pin_budget(s3_bucket):
 
 def test_four_writer_processes_stay_bounded_and_a_pinned_corpus_keeps_every_hit(s3_bucket):
     capacity, share, writers, batch = 1 << 20, 0.02, 4, 4
-    fields = {"capacity": capacity, "sweep_share": share, "sweep_every_s": 0.5, "pin_budget": 0.3}
+    fields = {"capacity": capacity, "sweep_share": share, "sweep_every_s": 0.5, "pin_budget": 0.3,
+              "timeout_s": PATIENT_TIMEOUT_S}
     corpus = list(range(100_000, 100_008))
     expected_meta_of = {i: {"i": i, "tags": ["corpus:v1"]} for i in corpus}  # about 130 KiB, within the pin budget
     tier = tier_of(s3_bucket, **fields)
