@@ -332,8 +332,9 @@ def _far_tier(server_name: str, rtt_ms: float) -> Iterator[tuple[dict[str, Any],
 
 def _run_process(args: argparse.Namespace, arm: str, config: dict[str, Any], work: Path) -> dict[str, Any]:
     """One arm in a process of its own: its report from its output file, vLLM's log of it in ``work``.
-    Raises RuntimeError with the log's root cause when the arm fails, or with its log's last word when it
-    runs past `ARM_TIMEOUT_S` (it is killed: a hung arm never hangs the bench)."""
+    Raises RuntimeError with the log's root cause (`root_cause`: its first exception line, else its last
+    lines) when the arm fails, and when it runs past `ARM_TIMEOUT_S` (it is killed: a hung arm never hangs
+    the bench)."""
     cmd = [sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--json", "--arm", arm,
            "--arm-config", json.dumps(config), "--hits", str(args.hits), "--background", str(args.background),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--executor", args.executor,

@@ -183,8 +183,9 @@ def _raises(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
 def test_a_chain_put_in_one_commit_has_one_key_and_each_record_raises_no_parent(tmp_path, monkeypatch):
     """A commit is one time: a long prompt's chain put at once gets one key, so no record's put walks up its
-    chain raising ancestors (which made a put cost grow with its depth: 2.2 ms a record at 512 deep). The
-    next commit of the same chain raises the chain once, to its own time, not once per record."""
+    chain raising ancestors (which made a put cost grow with its depth: docs/benchmarks-kv.md, "2026-11-30:
+    the disk's `prefix` order on long prompts"). The next commit of the same chain raises the chain once, to
+    its own time, not once per record."""
     clock = _Clock()
     tier = _tier(tmp_path / "d", 1000, "prefix", clock)
     raised = _raises(monkeypatch)
