@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
+from vllm_tiercache.kvcache.groups import FULL, KVGroup, KVGroups
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, RequestNames
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave
 from vllm_tiercache.shared.vllm_compat import publishable_block_count
@@ -84,24 +84,33 @@ def prompt_full_blocks(request: Request, block_size: int) -> int:
 
 def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geometry: ChunkGeometry) -> list[ChunkLoad]:
     """One group's loads for the planned hit: full attention every block of [load_first, load_end), a
-    sliding window only the blocks vLLM allocated inside the window at the hit's end."""
+    sliding window only the blocks vLLM allocated inside the window at the hit's end.
+
+    Runs on vLLM's scheduling thread once per chunk of every hit it admits (32 hits of 2K tokens are 512
+    chunks in one step), so what does not change per chunk is read once, before the loop."""
     loads = []
-    low = group.load_first(state.load_first, state.load_end)
+    load_end = state.load_end
+    low = group.load_first(state.load_first, load_end)
+    per_chunk, index, name = geometry.blocks_per_chunk, group.index, state.names.name
+    record_start = None if group.kind == FULL else group.record_start
+    tenant = getattr(state.request, "cache_salt", None)
     for end, _ in state.load_chunks:
-        start = geometry.chunk_start(end)
-        record_start = group.record_start(start, end)
-        first, last = max(record_start, low), min(end, state.load_end)
+        start = (end - 1) // per_chunk * per_chunk  # `ChunkGeometry.chunk_start`
+        if record_start is not None:
+            start = record_start(start, end)
+        first = start if start > low else low
+        last = end if end < load_end else load_end
         if last <= first:
             continue
         ids = block_ids[first:last]
         if len(ids) != last - first or NULL_BLOCK_ID in ids:
             raise RuntimeError(
-                f"TieredKVConnector: group {group.index} of request {state.request.request_id} has no "
+                f"TieredKVConnector: group {index} of request {state.request.request_id} has no "
                 f"block for [{first}, {last}) of its hit; vLLM allocated {block_ids[:last]}"
             )
-        loads.append(ChunkLoad(chunk_hash=state.names.name(end), chunk_start=record_start, first=first,
-                               end=last, block_ids=ids, group=group.index,
-                               tenant=getattr(state.request, "cache_salt", None)))
+        # by position, in the fields' order (chunk_hash, chunk_start, first, end, block_ids, group, tenant):
+        # keywords cost a third more here
+        loads.append(ChunkLoad(name(end), start, first, last, ids, index, tenant))
     return loads
 
 

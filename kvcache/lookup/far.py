@@ -201,7 +201,7 @@ class FarLookups:
                 return self._answer(ticket, local_blocks, probe_in=False)  # the probe's findings are not in
             if not ticket.prefetching or local_blocks < ticket.fetched_past:
                 self._prefetch(ticket, local_blocks)  # vLLM evicted some of what it held: fetched after all
-            pending = {name for name in ticket.waits_for if name in self._in_flight and not self._held(name)}
+            pending = {name for name in ticket.waits_for if name in self._in_flight and name not in self.staged}
             if pending and not ticket.hurried:  # its turn: ahead of the fetches of requests still queued
                 ticket.hurried = True
                 position = {name: i for i, (_, name) in enumerate(probe.chunks)}
@@ -215,8 +215,8 @@ class FarLookups:
             if pending and not late:
                 return None
             self.counters["prefetches_late"] += len(pending)
-            self.counters["prefetches_evicted"] += sum(
-                1 for name in ticket.waits_for - pending if name in self._fetched and not self._held(name))
+            # fetched for it, and dropped from the staging before its answer (set operations: no per-chunk Python)
+            self.counters["prefetches_evicted"] += len(((ticket.waits_for - pending) & self._fetched) - self.staged)
             ticket.answered = True
         answer = self._answer(ticket, local_blocks, probe_in=probe.done.is_set())
         if first:
@@ -273,23 +273,34 @@ class FarLookups:
 
     def _answer(self, ticket: FarTicket, local_blocks: int, *, probe_in: bool) -> FarAnswer:
         """Loadable: what the workers' memory holds now, what a near tier holds, and what vLLM holds itself
-        (never loaded: the hit starts past it)."""
+        (never loaded: the hit starts past it). One pass over the chunks: it runs on the scheduling thread for
+        every chunk of every request answered, most of them in the step that admits them."""
         probe = ticket.probe
-        ends = [end for end, _ in probe.chunks]
-        resident = [name in self.resident and name not in self.failed for _, name in probe.chunks]
-        host = [self._held(name) and name not in self.failed for _, name in probe.chunks]
-        where = probe.where if probe_in else [Where.RESIDENT if r else Where.MISSING for r in resident]
-        usable = [h or end <= local_blocks or (w == Where.NEAR and name not in self.failed)
-                  for h, w, (end, name) in zip(host, where, probe.chunks, strict=True)]
-        found = probe.found if probe_in else where
-        stored = [h or (w != Where.MISSING and name not in self.failed)
-                  for h, w, (_, name) in zip(host, found, probe.chunks, strict=True)]
+        staged, failed, memory = self.staged, self.failed, self.resident
+        ends: list[int] = []
+        usable: list[bool] = []
+        resident: list[bool] = []
+        host: list[bool] = []
+        stored: list[bool] = []
+        for i, (end, name) in enumerate(probe.chunks):
+            bad = name in failed
+            in_memory = not bad and name in memory
+            held = not bad and name in staged  # staged for a load (`_held`)
+            if probe_in:
+                where, found = probe.where[i], probe.found[i]
+            else:  # the probe's findings are not in: what the workers' memory holds, nothing else
+                where = found = Where.RESIDENT if in_memory else Where.MISSING
+            ends.append(end)
+            resident.append(in_memory)
+            host.append(held)
+            usable.append(held or end <= local_blocks or (where == Where.NEAR and not bad))
+            stored.append(held or (found != Where.MISSING and not bad))
         asked = [probe_in and not r for r in probe.resident]
         shorter = None
         if probe_in and probe.shorter is not None:
             end, name, at = probe.shorter
             held = self._held(name)
-            if name not in self.failed and (held or at == Where.NEAR):
+            if name not in failed and (held or at == Where.NEAR):
                 shorter = (end, held)
         return FarAnswer(ends, usable, resident, host, shorter, stored, asked)
 
