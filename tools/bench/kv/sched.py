@@ -370,7 +370,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"{report['store']} {rtt} away (far0: 0 ms){_deadline(report)}; {_layout(report)}",
              f"  {'arm':6s} {'steps':>6s} {'idle':>5s} {'hit tok':>8s} {'sched p50':>10s} {'sched p99':>10s} "
              f"{'max':>8s} {'cpu p99':>8s} {'step p50':>9s} {'step p99':>9s} {'sched p99/vllm':>15s} "
-             f"{'cpu p99/vllm':>13s} {'conn p99':>9s} {'rest p99/vllm':>14s} {'step p99/vllm':>14s} "
+             f"{'cpu p99/vllm':>13s} {'conn p99':>9s} {'conn sum':>9s} {'rest p99/vllm':>14s} "
+             f"{'step p99/vllm':>14s} "
              f"{'not ready':>10s} {'at turn':>8s} {'late':>5s} {'queued p50':>11s} {'TTFT p50':>9s} {'TTFT max':>9s} "
              f"{'TTFT p50/far0':>14s}"]
     for row in report["arms"]:
@@ -380,7 +381,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_cpu_p99(row):7.2f}m {row['step_p50_ms']:8.2f}m "
                      f"{row['step_p99_ms']:8.2f}m {row['sched_p99_ms'] / base['sched_p99_ms']:15.2f} "
                      f"{_cpu_p99(row) / max(_cpu_p99(base), 1e-9):13.2f} "
-                     f"{row.get('connector_cpu_p99_ms', 0.0):8.2f}m "
+                     f"{row.get('connector_cpu_p99_ms', 0.0):8.2f}m {row.get('connector_cpu_sum_ms', 0.0):8.1f}m "
                      f"{row.get('vllm_cpu_p99_ms', _cpu_p99(row)) / max(_cpu_p99(base), 1e-9):14.2f} "
                      f"{row['step_p99_ms'] / base['step_p99_ms']:14.2f} "
                      f"{row.get('hit_not_ready', 0):10d} {row.get('hit_not_ready_at_turn', 0):8d} {_late(row):5d} "
@@ -389,7 +390,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("  (ms; over the steps that ran a forward: sched, Scheduler.schedule + update_from_output; step, the "
                  "engine step's wall time; cpu, the scheduling thread's own CPU time in those calls (its work, ours "
                  "included; sched minus cpu is its waits for a core or the interpreter lock); conn, the part of cpu "
-                 "spent in the connector's calls; rest, cpu without them (vLLM's own work) over vllm's cpu p99; "
+                 "spent in the connector's calls (sum: over all those steps); rest, cpu without them (vLLM's own work) "
+                 "over vllm's cpu p99; "
                  "idle: steps while "
                  "every request waited, max: the scheduler's longest of all steps; the stored prompts': hit tok, "
                  "vLLM's cached tokens summed; not ready, the times vLLM "

@@ -46,16 +46,16 @@ def test_the_table_names_the_rtt_and_gives_each_arms_hit_ttft_over_far0s() -> No
 
 def test_the_scheduling_threads_own_cpu_p99_is_set_beside_its_wall_time() -> None:
     far = {**_row("far", 330.0, 7936), "sched_p99_ms": 3.0, "sched_cpu_p99_ms": 1.1,
-           "connector_cpu_p99_ms": 0.3, "vllm_cpu_p99_ms": 0.9}
+           "connector_cpu_p99_ms": 0.3, "connector_cpu_sum_ms": 12.5, "vllm_cpu_p99_ms": 0.9}
     vllm = {**_row("vllm", 900.0, 0), "sched_cpu_p99_ms": 1.0, "connector_cpu_p99_ms": 0.0, "vllm_cpu_p99_ms": 1.0}
     lines = sched.format_table({**_report(vllm, far), "executor": "mp"}).splitlines()
     assert "--executor mp" in lines[1] and "cpu p99" in lines[2] and "cpu p99/vllm" in lines[2], lines
-    assert "conn p99" in lines[2] and "rest p99/vllm" in lines[2], lines
+    assert "conn p99" in lines[2] and "conn sum" in lines[2] and "rest p99/vllm" in lines[2], lines
     # arm steps idle hit-tok sched-p50 sched-p99 max cpu-p99 step-p50 step-p99, then the ratios: sched, cpu,
-    # the connector's CPU p99, vLLM's own (the rest) over vllm's cpu p99, step
+    # the connector's CPU p99 and its sum over the run, vLLM's own (the rest) over vllm's cpu p99, step
     far_row = lines[4].split()
-    assert far_row[7] == "1.10m" and far_row[10:14] == ["3.00", "1.10", "0.30m", "0.90"], far_row
-    assert lines[3].split()[12:14] == ["0.00m", "1.00"], lines[3]
+    assert far_row[7] == "1.10m" and far_row[10:15] == ["3.00", "1.10", "0.30m", "12.5m", "0.90"], far_row
+    assert lines[3].split()[12:15] == ["0.00m", "0.0m", "1.00"], lines[3]
 
 
 def test_without_far0_the_ratio_is_a_dash() -> None:
@@ -139,6 +139,11 @@ def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
         # the connector's part of it: one clock, its calls inside the scheduler's
         assert all(0 <= s["connector_cpu_ms"] <= s["thread_cpu_ms"] + 1e-6 for s in row["worst_sched_steps"]), row
     assert rows["vllm"]["connector_cpu_p99_ms"] == 0 and rows["far0"]["connector_cpu_p99_ms"] > 0, rows
+    # the sum over the run holds every step's connector CPU: the slowest steps' and the p99 step's among them
+    assert rows["vllm"]["connector_cpu_sum_ms"] == 0, rows
+    far0 = rows["far0"]
+    assert far0["connector_cpu_sum_ms"] + 1e-6 >= max(
+        far0["connector_cpu_p99_ms"], sum(s["connector_cpu_ms"] for s in far0["worst_sched_steps"])), far0
     assert 0 < rows["far0"]["vllm_cpu_p99_ms"] <= rows["far0"]["sched_cpu_p99_ms"], rows
     table = sched.format_table(report)
     assert "TTFT p50/far0" in table and "--executor uni" in table and "lookup_deadline_ms 60000" in table
