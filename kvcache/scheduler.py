@@ -315,9 +315,10 @@ class KVSchedulerSide:
         return meta
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        """The request's block table of every KV cache group (the null block, id 0, where vLLM keeps none)."""
+        """The request's block table of every KV cache group (the null block, id 0, where vLLM keeps none):
+        vLLM's own lists, new at each call, read here only by slices."""
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
+        return tuple(self._kv_cache_manager.get_block_ids(req_id))
 
     def _plan(self, state: RequestState, computed_before: int, computed_after: int) -> RequestPlan | None:
         """The request's loads and saves this step; None when it has neither (most decode steps, which

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 from vllm_tiercache.kvcache.lookup.probe import Probe, ProbeThreads, Where
 from vllm_tiercache.kvcache.options import MAX_WAIT_DEADLINES
 from vllm_tiercache.kvcache.plan import ChunkPrefetch
+from vllm_tiercache.kvcache.planning import true_prefix
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
 
@@ -120,9 +121,7 @@ class FarAnswer:
         """Chunks of the stored prefix past the loadable one: found in some tier, yet computed (their fetch was
         late, failed, or dropped from host memory before the answer). Counted once per answer as
         ``found_unused_chunks``: where a far tier's hits go missing."""
-        stored = next((i for i, ok in enumerate(self.stored) if not ok), len(self.stored))
-        usable = next((i for i, ok in enumerate(self.usable) if not ok), len(self.usable))
-        return max(0, stored - usable)
+        return max(0, true_prefix(self.stored) - true_prefix(self.usable))
 
 
 class FarLookups:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_tiercache.kvcache.events.tracker import TierEventTracker
 from vllm_tiercache.kvcache.lookup.far import FarLookups
 from vllm_tiercache.kvcache.naming import KVNaming
-from vllm_tiercache.kvcache.planning import RequestState
+from vllm_tiercache.kvcache.planning import RequestState, true_prefix
 from vllm_tiercache.shared.residency import ResidentSet
 from vllm_tiercache.shared.store.api import Store
 
@@ -87,7 +87,7 @@ class PromptLookup:
         if not self.can_load:
             return 0, False
         # the full-attention prefix, then the longest part of it whose end every window group can supply
-        full_chunks = next((i for i, ok in enumerate(full_ok) if not ok), len(full_ok))
+        full_chunks = true_prefix(full_ok)
         hit_chunks = full_chunks
         while hit_chunks and not self._windows_ok(ends, window_ok, ends[hit_chunks - 1]):
             hit_chunks -= 1
