@@ -50,6 +50,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,7 @@ from vllm_tiercache.tools.bench.kv.command import TOKEN_RANGE
 from vllm_tiercache.tools.bench.kv.engine import BLOCK_SIZE, JOB_TIMEOUT_S, root_cause
 from vllm_tiercache.tools.bench.kv.step_timing import percentile, step_figures, time_steps
 from vllm_tiercache.tools.bench.rtt_proxy import add_store_rtt_argument, store_rtt_header
-from vllm_tiercache.tools.cli import int_at_least
+from vllm_tiercache.tools.cli import int_at_least, writable_directory
 
 ARMS = ("vllm", "sync", "far", "far0")
 #: ``--executor``: vLLM's executors that place the worker in the scheduler's process (uni) or beside it (mp)
@@ -100,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the far and far0 arms' lookup_deadline_ms: how long a stored prompt waits, once its turn "
                              "came, for its lookup and fetches before it computes them (default %(default)s, the "
                              "connector's)")
+    parser.add_argument("--work-dir", help="where the model and each arm's log and report go, kept (default: a temp "
+                        "dir, removed after a run whose arms all succeeded and kept after a failure, whose error "
+                        "names the log there)")
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 hits, 1 background, 512 tokens, 16 new")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--arm", choices=(*ARMS, "store"), help=argparse.SUPPRESS)
@@ -426,18 +430,8 @@ def _late(row: dict[str, Any]) -> int:
     return int(counters.get("lookups_late", 0)) + int(counters.get("prefetches_late", 0))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `tiercache bench kv-sched`."""
-    if args.quick:
-        args.hits, args.background, args.prompt_len, args.new_tokens = 2, 1, 512, 16
-    if args.arm is not None:
-        sys.stdout.flush()
-        out = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)  # vLLM logs to stdout: only the report may reach it
-        with out:
-            print(json.dumps(run_arm(args, json.loads(args.arm_config))), file=out)
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="tiercache-bench-kv-sched-"))
+def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The run's report: the model made in ``work``, the store's prompts, then each arm in a process of its own."""
     from vllm_tiercache.tools.tiny_models.llama import TinyLlamaSpec, make_tiny_llama
 
     spec = TinyLlamaSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
@@ -451,12 +445,31 @@ def run(args: argparse.Namespace) -> int:
         for arm in args.arms:
             tiers = [memory, direct if arm == "far0" else far]
             arms.append(_run_process(args, arm, {"model": model, "namespace": namespace, "tiers": tiers}, work))
-    report = {"store": args.store, "store_rtt_ms": args.store_rtt_ms, "hits": args.hits,
-              "background": args.background, "background_len": _background_len(args),
-              "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
-                                          + BLOCK_SIZE),
-              "prompt_len": args.prompt_len, "executor": args.executor,
-              "lookup_deadline_ms": args.lookup_deadline_ms, "arms": arms,
-              "median_sched_ms": {row["arm"]: row["sched_p50_ms"] for row in arms}}
+    return {"store": args.store, "store_rtt_ms": args.store_rtt_ms, "hits": args.hits,
+            "background": args.background, "background_len": _background_len(args),
+            "step_tokens": _step_tokens(args, max(args.prompt_len, _background_len(args)) + args.new_tokens
+                                        + BLOCK_SIZE),
+            "prompt_len": args.prompt_len, "executor": args.executor,
+            "lookup_deadline_ms": args.lookup_deadline_ms, "arms": arms,
+            "median_sched_ms": {row["arm"]: row["sched_p50_ms"] for row in arms}}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `tiercache bench kv-sched`."""
+    if args.quick:
+        args.hits, args.background, args.prompt_len, args.new_tokens = 2, 1, 512, 16
+    if args.arm is not None:
+        sys.stdout.flush()
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # vLLM logs to stdout: only the report may reach it
+        with out:
+            print(json.dumps(run_arm(args, json.loads(args.arm_config))), file=out)
+        return 0
+    keep = args.work_dir is not None
+    work = writable_directory(args.work_dir, "--work-dir") if keep else Path(
+        tempfile.mkdtemp(prefix="tiercache-bench-kv-sched-"))
+    report = _measure(args, work)  # an arm that fails raises, naming its log: the directory stays for it
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)  # 10 MiB a run (the model), left in /tmp by every run before
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

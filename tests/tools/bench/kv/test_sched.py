@@ -8,12 +8,15 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.support.zygote_client import run_job
 from tests.tools.test_cli_errors import assert_one_line_error, tiercache_here
 from vllm_tiercache.tools.bench.kv import sched
+from vllm_tiercache.tools.cli import UsageError
 
 
 def _row(arm: str, ttft_p50: float, hit_tokens: int) -> dict:
@@ -108,15 +111,47 @@ def test_an_arm_past_its_time_is_stopped_and_named_with_its_log(tmp_path, monkey
     assert message.endswith(f"(log: {tmp_path / 'arm-vllm.log'})"), message
 
 
+def test_a_runs_temp_dir_goes_after_success_and_stays_after_a_failure_whose_error_names_its_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    sched.add_arguments(parser)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def failing(args: argparse.Namespace, work: Path) -> dict:
+        (work / "arm-far.log").write_text("ValueError: boom\n")
+        raise RuntimeError(f"arm far exited with 1: ValueError: boom (log: {work / 'arm-far.log'})")
+
+    monkeypatch.setattr(sched, "_measure", failing)
+    with pytest.raises(RuntimeError) as raised:
+        sched.run(parser.parse_args([]))
+    (kept,) = tmp_path.glob("tiercache-bench-kv-sched-*")
+    assert str(kept / "arm-far.log") in str(raised.value) and (kept / "arm-far.log").read_text(), raised.value
+
+    def measured(args: argparse.Namespace, work: Path) -> dict:
+        (work / "model").mkdir()
+        return {"arms": []}
+
+    monkeypatch.setattr(sched, "_measure", measured)
+    assert sched.run(parser.parse_args(["--json"])) == 0
+    assert list(tmp_path.glob("tiercache-bench-kv-sched-*")) == [kept]  # the successful run's is gone
+    mine = tmp_path / "mine"
+    assert sched.run(parser.parse_args(["--json", "--work-dir", str(mine)])) == 0
+    assert (mine / "model").is_dir()  # --work-dir: kept
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UsageError, match="--work-dir"):
+        sched.run(parser.parse_args(["--work-dir", str(tmp_path / "a-file")]))
+
+
 @pytest.mark.engine
-def test_quick_run_times_the_stored_prompts_behind_a_long_prefill() -> None:
+def test_quick_run_times_the_stored_prompts_behind_a_long_prefill(tmp_path: Path) -> None:
     # the longest lookup deadline: what is asserted below is that each stored prompt hits, on a loaded CI
     # machine too, where a fetch may wait on a core longer than the default second
     done = run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", "bench", "kv-sched", "--quick", "--store",
                     "redis", "--background-len", "512", "--arms", "vllm,far0", "--lookup-deadline-ms", "60000",
                     "--json"],
-                   env=dict(os.environ), cwd=os.getcwd(), timeout=600)
+                   env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=os.getcwd(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(tmp_path.glob("tiercache-bench-kv-sched-*")), "the run's temp dir (its model, logs) was left"
     report = json.loads(done.stdout)
     assert report["background_len"] == 512 and report["step_tokens"] == 512, report
     assert report["executor"] == "uni" and all(row["executor"] == "uni" for row in report["arms"]), report
