@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm_tiercache.kvcache.groups import FULL, KVGroup, KVGroups
+from vllm_tiercache.kvcache.groups import KVGroup, KVGroups
 from vllm_tiercache.kvcache.naming import ChunkGeometry, KVNaming, RequestNames
 from vllm_tiercache.kvcache.plan import ChunkLoad, ChunkSave
 from vllm_tiercache.shared.vllm_compat import publishable_block_count
@@ -97,13 +97,11 @@ def group_loads(state: RequestState, group: KVGroup, block_ids: list[int], geome
     loads = []
     load_end = state.load_end
     low = group.load_first(state.load_first, load_end)
-    per_chunk, index, name = geometry.blocks_per_chunk, group.index, state.names.name
-    record_start = None if group.kind == FULL else group.record_start
+    chunk_start, record_start = geometry.chunk_start, group.record_start
+    index, name = group.index, state.names.name
     tenant = getattr(state.request, "cache_salt", None)
     for end, _ in state.load_chunks:
-        start = (end - 1) // per_chunk * per_chunk  # `ChunkGeometry.chunk_start`
-        if record_start is not None:
-            start = record_start(start, end)
+        start = record_start(chunk_start(end), end)
         first = start if start > low else low
         last = end if end < load_end else load_end
         if last <= first:
