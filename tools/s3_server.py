@@ -196,13 +196,16 @@ class SeaweedFSServer:
         self._tmp.cleanup()
         self.remove_local_sockets()
 
+    def local_sockets(self) -> list[Path]:
+        """The unix sockets ``weed`` made for its local gRPC and S3 calls: it names them by port under /tmp, not
+        under its ``-dir`` (``/tmp/seaweedfs-master-grpc-<port>.sock``, ``-volume-grpc-``, ``-s3-``, ``-s3-grpc-``),
+        and leaves them when it stops. Those of this server's ports only."""
+        return sorted(path for service_port in self.ports.values()
+                      for port in (service_port, service_port + GRPC_PORT_OFFSET)
+                      for path in Path(LOCAL_SOCKET_DIR).glob(f"seaweedfs-*-{port}.sock") if path.is_socket())
+
     def remove_local_sockets(self) -> None:
-        """Remove the unix sockets ``weed`` made for its local gRPC and S3 calls, which it leaves behind: it names
-        them by port under /tmp, not under its ``-dir`` (``/tmp/seaweedfs-master-grpc-<port>.sock``, ``-volume-grpc-``,
-        ``-s3-``, ``-s3-grpc-``), four more in /tmp for every server a test or bench ran. Only those of this
-        server's ports, once it stopped."""
-        for service_port in self.ports.values():
-            for port in (service_port, service_port + GRPC_PORT_OFFSET):
-                for path in Path(LOCAL_SOCKET_DIR).glob(f"seaweedfs-*-{port}.sock"):
-                    if path.is_socket():
-                        path.unlink(missing_ok=True)
+        """Remove `local_sockets`, once the server stopped: four more in /tmp for every server a test or bench
+        ran otherwise."""
+        for path in self.local_sockets():
+            path.unlink(missing_ok=True)
