@@ -45,6 +45,14 @@ def find_weed() -> str:
 GRPC_PORT_OFFSET = 10000
 #: where ``weed`` puts its local unix sockets, whatever $TMPDIR says
 LOCAL_SOCKET_DIR = "/tmp"
+#: The master's raft election timeout. Its one master restarted on its data (`start` after `stop` or `kill`)
+#: waits out this timeout before it leads again and the S3 gateway serves: 17-23 s at weed's default of 10 s,
+#: 3.5 s at 1 s on a 2-core VM. One master has no peer to lose an election to, so a short one costs nothing.
+MASTER_ELECTION_TIMEOUT = "1s"
+#: How long `stop` lets ``weed`` shut down on SIGTERM before it kills it. Its graceful shutdown takes 15-25 s
+#: (the filer's gRPC server times out its graceful stop after 15 s), longer than any test waits, so this is a
+#: short courtesy: what was written is on disk either way (`kill` then `start` serves it again).
+STOP_GRACE_S = 0.5
 
 
 class SeaweedFSServer:
@@ -85,7 +93,8 @@ class SeaweedFSServer:
         args = [self.binary, "server", f"-dir={self.dir / 'data'}", "-s3", f"-s3.port={p['s3']}",
                 f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-master.volumeSizeLimitMB=64",
-                "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fixed default ports: one server per machine
+                "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: one server per machine
+                f"-master.electionTimeout={MASTER_ELECTION_TIMEOUT}"]
         (self.dir / "data").mkdir(exist_ok=True)
         # one identity, so that wrong credentials are refused as AWS refuses them (without IAM settings
         # SeaweedFS would take any)
@@ -184,7 +193,7 @@ class SeaweedFSServer:
         self.resume()
         self._signal(signal.SIGTERM)
         try:
-            self.proc.wait(3)
+            self.proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:  # it keeps nothing a test needs: do not wait on its shutdown
             self.kill()
 
