@@ -54,3 +54,17 @@ def test_a_class_it_cannot_rebuild_by_position_is_refused() -> None:
 
     with pytest.raises(TypeError, match="__init__ argument"):
         pickled_by_position(Derived)
+
+
+
+@dataclass
+class TracedLoad(ChunkLoad):
+    """A subclass with a field of its own (pickle finds it here, at module level)."""
+
+    trace_id: str = "t-1"
+
+
+def test_a_subclass_with_a_field_of_its_own_keeps_it() -> None:
+    load = TracedLoad(b"L" * 32, 0, 0, 4, [1, 2, 3, 4], tenant="t", trace_id="t-9")
+    copy = pickle.loads(pickle.dumps(load, protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(copy) is TracedLoad and copy == load and copy.trace_id == "t-9"
