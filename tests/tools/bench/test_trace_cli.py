@@ -212,7 +212,9 @@ def test_memory_and_disk_through_a_real_store_each_tier_counted(tmp_path) -> Non
     tiers count add up to the blocks found, the pair stays under the optimum at the combined capacity, the
     exclusive pair finds at least what the write-through one finds, and the table names the split."""
     trace = tmp_path / "gen.jsonl"
-    write_trace(trace, generate_trace(300, seed=3))
+    # 150 requests: every replay is a real store's writes and reads, and at 300 the figures this asserts on
+    # kept the same margins for twice the time
+    write_trace(trace, generate_trace(150, seed=3))
     proc = _cli(str(trace), "--capacities", "10k,40k", "--policies", "lru", "prefix", "--cost-puts", "0",
                 "--disk-share", "0.75", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -247,7 +249,8 @@ def test_memory_disk_and_a_shared_redis_tier_through_a_real_store(tmp_path) -> N
     disk small, Redis serves hits; Redis's own eviction ran (it was bounded); nothing beats the optimum at
     the combined capacity."""
     trace = tmp_path / "gen.jsonl"
-    write_trace(trace, generate_trace(300, seed=3))
+    # 150 requests (as above): Redis still evicts thousands of keys and serves hits in each row
+    write_trace(trace, generate_trace(150, seed=3))
     proc = _cli(str(trace), "--capacities", "40k,100k", "--policies", "prefix", "--cost-puts", "0",
                 "--disk-share", "0.5", "--shared-share", "0.6", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
