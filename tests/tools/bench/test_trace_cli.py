@@ -63,7 +63,9 @@ def test_the_table_the_plot_and_a_request_limit(tmp_path) -> None:
 
 def test_the_object_tiers_sweeps_each_policy_and_prefix_above_lru(tmp_path) -> None:
     trace = tmp_path / "gen.jsonl"
-    write_trace(trace, generate_trace(400, seed=3))
+    # 200 requests: the sweeps' simulation is deterministic, and its margins are no smaller than at 400 for half
+    # the time (lru 0.009 and 0.081 against a plain LRU's 0.008 and 0.077, prefix 0.045 and 0.149)
+    write_trace(trace, generate_trace(200, seed=3))
     proc = _cli(str(trace), "--capacities", "8k,30k", "--policies", "lru", "--cost-puts", "0", "--object", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
