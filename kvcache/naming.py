@@ -86,7 +86,7 @@ class ChunkGeometry:
 
     def chunk_start(self, end_block: int) -> int:
         """First block of the chunk that ends at `end_block` (full or the partial last one)."""
-        per_chunk = self.chunk_size // self.block_size  # `blocks_per_chunk`, once: a call per chunk of every hit
+        per_chunk = self.blocks_per_chunk  # read once: this runs per chunk of every hit
         return (end_block - 1) // per_chunk * per_chunk
 
     def chunk_ends(self, num_full_blocks: int) -> list[int]:
