@@ -29,8 +29,9 @@ def pickled_by_position(cls: type[PlanItem]) -> type[PlanItem]:
     unpickled on each worker, with one of these per chunk: 32 hits of 2K tokens are 512 loads. A dataclass's
     default pickle is its class and a dict per object; by position 512 loads pickle in 0.46-0.82 ms instead of
     0.84-1.0 and unpickle in 0.38-0.57 ms instead of 0.98-1.14 (tests/kv/test_plan_pickle.py checks the form)."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    if len(names) < 2 or not all(f.init for f in fields(cls)):  # type: ignore[arg-type]
+    items = fields(cls)  # type: ignore[arg-type]
+    names = tuple(f.name for f in items)
+    if len(names) < 2 or not all(f.init for f in items):
         raise TypeError(f"{cls.__name__}: pickled by position needs two fields or more, each an __init__ argument")
     values = attrgetter(*names)
 
