@@ -64,12 +64,15 @@ def run_job(cmd: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout
                                            err.read_text(errors="replace"))
 
 
-def run_tiercache(args: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_tiercache(args: Sequence[str], *, timeout: float, without: Sequence[str] = ()
+                  ) -> subprocess.CompletedProcess[str]:
     """``tiercache ARGS`` through its real command line (`run_job`: forked from the zygote, as are the servers
     it starts), from the repository root; ``$TIERCACHE_STATS_DIR`` is not passed on (the command's servers
-    must not write their stats where the test run's own engines write theirs)."""
+    must not write their stats where the test run's own engines write theirs), nor the variables named in
+    ``without`` (to run the command as an operator's shell would, without what this suite sets)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("TIERCACHE_STATS_DIR", None)
+    for name in ("TIERCACHE_STATS_DIR", *without):
+        env.pop(name, None)
     return run_job([sys.executable, "-m", "vllm_tiercache.tools.cli", *args], env=env, cwd=REPO, timeout=timeout)
 
 

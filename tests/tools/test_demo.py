@@ -9,22 +9,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.support.zygote_client import run_tiercache
+from vllm_tiercache.tools.demo.server import RPC_BASE_ENV, Server
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+UUID_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 @pytest.mark.engine
 @pytest.mark.timeout(1260)
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    # forked from the engine zygote, as are the servers and producer jobs it starts; a hang bound, not a speed target
-    proc = run_tiercache(["demo", "--quick", "--work-dir", str(work)], timeout=1200)
+    temp = Path(tempfile.gettempdir())  # the demo's too: the zygote it forks from has the same
+    ipc_before = vllm_ipc_leftovers(temp)
+    # forked from the engine zygote, as are the servers and producer jobs it starts; a hang bound, not a speed
+    # target. Without the IPC directory this suite gives every engine (tests/conftest.py): as an operator runs it
+    proc = run_tiercache(["demo", "--quick", "--work-dir", str(work)], timeout=1200, without=[RPC_BASE_ENV])
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
 
@@ -57,6 +65,42 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(work) not in ps
     assert processes_holding_files_under(work) == []
+    # nor vLLM's IPC sockets (each server's directory of them is gone with it, `tools/demo/server.py`)
+    assert vllm_ipc_leftovers(temp) - ipc_before == set()
+
+
+def test_a_server_that_cannot_start_leaves_no_ipc_directory_and_a_callers_is_kept(tmp_path: Path) -> None:
+    temp = Path(tempfile.gettempdir())
+    before = vllm_ipc_leftovers(temp)
+    server = Server(tmp_path / "model", tmp_path / "server.log", served_name="m", chat_template=tmp_path / "t",
+                    max_model_len=64)
+    server.env.pop(RPC_BASE_ENV, None)
+    server.args[0] = str(tmp_path / "no-python-here")
+    with pytest.raises(FileNotFoundError):
+        server.start()
+    assert server.ipc_dir is None and RPC_BASE_ENV not in server.env
+    assert vllm_ipc_leftovers(temp) - before == set()
+    # a directory the caller chose is used as it is, and left to the caller
+    server.env[RPC_BASE_ENV] = str(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        server.start()
+    assert server.ipc_dir is None and server.env[RPC_BASE_ENV] == str(tmp_path) and tmp_path.is_dir()
+
+
+def vllm_ipc_leftovers(temp: Path) -> set[str]:
+    """What vLLM's IPC would leave in ``temp``: sockets named by a UUID (vLLM's names, when
+    ``$VLLM_RPC_BASE_PATH`` is not set) and the servers' ``tiercache-ipc-`` directories. Other test processes' own
+    sockets are in their IPC directories, made before any test, so only this test's can be new."""
+    found = set()
+    for entry in temp.iterdir():
+        try:
+            mode = entry.lstat().st_mode
+        except OSError:  # gone meanwhile
+            continue
+        if (stat.S_ISSOCK(mode) and UUID_NAME.fullmatch(entry.name)) or (
+                stat.S_ISDIR(mode) and entry.name.startswith("tiercache-ipc-")):
+            found.add(entry.name)
+    return found
 
 
 def processes_holding_files_under(directory: Path) -> list[int]:

