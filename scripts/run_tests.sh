@@ -40,8 +40,12 @@ if [ -n "${TIERCACHE_TEST_SEQUENTIAL:-}" ]; then
   second=$?
 else
   SERIAL_LOG=$(mktemp "${TMPDIR:-/tmp}/tiercache-serial-pass.XXXXXX")
+  # with job control on, so that its SIGINT is not ignored (a script's background commands ignore it): a
+  # Ctrl-C stops pass 1, then the trap interrupts pass 2, which tears its servers down
+  set -m
   "${PASS2[@]}" > "$SERIAL_LOG" 2>&1 &
   serial=$!
+  set +m
   trap 'kill -INT "$serial" 2>/dev/null; wait "$serial"; rm -f "$SERIAL_LOG"; exit 130' INT TERM
   echo "tiercache test: pass 1 of 2, tests not marked serial, on $WORKERS workers (nice $NICE), pass 2 beside it"
   nice -n "$NICE" "${PASS1[@]}"
