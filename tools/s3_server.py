@@ -65,6 +65,9 @@ class SeaweedFSServer:
         self.ports = {name: free_port_pair(taken, GRPC_PORT_OFFSET) for name in ("master", "volume", "filer", "s3")}
         self._tmp = tempfile.TemporaryDirectory(prefix="tiercache-seaweedfs-")
         self.dir = Path(self._tmp.name)
+        #: where ``weed`` writes its own log files (glog: one per level and start, named by host, user and pid),
+        #: which it would otherwise leave in the temp dir
+        self.log_dir = self.dir / "glog"
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
 
@@ -90,12 +93,15 @@ class SeaweedFSServer:
         if self.running:
             return self
         p = self.ports
-        args = [self.binary, "server", f"-dir={self.dir / 'data'}", "-s3", f"-s3.port={p['s3']}",
+        # -logdir (a flag of weed's, before the command): its glog files in this server's directory, not in /tmp
+        args = [self.binary, f"-logdir={self.log_dir}", "server", f"-dir={self.dir / 'data'}", "-s3",
+                f"-s3.port={p['s3']}",
                 f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-master.volumeSizeLimitMB=64",
                 "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: one server per machine
                 f"-master.electionTimeout={MASTER_ELECTION_TIMEOUT}"]
         (self.dir / "data").mkdir(exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
         # one identity, so that wrong credentials are refused as AWS refuses them (without IAM settings
         # SeaweedFS would take any)
         identity = {"name": "tiercache", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
