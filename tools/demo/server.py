@@ -106,7 +106,7 @@ class Server:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.ipc_dir is None and RPC_BASE_ENV not in self.env:
+        if RPC_BASE_ENV not in self.env:  # set while this server's own directory exists
             # short: a unix socket's path is at most 107 bytes, and vLLM appends a UUID
             self.ipc_dir = Path(tempfile.mkdtemp(prefix="tiercache-ipc-"))
             self.env[RPC_BASE_ENV] = str(self.ipc_dir)
