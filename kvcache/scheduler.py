@@ -126,6 +126,7 @@ class KVSchedulerSide:
         long for them once its turn came; 0: lookups on this thread, bounded by the store's lookup budget."""
         self.store = store
         self.naming = naming
+        self._block_size = naming.geometry.block_size
         self.can_load = can_load
         self.can_save = can_save
         self.save_decode = save_decode
@@ -234,6 +235,9 @@ class KVSchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """How many tokens past vLLM's own hit the store supplies (`PromptLookup`); None: not known yet."""
+        far = self.lookup.far
+        if far is not None and far.still_waiting(request.request_id, num_computed_tokens // self._block_size):
+            return None, False  # vLLM asks every waiting request at every step: the cheap answer first
         state = self._state(request)
         if not state.cacheable or not self.groups.supported:
             return 0, False

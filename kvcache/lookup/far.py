@@ -51,6 +51,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from threading import Event
 from typing import TYPE_CHECKING
 
 from vllm_tiercache.kvcache.lookup.probe import Probe, ProbeThreads, Where
@@ -154,6 +155,10 @@ class FarLookups:
         self._to_send: dict[bytes, ChunkPrefetch] = {}
         #: chunks the workers reported over (staged or failed), ever: the deadline's sign that the store answers
         self.landings = 0
+        #: what the workers' reports changed (`worker_report`): a waiting request's answer may have changed since
+        self._reports = 0
+        #: requests whose last answer was None, with what would change it (`still_waiting`)
+        self._waiting: dict[str, tuple[int, float, Event | None, int]] = {}
         self.counters = {"lookups_late": 0, "prefetches_late": 0, "prefetches_evicted": 0, "found_unused_chunks": 0}
 
     # ------------------------------------------------------------------------------------- a request
@@ -170,6 +175,32 @@ class FarLookups:
         self._unfetched[state.request.request_id] = None
         self._probes.submit(probe)
 
+    def still_waiting(self, req_id: str, local_blocks: int) -> bool:
+        """The request's answer is None again, known without looking at it: nothing it waits for changed since
+        its last answer was None (no report from the workers, its probe still out or already in as then, the
+        same blocks held by vLLM's prefix cache, its deadline not passed).
+
+        Why: vLLM asks every waiting request again at every step, and each ask went through the request's state,
+        the hand-off check and the ticket, a dozen calls. Between two steps the forward pass evicts all of that
+        from the CPU's caches: measured on the 2-core VM, one such ask took 2.8 us warm and 43-99 us cold, so
+        eight waiting requests cost a step up to 0.8 ms. This is one dictionary lookup and a few comparisons."""
+        seen = self._waiting.get(req_id)
+        if seen is None:
+            return False
+        reports, deadline, probe_out, held = seen
+        if (reports == self._reports and held == local_blocks and (probe_out is None or not probe_out.is_set())
+                and time.monotonic() < deadline):
+            return True
+        del self._waiting[req_id]
+        return False
+
+    def _waits(self, ticket: FarTicket, local_blocks: int) -> None:
+        """Its answer is None: remember what would change it (`still_waiting`)."""
+        assert ticket.deadline is not None
+        done = ticket.probe.done
+        self._waiting[ticket.probe.request.request_id] = (
+            self._reports, ticket.deadline, None if done.is_set() else done, local_blocks)
+
     def answer(self, state: RequestState, local_blocks: int) -> FarAnswer | None:
         """Where the request's chunks are, or None while its probe or its prefetches are pending and its
         deadline has not passed. ``local_blocks``: the blocks vLLM's own prefix cache holds."""
@@ -179,7 +210,9 @@ class FarLookups:
         elif ticket is not None:
             return self._answer_ticket(ticket, local_blocks)
         self.start(state)  # at its first ask (vLLM told of no arrival) or after a preemption: asked next step
-        self._start_turn(self._tickets[state.request.request_id], time.monotonic())
+        ticket = self._tickets[state.request.request_id]
+        self._start_turn(ticket, time.monotonic())
+        self._waits(ticket, local_blocks)
         return None
 
     def _answer_ticket(self, ticket: FarTicket, local_blocks: int) -> FarAnswer | None:
@@ -193,6 +226,7 @@ class FarLookups:
         if first:
             if not probe.done.is_set():
                 if not late:
+                    self._waits(ticket, local_blocks)
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
@@ -212,6 +246,7 @@ class FarLookups:
                 ticket.deadline = min(now + self.deadline_s, max(cap, ticket.deadline))
                 late = now >= ticket.deadline
             if pending and not late:
+                self._waits(ticket, local_blocks)
                 return None
             self.counters["prefetches_late"] += len(pending)
             # fetched for it, and dropped from the staging before its answer (set operations: no per-chunk Python)
@@ -242,6 +277,7 @@ class FarLookups:
         any, still land."""
         self._tickets.pop(req_id, None)
         self._unfetched.pop(req_id, None)
+        self._waiting.pop(req_id, None)
 
     def _prefetch(self, ticket: FarTicket, local_blocks: int) -> None:
         """Name the far chunks of the request's probed prefix past vLLM's ``local_blocks`` for the workers to
@@ -326,6 +362,7 @@ class FarLookups:
     def worker_report(self, prefetched: dict[bytes, int], failed: set[bytes], unstaged: set[bytes]) -> None:
         """The workers' prefetches that are over: staged (per chunk, by how many workers), failed; and the
         staged chunks they dropped since."""
+        self._reports += 1
         for name in unstaged:
             self.staged.discard(name)
             self._staged_by.pop(name, None)
@@ -376,6 +413,7 @@ class FarLookups:
         """A generation reset: every name asked so far is of the old generation."""
         self._tickets.clear()
         self._unfetched.clear()
+        self._waiting.clear()
         self._in_flight.clear()
         self._fetched.clear()
         self.staged.clear()

@@ -181,6 +181,91 @@ def test_a_far_hit_waits_off_the_thread_is_fetched_ahead_and_loads_from_host_mem
         assert worker.counters.prefetched_chunks == 2 and side.take_counters() == {}
 
 
+def counted_full_asks(side: KVSchedulerSide, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids of the asks that looked at a request's ticket from now on (the rest were answered by
+    `FarLookups.still_waiting` alone)."""
+    assert side.far is not None
+    full: list[str] = []
+    real = side.far._answer_ticket
+
+    def counting(ticket, local_blocks):  # type: ignore[no-untyped-def]
+        full.append(ticket.probe.request.request_id)
+        return real(ticket, local_blocks)
+
+    monkeypatch.setattr(side.far, "_answer_ticket", counting)
+    return full
+
+
+def test_a_waiting_request_asked_again_with_nothing_changed_is_not_looked_at_again(redis_tier, monkeypatch) -> None:
+    """vLLM asks every waiting request at every step. Between two reports of the workers nothing a waiting
+    request's answer depends on changes, so the asks in between are answered None from what its last answer
+    remembered, without its state or its ticket; each thing that can change the answer makes the next ask look
+    again: a report of the workers, a different hit of vLLM's own prefix cache, the deadline."""
+    with far_scene(redis_tier, "sw", seed=21) as (request, _full, _store, side, worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
+        side.on_new_request(request)
+        probe_done(side, "sw")
+        meta = empty_step(side)
+        full = counted_full_asks(side, monkeypatch)
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # its turn: looked at, in flight
+        for _ in range(5):  # the next steps, nothing reported
+            assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert full == ["sw"]
+        assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (None, False)  # vLLM's own hit moved
+        assert full == ["sw", "sw"]
+        worker.prefetcher.submit(meta.prefetches)
+        assert worker.prefetcher.drain(60.0)
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # landed, not reported yet
+        assert full == ["sw", "sw", "sw"]  # vLLM's hit back to 0: a change too
+        worker.report(side)
+        assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, False)
+        assert full == ["sw"] * 4 and side.take_counters() == {}
+
+    with far_scene(redis_tier, "sd", seed=22) as (request, _full, _store, side, _worker):
+        side.far.deadline_s = 0.3  # type: ignore[union-attr]
+        side.on_new_request(request)
+        probe_done(side, "sd")
+        empty_step(side)  # its chunks are named; no worker fetches them
+        full = counted_full_asks(side, monkeypatch)
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        threading.Event().wait(0.4)  # past its deadline
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # a miss, counted
+        assert full == ["sd", "sd"] and side.take_counters() == {"prefetches_late": 2, "found_unused_chunks": 2}
+        assert not side.far._waiting  # type: ignore[union-attr]
+
+
+def test_a_waiting_requests_probe_coming_in_makes_the_next_ask_look_again(redis_tier, monkeypatch) -> None:
+    """A request asked while its probe is still out is answered None from what it remembered until the probe
+    is in, and looked at again then (its chunks named for a fetch); one finished or aborted meanwhile, or a reset
+    of the weights generation, leaves nothing remembered."""
+    with far_scene(redis_tier, "sp", seed=23) as (request, full, store, side, _worker):
+        gate, real = threading.Event(), store.far_tiers[0].contains_many
+        monkeypatch.setattr(store.far_tiers[0], "contains_many", lambda keys: gate.wait(60.0) and real(keys))
+        side.on_new_request(request)
+        asked = counted_full_asks(side, monkeypatch)
+        try:
+            for _ in range(3):
+                assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # the probe waits at the gate
+            assert asked == ["sp"]
+        finally:
+            gate.set()
+        probe_done(side, "sp")
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # looked at: its fetch named
+        assert asked == ["sp", "sp"]
+        meta = empty_step(side)
+        assert [p.chunk_hash for p in meta.prefetches] == full
+        assert "sp" in side.far._waiting  # type: ignore[union-attr]
+        side.request_finished(request)
+        assert not side.far._waiting  # type: ignore[union-attr]
+        other = make_request("sr", tokens(PROMPT_TOKENS, seed=24))
+        side.on_new_request(other)
+        assert side.get_num_new_matched_tokens(other, 0) == (None, False)
+        assert "sr" in side.far._waiting  # type: ignore[union-attr]
+        assert side.reset_cache()
+        assert not side.far._waiting  # type: ignore[union-attr]
+
+
 def test_no_thread_is_started_on_the_scheduling_thread_or_the_forwards(redis_tier, monkeypatch) -> None:
     """The lookup and prefetch threads start with the scheduler side and the worker, not on a first lookup or
     prefetch: ``Thread.start`` returns only once the new thread has run, up to half a second on a loaded
