@@ -200,15 +200,18 @@ def test_a_waiting_request_asked_again_with_nothing_changed_is_not_looked_at_aga
     """vLLM asks every waiting request at every step. Between two reports of the workers nothing a waiting
     request's answer depends on changes, so the asks in between are answered None from what its last answer
     remembered, without its state or its ticket; each thing that can change the answer makes the next ask look
-    again: a report of the workers, a different hit of vLLM's own prefix cache, the deadline."""
+    again: a report of the workers, a different hit of vLLM's own prefix cache, the deadline (on a clock the
+    test moves: no wall-clock bound a loaded machine could miss)."""
+    now = [1000.0]
+    monkeypatch.setattr(far_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     with far_scene(redis_tier, "sw", seed=21) as (request, _full, _store, side, worker):
-        side.far.deadline_s = 0.3  # type: ignore[union-attr]
         side.on_new_request(request)
         probe_done(side, "sw")
         meta = empty_step(side)
         full = counted_full_asks(side, monkeypatch)
         assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # its turn: looked at, in flight
         for _ in range(5):  # the next steps, nothing reported
+            now[0] += 1.0
             assert side.get_num_new_matched_tokens(request, 0) == (None, False)
         assert full == ["sw"]
         assert side.get_num_new_matched_tokens(request, 4 * BLOCK) == (None, False)  # vLLM's own hit moved
@@ -228,8 +231,9 @@ def test_a_waiting_request_asked_again_with_nothing_changed_is_not_looked_at_aga
         empty_step(side)  # its chunks are named; no worker fetches them
         full = counted_full_asks(side, monkeypatch)
         assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+        now[0] += 0.29
         assert side.get_num_new_matched_tokens(request, 0) == (None, False)
-        threading.Event().wait(0.4)  # past its deadline
+        now[0] += 0.02  # past its deadline
         assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # a miss, counted
         assert full == ["sd", "sd"] and side.take_counters() == {"prefetches_late": 2, "found_unused_chunks": 2}
         assert not side.far._waiting  # type: ignore[union-attr]
