@@ -194,12 +194,13 @@ class FarLookups:
         del self._waiting[req_id]
         return False
 
-    def _waits(self, ticket: FarTicket, local_blocks: int) -> None:
-        """Its answer is None: remember what would change it (`still_waiting`)."""
+    def _waits(self, ticket: FarTicket, local_blocks: int, *, probe_out: bool) -> None:
+        """Its answer is None: remember what would change it (`still_waiting`). ``probe_out``: the answer was
+        given without the probe's findings, as its caller saw it (read again here, a probe that came in
+        meanwhile would pass for one this answer had looked at, and the request would wait for its deadline)."""
         assert ticket.deadline is not None
-        done = ticket.probe.done
         self._waiting[ticket.probe.request.request_id] = (
-            self._reports, ticket.deadline, None if done.is_set() else done, local_blocks)
+            self._reports, ticket.deadline, ticket.probe.done if probe_out else None, local_blocks)
 
     def answer(self, state: RequestState, local_blocks: int) -> FarAnswer | None:
         """Where the request's chunks are, or None while its probe or its prefetches are pending and its
@@ -212,7 +213,7 @@ class FarLookups:
         self.start(state)  # at its first ask (vLLM told of no arrival) or after a preemption: asked next step
         ticket = self._tickets[state.request.request_id]
         self._start_turn(ticket, time.monotonic())
-        self._waits(ticket, local_blocks)
+        self._waits(ticket, local_blocks, probe_out=True)
         return None
 
     def _answer_ticket(self, ticket: FarTicket, local_blocks: int) -> FarAnswer | None:
@@ -226,7 +227,7 @@ class FarLookups:
         if first:
             if not probe.done.is_set():
                 if not late:
-                    self._waits(ticket, local_blocks)
+                    self._waits(ticket, local_blocks, probe_out=True)
                     return None
                 self.counters["lookups_late"] += 1
                 ticket.answered = True
@@ -246,7 +247,7 @@ class FarLookups:
                 ticket.deadline = min(now + self.deadline_s, max(cap, ticket.deadline))
                 late = now >= ticket.deadline
             if pending and not late:
-                self._waits(ticket, local_blocks)
+                self._waits(ticket, local_blocks, probe_out=False)
                 return None
             self.counters["prefetches_late"] += len(pending)
             # fetched for it, and dropped from the staging before its answer (set operations: no per-chunk Python)

@@ -263,11 +263,54 @@ def test_a_waiting_requests_probe_coming_in_makes_the_next_ask_look_again(redis_
         side.request_finished(request)
         assert not side.far._waiting  # type: ignore[union-attr]
         other = make_request("sr", tokens(PROMPT_TOKENS, seed=24))
-        side.on_new_request(other)
-        assert side.get_num_new_matched_tokens(other, 0) == (None, False)
-        assert "sr" in side.far._waiting  # type: ignore[union-attr]
-        assert side.reset_cache()
-        assert not side.far._waiting  # type: ignore[union-attr]
+        gate.clear()  # its probe held too: its first answer is None, whatever the threads' timing
+        try:
+            side.on_new_request(other)
+            assert side.get_num_new_matched_tokens(other, 0) == (None, False)
+            assert "sr" in side.far._waiting  # type: ignore[union-attr]
+            assert side.reset_cache()
+            assert not side.far._waiting  # type: ignore[union-attr]
+        finally:
+            gate.set()
+
+
+def test_a_probe_that_comes_in_while_an_ask_looks_at_it_is_looked_at_by_the_next_ask(redis_tier, monkeypatch) -> None:
+    """The probe thread may finish between an ask's look at the probe (still out) and the None it remembers: the
+    next ask must look again, not take the probe for one that answer had seen (a miss would wait for its deadline).
+    The race is forced: the ask's look lets the probe through and waits until it came in."""
+    with far_scene(redis_tier, "sx", seed=25) as (_request, _full, store, side, _worker):
+        gate, real = threading.Event(), store.far_tiers[0].contains_many
+        monkeypatch.setattr(store.far_tiers[0], "contains_many", lambda keys: gate.wait(60.0) and real(keys))
+        miss = make_request("sx-miss", tokens(PROMPT_TOKENS, seed=26))  # nothing of it is stored
+        side.on_new_request(miss)
+        probe = side.far._tickets["sx-miss"].probe  # type: ignore[union-attr]
+        came_in = probe.done
+
+        class ComesInAsItIsLookedAt:
+            """The probe's `done`: the first look says "not yet" once the probe actually came in."""
+
+            looked = False
+
+            def is_set(self) -> bool:
+                if not self.looked:
+                    self.looked = True
+                    gate.set()
+                    assert came_in.wait(60.0)
+                    return False
+                return came_in.is_set()
+
+            def set(self) -> None:
+                came_in.set()
+
+            def wait(self, timeout: float | None = None) -> bool:
+                return came_in.wait(timeout)
+
+        probe.done = ComesInAsItIsLookedAt()  # type: ignore[assignment]
+        try:
+            assert side.get_num_new_matched_tokens(miss, 0) == (None, False)  # looked while out
+        finally:
+            gate.set()
+        assert side.get_num_new_matched_tokens(miss, 0) == (0, False)  # the next ask sees the probe's miss
 
 
 def test_no_thread_is_started_on_the_scheduling_thread_or_the_forwards(redis_tier, monkeypatch) -> None:
