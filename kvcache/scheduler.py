@@ -126,6 +126,7 @@ class KVSchedulerSide:
         long for them once its turn came; 0: lookups on this thread, bounded by the store's lookup budget."""
         self.store = store
         self.naming = naming
+        #: read on every ask of every waiting request (`get_num_new_matched_tokens`'s first line): one attribute
         self._block_size = naming.geometry.block_size
         self.can_load = can_load
         self.can_save = can_save

@@ -239,13 +239,19 @@ def test_a_waiting_request_asked_again_with_nothing_changed_is_not_looked_at_aga
         assert not side.far._waiting  # type: ignore[union-attr]
 
 
+def probes_held_at_a_gate(store: Store, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The far tier's lookups (the probes') wait until the returned event is set, then ask the real tier."""
+    gate, real = threading.Event(), store.far_tiers[0].contains_many
+    monkeypatch.setattr(store.far_tiers[0], "contains_many", lambda keys: gate.wait(60.0) and real(keys))
+    return gate
+
+
 def test_a_waiting_requests_probe_coming_in_makes_the_next_ask_look_again(redis_tier, monkeypatch) -> None:
     """A request asked while its probe is still out is answered None from what it remembered until the probe
     is in, and looked at again then (its chunks named for a fetch); one finished or aborted meanwhile, or a reset
     of the weights generation, leaves nothing remembered."""
     with far_scene(redis_tier, "sp", seed=23) as (request, full, store, side, _worker):
-        gate, real = threading.Event(), store.far_tiers[0].contains_many
-        monkeypatch.setattr(store.far_tiers[0], "contains_many", lambda keys: gate.wait(60.0) and real(keys))
+        gate = probes_held_at_a_gate(store, monkeypatch)
         side.on_new_request(request)
         asked = counted_full_asks(side, monkeypatch)
         try:
@@ -279,8 +285,7 @@ def test_a_probe_that_comes_in_while_an_ask_looks_at_it_is_looked_at_by_the_next
     next ask must look again, not take the probe for one that answer had seen (a miss would wait for its deadline).
     The race is forced: the ask's look lets the probe through and waits until it came in."""
     with far_scene(redis_tier, "sx", seed=25) as (_request, _full, store, side, _worker):
-        gate, real = threading.Event(), store.far_tiers[0].contains_many
-        monkeypatch.setattr(store.far_tiers[0], "contains_many", lambda keys: gate.wait(60.0) and real(keys))
+        gate = probes_held_at_a_gate(store, monkeypatch)
         miss = make_request("sx-miss", tokens(PROMPT_TOKENS, seed=26))  # nothing of it is stored
         side.on_new_request(miss)
         probe = side.far._tickets["sx-miss"].probe  # type: ignore[union-attr]
